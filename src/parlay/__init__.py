@@ -1,0 +1,28 @@
+"""parlay: take a PyTorch model from one CPU or GPU to a cluster.
+
+Three communication modes behind one :class:`Trainer`: data parallel (``allreduce``),
+parameter server (``ps``) and hybrid pipeline x data parallel (``hybrid``).
+"""
+from parlay import comm, compress
+from parlay.dp import (Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum,
+                       allgather, allgather_async, allgather_object, allreduce, allreduce_async,
+                       broadcast, broadcast_async, broadcast_object, broadcast_optimizer_state,
+                       broadcast_parameters)
+from parlay.env import ClusterEnv, TaskSpec, detect
+from parlay.errors import CheckpointError, CommError, ConfigError, ParlayError
+from parlay.runtime import (backend, cluster, cross_rank, cross_size, device, init,
+                            is_chief, is_initialized, local_rank, local_size, rank, role,
+                            shutdown, size)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "detect",
+    "ParlayError", "ConfigError", "CommError", "CheckpointError",
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "cluster",
+    "DistributedOptimizer", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
+    "broadcast", "broadcast_async", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters",
+]

@@ -1,0 +1,241 @@
+"""Thin wrappers over c10d: async handles, and failures turned into :class:`CommError`.
+
+Everything that crosses the wire in parlay goes through these functions, so the one place that
+knows how c10d reports a lost peer or a timeout is here. Each function takes ``group=None``
+(the default group) and returns a :class:`Handle` when ``async_op=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from parlay.errors import CommError, ConfigError
+
+__all__ = [
+    "Handle", "comm_errors", "allreduce", "allgather", "allgather_into", "broadcast",
+    "broadcast_object", "allgather_object", "barrier", "send", "recv", "group_rank",
+    "group_size", "to_global_rank", "REDUCE_OPS",
+]
+
+#: Names accepted for reductions. ``"avg"`` divides the sum by the group size.
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "average": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT,
+}
+
+# torch 2.13 renamed all_gather_into_tensor; keep working on torch>=2.4.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+_PEER_RE = re.compile(r"(?:rank|peer)\s*[:=]?\s*(\d+)", re.IGNORECASE)
+
+
+def _my_rank() -> int | None:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+
+
+def _as_comm_error(op: str, err: BaseException) -> CommError:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    lowered = str(err).lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        why = "a peer did not answer within the collective timeout"
+        hint = ("Hint: a rank is stalled or died; check the other ranks' logs, or raise "
+                "the timeout with parlay.init(timeout=...) / PARLAY_TIMEOUT.")
+    else:
+        why = "a peer was lost or the operation failed"
+        hint = "Hint: check the other ranks' logs for the first error."
+    m = _PEER_RE.search(str(err))
+    peer = int(m.group(1)) if m else None
+    return CommError(f"{op} failed on rank {_my_rank()}: {why} ({text}). {hint}",
+                     op=op, rank=_my_rank(), peer=peer)
+
+
+@contextlib.contextmanager
+def comm_errors(op: str) -> Iterator[None]:
+    """Translate c10d failures raised inside the block into :class:`CommError` naming ``op``."""
+    try:
+        yield
+    except CommError:
+        raise
+    except (RuntimeError, TimeoutError, ConnectionError) as e:  # DistBackendError is a RuntimeError
+        raise _as_comm_error(op, e) from e
+
+
+class Handle:
+    """An in-flight operation. :meth:`wait` blocks and returns the result.
+
+    Args:
+        work: The c10d work object (``None`` for an operation that completed synchronously).
+        op: Name used in error messages.
+        finish: Called once after the wait; its return value is the handle's result.
+    """
+
+    def __init__(self, work: Any, op: str, finish: Callable[[], Any]) -> None:
+        self._work = work
+        self._op = op
+        self._finish = finish
+        self._done = False
+        self._result: Any = None
+
+    def is_completed(self) -> bool:
+        """Whether the operation finished (never blocks)."""
+        return self._done or self._work is None or bool(self._work.is_completed())
+
+    def wait(self) -> Any:
+        """Block until the operation finished; return its result.
+
+        Raises:
+            CommError: A peer was lost or the operation timed out.
+        """
+        if not self._done:
+            with comm_errors(self._op):
+                if self._work is not None:
+                    self._work.wait()
+                self._result = self._finish()
+            self._done = True
+        return self._result
+
+
+def group_size(group: Any = None) -> int:
+    """Size of ``group`` (default: the world)."""
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any = None) -> int:
+    """This process's rank inside ``group``."""
+    return dist.get_rank(group)
+
+
+def to_global_rank(group: Any, group_rank_: int) -> int:
+    """Global rank of member ``group_rank_`` of ``group``."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return group_rank_
+    return dist.get_global_rank(group, group_rank_)
+
+
+def _reduce_op(op: str) -> Any:
+    try:
+        return REDUCE_OPS[op.lower()]
+    except (KeyError, AttributeError):
+        raise ConfigError(f"reduction op must be one of {sorted(REDUCE_OPS)}, got {op!r}.") from None
+
+
+def allreduce(tensor: torch.Tensor, op: str = "sum", group: Any = None,
+              async_op: bool = False) -> Any:
+    """In-place allreduce of ``tensor``; ``op="avg"`` divides by the group size.
+
+    Returns:
+        The reduced tensor, or a :class:`Handle` whose ``wait()`` returns it.
+    """
+    rop = _reduce_op(op)
+    avg = op.lower() in ("avg", "average")
+    with comm_errors("allreduce"):
+        work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if avg:
+            tensor.div_(group_size(group))
+        return tensor
+
+    h = Handle(work, "allreduce", finish)
+    return h if async_op else h.wait()
+
+
+def allgather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
+                   async_op: bool = False) -> Any:
+    """Gather equally sized ``tensor`` from every rank into ``output`` (first dim = world * n)."""
+    with comm_errors("allgather"):
+        work = _all_gather_single(output, tensor.contiguous(), group=group, async_op=True)
+    h = Handle(work, "allgather", lambda: output)
+    return h if async_op else h.wait()
+
+
+def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Concatenate ``tensor`` from every rank along dim 0; first-dimension sizes may differ.
+
+    Raises:
+        CommError: Ranks disagree on dtype or trailing shape, or a peer was lost.
+    """
+    world = group_size(group)
+    t = tensor if tensor.dim() > 0 else tensor.reshape(1)
+    meta = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
+    sizes = [torch.zeros_like(meta) for _ in range(world)]
+    with comm_errors("allgather"):
+        dist.all_gather(sizes, meta, group=group)
+    counts = [int(s.item()) for s in sizes]
+    biggest = max(counts)
+    padded = t
+    if t.shape[0] < biggest:
+        pad = t.new_zeros((biggest - t.shape[0],) + tuple(t.shape[1:]))
+        padded = torch.cat([t, pad])
+    out = t.new_empty((biggest * world,) + tuple(t.shape[1:]))
+    with comm_errors("allgather"):
+        work = _all_gather_single(out, padded.contiguous(), group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        if all(c == biggest for c in counts):
+            return out
+        chunks = out.split(biggest)
+        return torch.cat([chunks[i][: counts[i]] for i in range(world)])
+
+    h = Handle(work, "allgather", finish)
+    return h if async_op else h.wait()
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False) -> Any:
+    """In-place broadcast from group rank ``src``."""
+    with comm_errors("broadcast"):
+        work = dist.broadcast(tensor, src=to_global_rank(group, src), group=group, async_op=True)
+    h = Handle(work, "broadcast", lambda: tensor)
+    return h if async_op else h.wait()
+
+
+def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
+    """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
+    box = [obj]
+    with comm_errors("broadcast_object"):
+        dist.broadcast_object_list(box, src=to_global_rank(group, src), group=group)
+    return box[0]
+
+
+def allgather_object(obj: Any, group: Any = None) -> list[Any]:
+    """Gather a picklable object from every rank; returns the list ordered by rank."""
+    out: list[Any] = [None] * group_size(group)
+    with comm_errors("allgather_object"):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def barrier(group: Any = None) -> None:
+    """Block until every rank of ``group`` reached the barrier (within the timeout)."""
+    with comm_errors("barrier"):
+        # all_reduce instead of dist.barrier: the latter may pick a device on NCCL.
+        t = torch.zeros(1)
+        dist.all_reduce(t, group=group)
+
+
+def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: Any = None,
+         async_op: bool = False) -> Any:
+    """Send ``tensor`` to global rank ``dst``."""
+    with comm_errors("send"):
+        work = dist.isend(tensor, dst=dst, group=group, tag=tag)
+    h = Handle(work, "send", lambda: tensor)
+    return h if async_op else h.wait()
+
+
+def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: Any = None,
+         async_op: bool = False) -> Any:
+    """Receive into ``tensor`` from global rank ``src`` (``None``: any source, gloo only).
+
+    Returns:
+        The sender's global rank, or a :class:`Handle` whose ``wait()`` returns it.
+    """
+    with comm_errors("recv"):
+        work = dist.irecv(tensor, src=src, group=group, tag=tag)
+    h = Handle(work, "recv", lambda: int(work.source_rank()) if src is None else src)
+    return h if async_op else h.wait()
+
+

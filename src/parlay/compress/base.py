@@ -1,0 +1,190 @@
+"""Compressor protocol, registry, and the one reduction path every mode uses.
+
+A compressor turns a flat bucket into a *payload* (a list of tensors) and back. When its
+payloads can be summed element-wise on the wire (``summable``: none, fp16, bf16, random-k with a
+shared seed) the reduction is one allreduce; otherwise (top-k) every rank's payload is
+allgathered and decoded locally. :func:`reduce_async` is that single code path, used by the
+data-parallel optimizer, parameter-server pushes and hybrid mode's data-parallel groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from parlay import comm
+from parlay.errors import ConfigError
+
+__all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
+           "reduce_async", "CommStats"]
+
+
+class Compressor:
+    """Base class: compress a flat 1-D bucket into a payload and back.
+
+    Subclasses set ``name`` and ``summable`` and implement :meth:`compress` /
+    :meth:`decompress`. ``key`` identifies the bucket (stable across steps) so stateful
+    compressors (error feedback, PowerSGD) keep per-bucket memory.
+    """
+
+    name: ClassVar[str] = "base"
+    #: True when sum of payloads decodes to the sum of inputs, so allreduce can carry them.
+    summable: ClassVar[bool] = True
+
+    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
+        raise NotImplementedError
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        """Decode one payload (or the sum of payloads, when summable) to a flat tensor shaped
+        and typed like the original bucket."""
+        raise NotImplementedError
+
+    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        """Sum of the decoded payloads of every rank (used when not summable)."""
+        out = self.decompress(payloads[0], ctx)
+        for p in payloads[1:]:
+            out = out + self.decompress(p, ctx)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """State to checkpoint (e.g. error-feedback residuals)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class NoneCompressor(Compressor):
+    """Identity: the bucket goes on the wire as it is."""
+
+    name = "none"
+    summable = True
+
+    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        return [flat], None
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        return payload[0]
+
+
+_REGISTRY: dict[str, Callable[..., Compressor]] = {}
+
+
+def register(name: str, factory: Callable[..., Compressor]) -> None:
+    """Register ``factory`` under ``name``; ``"name:a,b"`` strings call ``factory(a, b)``."""
+    _REGISTRY[name] = factory
+
+
+def available() -> list[str]:
+    """Names of every registered compressor."""
+    return sorted(_REGISTRY)
+
+
+def get_compressor(spec: "str | Compressor | None") -> Compressor:
+    """Build a compressor from a name with options (``"topk:0.01"``) or return the object given.
+
+    Raises:
+        ConfigError: Unknown name (the message lists valid ones) or bad options.
+    """
+    if spec is None:
+        return NoneCompressor()
+    if isinstance(spec, Compressor):
+        return spec
+    if isinstance(spec, type) and issubclass(spec, Compressor):
+        return spec()
+    if not isinstance(spec, str):
+        # Duck-typed compressors (e.g. parlay.Compression.fp16 objects) are accepted as is.
+        if hasattr(spec, "compress") and hasattr(spec, "decompress"):
+            return spec  # type: ignore[return-value]
+        raise ConfigError(f"compression must be a name like 'fp16' or 'topk:0.01' or a "
+                          f"Compressor, got {type(spec).__name__}.")
+    name, _, opts = spec.strip().partition(":")
+    name = name.lower()
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown compression {spec!r}; valid names: {', '.join(available())} "
+                          "(options after a colon, e.g. 'topk:0.01').")
+    args = [a for a in opts.split(",") if a] if opts else []
+    try:
+        return _REGISTRY[name](*args)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"bad options for compression {spec!r}: {e}") from e
+
+
+register("none", NoneCompressor)
+
+
+@dataclass
+class CommStats:
+    """Bytes a component put on the wire: before (dense) and after compression."""
+
+    dense_bytes: int = 0
+    wire_bytes: int = 0
+    reductions: int = 0
+
+    def add(self, dense: int, wire: int) -> None:
+        self.dense_bytes += dense
+        self.wire_bytes += wire
+        self.reductions += 1
+
+    @property
+    def ratio(self) -> float:
+        """Dense bytes divided by wire bytes (1.0 when nothing was sent)."""
+        return self.dense_bytes / self.wire_bytes if self.wire_bytes else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"dense_bytes": self.dense_bytes, "wire_bytes": self.wire_bytes,
+                "reductions": self.reductions, "ratio": self.ratio}
+
+
+def _nbytes(ts: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: Any = None,
+                 average: bool = False, stats: CommStats | None = None) -> comm.Handle:
+    """Start the compressed sum (or mean) of ``flat`` over ``group``.
+
+    Args:
+        flat: 1-D bucket (not modified unless the compressor is the identity).
+        compressor: How to encode the bucket.
+        key: Stable bucket identifier for stateful compressors.
+        group: Process group (default: world).
+        average: Divide the sum by the group size.
+        stats: Accumulates dense vs wire bytes.
+
+    Returns:
+        A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``).
+    """
+    world = comm.group_size(group)
+    payload, ctx = compressor.compress(flat, key)
+    if stats is not None:
+        stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
+    if compressor.summable:
+        works = [comm.allreduce(p, "sum", group=group, async_op=True) for p in payload]
+
+        def finish() -> torch.Tensor:
+            for w in works:
+                w.wait()
+            out = compressor.decompress(payload, ctx)
+            return out.div_(world) if average else out
+    else:
+        outs = [p.new_empty((world * p.numel(),)) for p in payload]
+        works = [comm.allgather_into(o, p.reshape(-1), group=group, async_op=True)
+                 for o, p in zip(outs, payload)]
+
+        def finish() -> torch.Tensor:
+            for w in works:
+                w.wait()
+            per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
+                        for r in range(world)]
+            out = compressor.aggregate(per_rank, ctx)
+            return out.div_(world) if average else out
+
+    return comm.Handle(None, "allreduce", finish)

@@ -1,0 +1,769 @@
+"""Where is this process in the cluster? Pure functions of an environment mapping.
+
+:func:`detect` reads one :class:`ClusterEnv` from, in order: explicit arguments > torchrun >
+SLURM > OpenMPI > ``TF_CONFIG`` > a single process (the ordered-detector idea of Lightning
+Fabric's cluster environments). :class:`TaskSpec` is the TensorFlow-style description of one task
+among parameter servers, a chief and workers.
+
+Rank convention, relied on by the launcher and every parlay module: parameter servers first
+(ranks ``0..K-1``, rank = ps index), then the chief when there is one, then the workers. The first
+non-ps rank (``K``) is the chief: the chief task, or worker 0 when there is none (TF's rule). The
+chief trains like any worker, so ``role`` is ``"ps"`` for ranks below ``K`` and ``"worker"``
+otherwise. Evaluators (TF semantics) stand outside the training world and have no rank.
+
+This module imports neither torch nor any other parlay module except :mod:`parlay.errors`.
+"""
+from __future__ import annotations
+
+import json
+import operator
+import os
+import re
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from parlay.errors import ConfigError
+
+__all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "ClusterEnv", "detect",
+           "expand_nodelist"]
+
+#: Task types in rank order (evaluators last: they have no rank).
+TASK_TYPES = ("ps", "chief", "worker", "evaluator")
+#: torchrun's default rendezvous port; also the base of the ports :meth:`TaskSpec.from_env` makes up.
+DEFAULT_MASTER_PORT = 29500
+_INT = re.compile(r"\s*(-?[0-9]{1,18})\s*")  # bounded: int() refuses 4300+ digit strings
+_PORT = re.compile(r"[0-9]{1,5}")
+_RANGE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
+_SYNTH_PORTS = 65536 - 1024  # unprivileged ports available to synthesized host lists
+
+
+def _show(value: object) -> str:
+    try:
+        text = repr(value)
+    except RecursionError:  # a deeply nested TF_CONFIG value
+        text = f"<deeply nested {type(value).__name__}>"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _fail(subject: str, expected: str, got: str, hint: str) -> ConfigError:
+    return ConfigError(f"{subject}: expected {expected}, got {got}. Hint: {hint}")
+
+
+def _check_host(host: str, subject: str) -> str:
+    """Validate a bare host name or address (``[::1]`` is unbracketed); return it."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or any(c.isspace() or c in "[]/,@" or not c.isprintable() for c in host):
+        raise _fail(subject, "a host name or IP address", _show(host),
+                    "use a name such as 'node0', an IPv4 address or an IPv6 address")
+    return host
+
+
+def _parse_address(address: object, subject: str) -> tuple[str, int]:
+    """Split ``"host:port"`` (or ``"[v6addr]:port"``) into host and port, validating both."""
+    if not isinstance(address, str):
+        raise _fail(subject, "a 'host:port' string", f"{type(address).__name__} {_show(address)}",
+                    "write each address as a string such as 'node0:2222'")
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        if not sep:
+            raise _fail(subject, "'[ipv6]:port'", _show(address), "write e.g. '[::1]:2222'")
+    else:
+        host, sep, port = address.rpartition(":")
+        if not sep:
+            raise _fail(subject, "'host:port'", _show(address), "add the port, e.g. 'node0:2222'")
+        if ":" in host:
+            raise _fail(subject, "'host:port'", _show(address),
+                        "put IPv6 addresses in brackets, e.g. '[::1]:2222'")
+    host = _check_host(host, f"{subject} {_show(address)}")
+    if not _PORT.fullmatch(port) or not 1 <= int(port) <= 65535:
+        raise _fail(subject, "a port number in 1..65535 after the last ':'", _show(address),
+                    "write e.g. 'node0:2222'")
+    return host, int(port)
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _as_index(value: object, subject: str) -> int:
+    if isinstance(value, bool) or isinstance(value, float):
+        raise _fail(subject, "an int", f"{type(value).__name__} {_show(value)}", "pass e.g. 0")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise _fail(subject, "an int", f"{type(value).__name__} {_show(value)}",
+                    "pass e.g. 0") from None
+
+
+def _check_below(name: str, value: int, bound_name: str, bound: int, hint: str) -> None:
+    if not 0 <= value < bound:
+        raise _fail(name, f"0 <= {name} < {bound_name} ({bound})", str(value), hint)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """One task of a TensorFlow-style cluster of parameter servers, a chief and workers.
+
+    Host lists are stored as tuples of ``"host:port"`` strings (IPv6 as ``"[::1]:2222"``).
+
+    Attributes:
+        task_type: ``"ps"``, ``"chief"``, ``"worker"`` or ``"evaluator"``.
+        index: Index of this task in the host list of its type. An evaluator may have an empty
+            ``evaluator_hosts`` (TF puts evaluators outside the cluster); its index is then 0.
+        ps_hosts: Parameter servers; they take ranks ``0..num_ps-1``.
+        worker_hosts: Workers; they take the ranks after the ps and the chief.
+        chief_hosts: At most one chief; it takes rank ``num_ps``.
+        evaluator_hosts: Evaluators; not part of the training world.
+
+    Raises:
+        ConfigError: At construction, for an unknown task type, a bad or out-of-range index, a
+            malformed or duplicated address, more than one chief, or no worker and no chief.
+    """
+
+    task_type: str
+    index: int
+    ps_hosts: Sequence[str] = ()
+    worker_hosts: Sequence[str] = ()
+    chief_hosts: Sequence[str] = ()
+    evaluator_hosts: Sequence[str] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task_type, str) or self.task_type not in TASK_TYPES:
+            hint = ("TF1's 'master' is called 'chief' here" if self.task_type == "master"
+                    else "use one of " + ", ".join(repr(t) for t in TASK_TYPES))
+            raise _fail("task_type", "one of " + ", ".join(TASK_TYPES), _show(self.task_type), hint)
+        seen: dict[tuple[str, int], str] = {}
+        for job in TASK_TYPES:
+            name = f"{job}_hosts"
+            hosts = getattr(self, name)
+            if isinstance(hosts, (str, bytes)) or not isinstance(hosts, Sequence):
+                raise _fail(name, "a list of 'host:port' strings",
+                            f"{type(hosts).__name__} {_show(hosts)}",
+                            f"wrap a single address in a list: {name}=['node0:2222']")
+            hosts = tuple(hosts)
+            object.__setattr__(self, name, hosts)
+            for i, address in enumerate(hosts):
+                host, port = _parse_address(address, f"{name}[{i}]")
+                key = (host.lower(), port)
+                if key in seen:
+                    raise _fail(f"{name}[{i}]", "every address used once",
+                                f"{_show(address)} again (already {seen[key]})",
+                                "give each task its own host:port")
+                seen[key] = f"{name}[{i}]"
+        if len(self.chief_hosts) > 1:
+            raise _fail("chief_hosts", "at most one chief", f"{len(self.chief_hosts)} hosts",
+                        "list the extra hosts in worker_hosts")
+        if not self.worker_hosts and not self.chief_hosts:
+            raise _fail("worker_hosts", "at least one worker (or a chief)", "none",
+                        "list the training hosts in worker_hosts")
+        index = _as_index(self.index, "index")
+        object.__setattr__(self, "index", index)
+        count = len(getattr(self, f"{self.task_type}_hosts"))
+        if self.task_type == "evaluator" and count == 0:
+            count = 1  # TF evaluators may stand outside the cluster spec entirely
+        _check_below("index", index, f"len({self.task_type}_hosts)", count,
+                     f"a {self.task_type} index counts from 0 within {self.task_type}_hosts")
+
+    @property
+    def num_ps(self) -> int:
+        """Number of parameter servers."""
+        return len(self.ps_hosts)
+
+    @property
+    def num_workers(self) -> int:
+        """Number of training (non-ps) tasks: the workers plus the chief, if any."""
+        return len(self.chief_hosts) + len(self.worker_hosts)
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the training world (ps, chief and workers; no evaluators)."""
+        return self.num_ps + self.num_workers
+
+    @property
+    def cluster_hosts(self) -> tuple[str, ...]:
+        """Addresses of the training world in rank order: ps, chief, workers."""
+        return (*self.ps_hosts, *self.chief_hosts, *self.worker_hosts)
+
+    @property
+    def rank(self) -> int | None:
+        """Global rank of this task, or ``None`` for an evaluator."""
+        if self.task_type == "evaluator":
+            return None
+        offset = {"ps": 0, "chief": self.num_ps, "worker": self.num_ps + len(self.chief_hosts)}
+        return offset[self.task_type] + self.index
+
+    @property
+    def is_ps(self) -> bool:
+        """Whether this task is a parameter server."""
+        return self.task_type == "ps"
+
+    @property
+    def is_worker(self) -> bool:
+        """Whether this task trains: a worker or the chief (TF's chief trains too)."""
+        return self.task_type in ("worker", "chief")
+
+    @property
+    def is_chief(self) -> bool:
+        """The chief task, or worker 0 when the cluster has no chief (TF convention)."""
+        if self.task_type == "chief":
+            return True
+        return self.task_type == "worker" and self.index == 0 and not self.chief_hosts
+
+    @property
+    def is_evaluator(self) -> bool:
+        """Whether this task is an evaluator (outside the training world)."""
+        return self.task_type == "evaluator"
+
+    @property
+    def master_addr(self) -> str:
+        """Host of rank 0 (the first ps, else the chief, else worker 0), unbracketed."""
+        return _parse_address(self.cluster_hosts[0], "rank 0")[0]
+
+    @property
+    def master_port(self) -> int:
+        """Port of rank 0."""
+        return _parse_address(self.cluster_hosts[0], "rank 0")[1]
+
+    @classmethod
+    def from_tf_config(cls, text: str) -> TaskSpec:
+        """Parse a ``TF_CONFIG`` JSON document.
+
+        Args:
+            text: ``{"cluster": {"ps": [...], "chief": [...], "worker": [...]},
+                "task": {"type": "worker", "index": 0}}``; a missing index means 0.
+
+        Returns:
+            The task it describes.
+
+        Raises:
+            ConfigError: Invalid JSON, a wrong structure or an invalid cluster.
+        """
+        hint = ('write e.g. {"cluster": {"worker": ["w0:2222"]}, '
+                '"task": {"type": "worker", "index": 0}}')
+        try:
+            config = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise _fail("TF_CONFIG", "a JSON object", f"{_show(text)} ({exc})", hint) from None
+        if not isinstance(config, dict):
+            raise _fail("TF_CONFIG", "a JSON object", _show(config), hint)
+        cluster, task = config.get("cluster"), config.get("task")
+        if not isinstance(cluster, dict):
+            raise _fail("TF_CONFIG['cluster']", "an object of host lists", _show(cluster), hint)
+        if not isinstance(task, dict):
+            raise _fail("TF_CONFIG['task']", "an object with 'type' and 'index'", _show(task), hint)
+        jobs: dict[str, list[str]] = {}
+        for job, hosts in cluster.items():
+            if job not in TASK_TYPES:
+                raise _fail("TF_CONFIG['cluster']", "jobs among " + ", ".join(TASK_TYPES),
+                            f"job {_show(job)}",
+                            "TF1's 'master' is called 'chief'" if job == "master" else hint)
+            if not isinstance(hosts, list):
+                raise _fail(f"TF_CONFIG['cluster'][{job!r}]", "a list of 'host:port' strings",
+                            _show(hosts), hint)
+            jobs[f"{job}_hosts"] = hosts
+        try:
+            return cls(task_type=task.get("type"), index=task.get("index", 0), **jobs)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            raise ConfigError(f"TF_CONFIG: {exc}") from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TaskSpec:
+        """Describe this process as a task, from ``TF_CONFIG`` or the launcher's environment.
+
+        A non-blank ``TF_CONFIG`` is authoritative (its rank must agree with any launcher
+        variables also present). Otherwise :func:`detect` runs and ranks below ``num_ps``
+        (``PARLAY_NUM_PS``, set by ``parlay run --ps K``) become ps with index = rank, the
+        others workers with index = rank - K. Those host lists are informational: rank ``r`` is
+        given ``f"{master_addr}:{master_port + r}"`` (master port default
+        :data:`DEFAULT_MASTER_PORT`, master host default ``localhost``, ports past 65535 wrap to
+        1024 and up). With no environment at all this is worker 0 of ``("localhost:29500",)``.
+
+        Args:
+            environ: Environment mapping; ``None`` reads ``os.environ``.
+
+        Returns:
+            The task of this process.
+
+        Raises:
+            ConfigError: Whatever :func:`detect` or :meth:`from_tf_config` rejects, a world too
+                large for distinct made-up ports, or ``TF_CONFIG`` disagreeing with the launcher.
+        """
+        env = os.environ if environ is None else environ
+        text = env.get("TF_CONFIG", "")
+        if text.strip():
+            spec = cls.from_tf_config(text)
+            if spec.rank is not None:
+                found = detect(env)
+                if (found.rank, found.world_size) != (spec.rank, spec.world_size):
+                    raise _fail("TF_CONFIG", f"the rank the launcher gives ({found.source}: rank "
+                                f"{found.rank} of {found.world_size})",
+                                f"rank {spec.rank} of {spec.world_size}",
+                                "unset TF_CONFIG or the launcher's variables")
+            return spec
+        found = detect(env)
+        if found.world_size > _SYNTH_PORTS:
+            raise _fail("world size", f"at most {_SYNTH_PORTS} ranks to make up distinct ports",
+                        str(found.world_size), "set TF_CONFIG with real addresses instead")
+        host = "localhost" if found.source == "single" else found.master_addr or "localhost"
+        base = found.master_port or DEFAULT_MASTER_PORT
+        hosts = []
+        for r in range(found.world_size):
+            port = base + r if base + r <= 65535 else 1024 + (base + r - 65536) % _SYNTH_PORTS
+            hosts.append(_join(host, port))
+        k = found.num_ps
+        if found.rank < k:
+            return cls("ps", found.rank, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
+        return cls("worker", found.rank - k, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
+
+
+@dataclass(frozen=True)
+class ClusterEnv:
+    """Where this process sits in the training world.
+
+    Attributes:
+        rank: Global rank, ``0 <= rank < world_size``.
+        world_size: Number of processes.
+        local_rank: Rank on this node (selects the GPU).
+        local_world_size: Number of processes on this node.
+        master_addr: Rendezvous host (rank 0), unbracketed; ``None`` if unknown.
+        master_port: Rendezvous port; ``None`` for a single process without a launcher.
+        source: Where it came from: ``"explicit"``, ``"torchrun"``, ``"slurm"``, ``"openmpi"``,
+            ``"tf_config"`` or ``"single"``.
+        num_ps: Parameter servers, ranks ``0..num_ps-1``; ``0 <= num_ps < world_size``.
+        node_rank: Index of this node.
+        num_nodes: Number of nodes.
+
+    Raises:
+        ConfigError: At construction, for values out of range or of the wrong type.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str | None
+    master_port: int | None
+    source: str
+    num_ps: int = 0
+    node_rank: int = 0
+    num_nodes: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world_size", "local_rank", "local_world_size", "num_ps",
+                     "node_rank", "num_nodes"):
+            object.__setattr__(self, name, _as_index(getattr(self, name), name))
+        if self.world_size < 1 or self.local_world_size < 1 or self.num_nodes < 1:
+            raise _fail("ClusterEnv", "world_size, local_world_size and num_nodes >= 1",
+                        f"{self.world_size}, {self.local_world_size}, {self.num_nodes}",
+                        "a world has at least one process on one node")
+        _check_below("rank", self.rank, "world_size", self.world_size, "ranks count from 0")
+        _check_below("local_rank", self.local_rank, "local_world_size", self.local_world_size,
+                     "local ranks count from 0 on each node")
+        _check_below("node_rank", self.node_rank, "num_nodes", self.num_nodes,
+                     "node ranks count from 0")
+        _check_below("num_ps", self.num_ps, "world_size", self.world_size,
+                     "keep at least one worker")
+        if self.master_port is not None and (
+                isinstance(self.master_port, bool) or not isinstance(self.master_port, int)
+                or not 1 <= self.master_port <= 65535):
+            raise _fail("master_port", "None or an int in 1..65535", _show(self.master_port),
+                        "use e.g. 29500")
+        if self.master_addr is not None:
+            if not isinstance(self.master_addr, str):
+                raise _fail("master_addr", "None or a host string", _show(self.master_addr),
+                            "use e.g. '127.0.0.1'")
+            object.__setattr__(self, "master_addr", _check_host(self.master_addr, "master_addr"))
+
+    @property
+    def role(self) -> str:
+        """``"ps"`` for ranks below ``num_ps``, else ``"worker"`` (the chief included)."""
+        return "ps" if self.rank < self.num_ps else "worker"
+
+    @property
+    def chief_rank(self) -> int:
+        """Rank of the chief: the first non-ps rank, ``num_ps``."""
+        return self.num_ps
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process is the chief (rank ``num_ps``)."""
+        return self.rank == self.num_ps
+
+    @property
+    def task_index(self) -> int:
+        """Index within the role: ps index for a ps, ``rank - num_ps`` for a worker."""
+        return self.rank if self.rank < self.num_ps else self.rank - self.num_ps
+
+
+# -- environment readers -----------------------------------------------------------------------
+
+def _int_var(env: Mapping[str, str], name: str, minimum: int = 0) -> int | None:
+    """The integer value of ``env[name]``, ``None`` when absent."""
+    if name not in env:
+        return None
+    raw = env[name]
+    m = _INT.fullmatch(raw) if isinstance(raw, str) else None
+    if m is None:
+        raise _fail(name, "an integer", _show(raw), f"set {name} to a number or unset it")
+    value = int(m.group(1))
+    if value < minimum:
+        raise _fail(name, f"an integer >= {minimum}", str(value), f"fix or unset {name}")
+    return value
+
+
+def _need(env: Mapping[str, str], name: str, present: Sequence[str], minimum: int = 0) -> int:
+    """Like :func:`_int_var` but the variable must be there because ``present`` ones are."""
+    value = _int_var(env, name, minimum)
+    if value is None:
+        have = ", ".join(n for n in present if n in env)
+        raise ConfigError(f"{name} is missing: expected it because {have} is set. Hint: set "
+                          f"{name} too, or unset {have} (a partial environment is never guessed).")
+    return value
+
+
+def _port_var(env: Mapping[str, str], name: str = "MASTER_PORT") -> int | None:
+    value = _int_var(env, name, minimum=1)
+    if value is not None and value > 65535:
+        raise _fail(name, "a port in 1..65535", str(value), f"fix {name}")
+    return value
+
+
+def _addr_var(env: Mapping[str, str], name: str = "MASTER_ADDR") -> str | None:
+    return _check_host(str(env[name]).strip(), name) if name in env else None
+
+
+def _master(env: Mapping[str, str], world_size: int, source: str) -> tuple[str, int | None]:
+    """MASTER_ADDR / MASTER_PORT, required for a world of more than one process."""
+    addr, port = _addr_var(env), _port_var(env)
+    if world_size > 1 and (addr is None or port is None):
+        missing = " and ".join(n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in env)
+        raise ConfigError(f"{missing} missing: expected the rendezvous address for {source} with "
+                          f"world size {world_size}. Hint: export MASTER_ADDR=<host of rank 0> "
+                          "MASTER_PORT=<free port>, or launch with `parlay run` / torchrun.")
+    return addr or "127.0.0.1", port
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _local_sizes(rank: int, world: int, local_rank: int | None, local_world: int | None,
+                 where: str) -> tuple[int, int]:
+    """Default local rank/size: one process per node without a local rank, else one node."""
+    if local_rank is None:
+        local_rank, local_world = 0, local_world or 1
+    elif local_world is None:
+        local_world = world
+    if local_world > world:
+        raise _fail(f"{where} local world size", f"<= world size {world}", str(local_world),
+                    "a node cannot hold more processes than the world")
+    if local_rank >= local_world:
+        raise _fail(f"{where} local rank", f"< local world size {local_world}", str(local_rank),
+                    "local ranks count from 0 on each node")
+    return local_rank, local_world
+
+
+def _torchrun(env: Mapping[str, str]) -> ClusterEnv | None:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    if not any(k in env for k in keys):
+        return None
+    rank, world = _need(env, "RANK", keys), _need(env, "WORLD_SIZE", keys, minimum=1)
+    _check_below("RANK", rank, "WORLD_SIZE", world, "ranks count from 0")
+    local_rank, local_world = _local_sizes(rank, world, _int_var(env, "LOCAL_RANK"),
+                                           _int_var(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
+    nodes = _int_var(env, "GROUP_WORLD_SIZE", 1) or _ceil_div(world, local_world)
+    node = _int_var(env, "GROUP_RANK")
+    node = rank // local_world if node is None else node
+    _check_below("GROUP_RANK", node, "number of nodes", nodes, "node ranks count from 0")
+    addr, port = _master(env, world, "torchrun")
+    return ClusterEnv(rank, world, local_rank, local_world, addr, port, "torchrun",
+                      node_rank=node, num_nodes=nodes)
+
+
+def _tasks_per_node(text: str, node: int | None) -> int:
+    """This node's entry of SLURM's ``"4"`` or ``"2(x3),1"`` tasks-per-node syntax."""
+    groups: list[tuple[int, int]] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([0-9]{1,9})(?:\(x([0-9]{1,9})\))?\s*", part)
+        if m is None or int(m.group(1)) < 1:
+            raise _fail("SLURM_NTASKS_PER_NODE", "e.g. '4' or '2(x3),1'", _show(text),
+                        "fix or unset SLURM_NTASKS_PER_NODE")
+        groups.append((int(m.group(1)), int(m.group(2) or 1)))
+    if len({n for n, _ in groups}) == 1:
+        return groups[0][0]
+    if node is None:
+        raise ConfigError("SLURM_NODEID is missing: expected it because SLURM_NTASKS_PER_NODE "
+                          f"({text}) differs between nodes. Hint: launch with srun.")
+    for n, count in groups:
+        if node < count:
+            return n
+        node -= count
+    raise _fail("SLURM_NODEID", f"a node listed in SLURM_NTASKS_PER_NODE ({text})", "more",
+                "launch with srun")
+
+
+def _slurm_port(env: Mapping[str, str]) -> int:
+    port = _port_var(env)
+    if port is not None:
+        return port
+    job = env.get("SLURM_JOB_ID")
+    if job is None:
+        return DEFAULT_MASTER_PORT
+    # Every task of one job must agree without talking: derive the port from the job id.
+    digits = job.strip()
+    key = int(digits) if digits.isascii() and digits.isdigit() and len(digits) < 19 else \
+        zlib.crc32(job.encode("utf-8", "surrogatepass"))
+    return 15000 + key % 10001
+
+
+def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
+    # SLURM_NTASKS alone only describes an allocation (e.g. an salloc shell): srun sets PROCID.
+    if "SLURM_PROCID" not in env:
+        return None
+    keys = ("SLURM_PROCID",)
+    rank, world = _need(env, "SLURM_PROCID", keys), _need(env, "SLURM_NTASKS", keys, minimum=1)
+    _check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world, "ranks count from 0")
+    local_rank = _need(env, "SLURM_LOCALID", keys)
+    nnodes, node = _int_var(env, "SLURM_NNODES", 1), _int_var(env, "SLURM_NODEID")
+    per_node = env.get("SLURM_NTASKS_PER_NODE")
+    local_world = (_tasks_per_node(per_node, node) if per_node is not None
+                   else _ceil_div(world, nnodes or 1))
+    local_rank, local_world = _local_sizes(rank, world, local_rank, local_world, "SLURM")
+    nnodes = nnodes or _ceil_div(world, local_world)
+    node = rank // local_world if node is None else node
+    _check_below("SLURM_NODEID", node, "SLURM_NNODES", nnodes, "node ids count from 0")
+    addr = _addr_var(env)
+    if addr is None:
+        nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST"))
+        if nodelist is not None:
+            addr = _check_host(next(_iter_nodelist(nodelist)), "first host of SLURM_NODELIST")
+        elif world == 1:
+            addr = "127.0.0.1"
+        else:
+            raise ConfigError("SLURM_NODELIST is missing: expected SLURM_NODELIST, "
+                              "SLURM_JOB_NODELIST or MASTER_ADDR to find rank 0's host. "
+                              "Hint: launch with srun, or export MASTER_ADDR.")
+    return ClusterEnv(rank, world, local_rank, local_world, addr, _slurm_port(env), "slurm",
+                      node_rank=node, num_nodes=nnodes)
+
+
+def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
+    keys = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE")
+    if not any(k in env for k in keys):
+        return None
+    rank, world = _need(env, keys[0], keys), _need(env, keys[1], keys, minimum=1)
+    _check_below(keys[0], rank, keys[1], world, "ranks count from 0")
+    local_rank, local_world = _local_sizes(rank, world, _need(env, keys[2], keys),
+                                           _need(env, keys[3], keys, minimum=1), "OpenMPI")
+    addr, port = _master(env, world, "OpenMPI (mpirun)")
+    return ClusterEnv(rank, world, local_rank, local_world, addr, port, "openmpi",
+                      node_rank=rank // local_world, num_nodes=_ceil_div(world, local_world))
+
+
+def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
+    text = env.get("TF_CONFIG", "")
+    if not text.strip():
+        return None
+    spec = TaskSpec.from_tf_config(text)
+    if spec.rank is None:
+        raise ConfigError("TF_CONFIG describes an evaluator: expected a ps, chief or worker task. "
+                          "Hint: evaluators are not part of the training world; read them with "
+                          "TaskSpec.from_env() and run evaluation without parlay.init().")
+    # Tasks sharing a host are one node; local rank counts them in rank order.
+    hosts = [_parse_address(a, "TF_CONFIG")[0].lower() for a in spec.cluster_hosts]
+    nodes = list(dict.fromkeys(hosts))
+    mine = hosts[spec.rank]
+    local = [r for r, h in enumerate(hosts) if h == mine]
+    return ClusterEnv(spec.rank, spec.world_size, local.index(spec.rank), len(local),
+                      spec.master_addr, spec.master_port, "tf_config", num_ps=spec.num_ps,
+                      node_rank=nodes.index(mine), num_nodes=len(nodes))
+
+
+_SOURCE_VARS = {"torchrun": "RANK/WORLD_SIZE", "slurm": "SLURM_PROCID/SLURM_NTASKS",
+                "openmpi": "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE", "tf_config": "TF_CONFIG"}
+
+
+def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
+           world_size: int | None = None, local_rank: int | None = None,
+           local_world_size: int | None = None, master_addr: str | None = None,
+           master_port: int | None = None, num_ps: int | None = None) -> ClusterEnv:
+    """Read this process's place in the cluster; a pure function of ``environ``.
+
+    Sources, first match wins: explicit ``rank``/``world_size`` > torchrun (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``) > SLURM (``SLURM_PROCID``, ``SLURM_NTASKS``,
+    ``SLURM_LOCALID``, optional ``SLURM_NTASKS_PER_NODE``, ``SLURM_NODEID``, ``SLURM_NNODES``;
+    master = ``MASTER_ADDR`` or the first host of ``SLURM_NODELIST``/``SLURM_JOB_NODELIST``,
+    port = ``MASTER_PORT``, else ``15000 + SLURM_JOB_ID % 10001``, else 29500) > OpenMPI
+    (``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}`` plus ``MASTER_ADDR``/``MASTER_PORT``)
+    > ``TF_CONFIG`` > a single process (rank 0 of 1, master ``127.0.0.1``, port ``None``).
+
+    Missing local variables: without a local rank each process is alone on its node (one per
+    pod, as Kubernetes launches); with a local rank but no local size, the node holds the world.
+
+    Conflicts: when ``TORCHELASTIC_RUN_ID`` is set (torchrun always sets it) torchrun wins
+    silently and the other sources are not read — inside a SLURM allocation ``SLURM_NTASKS``
+    counts srun tasks, not torchrun's processes. Otherwise every source that is present must
+    parse and agree on rank and world size with the chosen one, else ``ConfigError``.
+    ``SLURM_NTASKS`` without ``SLURM_PROCID`` (an salloc shell) is not a SLURM launch. Note a
+    batch script run without srun carries ``SLURM_PROCID=0`` of the whole allocation.
+
+    Args:
+        environ: Environment mapping; ``None`` reads ``os.environ``.
+        rank: Explicit global rank; needs ``world_size`` too. No environment source is read then.
+        world_size: Explicit world size; needs ``rank``.
+        local_rank: Explicit local rank (default 0).
+        local_world_size: Explicit local size (default 1 without ``local_rank``, else the world).
+        master_addr: Rendezvous host; overrides any source (explicit default: ``MASTER_ADDR``
+            or ``127.0.0.1``).
+        master_port: Rendezvous port; overrides any source (explicit default: ``MASTER_PORT``,
+            required when ``world_size > 1``).
+        num_ps: Parameter servers; overrides ``PARLAY_NUM_PS`` (and ``TF_CONFIG``'s ps count).
+
+    Returns:
+        The detected :class:`ClusterEnv`.
+
+    Raises:
+        ConfigError: Partial, malformed, out-of-range or conflicting variables, an evaluator
+            ``TF_CONFIG``, or ``num_ps``/``PARLAY_NUM_PS`` outside ``0..world_size-1``.
+    """
+    env = os.environ if environ is None else environ
+    if rank is not None or world_size is not None or local_rank is not None \
+            or local_world_size is not None:
+        if rank is None or world_size is None:
+            raise _fail("detect()", "rank and world_size together",
+                        f"rank={_show(rank)}, world_size={_show(world_size)}",
+                        "pass both, or neither to read them from the environment")
+        r, w = _as_index(rank, "rank"), _as_index(world_size, "world_size")
+        if w < 1:
+            raise _fail("world_size", "an int >= 1", str(w), "count the processes")
+        _check_below("rank", r, "world_size", w, "ranks count from 0")
+        lr, lw = _local_sizes(r, w, None if local_rank is None else _as_index(local_rank,
+                              "local_rank"), None if local_world_size is None else
+                              _as_index(local_world_size, "local_world_size"), "explicit")
+        port = _port_var(env) if master_port is None else master_port
+        if w > 1 and port is None:
+            raise ConfigError(f"master_port is missing: expected it (or MASTER_PORT) with "
+                              f"world_size {w}. Hint: pass master_port=<free port>.")
+        found = ClusterEnv(r, w, lr, lw, _addr_var(env) or "127.0.0.1", port, "explicit",
+                           node_rank=r // lw, num_nodes=_ceil_div(w, lw))
+        present = [found]
+    else:
+        first = _torchrun(env)
+        if first is not None and "TORCHELASTIC_RUN_ID" in env:
+            present = [first]
+        else:
+            present = [c for c in (first, _slurm(env), _openmpi(env), _tf_config(env)) if c]
+        found = present[0] if present else ClusterEnv(0, 1, 0, 1, "127.0.0.1", None, "single")
+        for other in present[1:]:
+            if (other.rank, other.world_size) != (found.rank, found.world_size):
+                raise ConfigError(
+                    f"conflicting cluster environment: expected {found.source} "
+                    f"({_SOURCE_VARS[found.source]}) and {other.source} "
+                    f"({_SOURCE_VARS[other.source]}) to agree, got rank {found.rank} of "
+                    f"{found.world_size} vs rank {other.rank} of {other.world_size}. Hint: unset "
+                    "the stale variables, or pass rank= and world_size= explicitly.")
+    if master_addr is not None or master_port is not None:
+        found = replace(found, master_addr=found.master_addr if master_addr is None
+                        else master_addr, master_port=found.master_port if master_port is None
+                        else master_port)
+    k = _int_var(env, "PARLAY_NUM_PS") if num_ps is None else _as_index(num_ps, "num_ps")
+    tf = [c for c in present if c.source == "tf_config"]
+    if k is not None and num_ps is None and tf and tf[0].num_ps != k:
+        raise _fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0].num_ps}", str(k),
+                    "unset PARLAY_NUM_PS or fix TF_CONFIG")
+    if k is None:
+        return found
+    _check_below("num_ps" if num_ps is not None else "PARLAY_NUM_PS", k, "world size",
+                 found.world_size, "keep at least one worker: parlay run -n N --ps K needs K < N")
+    return replace(found, num_ps=k)
+
+
+def _parse_nodelist(text: str) -> list[list[str | list[tuple[int, int, int]]]]:
+    """Parse a SLURM hostlist into items of literal parts and range groups (lo, hi, width)."""
+    def bad(why: str) -> ConfigError:
+        return _fail("SLURM nodelist", "e.g. 'node[01-04,07],gpu3'", _show(text), why)
+
+    items: list[list[str | list[tuple[int, int, int]]]] = []
+    parts: list[str | list[tuple[int, int, int]]] = []
+    literal, i = "", 0
+    while i <= len(text):
+        c = text[i] if i < len(text) else ","
+        if c == ",":
+            if literal:
+                parts.append(literal)
+            if not parts:
+                raise bad("an empty host name")
+            items.append(parts)
+            parts, literal = [], ""
+        elif c == "[":
+            end = text.find("]", i)
+            if end < 0 or "[" in text[i + 1:end]:
+                raise bad("brackets must be balanced and not nested")
+            if literal:
+                parts.append(literal)
+                literal = ""
+            group = []
+            for spec in text[i + 1:end].split(","):
+                m = _RANGE.fullmatch(spec)
+                if m is None or int(m.group(1)) > int(m.group(2) or m.group(1)):
+                    raise bad(f"range {_show(spec)} must be 'N' or 'LO-HI' with LO <= HI")
+                group.append((int(m.group(1)), int(m.group(2) or m.group(1)), len(m.group(1))))
+            parts.append(group)
+            i = end
+        elif c == "]" or c.isspace():
+            raise bad("stray ']' or whitespace")
+        else:
+            literal += c
+        i += 1
+    return items
+
+
+def _choices(part: str | list[tuple[int, int, int]]) -> Iterator[str]:
+    if isinstance(part, str):
+        return iter((part,))
+    return (str(n).zfill(width) for lo, hi, width in part for n in range(lo, hi + 1))
+
+
+def _expand(parts: Sequence[str | list[tuple[int, int, int]]]) -> Iterator[str]:
+    """Lazy product of the parts (an explicit stack: names may hold many bracket groups)."""
+    prefixes, choices = [""], [_choices(parts[0])]
+    while choices:
+        piece = next(choices[-1], None)
+        if piece is None:
+            choices.pop()
+            prefixes.pop()
+        elif len(choices) == len(parts):
+            yield prefixes[-1] + piece
+        else:
+            prefixes.append(prefixes[-1] + piece)
+            choices.append(_choices(parts[len(choices)]))
+
+
+def _iter_nodelist(text: str) -> Iterator[str]:
+    items = _parse_nodelist(text)  # validate all before yielding; expansion stays lazy
+    for parts in items:
+        yield from _expand(parts)
+
+
+def expand_nodelist(s: str) -> list[str]:
+    """Expand a SLURM hostlist: ``"node[01-03,07],gpu-[1-2]-x"`` -> ``node01 .. gpu-2-x``.
+
+    Zero padding is kept (the width of each range's first number); several bracket groups in
+    one name expand as a product, in order.
+
+    Args:
+        s: The hostlist, e.g. the value of ``SLURM_JOB_NODELIST``.
+
+    Returns:
+        Host names in SLURM's order.
+
+    Raises:
+        ConfigError: Empty names, unbalanced or nested brackets, or a bad range.
+    """
+    if not isinstance(s, str):
+        raise _fail("SLURM nodelist", "a string", _show(s), "pass e.g. 'node[01-04]'")
+    return list(_iter_nodelist(s))

@@ -1,0 +1,47 @@
+"""Exception hierarchy of parlay.
+
+Every error a user can trigger derives from :class:`ParlayError`, so ``except parlay.ParlayError``
+catches all of them. Messages follow one shape: what was expected, what was got, and a hint.
+"""
+from __future__ import annotations
+
+__all__ = ["ParlayError", "ConfigError", "CommError", "CheckpointError"]
+
+
+class ParlayError(Exception):
+    """Base class of every error raised by parlay."""
+
+
+class ConfigError(ParlayError, ValueError):
+    """Bad user input or an inconsistent cluster description.
+
+    Subclasses :class:`ValueError` so code that validates arguments generically still works.
+    """
+
+
+class CommError(ParlayError, RuntimeError):
+    """A collective or point-to-point operation failed: a peer was lost or timed out.
+
+    Attributes:
+        op: Name of the operation that failed (e.g. ``"allreduce"``).
+        rank: Rank that observed the failure, or ``None`` if unknown.
+        peer: Rank that was lost, when it is known.
+    """
+
+    def __init__(self, message: str, *, op: str | None = None, rank: int | None = None,
+                 peer: int | None = None) -> None:
+        super().__init__(message)
+        self.op = op
+        self.rank = rank
+        self.peer = peer
+
+    def __reduce__(self):  # keep op/rank/peer when the error crosses a process boundary
+        return (_make_comm_error, (str(self), self.op, self.rank, self.peer))
+
+
+class CheckpointError(ParlayError):
+    """A checkpoint could not be written, read or validated."""
+
+
+def _make_comm_error(message: str, op: str | None, rank: int | None, peer: int | None) -> CommError:
+    return CommError(message, op=op, rank=rank, peer=peer)

@@ -1,0 +1,224 @@
+"""Process-group lifecycle: the one piece of global state parlay owns.
+
+``init()`` reads the cluster from the environment (:func:`parlay.env.detect`), chooses the
+backend and device in one place, and creates the default process group with a collective
+timeout, so a lost or silent peer raises :class:`~parlay.errors.CommError` instead of hanging.
+A single process with no launcher and no environment works too: it gets a world of one.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from parlay.env import ClusterEnv, detect
+from parlay.errors import CommError, ConfigError
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "timeout",
+    "cluster", "DEFAULT_TIMEOUT_S",
+]
+
+log = logging.getLogger("parlay")
+
+#: Default collective timeout in seconds; ``PARLAY_TIMEOUT`` overrides it.
+DEFAULT_TIMEOUT_S = 300.0
+
+_BACKENDS = ("auto", "gloo", "nccl", "mpi")
+
+
+@dataclass
+class _Runtime:
+    cluster: ClusterEnv
+    backend: str
+    device: torch.device
+    timeout: _dt.timedelta
+    owns_group: bool
+
+
+_rt: _Runtime | None = None
+
+
+def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
+    if timeout is None:
+        raw = os.environ.get("PARLAY_TIMEOUT")
+        if raw is None:
+            return _dt.timedelta(seconds=DEFAULT_TIMEOUT_S)
+        try:
+            timeout = float(raw)
+        except ValueError:
+            raise ConfigError(f"PARLAY_TIMEOUT must be a number of seconds, got {raw!r}. "
+                              "Hint: export PARLAY_TIMEOUT=300") from None
+    if isinstance(timeout, _dt.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ConfigError(f"timeout must be seconds (int/float) or a datetime.timedelta, "
+                          f"got {type(timeout).__name__}.")
+    if not seconds > 0:
+        raise ConfigError(f"timeout must be positive, got {seconds} s. "
+                          "Hint: use a few minutes, e.g. timeout=300.")
+    return _dt.timedelta(seconds=seconds)
+
+
+def _choose_backend(requested: str, local_rank: int) -> tuple[str, torch.device]:
+    if requested not in _BACKENDS:
+        raise ConfigError(f"backend must be one of {_BACKENDS}, got {requested!r}.")
+    has_cuda = torch.cuda.is_available()
+    if requested == "auto":
+        # One group, two transports: CPU tensors (parameter-server traffic, objects) go over
+        # gloo and CUDA tensors over NCCL. NCCL has no any-source receive, gloo does.
+        requested = "cpu:gloo,cuda:nccl" if has_cuda and dist.is_nccl_available() else "gloo"
+    if requested == "nccl" and not (has_cuda and dist.is_nccl_available()):
+        raise ConfigError("backend='nccl' needs CUDA and an NCCL build of PyTorch; "
+                          "this process has neither. Hint: use backend='gloo' (or 'auto') on CPU.")
+    if requested == "mpi" and not dist.is_mpi_available():
+        raise ConfigError("backend='mpi' needs a PyTorch built with MPI. Hint: use 'auto'.")
+    if has_cuda and "nccl" in requested:
+        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    return requested, dev
+
+
+def _host_for_url(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
+         environ: Mapping[str, str] | None = None, **explicit: object) -> None:
+    """Initialise parlay's process group from the environment.
+
+    Safe to call more than once (later calls are no-ops). If the user already created a default
+    process group with ``torch.distributed.init_process_group``, parlay adopts it.
+
+    Args:
+        backend: ``"auto"`` (NCCL for CUDA tensors and gloo for CPU ones when CUDA is present,
+            gloo otherwise), ``"gloo"``, ``"nccl"`` or ``"mpi"``.
+        timeout: Collective timeout, seconds or a ``timedelta``. Default ``PARLAY_TIMEOUT`` or
+            300 s. A peer silent for longer makes the waiting rank raise ``CommError``.
+        environ: Environment to detect the cluster from (default ``os.environ``).
+        **explicit: Explicit ``rank``, ``world_size``, ``local_rank``, ``master_addr``,
+            ``master_port``; they win over every environment source.
+
+    Raises:
+        ConfigError: Bad arguments or an inconsistent environment.
+        CommError: The rendezvous with the other ranks failed or timed out.
+    """
+    global _rt
+    if _rt is not None:
+        return
+    td = _as_timedelta(timeout)
+    cluster = detect(environ, **explicit)  # type: ignore[arg-type]
+    if dist.is_available() and dist.is_initialized():
+        be = str(dist.get_backend())
+        _, dev = _choose_backend("auto", cluster.local_rank)
+        _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=False)
+        return
+    be, dev = _choose_backend(backend, cluster.local_rank)
+    try:
+        if cluster.world_size == 1 and cluster.master_port is None:
+            # No launcher: a world of one still gets a real group so every op works unchanged.
+            dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        else:
+            url = f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:{cluster.master_port}"
+            dist.init_process_group(be, init_method=url, rank=cluster.rank,
+                                    world_size=cluster.world_size, timeout=td)
+    except (RuntimeError, TimeoutError, OSError) as e:
+        raise CommError(
+            f"rendezvous failed on rank {cluster.rank} of {cluster.world_size} "
+            f"(master {cluster.master_addr}:{cluster.master_port}, source {cluster.source}): {e}. "
+            "Hint: check that every rank was started, MASTER_ADDR is reachable from this host "
+            "and MASTER_PORT is free on the master.", op="init", rank=cluster.rank) from e
+    _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=True)
+    log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
+              cluster.rank, cluster.world_size, be, dev, cluster.source)
+
+
+def shutdown() -> None:
+    """Destroy the process group parlay created; a no-op when not initialised."""
+    global _rt
+    rt, _rt = _rt, None
+    if rt is not None and rt.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` has run (and :func:`shutdown` has not)."""
+    return _rt is not None
+
+
+def _get() -> _Runtime:
+    if _rt is None:
+        raise ConfigError("parlay is not initialised. Hint: call parlay.init() first.")
+    return _rt
+
+
+def cluster() -> ClusterEnv:
+    """The detected cluster description of this process."""
+    return _get().cluster
+
+
+def rank() -> int:
+    """Global rank of this process."""
+    return _get().cluster.rank
+
+
+def size() -> int:
+    """Number of processes in the world."""
+    return _get().cluster.world_size
+
+
+def local_rank() -> int:
+    """Rank of this process on its node."""
+    return _get().cluster.local_rank
+
+
+def local_size() -> int:
+    """Number of processes on this node."""
+    return _get().cluster.local_world_size
+
+
+def cross_rank() -> int:
+    """Index of this node among the nodes."""
+    return _get().cluster.node_rank
+
+
+def cross_size() -> int:
+    """Number of nodes."""
+    return _get().cluster.num_nodes
+
+
+def is_chief() -> bool:
+    """True on the one process that logs, saves checkpoints and prints (global rank 0 of the
+    training ranks: the first worker when parameter servers are present)."""
+    c = _get().cluster
+    return c.rank == c.num_ps
+
+
+def role() -> str:
+    """``"ps"`` on parameter-server ranks, ``"worker"`` otherwise."""
+    return _get().cluster.role
+
+
+def device() -> torch.device:
+    """The device this rank computes on: ``cuda:<local_rank>`` with NCCL, else CPU."""
+    return _get().device
+
+
+def backend() -> str:
+    """The backend string of the default process group."""
+    return _get().backend
+
+
+def timeout() -> _dt.timedelta:
+    """The configured collective timeout."""
+    return _get().timeout

@@ -1,0 +1,194 @@
+"""Test harness: run a function on real gloo ranks spawned on loopback.
+
+``run_world(fn, world_size)`` starts ``world_size`` processes, each with a real process group
+(``parlay.init()`` over gloo on 127.0.0.1 and a free port), calls ``fn(*args, **kwargs)`` on
+every rank and returns the per-rank results. Exceptions are propagated with the failing rank
+named; a rank that hangs past the timeout is killed and reported. Processes come from a
+forkserver that has already imported torch, so each rank starts in well under a second.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as _queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Mapping
+
+from parlay.errors import ParlayError
+
+__all__ = ["run_world", "free_port", "WorldError", "RankFailure"]
+
+
+class WorldError(ParlayError):
+    """One or more ranks of :func:`run_world` failed, hung or died.
+
+    Attributes:
+        failures: ``{rank: RankFailure}`` for every rank that did not return normally.
+    """
+
+    def __init__(self, message: str, failures: dict[int, "RankFailure"]) -> None:
+        super().__init__(message)
+        self.failures = failures
+
+
+class RankFailure:
+    """What went wrong on one rank: the exception (when it could be pickled) and traceback."""
+
+    def __init__(self, rank: int, kind: str, exc: BaseException | None, tb: str) -> None:
+        self.rank = rank
+        self.kind = kind  # "error" | "died" | "hung"
+        self.exc = exc
+        self.traceback = tb
+
+    def __repr__(self) -> str:
+        return f"RankFailure(rank={self.rank}, kind={self.kind!r}, exc={self.exc!r})"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+_ctx: Any = None
+
+
+def _context() -> Any:
+    global _ctx
+    if _ctx is None:
+        method = os.environ.get("PARLAY_TEST_START_METHOD", "forkserver")
+        _ctx = mp.get_context(method)
+        if method == "forkserver":
+            _ctx.set_forkserver_preload(["torch", "torch.distributed", "parlay"])
+    return _ctx
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any,
+               args: tuple[Any, ...], kwargs: dict[str, Any], env: Mapping[str, str],
+               timeout: float, threads: int) -> None:
+    os.environ.update({
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    })
+    os.environ.update(env)
+    import torch
+
+    import parlay.runtime as rt
+
+    torch.set_num_threads(threads)
+    try:
+        rt.init(backend="gloo", timeout=timeout)
+        result = fn(*args, **kwargs)
+        # Plain pickle bytes: the queue's own pickler would share tensor storage through file
+        # descriptors that vanish when this process exits before the parent reads them.
+        q.put((rank, "ok", pickle.dumps(result), ""))
+    except BaseException as e:  # noqa: BLE001 - everything is reported to the parent
+        tb = traceback.format_exc()
+        try:
+            payload = pickle.dumps(e)
+            pickle.loads(payload)
+        except Exception:  # noqa: BLE001
+            payload = pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+        q.put((rank, "error", payload, tb))
+    finally:
+        try:
+            rt.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
+              comm_timeout: float = 30.0, env: Mapping[str, str] | None = None,
+              threads: int = 1, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` real gloo ranks and return their results.
+
+    Args:
+        fn: A picklable (module-level) function; runs after ``parlay.init()`` on each rank.
+        world_size: Number of ranks to start.
+        timeout: Seconds the whole world may take before hung ranks are killed.
+        comm_timeout: The process group's collective timeout, seconds.
+        env: Extra environment variables for every rank (e.g. ``{"PARLAY_NUM_PS": "1"}``).
+        threads: ``torch.set_num_threads`` on each rank (1 keeps 2-core machines responsive).
+        return_exceptions: Return each failed rank's exception in its slot instead of raising.
+
+    Returns:
+        The list of per-rank return values, indexed by rank.
+
+    Raises:
+        WorldError: A rank raised, died or hung; the message names each rank and its traceback.
+    """
+    ctx = _context()
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, name=f"parlay-rank{r}",
+                         args=(fn, r, world_size, port, q, args, kwargs, dict(env or {}),
+                               comm_timeout, threads), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, RankFailure] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) + len(failures) < world_size:
+            try:
+                r, kind, payload, tb = q.get(timeout=0.2)
+            except _queue.Empty:
+                for r, p in enumerate(procs):
+                    if (not p.is_alive() and r not in results and r not in failures
+                            and p.exitcode not in (None, 0)):
+                        # Drain a report that may still be in flight before calling it a death.
+                        try:
+                            r2, kind2, payload2, tb2 = q.get(timeout=0.5)
+                            if kind2 == "ok":
+                                results[r2] = pickle.loads(payload2)
+                            else:
+                                failures[r2] = RankFailure(r2, "error", pickle.loads(payload2), tb2)
+                            continue
+                        except _queue.Empty:
+                            pass
+                        failures[r] = RankFailure(r, "died", None,
+                                                  f"rank {r} exited with code {p.exitcode} "
+                                                  "without reporting a result")
+                if time.monotonic() > deadline:
+                    for r in range(world_size):
+                        if r not in results and r not in failures:
+                            failures[r] = RankFailure(r, "hung", None,
+                                                      f"rank {r} did not finish within {timeout} s")
+                    break
+                continue
+            if kind == "ok":
+                results[r] = pickle.loads(payload)
+            else:
+                failures[r] = RankFailure(r, "error", pickle.loads(payload), tb)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        q.close()
+        q.join_thread()
+    if failures and not return_exceptions:
+        first = min(failures)
+        parts = [f"rank {r} {f.kind}:\n{f.traceback}" for r, f in sorted(failures.items())]
+        err = WorldError(f"{len(failures)} of {world_size} ranks failed (first: rank {first})\n"
+                         + "\n".join(parts), failures)
+        exc = failures[first].exc
+        if exc is not None:
+            raise err from exc
+        raise err
+    out: list[Any] = []
+    for r in range(world_size):
+        if r in results:
+            out.append(results[r])
+        else:
+            f = failures[r]
+            out.append(f.exc if f.exc is not None else WorldError(f.traceback, {r: f}))
+    return out

@@ -1,0 +1,253 @@
+"""DistributedOptimizer on real gloo ranks against single-process training."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+import parlay
+from parlay.testing import WorldError, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+# float64 everywhere: the only difference from the oracle is summation order, so a tight
+# tolerance (1e-10) states exactly what equivalence means here.
+TOL = dict(rtol=1e-10, atol=1e-10)
+STEPS, PER_RANK = 4, 6
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(),
+                         nn.Linear(8, 3)).double()
+
+
+def _data(world: int, steps: int = STEPS, per_rank: int = PER_RANK):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps, world * per_rank, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(steps, world * per_rank, 3, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def _make_opt(name, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _reference(opt_name: str, world: int, loss_scale: float = 1.0):
+    model = _model()
+    opt = _make_opt(opt_name, model.parameters())
+    x, y = _data(world)
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[s]), y[s]) * loss_scale
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _train(opt_name: str, op_name: str = "Average", bucket_cap_mb: float = 25):
+    world, r = parlay.size(), parlay.rank()
+    model = _model()
+    opt = parlay.DistributedOptimizer(_make_opt(opt_name, model.parameters()),
+                                      named_parameters=model.named_parameters(),
+                                      op=getattr(parlay, op_name), bucket_cap_mb=bucket_cap_mb)
+    x, y = _data(world)
+    sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[s][sl]), y[s][sl])
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("opt_name", ["sgd", "adam"])
+def test_average_equals_single_process(world, opt_name):
+    # Tiny buckets (several per model) exercise in-order launching across buckets.
+    out = run_world(_train, world, opt_name, "Average", 0.0005)
+    ref = _reference(opt_name, world)
+    for rank_params in out:
+        for p, q in zip(rank_params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+
+
+def test_sum_equals_world_times_mean_loss():
+    # Sum of per-rank mean losses == world * mean over the full batch.
+    out = run_world(_train, 2, "sgd", "Sum")
+    ref = _reference("sgd", 2, loss_scale=2.0)
+    for p, q in zip(out[0], ref):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def _accumulate():
+    world, r = parlay.size(), parlay.rank()
+    model = _model()
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                      named_parameters=model.named_parameters(),
+                                      backward_passes_per_step=2)
+    x, y = _data(world, per_rank=2 * PER_RANK)
+    base = r * 2 * PER_RANK
+    for s in range(STEPS):
+        opt.zero_grad()
+        for k in range(2):
+            sl = slice(base + k * PER_RANK, base + (k + 1) * PER_RANK)
+            nn.functional.mse_loss(model(x[s][sl]), y[s][sl]).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_backward_passes_per_step_equals_doubled_batch():
+    out = run_world(_accumulate, 2)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(2, per_rank=2 * PER_RANK)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[s]), y[s]).backward()
+        opt.step()
+    for rank_params in out:
+        for p, q in zip(rank_params, model.parameters()):
+            torch.testing.assert_close(p, q.detach(), **TOL)
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(4, 4)
+        self.left = nn.Linear(4, 2)
+        self.right = nn.Linear(4, 2)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, go_left):
+        h = self.trunk(x)
+        return self.left(h) if go_left else self.right(h)
+
+
+def _unused_branch():
+    model = _Branchy()
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      bucket_cap_mb=0.00001)
+    for step in range(3):
+        opt.zero_grad()
+        # Ranks take different branches, and in step 2 both take the same one.
+        go_left = (parlay.rank() == 0) if step < 2 else True
+        model(torch.ones(2, 4), go_left).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_unused_branch_does_not_hang_and_ranks_agree():
+    out = run_world(_unused_branch, 2, timeout=60, comm_timeout=20)
+    for p, q in zip(out[0], out[1]):
+        torch.testing.assert_close(p, q)
+
+
+def _mismatch():
+    width = 4 if parlay.rank() == 0 else 5
+    model = nn.Sequential(nn.Linear(3, width), nn.Linear(width, 1))
+    parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                named_parameters=model.named_parameters())
+
+
+def test_parameter_mismatch_raises_config_error_on_every_rank():
+    out = run_world(_mismatch, 2, return_exceptions=True)
+    for e in out:
+        assert isinstance(e, parlay.ConfigError), e
+        assert "'0.weight'" in str(e) and "rank 1" in str(e)
+
+
+def _broadcast():
+    torch.manual_seed(parlay.rank())  # different init on every rank
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3 * (parlay.rank() + 1))
+    model(torch.randn(8, 3)).sum().backward()
+    opt.step()
+    parlay.broadcast_parameters(model.state_dict(), root_rank=1)
+    parlay.broadcast_optimizer_state(opt, root_rank=1)
+    state = opt.state_dict()
+    return ({k: v.clone() for k, v in model.state_dict().items()},
+            state["param_groups"][0]["lr"],
+            [s["exp_avg"].clone() for s in state["state"].values()])
+
+
+def test_broadcast_makes_ranks_identical():
+    a, b = run_world(_broadcast, 2)
+    for k in a[0]:
+        torch.testing.assert_close(a[0][k], b[0][k], rtol=0, atol=0)
+    assert a[1] == b[1] == pytest.approx(2e-3)
+    for x, y in zip(a[2], b[2]):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def _clip_then_step():
+    model = _model()
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(parlay.size())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        nn.functional.mse_loss(model(x[0]), y[0]).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        with opt.skip_synchronize():
+            opt.step()
+        clean = len(w)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[1]), y[1]).backward()
+        opt.synchronize()
+        opt.step()  # misuse: synchronize() then step() without skip_synchronize()
+    return clean, [str(m.message) for m in w]
+
+
+def test_skip_synchronize_and_misuse_warning():
+    out = run_world(_clip_then_step, 2)
+    clean, msgs = out[0]
+    assert clean == 0
+    assert any("skip_synchronize" in m for m in msgs)
+
+
+def _lr_scheduler_and_scaler():
+    model = _model()
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = _data(parlay.size())
+    for s in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[s]), y[s]).backward()
+        opt.step()
+        sched.step()
+    return opt.param_groups[0]["lr"], opt.optimizer.param_groups[0]["lr"]
+
+
+def test_works_with_lr_scheduler():
+    assert run_world(_lr_scheduler_and_scaler, 2) == [(0.25, 0.25)] * 2
+
+
+def test_bad_arguments_are_config_errors():
+    parlay.init(environ={})
+    try:
+        m = nn.Linear(2, 2)
+        with pytest.raises(parlay.ConfigError, match="backward_passes_per_step"):
+            parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1),
+                                        backward_passes_per_step=0)
+        with pytest.raises(parlay.ConfigError, match="not named"):
+            parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1),
+                                        named_parameters=[("w", m.weight)])
+        with pytest.raises(parlay.ConfigError, match="torch.optim.Optimizer"):
+            parlay.DistributedOptimizer(m)
+        with pytest.raises(parlay.ConfigError, match="unknown compression"):
+            parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1),
+                                        compression="zip")
+    finally:
+        parlay.shutdown()
+
+
+def test_world_error_type_exported():
+    assert issubclass(WorldError, parlay.ParlayError)

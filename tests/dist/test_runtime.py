@@ -1,0 +1,111 @@
+"""Runtime and harness on real gloo ranks: allreduce, lost and stalled peers."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+import parlay
+from parlay.testing import WorldError, run_world
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def _hello():
+    t = torch.tensor([float(parlay.rank() + 1)])
+    parlay.comm.allreduce(t, "sum")
+    return parlay.rank(), parlay.size(), t.item(), parlay.role(), str(parlay.device())
+
+
+def test_two_ranks_allreduce():
+    out = run_world(_hello, 2)
+    assert out == [(0, 2, 3.0, "worker", "cpu"), (1, 2, 3.0, "worker", "cpu")]
+
+
+def test_roles_from_num_ps():
+    out = run_world(_hello, 3, env={"PARLAY_NUM_PS": "1"})
+    assert [o[3] for o in out] == ["ps", "worker", "worker"]
+
+
+def _die_then_allreduce():
+    if parlay.rank() == 1:
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        parlay.comm.allreduce(torch.ones(4), "sum")
+    except parlay.CommError as e:
+        return ("CommError", e.op, time.monotonic() - t0, str(e))
+    return ("no error", None, 0.0, "")
+
+
+def test_killed_peer_raises_comm_error():
+    out = run_world(_die_then_allreduce, 2, comm_timeout=5.0, return_exceptions=True)
+    kind, op, elapsed, msg = out[0]
+    assert kind == "CommError" and op == "allreduce", msg
+    assert elapsed < 5.0 + 10.0
+    assert "rank 0" in msg and "Hint" in msg
+    assert isinstance(out[1], WorldError)  # rank 1 died without a result
+
+
+def _stall_then_allreduce(stall):
+    if parlay.rank() == 1:
+        # A stalled (not dead) peer: it never joins the collective while rank 0 waits.
+        time.sleep(stall)
+        return ("stalled", None, 0.0, "")
+    t0 = time.monotonic()
+    try:
+        parlay.comm.allreduce(torch.ones(4), "sum")
+    except parlay.CommError as e:
+        return ("CommError", e.op, time.monotonic() - t0, str(e))
+    return ("no error", None, time.monotonic() - t0, "")
+
+
+def test_stalled_peer_times_out_with_comm_error():
+    out = run_world(_stall_then_allreduce, 2, 8.0, comm_timeout=2.0, timeout=60)
+    kind, op, elapsed, msg = out[0]
+    assert kind == "CommError" and op == "allreduce", msg
+    assert 1.5 <= elapsed < 2.0 + 5.0, elapsed
+    assert "timeout" in msg.lower()
+
+
+def _raise_on_rank1():
+    if parlay.rank() == 1:
+        raise ValueError("boom on purpose")
+    return "fine"
+
+
+def test_run_world_names_failing_rank():
+    with pytest.raises(WorldError, match=r"rank 1") as ei:
+        run_world(_raise_on_rank1, 2)
+    assert isinstance(ei.value.__cause__, ValueError)
+    assert set(ei.value.failures) == {1}
+
+
+def test_single_process_without_launcher():
+    parlay.init(environ={})
+    try:
+        assert (parlay.rank(), parlay.size(), parlay.is_chief()) == (0, 1, True)
+        t = torch.tensor([2.0])
+        parlay.comm.allreduce(t, "avg")
+        assert t.item() == 2.0
+        assert parlay.comm.allgather(torch.arange(3)).tolist() == [0, 1, 2]
+    finally:
+        parlay.shutdown()
+    assert not parlay.is_initialized()
+
+
+def test_bad_timeout_is_config_error():
+    with pytest.raises(parlay.ConfigError, match="timeout must be positive"):
+        parlay.init(timeout=-1, environ={})
+
+
+def _allgather_var():
+    t = torch.full((parlay.rank() + 1, 2), float(parlay.rank()))
+    return parlay.comm.allgather(t).tolist()
+
+
+def test_allgather_variable_first_dim():
+    out = run_world(_allgather_var, 2)
+    assert out[0] == out[1] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
