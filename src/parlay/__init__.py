@@ -16,6 +16,32 @@ from parlay.runtime import (backend, cluster, cross_rank, cross_size, device, in
 
 __version__ = "0.1.0"
 
+# Heavier parts load on first use (``parlay.Trainer``), which keeps ``import parlay`` fast and
+# lets each mode live in its own package.
+_LAZY = {
+    "Trainer": "parlay.trainer",
+    "DistributedSession": "parlay.ps",
+    "ShardPlan": "parlay.ps",
+    "compression": "parlay.compression",
+    "Compression": "parlay.compression",
+    "data": "parlay.data",
+    "pipeline": "parlay.pipeline",
+    "horovod": "parlay.horovod",
+    "testing": "parlay.testing",
+}
+
+
+def __getattr__(name: str) -> object:
+    import importlib
+
+    if name in _LAZY:
+        mod = importlib.import_module(_LAZY[name])
+        value = mod if mod.__name__ == f"parlay.{name}" else getattr(mod, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'parlay' has no attribute {name!r}")
+
+
 __all__ = [
     "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "detect",
     "ParlayError", "ConfigError", "CommError", "CheckpointError",
@@ -24,5 +50,5 @@ __all__ = [
     "DistributedOptimizer", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
     "broadcast", "broadcast_async", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters",
+    "broadcast_parameters", *_LAZY,
 ]

@@ -1,0 +1,149 @@
+"""Strategy protocol and registry: the one place the three modes meet.
+
+The :class:`~parlay.trainer.Trainer` knows nothing about allreduce, parameter servers or
+pipelines; it asks the registry for ``mode`` and drives the returned :class:`Strategy`.
+A new mode is one class plus one :func:`register_strategy` call.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+import torch.nn as nn
+
+from parlay.errors import ConfigError
+
+__all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies"]
+
+
+@dataclass
+class StepResult:
+    """What one training step reports to the trainer.
+
+    Attributes:
+        loss: Mean loss of this rank's batch, or ``None`` on ranks that do not compute it
+            (parameter servers, non-last pipeline stages).
+        samples: Samples this rank consumed (0 where it consumed none).
+        skipped: True when the optimizer step was skipped (fp16 overflow); agrees on all ranks.
+    """
+
+    loss: float | None
+    samples: int
+    skipped: bool = False
+
+
+class Strategy:
+    """How a model is trained across processes. Subclasses implement every method.
+
+    Life cycle, driven by the Trainer on every rank::
+
+        s = get_strategy(mode, **options)
+        s.setup(model, loss_fn, optimizer_cls, optimizer_args)   # after parlay.init()
+        while ...:
+            if s.serve_until_done(): break      # True on ranks that only serve (PS ranks)
+            r = s.train_step(x, y)              # x, y: this data-parallel replica's batch
+        s.state_dict() / s.load_state_dict(sd) # checkpoints
+
+    Attributes:
+        name: Registry name ("allreduce", "ps", "hybrid").
+    """
+
+    name: ClassVar[str] = "base"
+
+    # --- data sharding: which replica am I, among how many that read distinct data?
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel replicas (batches are sharded over these)."""
+        raise NotImplementedError
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's replica index in ``[0, dp_size)``; ranks of one replica read the same
+        data (e.g. every pipeline stage of a replica)."""
+        raise NotImplementedError
+
+    @property
+    def consumes_data(self) -> bool:
+        """False on ranks that never need batches (parameter servers)."""
+        return True
+
+    @property
+    def dp_group(self) -> Any:
+        """Process group of the ranks that compute losses, for reducing metrics (None: world)."""
+        return None
+
+    @property
+    def reports_loss(self) -> bool:
+        """True on ranks whose ``train_step`` returns a loss (all, or the last stage)."""
+        return True
+
+    def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+              optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
+        """Place the model, build the (distributed) optimizer."""
+        raise NotImplementedError
+
+    def serve_until_done(self) -> bool:
+        """On serving-only ranks, serve until training ends and return True; else False."""
+        return False
+
+    def train_step(self, x: Any, y: Any) -> StepResult:
+        """One optimizer step on this replica's batch."""
+        raise NotImplementedError
+
+    def eval_forward(self, x: Any) -> torch.Tensor | None:
+        """Model output for evaluation (``None`` on ranks that do not produce outputs)."""
+        raise NotImplementedError
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Multiply every param group's base learning rate by ``factor`` (warm-up/scaling)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything stateful this strategy owns on this rank."""
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Called once when training ends (e.g. tell parameter servers to stop)."""
+
+
+_REGISTRY: dict[str, Callable[..., Strategy]] = {}
+
+
+def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
+    """Register a strategy factory under ``name``."""
+    _REGISTRY[name] = factory
+
+
+def _load_builtin() -> None:
+    # Importing a mode's module registers it; modes that are not built yet are skipped.
+    import importlib
+
+    for mod in ("parlay.dp.strategy", "parlay.ps.strategy", "parlay.pipeline.strategy"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as e:
+            if e.name != mod:
+                raise
+
+
+def available_strategies() -> list[str]:
+    """Registered mode names."""
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def get_strategy(mode: str, **options: Any) -> Strategy:
+    """Build the strategy registered as ``mode``.
+
+    Raises:
+        ConfigError: Unknown mode (the message lists the valid ones).
+    """
+    _load_builtin()
+    if mode not in _REGISTRY:
+        raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(sorted(_REGISTRY))}.")
+    return _REGISTRY[mode](**options)
