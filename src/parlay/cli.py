@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Sequence
 
-__all__ = ["main", "torchrun_argv"]
+__all__ = ["main", "build_parser", "torchrun_argv"]
 
 # torchrun flags passed through unchanged (value-taking).
 _PASSTHROUGH = ["--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
@@ -127,8 +127,8 @@ def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``parlay`` console script."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``parlay`` argument parser (sub-commands run, env, demo, bench)."""
     parser = argparse.ArgumentParser(prog="parlay", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_run = sub.add_parser("run", help="launch a script on N processes (torchrun underneath)")
@@ -140,6 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_launch_args(p_demo)
     p_bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
     p_bench.add_argument("name")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``parlay`` console script."""
+    parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     # Everything after the script (or demo name) belongs to it, not to us.
     ns, rest = _split_parse(parser, args)
