@@ -15,12 +15,13 @@ This module imports neither torch nor any other parlay module except :mod:`parla
 """
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 import os
 import re
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from parlay.errors import ConfigError
@@ -30,11 +31,12 @@ __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "ClusterEnv", "detec
 
 #: Task types in rank order (evaluators last: they have no rank).
 TASK_TYPES = ("ps", "chief", "worker", "evaluator")
-#: torchrun's default rendezvous port; also the base of the ports :meth:`TaskSpec.from_env` makes up.
+#: torchrun's default rendezvous port; the base of the ports :meth:`TaskSpec.from_env` makes up.
 DEFAULT_MASTER_PORT = 29500
 _INT = re.compile(r"\s*(-?[0-9]{1,18})\s*")  # bounded: int() refuses 4300+ digit strings
 _PORT = re.compile(r"[0-9]{1,5}")
 _RANGE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
+_NODE = re.compile(r"(?:[^\[\],\s]+|\[[^\[\]]*\])+")  # one hostlist name: text and [groups]
 _SYNTH_PORTS = 65536 - 1024  # unprivileged ports available to synthesized host lists
 
 
@@ -264,7 +266,7 @@ class TaskSpec:
                             _show(hosts), hint)
             jobs[f"{job}_hosts"] = hosts
         try:
-            return cls(task_type=task.get("type"), index=task.get("index", 0), **jobs)  # type: ignore[arg-type]
+            return cls(task.get("type"), task.get("index", 0), **jobs)  # type: ignore[arg-type]
         except ConfigError as exc:
             raise ConfigError(f"TF_CONFIG: {exc}") from None
 
@@ -482,28 +484,6 @@ def _torchrun(env: Mapping[str, str]) -> ClusterEnv | None:
                       node_rank=node, num_nodes=nodes)
 
 
-def _tasks_per_node(text: str, node: int | None) -> int:
-    """This node's entry of SLURM's ``"4"`` or ``"2(x3),1"`` tasks-per-node syntax."""
-    groups: list[tuple[int, int]] = []
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*([0-9]{1,9})(?:\(x([0-9]{1,9})\))?\s*", part)
-        if m is None or int(m.group(1)) < 1:
-            raise _fail("SLURM_NTASKS_PER_NODE", "e.g. '4' or '2(x3),1'", _show(text),
-                        "fix or unset SLURM_NTASKS_PER_NODE")
-        groups.append((int(m.group(1)), int(m.group(2) or 1)))
-    if len({n for n, _ in groups}) == 1:
-        return groups[0][0]
-    if node is None:
-        raise ConfigError("SLURM_NODEID is missing: expected it because SLURM_NTASKS_PER_NODE "
-                          f"({text}) differs between nodes. Hint: launch with srun.")
-    for n, count in groups:
-        if node < count:
-            return n
-        node -= count
-    raise _fail("SLURM_NODEID", f"a node listed in SLURM_NTASKS_PER_NODE ({text})", "more",
-                "launch with srun")
-
-
 def _slurm_port(env: Mapping[str, str]) -> int:
     port = _port_var(env)
     if port is not None:
@@ -527,9 +507,8 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     _check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world, "ranks count from 0")
     local_rank = _need(env, "SLURM_LOCALID", keys)
     nnodes, node = _int_var(env, "SLURM_NNODES", 1), _int_var(env, "SLURM_NODEID")
-    per_node = env.get("SLURM_NTASKS_PER_NODE")
-    local_world = (_tasks_per_node(per_node, node) if per_node is not None
-                   else _ceil_div(world, nnodes or 1))
+    # --ntasks-per-node sets a plain count; without it, assume tasks spread evenly over nodes.
+    local_world = _int_var(env, "SLURM_NTASKS_PER_NODE", 1) or _ceil_div(world, nnodes or 1)
     local_rank, local_world = _local_sizes(rank, world, local_rank, local_world, "SLURM")
     nnodes = nnodes or _ceil_div(world, local_world)
     node = rank // local_world if node is None else node
@@ -538,7 +517,7 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     if addr is None:
         nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST"))
         if nodelist is not None:
-            addr = _check_host(next(_iter_nodelist(nodelist)), "first host of SLURM_NODELIST")
+            addr = _check_host(_first_node(nodelist), "first host of SLURM_NODELIST")
         elif world == 1:
             addr = "127.0.0.1"
         else:
@@ -648,7 +627,8 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
         if w > 1 and port is None:
             raise ConfigError(f"master_port is missing: expected it (or MASTER_PORT) with "
                               f"world_size {w}. Hint: pass master_port=<free port>.")
-        found = ClusterEnv(r, w, lr, lw, _addr_var(env) or "127.0.0.1", port, "explicit",
+        addr = _addr_var(env) if master_addr is None else master_addr
+        found = ClusterEnv(r, w, lr, lw, addr or "127.0.0.1", port, "explicit",
                            node_rank=r // lw, num_nodes=_ceil_div(w, lw))
         present = [found]
     else:
@@ -671,10 +651,12 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
                         else master_addr, master_port=found.master_port if master_port is None
                         else master_port)
     k = _int_var(env, "PARLAY_NUM_PS") if num_ps is None else _as_index(num_ps, "num_ps")
-    tf = [c for c in present if c.source == "tf_config"]
-    if k is not None and num_ps is None and tf and tf[0].num_ps != k:
-        raise _fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0].num_ps}", str(k),
-                    "unset PARLAY_NUM_PS or fix TF_CONFIG")
+    tf = [c.num_ps for c in present if c.source == "tf_config"]
+    if tf and num_ps is None:  # TF_CONFIG's ps count holds even when another source won
+        if k is not None and k != tf[0]:
+            raise _fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0]}", str(k),
+                        "unset PARLAY_NUM_PS or fix TF_CONFIG")
+        k = tf[0]
     if k is None:
         return found
     _check_below("num_ps" if num_ps is not None else "PARLAY_NUM_PS", k, "world size",
@@ -683,70 +665,42 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
 
 
 def _parse_nodelist(text: str) -> list[list[str | list[tuple[int, int, int]]]]:
-    """Parse a SLURM hostlist into items of literal parts and range groups (lo, hi, width)."""
-    def bad(why: str) -> ConfigError:
-        return _fail("SLURM nodelist", "e.g. 'node[01-04,07],gpu3'", _show(text), why)
-
-    items: list[list[str | list[tuple[int, int, int]]]] = []
-    parts: list[str | list[tuple[int, int, int]]] = []
-    literal, i = "", 0
-    while i <= len(text):
-        c = text[i] if i < len(text) else ","
-        if c == ",":
-            if literal:
-                parts.append(literal)
-            if not parts:
-                raise bad("an empty host name")
-            items.append(parts)
-            parts, literal = [], ""
-        elif c == "[":
-            end = text.find("]", i)
-            if end < 0 or "[" in text[i + 1:end]:
-                raise bad("brackets must be balanced and not nested")
-            if literal:
-                parts.append(literal)
-                literal = ""
+    """Validate a SLURM hostlist; for each name, its literal parts and bracket groups."""
+    names: list[list[str | list[tuple[int, int, int]]]] = []
+    pos = 0
+    while True:
+        m = _NODE.match(text, pos)
+        if m is None:
+            raise _fail("SLURM nodelist", "names like 'node[01-04,07],gpu3'", _show(text),
+                        f"near character {pos}: no empty names or spaces, brackets balanced "
+                        "and not nested")
+        parts: list[str | list[tuple[int, int, int]]] = []
+        for i, piece in enumerate(re.split(r"\[([^\]]*)\]", m.group())):
+            if i % 2 == 0:  # re.split alternates literal text and group contents
+                parts += [piece] if piece else []
+                continue
             group = []
-            for spec in text[i + 1:end].split(","):
-                m = _RANGE.fullmatch(spec)
-                if m is None or int(m.group(1)) > int(m.group(2) or m.group(1)):
-                    raise bad(f"range {_show(spec)} must be 'N' or 'LO-HI' with LO <= HI")
-                group.append((int(m.group(1)), int(m.group(2) or m.group(1)), len(m.group(1))))
+            for spec in piece.split(","):
+                r = _RANGE.fullmatch(spec)
+                if r is None or int(r.group(1)) > int(r.group(2) or r.group(1)):
+                    raise _fail("SLURM nodelist", "ranges 'N' or 'LO-HI' with LO <= HI",
+                                f"{_show(spec)} in {_show(text)}", "e.g. 'node[01-04,07]'")
+                group.append((int(r.group(1)), int(r.group(2) or r.group(1)), len(r.group(1))))
             parts.append(group)
-            i = end
-        elif c == "]" or c.isspace():
-            raise bad("stray ']' or whitespace")
-        else:
-            literal += c
-        i += 1
-    return items
+        names.append(parts)
+        pos = m.end()
+        if pos == len(text):
+            return names
+        if text[pos] != ",":
+            raise _fail("SLURM nodelist", "',' between names", _show(text),
+                        f"unexpected {text[pos]!r} at character {pos}")
+        pos += 1
 
 
-def _choices(part: str | list[tuple[int, int, int]]) -> Iterator[str]:
-    if isinstance(part, str):
-        return iter((part,))
-    return (str(n).zfill(width) for lo, hi, width in part for n in range(lo, hi + 1))
-
-
-def _expand(parts: Sequence[str | list[tuple[int, int, int]]]) -> Iterator[str]:
-    """Lazy product of the parts (an explicit stack: names may hold many bracket groups)."""
-    prefixes, choices = [""], [_choices(parts[0])]
-    while choices:
-        piece = next(choices[-1], None)
-        if piece is None:
-            choices.pop()
-            prefixes.pop()
-        elif len(choices) == len(parts):
-            yield prefixes[-1] + piece
-        else:
-            prefixes.append(prefixes[-1] + piece)
-            choices.append(_choices(parts[len(choices)]))
-
-
-def _iter_nodelist(text: str) -> Iterator[str]:
-    items = _parse_nodelist(text)  # validate all before yielding; expansion stays lazy
-    for parts in items:
-        yield from _expand(parts)
+def _first_node(text: str) -> str:
+    """First host of a hostlist, without expanding it (``n[1-99999999]`` stays cheap)."""
+    return "".join(p if isinstance(p, str) else str(p[0][0]).zfill(p[0][2])
+                   for p in _parse_nodelist(text)[0])
 
 
 def expand_nodelist(s: str) -> list[str]:
@@ -762,8 +716,13 @@ def expand_nodelist(s: str) -> list[str]:
         Host names in SLURM's order.
 
     Raises:
-        ConfigError: Empty names, unbalanced or nested brackets, or a bad range.
+        ConfigError: Empty names, spaces, unbalanced or nested brackets, or a bad range.
     """
     if not isinstance(s, str):
         raise _fail("SLURM nodelist", "a string", _show(s), "pass e.g. 'node[01-04]'")
-    return list(_iter_nodelist(s))
+    hosts = []
+    for parts in _parse_nodelist(s):
+        choices = [[p] if isinstance(p, str) else
+                   [str(n).zfill(w) for lo, hi, w in p for n in range(lo, hi + 1)] for p in parts]
+        hosts += ["".join(name) for name in itertools.product(*choices)]
+    return hosts

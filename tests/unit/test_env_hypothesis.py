@@ -1,4 +1,4 @@
-"""Fuzzing cluster detection: any environment yields a valid answer or a ConfigError, nothing else."""
+"""Fuzzing cluster detection: any environment gives a valid answer or a ConfigError only."""
 from __future__ import annotations
 
 import json
@@ -23,6 +23,8 @@ numbers = st.one_of(small_ints, st.integers().map(str), st.sampled_from(["", " 1
 nodelists = st.sampled_from(["node[01-04,07]", "a[1-2],b3", "gpu-[001-003]-x", "n[", "", "h,",
                              "[1-2]", "x[3-1]", "::1", "[::1]"])
 hosts = st.one_of(
+    st.builds(lambda h, p: f"{h}:{p}", st.sampled_from(["a", "b", "c", "[::1]"]),
+              st.integers(min_value=1, max_value=3)),
     st.builds(lambda h, p: f"{h}:{p}", st.sampled_from(["a", "b", "[::1]", "", "c d", "::1"]),
               st.integers(min_value=-1, max_value=70000)),
     st.text(max_size=8), st.integers(), st.none())
@@ -31,7 +33,22 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
                                                                 max_size=4),
     max_leaves=12)
+
+
+def _cluster(n_ps: int, n_chief: int, n_workers: int, same_host: bool) -> dict[str, list[str]]:
+    host = (lambda i: f"h:{1000 + i}") if same_host else (lambda i: f"h{i}:2222")
+    names = [host(i) for i in range(n_ps + n_chief + n_workers)]
+    return {"ps": names[:n_ps], "chief": names[n_ps:n_ps + n_chief],
+            "worker": names[n_ps + n_chief:]}
+
+
+valid_tf = st.builds(
+    lambda cluster, task_type, index: json.dumps(
+        {"cluster": cluster, "task": {"type": task_type, "index": index}}),
+    st.builds(_cluster, st.integers(0, 2), st.integers(0, 1), st.integers(0, 3), st.booleans()),
+    st.sampled_from(["ps", "worker", "chief", "evaluator"]), st.integers(0, 2))
 tf_configs = st.one_of(
+    valid_tf,
     st.text(max_size=40),
     json_values.map(json.dumps),
     st.builds(
@@ -54,12 +71,31 @@ def value_for(name: str) -> st.SearchStrategy[str]:
         return st.one_of(st.sampled_from(["127.0.0.1", "node0", "::1", "[::1]", ""]),
                          st.text(max_size=8))
     if name == "SLURM_NTASKS_PER_NODE":
-        return st.one_of(st.sampled_from(["4", "2(x3),1", "2(x", "0"]), numbers)
+        return st.one_of(st.sampled_from(["4", "2(x3),1", "0"]), numbers)
     return st.one_of(numbers, st.text(max_size=8))
 
 
-environments = st.lists(st.sampled_from(NAMES), unique=True, max_size=12).flatmap(
+random_envs = st.lists(st.sampled_from(NAMES), unique=True, max_size=12).flatmap(
     lambda names: st.fixed_dictionaries({n: value_for(n) for n in names}))
+# Near-valid launches (one source complete, small numbers, a little noise) reach the success
+# paths of every source, which fully random dictionaries almost never do.
+SOURCES = [
+    ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"],
+    ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST", "SLURM_JOB_ID"],
+    ["OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+     "OMPI_COMM_WORLD_LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT"],
+    ["TF_CONFIG"],
+]
+plausible = st.sampled_from(["0", "1", "2", "3", "4", "29500"])
+launch_envs = st.tuples(
+    st.sampled_from(SOURCES).flatmap(lambda names: st.fixed_dictionaries(
+        {n: (nodelists if "NODELIST" in n else st.just("node0") if n == "MASTER_ADDR"
+             else tf_configs if n == "TF_CONFIG" else plausible) for n in names})),
+    st.dictionaries(st.sampled_from(["PARLAY_NUM_PS", "GROUP_RANK", "SLURM_NNODES",
+                                     "SLURM_NODEID", "TORCHELASTIC_RUN_ID", "JUNK"]),
+                    plausible, max_size=2),
+).map(lambda parts: {**parts[0], **parts[1]})
+environments = st.one_of(random_envs, launch_envs)
 
 
 @settings(max_examples=300, deadline=None)

@@ -72,6 +72,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         average_aggregated_gradients: With Average and ``backward_passes_per_step=k``, also
             divide by ``k`` so k passes of mean losses equal one pass over the k-times batch.
         check_consistency: Check at construction that all ranks hold the same parameters.
+        gradient_as_bucket_view: Make each ``p.grad`` a view into its bucket, so autograd
+            accumulates straight into the communication buffer and no gradient is copied in
+            or out (as DDP's option of the same name). ``zero_grad()`` then zeroes the buckets
+            in place instead of setting gradients to ``None``.
 
     Raises:
         ConfigError: Bad arguments, or ranks disagree on parameter names, shapes or dtypes.
@@ -83,7 +87,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  backward_passes_per_step: int = 1, bucket_cap_mb: float = 25,
                  gradient_predivide_factor: float = 1.0, process_group: Any = None, *,
                  average_aggregated_gradients: bool = True,
-                 check_consistency: bool = True) -> None:
+                 check_consistency: bool = True,
+                 gradient_as_bucket_view: bool = True) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}. Hint: build the optimizer first, "
@@ -158,6 +163,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._passthrough = (self._world == 1 and isinstance(self.compression, NoneCompressor)
                              and self._prescale * self._postscale == 1.0)
         self._hooks: list[Any] = []
+        self._views: list[torch.Tensor | None] = [None] * len(self._params)
+        if gradient_as_bucket_view and not self._passthrough:
+            for i, p in enumerate(self._params):
+                b, slot = self._plan.where[i]
+                off = self._plan.buckets[b].offsets[slot]
+                view = self._buffers[b][off: off + p.numel()].view_as(p)
+                if p.grad is not None and not p.grad.is_sparse:
+                    view.copy_(p.grad)
+                p.grad = view
+                self._views[i] = view
         self._reset_step_state()
         self._synchronized = False
         self._should_synchronize = True
@@ -224,7 +239,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         p = self._params[i]
         dst = self._buffers[b][off: off + p.numel()]
         g = p.grad
-        if g is None:
+        view = self._views[i]
+        if view is not None and g is not None and g.data_ptr() == view.data_ptr():
+            # Autograd accumulated straight into the bucket: nothing to copy.
+            if self._prescale != 1.0:
+                view.mul_(self._prescale)
+        elif g is None:
             dst.zero_()
         else:
             if g.is_sparse:
@@ -274,12 +294,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if h is None:
                 continue
             out = h.wait()
-            if self._postscale != 1.0:
-                out = out.mul_(self._postscale) if out.dtype.is_floating_point else out
+            buf = self._buffers[b]
+            if out is not buf:
+                buf.copy_(out)
+            if self._postscale != 1.0 and buf.dtype.is_floating_point:
+                buf.mul_(self._postscale)
             for slot, i in enumerate(bucket.members):
                 p = self._params[i]
+                view = self._views[i]
+                if view is not None:
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                    continue
                 off = bucket.offsets[slot]
-                red = out[off: off + p.numel()].view_as(p)
+                red = buf[off: off + p.numel()].view_as(p)
                 if p.grad is None or p.grad.is_sparse:
                     p.grad = red.detach().clone()
                 else:
@@ -319,13 +347,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.step(closure) if closure is not None else self._opt.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero gradients; warns if called while a reduction is half done."""
+        """Zero gradients; warns if called while a reduction is half done.
+
+        Gradients that are views into buckets are zeroed in place (never set to ``None``);
+        other parameters follow ``set_to_none``.
+        """
         if any(self._filled) and not self._passthrough:
             warnings.warn(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                 "cause a race condition.", stacklevel=2)
-        self._opt.zero_grad(set_to_none=set_to_none)
+        views = {id(p): v for p, v in zip(self._params, self._views) if v is not None}
+        if views:
+            for buf in self._buffers:
+                buf.zero_()
+        for group in self.param_groups:
+            for p in group["params"]:
+                v = views.get(id(p))
+                if v is not None:
+                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                        p.grad = v  # re-attach after e.g. model.zero_grad(set_to_none=True)
+                elif p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_()
+                        p.grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ConfigError("add parameter groups to the optimizer before wrapping it in "
