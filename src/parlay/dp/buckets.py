@@ -4,7 +4,7 @@ Gradients are fused into flat buckets of at most ``cap_bytes`` so one collective
 small tensors. Parameters are taken in *reverse* registration order, which approximates the
 order in which backward produces their gradients (the last layer first), so the first bucket
 fills early and its allreduce overlaps the rest of backward (the same heuristic as PyTorch DDP).
-Buckets never mix dtypes or devices; a tensor bigger than the cap gets a bucket of its own.
+Buckets never mix dtypes or devices; a bucket closes as soon as it reaches the cap.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class BucketPlan:
 
         Args:
             params: Parameters in model registration order.
-            cap_bytes: Maximum bytes per bucket (a larger single tensor gets its own bucket).
+            cap_bytes: A bucket closes once it holds at least this many bytes.
             first_cap_bytes: Smaller cap for the first bucket so communication starts early
                 (default: same as ``cap_bytes``).
 
@@ -86,9 +86,8 @@ class BucketPlan:
             p = params[i]
             key = (p.dtype, p.device)
             size = p.numel * torch.empty((), dtype=p.dtype).element_size()
-            cap = first_cap if not finished else cap_bytes
-            if key in open_ and open_bytes[key] + size > cap:
-                close(key)
+            # Add first, then close once the cap is reached (as DDP does): a big tensor joins
+            # the small ones before it instead of leaving them in a bucket of their own.
             open_.setdefault(key, []).append(i)
             open_bytes[key] = open_bytes.get(key, 0) + size
             if open_bytes[key] >= (first_cap if not finished else cap_bytes):
