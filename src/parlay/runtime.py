@@ -11,7 +11,7 @@ import datetime as _dt
 import logging
 import os
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,29 @@ class _Runtime:
 
 
 _rt: _Runtime | None = None
+
+# Re-initialisation: every init() rendezvouses under a fresh store prefix, because the store may
+# outlive the group (torchrun's agent store always does) and a peer could otherwise read the
+# previous group's stale addresses. Every rank counts its own inits, so the prefixes agree.
+_generation = 0
+
+#: Callables run after every successful init() and before shutdown() destroys the group, so
+#: layers such as parlay.horovod can set up and tear down per-group state (background threads,
+#: subgroups) without this module knowing them. Append with :func:`on_init` / :func:`on_shutdown`.
+_init_hooks: list[Callable[[], None]] = []
+_shutdown_hooks: list[Callable[[], None]] = []
+
+
+def on_init(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` after every successful :func:`init` (now too, if already initialised)."""
+    _init_hooks.append(fn)
+    if _rt is not None:
+        fn()
+
+
+def on_shutdown(fn: Callable[[], None]) -> None:
+    """Run ``fn()`` at the start of every :func:`shutdown` of an initialised runtime."""
+    _shutdown_hooks.append(fn)
 
 
 def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
@@ -122,6 +145,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
         be = str(dist.get_backend())
         _, dev = _choose_backend("auto", cluster.local_rank)
         _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=False)
+        _run_hooks(_init_hooks)
         return
     be, dev = _choose_backend(backend, cluster.local_rank)
     try:
@@ -129,8 +153,13 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
             # No launcher: a world of one still gets a real group so every op works unchanged.
             dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
-            url = f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:{cluster.master_port}"
-            dist.init_process_group(be, init_method=url, rank=cluster.rank,
+            global _generation
+            url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
+                   f"{cluster.master_port}?rank={cluster.rank}&world_size={cluster.world_size}")
+            store, _, _ = next(dist.rendezvous(url, timeout=td))
+            store = dist.PrefixStore(f"parlay/init{_generation}", store)
+            _generation += 1
+            dist.init_process_group(be, store=store, rank=cluster.rank,
                                     world_size=cluster.world_size, timeout=td)
     except (RuntimeError, TimeoutError, OSError) as e:
         raise CommError(
@@ -141,11 +170,19 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=True)
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
               cluster.rank, cluster.world_size, be, dev, cluster.source)
+    _run_hooks(_init_hooks)
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    for fn in list(hooks):
+        fn()
 
 
 def shutdown() -> None:
     """Destroy the process group parlay created; a no-op when not initialised."""
     global _rt
+    if _rt is not None:
+        _run_hooks(_shutdown_hooks)
     rt, _rt = _rt, None
     if rt is not None and rt.owns_group and dist.is_initialized():
         dist.destroy_process_group()
