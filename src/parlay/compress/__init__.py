@@ -1,6 +1,16 @@
-"""Gradient compression: the Compressor protocol, its registry and error feedback."""
+"""Gradient compression: the Compressor protocol, its registry and error feedback.
+
+Importing this package registers every built-in compressor: ``none``, ``fp16``, ``bf16``,
+``topk``, ``randomk`` and ``powersgd`` (see :mod:`parlay.compression` for the user-facing
+facade and :mod:`parlay.compress.base` for the API contract other modes rely on).
+"""
 from parlay.compress.base import (CommStats, Compressor, NoneCompressor, available,
                                   get_compressor, reduce_async, register)
+from parlay.compress.cast import BF16, FP16
+from parlay.compress.feedback import ErrorFeedback, Residuals
+from parlay.compress.powersgd import PowerSGD
+from parlay.compress.sparse import RandomK, TopK
 
 __all__ = ["CommStats", "Compressor", "NoneCompressor", "available", "get_compressor",
-           "reduce_async", "register"]
+           "reduce_async", "register", "FP16", "BF16", "TopK", "RandomK", "PowerSGD",
+           "ErrorFeedback", "Residuals"]

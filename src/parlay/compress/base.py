@@ -5,6 +5,25 @@ payloads can be summed element-wise on the wire (``summable``: none, fp16, bf16,
 shared seed) the reduction is one allreduce; otherwise (top-k) every rank's payload is
 allgathered and decoded locally. :func:`reduce_async` is that single code path, used by the
 data-parallel optimizer, parameter-server pushes and hybrid mode's data-parallel groups.
+
+The contract every caller may rely on (stable API):
+
+* ``compress(flat, key) -> (payload, ctx)``: ``flat`` is a 1-D bucket and is never modified;
+  ``key`` names the bucket (stable across steps, e.g. ``"bucket0"``) so stateful compressors
+  keep per-bucket memory (error-feedback residuals, random-k step counters, PowerSGD's Q).
+  Call it exactly once per bucket per step, on every rank, in the same order.
+* ``payload`` is a list of tensors (what crosses the wire; ``CommStats`` counts their bytes).
+  ``ctx`` is small, picklable metadata (shape, dtype, scale, seed) that stays with the sender;
+  a receiver in another process (a parameter server) decodes with ``decompress(payload, ctx)``
+  on an instance of the same compressor, so send ``ctx`` along with the payload.
+* ``summable`` compressors decode a *sum* of payloads to the sum of inputs (allreduce);
+  otherwise ``aggregate(payloads, ctx)`` decodes every rank's payload and sums (allgather).
+* ``next_round(reduced, ctx)`` (default ``None``) lets a compressor run further collective
+  rounds after the first allreduce: PowerSGD sends P then Q, fp16 retries in fp32 on overflow.
+  Compressors with ``point_to_point = False`` (PowerSGD) need those rounds and therefore only
+  work through :func:`reduce_async`, never for parameter-server pushes.
+* ``set_layout(key, shapes)`` (default no-op) tells shape-aware compressors (PowerSGD) which
+  tensors a bucket concatenates; the data-parallel optimizer calls it once per bucket.
 """
 from __future__ import annotations
 
@@ -31,6 +50,8 @@ class Compressor:
     name: ClassVar[str] = "base"
     #: True when sum of payloads decodes to the sum of inputs, so allreduce can carry them.
     summable: ClassVar[bool] = True
+    #: False when decoding needs further collective rounds (PowerSGD): reduce_async only.
+    point_to_point: ClassVar[bool] = True
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
@@ -47,6 +68,17 @@ class Compressor:
         for p in payloads[1:]:
             out = out + self.decompress(p, ctx)
         return out
+
+    def next_round(self, reduced: list[torch.Tensor], ctx: Any) -> list[torch.Tensor] | None:
+        """After a round's allreduce, return the next payload to allreduce, or ``None``.
+
+        ``reduced`` is the summed payload of the round that just finished (identical on every
+        rank). When this returns ``None``, ``decompress(reduced, ctx)`` gives the result.
+        """
+        return None
+
+    def set_layout(self, key: str, shapes: list[tuple[int, ...]]) -> None:
+        """Hint: bucket ``key`` is the concatenation of tensors of these shapes, in order."""
 
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint (e.g. error-feedback residuals)."""
@@ -133,6 +165,10 @@ class CommStats:
         self.wire_bytes += wire
         self.reductions += 1
 
+    def add_wire(self, wire: int) -> None:
+        """Bytes of a further round of the same reduction (PowerSGD's Q, an fp16 retry)."""
+        self.wire_bytes += wire
+
     @property
     def ratio(self) -> float:
         """Dense bytes divided by wire bytes (1.0 when nothing was sent)."""
@@ -160,7 +196,8 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         stats: Accumulates dense vs wire bytes.
 
     Returns:
-        A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``).
+        A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``). Further
+        rounds (:meth:`Compressor.next_round`) run inside ``wait()``.
     """
     world = comm.group_size(group)
     payload, ctx = compressor.compress(flat, key)
@@ -168,11 +205,21 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
     if compressor.summable:
         works = [comm.allreduce(p, "sum", group=group, async_op=True) for p in payload]
+        more = getattr(compressor, "next_round", None)  # duck-typed compressors may lack it
 
         def finish() -> torch.Tensor:
+            reduced = payload
             for w in works:
                 w.wait()
-            out = compressor.decompress(payload, ctx)
+            nxt = more(reduced, ctx) if more is not None else None
+            while nxt is not None:
+                if stats is not None:
+                    stats.add_wire(_nbytes(nxt))
+                for p in nxt:
+                    comm.allreduce(p, "sum", group=group)
+                reduced = nxt
+                nxt = more(reduced, ctx)
+            out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
     else:
         outs = [p.new_empty((world * p.numel(),)) for p in payload]

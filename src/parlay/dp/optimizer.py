@@ -151,6 +151,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             cap_bytes=max(1, int(bucket_cap_mb * _MB)))
         self._buffers = [torch.zeros(b.numel, dtype=b.dtype, device=torch.device(b.device))
                          for b in self._plan.buckets]
+        # Shape-aware compressors (PowerSGD) view each tensor of a bucket as a matrix.
+        set_layout = getattr(self.compression, "set_layout", None)
+        if set_layout is not None:
+            for b, bucket in enumerate(self._plan.buckets):
+                set_layout(f"bucket{b}", [tuple(self._params[i].shape) for i in bucket.members])
         # Horovod's scaling split: prescale before the sum, postscale after it.
         if op == ReduceOp.Average:
             self._prescale = 1.0 / self.gradient_predivide_factor

@@ -1,0 +1,233 @@
+"""Sparsifiers: top-k (largest magnitudes, over allgather) and random-k (shared seed, allreduce).
+
+Both keep an error-feedback residual per bucket by default (:mod:`parlay.compress.feedback`):
+the coordinates not sent this step are carried to the next, so nothing a rank produced is lost,
+only delayed. Options (also in registry strings, e.g. ``"topk:0.01,momentum=0.9,warmup=500"``):
+
+* ``ratio``: density, the fraction of coordinates sent; ``k = max(1, floor(ratio * numel))``.
+* ``error_feedback`` (``ef``): keep residuals (default on).
+* ``momentum``: DGC momentum correction (Lin et al. 2018); use with optimizer momentum off.
+* ``warmup_steps`` (``warmup``) and ``warmup_start``: DGC density warm-up, the density decays
+  exponentially from ``warmup_start`` to ``ratio`` over the first ``warmup_steps`` steps of
+  each bucket. Wire bytes are measured, so the warm-up's cost shows in ``comm_stats()``.
+
+Top-k's payload is ``[values, indices]`` (int32 indices while ``numel < 2**31``, so 8 bytes per
+fp32 coordinate); ranks choose different coordinates, so payloads are allgathered and summed
+locally. Random-k's payload is ``[values]`` only: the indices come from a generator seeded with
+``(seed, key, step)``, and the per-bucket step counter advances once per ``compress`` call, which
+every rank makes in the same order, so all ranks pick the same coordinates and one allreduce of
+the values is the exact sum.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from parlay.compress.base import Compressor, register
+from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
+from parlay.errors import ConfigError
+
+__all__ = ["TopK", "RandomK", "SparseCtx", "random_indices"]
+
+_INT32_LIMIT = 2 ** 31
+
+
+@dataclass(frozen=True)
+class SparseCtx:
+    """What decoding needs: bucket size and dtype, ``k``, and random-k's index seed."""
+
+    numel: int
+    dtype: torch.dtype
+    k: int
+    seed: int = -1
+
+
+def random_indices(numel: int, k: int, seed: int) -> torch.Tensor:
+    """``k`` distinct indices in ``[0, numel)``, uniformly at random, sorted; a pure function
+    of its arguments (CPU generator), so every process computes the same ones."""
+    g = torch.Generator().manual_seed(int(seed))
+    if k * 4 >= numel:
+        return torch.randperm(numel, generator=g)[:k].sort().values
+    # Sparse case: the first k distinct values of an i.i.d. uniform stream form a uniform
+    # k-subset; drawing ~k candidates is far cheaper than permuting all numel indices.
+    chosen = torch.empty(0, dtype=torch.long)
+    while chosen.numel() < k:
+        need = k - chosen.numel()
+        stream = torch.cat([chosen, torch.randint(numel, (need + need // 8 + 16,), generator=g)])
+        uniq, inv = torch.unique(stream, return_inverse=True)
+        first = torch.full((uniq.numel(),), stream.numel(), dtype=torch.long)
+        first.scatter_reduce_(0, inv, torch.arange(stream.numel()), reduce="amin")
+        chosen = stream[first.sort().values]  # distinct, in order of first appearance
+    return chosen[:k].sort().values
+
+
+class _Sparsifier(Compressor):
+    """Shared machinery: density schedule, per-bucket step counter, error feedback."""
+
+    def __init__(self, ratio: float = 0.01, error_feedback: bool = True, momentum: float = 0.0,
+                 warmup_steps: int = 0, warmup_start: float = 0.25) -> None:
+        if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
+            raise ConfigError(f"{self.name} ratio must be in (0, 1] (the fraction of "
+                              f"coordinates sent), got {ratio!r}. Hint: 0.01 sends 1%.")
+        if int(warmup_steps) < 0 or not 0.0 < float(warmup_start) <= 1.0:
+            raise ConfigError(f"{self.name} warm-up needs warmup_steps >= 0 and warmup_start in "
+                              f"(0, 1], got {warmup_steps!r} and {warmup_start!r}.")
+        if momentum and not error_feedback:
+            raise ConfigError("momentum correction needs error feedback (it lives in the "
+                              "residual). Hint: keep error_feedback=True.")
+        self.ratio = float(ratio)
+        self.warmup_steps = int(warmup_steps)
+        self.warmup_start = float(warmup_start)
+        self.memory: Residuals | None = Residuals(momentum) if error_feedback else None
+        self._steps: dict[str, int] = {}
+
+    @property
+    def error_feedback(self) -> bool:
+        """Whether this compressor keeps residuals itself."""
+        return self.memory is not None
+
+    def density(self, key: str) -> float:
+        """Density the next compress of bucket ``key`` will use (after warm-up: ``ratio``)."""
+        return warmup_density(self._steps.get(key, 0), self.ratio, self.warmup_steps,
+                              self.warmup_start)
+
+    @staticmethod
+    def k_for(numel: int, density: float) -> int:
+        """Number of coordinates sent for a bucket of ``numel`` at ``density``."""
+        return min(numel, max(1, int(density * numel)))
+
+    def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
+        raise NotImplementedError
+
+    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        step = self._steps.get(key, 0)
+        k = self.k_for(flat.numel(), self.density(key))
+        self._steps[key] = step + 1
+        x = self.memory.correct(key, flat) if self.memory is not None else flat
+        idx, seed = self._indices(x, k, key, step)
+        values = x[idx]
+        if self.memory is not None:
+            mask = None
+            if self.memory.momentum:
+                mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+                mask[idx] = True
+            x[idx] = 0  # x is a fresh tensor: what was not sent is exactly the residual
+            self.memory.keep(key, x, mask)
+        ctx = SparseCtx(flat.numel(), flat.dtype, k, seed)
+        return self._payload(values, idx, flat.numel()), ctx
+
+    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {"steps": dict(self._steps)}
+        if self.memory is not None:
+            sd.update(self.memory.state_dict())
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        steps = state.get("steps", {})
+        if not isinstance(steps, dict):
+            raise ConfigError(f"{self.name} state 'steps' should be a dict, got "
+                              f"{type(steps).__name__}.")
+        self._steps = {str(k): int(v) for k, v in steps.items()}
+        if self.memory is not None:
+            self.memory.load_state_dict(state)
+
+    def __repr__(self) -> str:
+        extra = "" if self.memory is not None else ", error_feedback=False"
+        if self.memory is not None and self.memory.momentum:
+            extra += f", momentum={self.memory.momentum}"
+        if self.warmup_steps:
+            extra += f", warmup_steps={self.warmup_steps}"
+        return f"{type(self).__name__}(ratio={self.ratio}{extra})"
+
+
+class TopK(_Sparsifier):
+    """Send the ``k`` largest-magnitude coordinates (exactly ``k``), as values + indices.
+
+    Not summable: payloads are allgathered and every rank adds them into a dense bucket.
+    """
+
+    name = "topk"
+    summable = False
+
+    def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
+        return torch.topk(x.abs(), k, sorted=False).indices, -1
+
+    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        return [values, idx.to(torch.int32 if numel < _INT32_LIMIT else torch.int64)]
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        return self.aggregate([payload], ctx)
+
+    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any) -> torch.Tensor:
+        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
+        for values, idx in payloads:  # rank order: the same summation order on every rank
+            out.index_add_(0, idx, values.to(ctx.dtype))
+        return out
+
+
+class RandomK(_Sparsifier):
+    """Send ``k`` coordinates chosen at random with a seed shared by all ranks (allreduce).
+
+    Args:
+        ratio: Fraction of coordinates sent.
+        seed: Base seed; indices depend on ``(seed, bucket key, step)`` only.
+        **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``.
+    """
+
+    name = "randomk"
+    summable = True
+
+    def __init__(self, ratio: float = 0.01, seed: int = 0, **kwargs: Any) -> None:
+        super().__init__(ratio, **kwargs)
+        self.seed = int(seed)
+        self._cache: OrderedDict[tuple[int, int, int, str], torch.Tensor] = OrderedDict()
+
+    def indices(self, numel: int, k: int, seed: int, device: Any = "cpu") -> torch.Tensor:
+        """The coordinates for ``(numel, k, seed)`` (cached; identical on every rank)."""
+        ck = (numel, k, seed, str(device))
+        idx = self._cache.get(ck)
+        if idx is None:
+            idx = random_indices(numel, k, seed).to(device)
+            self._cache[ck] = idx
+            while len(self._cache) > 16:
+                self._cache.popitem(last=False)
+        return idx
+
+    def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
+        seed = seed_for(self.seed, key, step)
+        return self.indices(x.numel(), k, seed, x.device), seed
+
+    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
+        return [values]
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        values = payload[0]
+        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        return out.index_add_(0, self.indices(ctx.numel, ctx.k, ctx.seed, values.device),
+                              values.to(ctx.dtype))
+
+
+_TYPES: dict[str, type] = {"ratio": float, "ef": bool, "momentum": float, "warmup": int,
+                           "warmup_start": float}
+
+
+def _factory(cls: type[_Sparsifier], extra: dict[str, type]) -> Callable[..., Compressor]:
+    def make(*args: str) -> Compressor:
+        o = parse_options(args, ["ratio"], {**_TYPES, **extra}, cls.name)
+        kw: dict[str, Any] = {"ratio": o.pop("ratio", 0.01),
+                              "error_feedback": o.pop("ef", True),
+                              "momentum": o.pop("momentum", 0.0),
+                              "warmup_steps": o.pop("warmup", 0),
+                              "warmup_start": o.pop("warmup_start", 0.25)}
+        return cls(**kw, **o)
+    return make
+
+
+register("topk", _factory(TopK, {}))
+register("randomk", _factory(RandomK, {"seed": int}))
