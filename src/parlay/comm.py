@@ -235,7 +235,13 @@ def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: Any 
     """
     with comm_errors("recv"):
         work = dist.irecv(tensor, src=src, group=group, tag=tag)
-    h = Handle(work, "recv", lambda: int(work.source_rank()) if src is None else src)
+    def finish() -> int:
+        if src is not None:
+            return src
+        assert work is not None  # irecv always returns a work object
+        return int(work.source_rank())
+
+    h = Handle(work, "recv", finish)
     return h if async_op else h.wait()
 
 

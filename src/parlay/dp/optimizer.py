@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -125,12 +126,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.defaults = optimizer.defaults
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
-        self._optimizer_step_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_step_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_pre_hooks: dict[int, Callable[..., Any]] = {}
-        self._optimizer_load_state_dict_post_hooks: dict[int, Callable[..., Any]] = {}
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
