@@ -1,0 +1,237 @@
+"""Compressor maths without a process group: casts, sparsifiers, error feedback, registry.
+
+``simulate`` plays reduce_async's protocol for W in-process "ranks" (sum payloads, run the extra
+rounds, decode), so the maths is checked here and the wire in tests/dist/test_compression.py.
+"""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import parlay
+from parlay.compress import (BF16, FP16, ErrorFeedback, PowerSGD, RandomK, TopK, available,
+                             get_compressor)
+from parlay.compress.feedback import warmup_density
+from parlay.compress.sparse import random_indices
+from parlay.errors import ConfigError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def simulate(comps, flats, key="bucket0"):
+    """What reduce_async computes on each of len(comps) ranks (rank r holds comps[r])."""
+    outs = [c.compress(f, key) for c, f in zip(comps, flats)]
+    ctxs = [ctx for _, ctx in outs]
+    if not comps[0].summable:
+        payloads = [p for p, _ in outs]
+        return [c.aggregate(payloads, ctx) for c, ctx in zip(comps, ctxs)]
+    payloads = [p for p, _ in outs]
+    while True:
+        summed = [torch.stack([p[i] for p in payloads]).sum(0) for i in range(len(payloads[0]))]
+        mine = [[t.clone() for t in summed] for _ in comps]
+        nxt = [c.next_round(m, ctx) for c, m, ctx in zip(comps, mine, ctxs)]
+        if all(n is None for n in nxt):
+            return [c.decompress(m, ctx) for c, m, ctx in zip(comps, mine, ctxs)]
+        assert all(n is not None for n in nxt), "ranks disagree on the number of rounds"
+        payloads = nxt
+
+
+def dyadic(n, seed, scale=64):
+    """float64 values k/1024 with |k| < scale*1024: every sum below is exact."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-scale * 1024, scale * 1024, (n,), generator=g).double() / 1024
+
+
+# ------------------------------------------------------------------------ casts
+def test_fp16_relative_error_bound_and_dtype():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, generator=g) * torch.logspace(-3, 3, 4000)
+    c = FP16()
+    for _ in range(2):  # step 1 plain cast (scale 1), step 2 with the adapted scale
+        scale = c.scale("bucket0")
+        out = simulate([c], [x])[0]
+        assert out.dtype == torch.float32
+        # fp16 keeps 11 significant bits (round to nearest: 2**-11 relative) down to its
+        # smallest normal 2**-14; below that the absolute spacing is 2**-24 (half: 2**-25).
+        assert torch.all((out - x).abs() <= x.abs() * 2.0 ** -11 + 2.0 ** -25 / scale)
+    assert c.scale("bucket0") == 2.0 ** (14 - 12)  # 2**11 <= max |x| ~ 2360 < 2**12
+
+
+def test_fp16_overflow_falls_back_exactly_then_scales_down():
+    x = torch.tensor([1e6, -3e5, 1.0, 1e-3])
+    comps = [FP16(), FP16()]
+    out = simulate(comps, [x, x])  # 2e6 would be inf in fp16
+    for o in out:
+        torch.testing.assert_close(o, 2 * x, rtol=0, atol=0)  # full-precision retry: exact
+    assert comps[0].retries == 1 and comps[0].scale("bucket0") == comps[1].scale("bucket0") < 1
+    out2 = simulate(comps, [x, x])
+    assert comps[0].retries == 1  # the adapted scale avoids the overflow
+    assert torch.all((out2[0] - 2 * x).abs() <= 2 * x.abs() * 2.0 ** -10)
+
+
+def test_fp16_scale_rescues_tiny_gradients():
+    x = torch.full((8,), 3e-8)  # below fp16's smallest subnormal * 0.5: a plain cast gives 0
+    c = FP16()
+    assert simulate([c], [x])[0].abs().max() < 1e-7
+    out = simulate([c], [x])[0]  # second step: scale derived from the first result
+    torch.testing.assert_close(out, x, rtol=2.0 ** -11, atol=0)
+
+
+def test_bf16_relative_error_bound():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4000, generator=g) * torch.logspace(-20, 20, 4000)
+    out = simulate([BF16()], [x])[0]
+    assert out.dtype == torch.float32
+    assert torch.all((out - x).abs() <= x.abs() * 2.0 ** -8)
+
+
+# ------------------------------------------------------------------------ sparsifiers
+def test_topk_selects_exactly_the_k_largest_magnitudes():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1000, generator=g)
+    c = TopK(0.05, error_feedback=False)
+    (values, idx), ctx = c.compress(x, "b")
+    assert values.numel() == idx.numel() == 50 and idx.dtype == torch.int32
+    expect = x.abs().sort(descending=True).values[:50]
+    torch.testing.assert_close(values.abs().sort(descending=True).values, expect, rtol=0, atol=0)
+    torch.testing.assert_close(values, x[idx.long()], rtol=0, atol=0)
+    dense = c.decompress([values, idx], ctx)
+    assert int((dense != 0).sum()) == 50 and torch.equal(dense[idx.long()], values)
+
+
+def test_topk_uses_int64_indices_only_beyond_int32():
+    c = TopK(0.5)
+    idx = torch.tensor([0, 3])
+    assert c._payload(torch.ones(2), idx, 2 ** 31 - 1)[1].dtype == torch.int32
+    assert c._payload(torch.ones(2), idx, 2 ** 31)[1].dtype == torch.int64
+
+
+def test_randomk_indices_agree_across_ranks_and_change_per_step():
+    a, b = RandomK(0.1, seed=7), RandomK(0.1, seed=7)
+    x = torch.randn(500)
+    seen = []
+    for _ in range(3):
+        (_, ctx_a), (_, ctx_b) = a.compress(x, "bucket0"), b.compress(-x, "bucket0")
+        ia, ib = a.indices(500, ctx_a.k, ctx_a.seed), b.indices(500, ctx_b.k, ctx_b.seed)
+        assert torch.equal(ia, ib) and ia.numel() == 50 and ia.unique().numel() == 50
+        seen.append(ia)
+    assert not torch.equal(seen[0], seen[1])
+    other = RandomK(0.1, seed=7).compress(x, "bucket1")[1]
+    assert other.seed != RandomK(0.1, seed=7).compress(x, "bucket0")[1].seed
+
+
+def test_random_indices_are_uniform_and_distinct():
+    counts = torch.zeros(200)
+    for s in range(600):
+        idx = random_indices(200, 10, s)
+        assert idx.unique().numel() == 10 and 0 <= int(idx.min()) and int(idx.max()) < 200
+        counts[idx] += 1
+    # 600 draws x 10 / 200 = 30 expected per index; binomial sd ~5.3, so 6 sd bounds.
+    assert counts.min() > 30 - 32 and counts.max() < 30 + 32 and counts.std() < 10
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.05), lambda: RandomK(0.05),
+                                  lambda: TopK(0.05, momentum=0.875),  # dyadic: exact
+                                  lambda: ErrorFeedback(FP16()),
+                                  lambda: ErrorFeedback(TopK(0.02, error_feedback=False))],
+                         ids=["topk", "randomk", "topk-dgc", "ef-fp16", "ef-topk"])
+def test_error_feedback_conserves_exactly_in_float64(make):
+    c = make()
+    mem = c.memory
+    produced = torch.zeros(400, dtype=torch.float64)
+    sent = torch.zeros_like(produced)
+    for step in range(6):
+        g = dyadic(400, step)
+        if mem.momentum:  # DGC: the velocity is what is produced
+            before = mem.velocity.get("k", torch.zeros_like(g)).clone()
+            produced += before * mem.momentum + g
+        else:
+            produced += g
+        sent += simulate([c], [g], key="k")[0]
+        torch.testing.assert_close(sent + mem.residual["k"], produced, rtol=0, atol=0)
+    if mem.momentum:  # momentum factor masking: no velocity left where something was sent
+        assert torch.all(mem.velocity["k"][simulate([c], [dyadic(400, 9)], "k")[0] != 0] == 0)
+
+
+def test_no_error_feedback_drops_the_rest():
+    c = TopK(0.1, error_feedback=False)
+    assert c.memory is None and "error_feedback=False" in repr(c)
+    with pytest.raises(ConfigError, match="needs error feedback"):
+        TopK(0.1, error_feedback=False, momentum=0.9)
+
+
+def test_density_warmup_decays_geometrically_to_ratio():
+    assert warmup_density(0, 0.001, 100, 0.25) == pytest.approx(0.25)
+    assert warmup_density(50, 0.001, 100, 0.25) == pytest.approx((0.25 * 0.001) ** 0.5)
+    assert warmup_density(100, 0.001, 100, 0.25) == 0.001
+    c = TopK(0.01, warmup_steps=4, warmup_start=0.5)
+    ks = [c.compress(torch.randn(1000), "b")[1].k for _ in range(6)]
+    assert ks[0] == 500 and ks[-1] == ks[-2] == 10 and ks == sorted(ks, reverse=True)
+
+
+# ------------------------------------------------------------------------ state
+def _roundtrip(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # checkpoints load with weights_only
+
+
+@pytest.mark.parametrize("name", sorted(set(available()) | {"topk:0.05,momentum=0.9",
+                                                            "randomk:0.05,warmup=3"}))
+def test_state_dict_round_trip_continues_identically(name):
+    a = get_compressor(name)
+    a.set_layout("b0", [(20, 30), (30,)])
+    for s in range(3):
+        simulate([a], [torch.randn(630, generator=torch.Generator().manual_seed(s))], "b0")
+    b = get_compressor(name)
+    b.set_layout("b0", [(20, 30), (30,)])
+    b.load_state_dict(_roundtrip(a.state_dict()))
+    x = torch.randn(630)
+    torch.testing.assert_close(simulate([b], [x], "b0")[0], simulate([a], [x], "b0")[0],
+                               rtol=0, atol=0)
+    if getattr(a, "memory", None) is not None:
+        torch.testing.assert_close(b.memory.residual["b0"], a.memory.residual["b0"])
+
+
+def test_residual_from_another_model_is_rejected():
+    a = TopK(0.1)
+    a.compress(torch.randn(100), "bucket0")
+    b = TopK(0.1)
+    b.load_state_dict(a.state_dict())
+    with pytest.raises(ConfigError, match="has 100 elements but the bucket has 50"):
+        b.compress(torch.randn(50), "bucket0")
+    with pytest.raises(ConfigError, match="should map bucket keys to tensors"):
+        TopK(0.1).load_state_dict({"residual": [1, 2]})
+
+
+# ------------------------------------------------------------------------ registry / facade
+def test_registry_names_options_and_errors():
+    assert {"none", "fp16", "bf16", "topk", "randomk", "powersgd"} <= set(available())
+    t = get_compressor("topk:0.001,momentum=0.9,warmup=200")
+    assert isinstance(t, TopK) and t.ratio == 0.001 and t.memory.momentum == 0.9
+    assert t.warmup_steps == 200
+    assert get_compressor("powersgd:2").rank == 2 and get_compressor("randomk").ratio == 0.01
+    assert get_compressor("topk:0.1,ef=0").memory is None
+    with pytest.raises(ConfigError, match="valid names: bf16, fp16, none, powersgd"):
+        get_compressor("gzip")
+    with pytest.raises(ConfigError, match=r"ratio must be in \(0, 1\]"):
+        get_compressor("topk:0")
+    with pytest.raises(ConfigError, match="unknown option 'rank'"):
+        get_compressor("topk:0.1,rank=2")
+    with pytest.raises(ConfigError, match="not a valid float"):
+        get_compressor("randomk:abc")
+
+
+def test_facade_and_horovod_namespace():
+    comp = parlay.compression
+    assert isinstance(comp.TopK(ratio=0.01), TopK) and comp.TopK(ratio=0.01).memory is not None
+    a, b = get_compressor(parlay.Compression.fp16), get_compressor(parlay.Compression.fp16)
+    assert isinstance(a, FP16) and a is not b  # a class: fresh per-bucket state per optimizer
+    assert type(get_compressor(parlay.Compression.none)).__name__ == "NoneCompressor"
+    with pytest.raises(ConfigError, match="already keeps its own residuals"):
+        comp.ErrorFeedback(PowerSGD(2))
+    ef = comp.ErrorFeedback(TopK(0.1))
+    assert ef.inner.memory is None and ef.memory is not None and not ef.summable
