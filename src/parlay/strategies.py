@@ -45,6 +45,13 @@ class Strategy:
             r = s.train_step(x, y)              # x, y: this data-parallel replica's batch
         s.state_dict() / s.load_state_dict(sd) # checkpoints
 
+    The Trainer builds it as ``get_strategy(mode, compression=..., precision=...,
+    grad_clip=..., **strategy_options)``: a factory accepts those three keywords (raising
+    ``ConfigError`` for values it cannot honour) plus its own options. ``set_lr_factor`` is
+    called before every ``train_step``; ``eval_forward`` runs the model in eval mode without
+    gradients. The Trainer reduces metrics over ``dp_group`` only on ranks where
+    ``reports_loss`` is True.
+
     Attributes:
         name: Registry name ("allreduce", "ps", "hybrid").
     """
@@ -71,6 +78,13 @@ class Strategy:
     @property
     def dp_group(self) -> Any:
         """Process group of the ranks that compute losses, for reducing metrics (None: world)."""
+        return None
+
+    @property
+    def train_group(self) -> Any:
+        """Process group of every rank that runs the training loop, i.e. all ranks except
+        serving-only ones (None: world). Checkpoint saves/resumes agree over it, so every
+        member must reach the same checkpoint points."""
         return None
 
     @property

@@ -1,0 +1,7 @@
+"""Input pipeline: sharded resumable sampling, DataLoader construction, MNIST."""
+from parlay.data.loader import IndexBatchSampler, Prefetcher, build_loader
+from parlay.data.mnist import MNIST, default_root, mnist
+from parlay.data.sampler import ShardedSampler
+
+__all__ = ["ShardedSampler", "build_loader", "IndexBatchSampler", "Prefetcher", "MNIST",
+           "mnist", "default_root"]

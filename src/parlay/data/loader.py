@@ -1,0 +1,190 @@
+"""DataLoader construction where workers and prefetching actually take effect.
+
+Two things the original TensorLayer trainer got wrong are fixed here:
+
+* Prefetching is real. With ``num_workers > 0`` the loader's workers keep ``prefetch`` batches
+  each in flight (``DataLoader(prefetch_factor=...)``, persistent across epochs). With
+  ``num_workers=0`` a background thread keeps ``prefetch`` batches ready, so loading overlaps
+  the training step even without worker processes.
+* In-memory tensor datasets (``TensorDataset`` and ``parlay.data.mnist``) are fetched one batch
+  at a time with a single fancy index instead of ``batch_size`` ``__getitem__`` calls and a
+  collate, which costs almost nothing next to the training step.
+
+The loader never touches the global RNG (it gets its own generator), so creating an iterator
+mid-run does not change dropout masks or anything else a resumed run must reproduce.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
+
+from parlay.errors import ConfigError
+
+__all__ = ["build_loader", "IndexBatchSampler", "Prefetcher"]
+
+
+class _BatchIndexed(Dataset):
+    """View of a tensor dataset whose ``__getitem__`` takes a whole list of indices."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = tuple(tensors)
+
+    def __len__(self) -> int:
+        return int(self.tensors[0].shape[0])
+
+    def __getitem__(self, idx: list[int]) -> tuple[torch.Tensor, ...]:
+        ix = torch.as_tensor(idx, dtype=torch.long)
+        return tuple(t.index_select(0, ix) for t in self.tensors)
+
+
+class IndexBatchSampler(Sampler[list[int]]):
+    """Group a sampler's indices into lists of ``batch_size`` (the last may be shorter)."""
+
+    def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool = False) -> None:
+        self._inner = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._inner)
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+
+def _tensor_view(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
+    tensors = getattr(dataset, "tensors", None)
+    if isinstance(dataset, TensorDataset) or (
+            isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors)
+            and type(dataset).__getitem__ is TensorDataset.__getitem__):
+        return tuple(tensors)  # type: ignore[arg-type]
+    return None
+
+
+class Prefetcher:
+    """Iterate ``source`` in a background thread, keeping up to ``depth`` items ready.
+
+    Errors raised while loading are re-raised in the consumer. :meth:`close` stops the thread.
+    """
+
+    _END = object()
+
+    def __init__(self, source: Iterable[Any], depth: int) -> None:
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(iter(source),),
+                                        name="parlay-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self, it: Iterator[Any]) -> None:
+        try:
+            for item in it:
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self._put(e)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def __iter__(self) -> "Prefetcher":
+        return self
+
+    def __next__(self) -> Any:
+        item = self._q.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop the loading thread (pending items are dropped)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class _Loader:
+    """What :func:`build_loader` returns: iterable once per epoch, closable."""
+
+    def __init__(self, loader: DataLoader, prefetch: int, threaded: bool) -> None:
+        self.loader = loader
+        self.prefetch = prefetch
+        self.threaded = threaded
+        self._live: Prefetcher | None = None
+
+    def __iter__(self) -> Iterator[Any]:
+        self.close()
+        if self.threaded:
+            self._live = Prefetcher(self.loader, self.prefetch)
+            return self._live
+        return iter(self.loader)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+
+
+def build_loader(dataset: Dataset, sampler: Sampler[int], batch_size: int, *,
+                 num_workers: int = 0, prefetch: int = 2, pin_memory: bool = False,
+                 drop_last: bool = False, collate_fn: Any = None) -> _Loader:
+    """A loader over ``sampler``'s indices of ``dataset`` in batches of ``batch_size``.
+
+    Args:
+        dataset: A map-style dataset. Tensor datasets are fetched a whole batch per index.
+        sampler: Yields this rank's sample indices (e.g. :class:`ShardedSampler`).
+        batch_size: Samples per batch on this rank.
+        num_workers: Worker processes (``0``: load in a background thread of this process).
+        prefetch: Batches kept ready: per worker (``prefetch_factor``) with workers, in total
+            with the thread; ``0`` disables the thread (loading happens inline).
+        pin_memory: Pin host memory (worth it when training on CUDA).
+        drop_last: Drop this rank's last, shorter batch.
+        collate_fn: Custom collate for non-tensor datasets.
+
+    Returns:
+        An object whose ``iter()`` starts one pass (from the sampler's current position).
+
+    Raises:
+        ConfigError: Bad sizes or counts.
+    """
+    for name, v, lo in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
+                        ("prefetch", prefetch, 0)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ConfigError(f"{name} must be an int >= {lo}, got {v!r}.")
+    if num_workers > 0 and prefetch < 1:
+        raise ConfigError("with num_workers > 0, prefetch (batches in flight per worker) must "
+                          f"be >= 1, got {prefetch}. Hint: prefetch=2.")
+    batches = IndexBatchSampler(sampler, batch_size, drop_last)
+    worker_opts: dict[str, Any] = {}
+    if num_workers > 0:
+        worker_opts = dict(num_workers=num_workers, prefetch_factor=prefetch,
+                           persistent_workers=True)
+    # A private generator: DataLoader otherwise draws its base seed from the global RNG each
+    # time an iterator is created, which would make a resumed run diverge.
+    gen = torch.Generator().manual_seed(0)
+    tensors = _tensor_view(dataset) if collate_fn is None else None
+    if tensors is not None:
+        loader = DataLoader(_BatchIndexed(tensors), batch_size=None, sampler=batches,
+                            pin_memory=pin_memory, generator=gen, **worker_opts)
+    else:
+        loader = DataLoader(dataset, batch_sampler=batches, pin_memory=pin_memory,
+                            collate_fn=collate_fn, generator=gen, **worker_opts)
+    return _Loader(loader, prefetch, threaded=num_workers == 0 and prefetch > 0)

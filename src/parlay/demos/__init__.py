@@ -1,0 +1,1 @@
+"""Runnable demos: ``parlay demo NAME -n N [args]`` runs ``python -m parlay.demos.NAME``."""

@@ -1,0 +1,171 @@
+"""Training feedback: meters reduced over the data-parallel group, JSONL and console sinks.
+
+Meters accumulate locally (a sum and a count, no communication per step). At log steps and
+epoch ends the ranks that report a loss reduce them over the strategy's ``dp_group`` in one
+small float64 allreduce, so what is printed is the mean over *all* replicas, not rank 0's.
+Exactly one rank (the *printer*: the lowest rank that reports a loss) shows a tqdm progress bar
+(samples/s, loss, ETA), prints the one-line summary of each epoch and writes the JSONL file;
+every other rank is silent.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from parlay import comm
+
+__all__ = ["Meter", "reduce_meters", "MetricsLogger"]
+
+
+class Meter:
+    """Weighted running mean: ``add(value, weight)``; ``sum``/``count`` are exposed for reduction."""
+
+    def __init__(self) -> None:
+        self.sum = 0.0
+        self.count = 0.0
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.sum += float(value) * weight
+        self.count += weight
+
+    @property
+    def mean(self) -> float:
+        """The mean so far (NaN when empty)."""
+        return self.sum / self.count if self.count else math.nan
+
+    def reset(self) -> None:
+        self.sum = self.count = 0.0
+
+
+def reduce_meters(meters: list[Meter], group: Any = None) -> list[float]:
+    """Means of ``meters`` over every rank of ``group`` (one allreduce; weighted by counts)."""
+    flat = torch.tensor([v for m in meters for v in (m.sum, m.count)], dtype=torch.float64)
+    if torch.distributed.is_initialized() and comm.group_size(group) > 1:
+        comm.allreduce(flat, "sum", group=group)
+    pairs = flat.view(-1, 2).tolist()
+    return [s / c if c else math.nan for s, c in pairs]
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class MetricsLogger:
+    """Meters, log steps, epoch summaries and sinks for one rank.
+
+    Args:
+        printer: Whether this rank prints and writes (exactly one rank should).
+        reduces: Whether this rank takes part in the reductions (it reports a loss).
+        group: The group to reduce over (the strategy's ``dp_group``).
+        total_samples: Samples of the whole run over all replicas (for the bar and ETA).
+        initial_samples: Samples already seen (when resuming).
+        jsonl_path: File to append one JSON object per event to (None: no file).
+        progress: Show a tqdm bar (on the printer, when stderr is a terminal; otherwise the
+            printer prints a line at each log step).
+        stream: Where summaries go (default ``sys.stdout``).
+    """
+
+    def __init__(self, *, printer: bool, reduces: bool, group: Any = None,
+                 total_samples: int | None = None, initial_samples: int = 0,
+                 jsonl_path: str | os.PathLike[str] | None = None, progress: bool = True,
+                 stream: TextIO | None = None) -> None:
+        self.printer = printer
+        self.reduces = reduces
+        self.group = group
+        self.stream = stream or sys.stdout
+        self.window = Meter()   # since the last log step
+        self.epoch = Meter()    # since the start of the epoch
+        self._t0 = self._t_log = self._t_epoch = time.perf_counter()
+        self._samples_log = self._samples_epoch = 0
+        self._file: TextIO | None = None
+        self._bar: Any = None
+        if printer and jsonl_path is not None:
+            Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(jsonl_path, "a", encoding="utf-8")
+        if printer and progress and sys.stderr.isatty():  # a bar in a log file is noise
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_samples, initial=initial_samples, unit="sample",
+                             unit_scale=True, dynamic_ncols=True, smoothing=0.1,
+                             file=sys.stderr, desc="train")
+
+    # ------------------------------------------------------------------ sinks
+    def write(self, event: str, **fields: Any) -> None:
+        """Append one JSON record (printer only)."""
+        if self._file is not None:
+            rec = {"event": event, "time": round(time.time(), 3), **fields}
+            self._file.write(json.dumps(rec, default=float) + "\n")
+            self._file.flush()
+
+    def print(self, line: str) -> None:
+        """Print one line on the printer, without breaking the progress bar."""
+        if not self.printer:
+            return
+        if self._bar is not None:
+            self._bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
+
+    # ------------------------------------------------------------------ events
+    def step(self, loss: float | None, local_samples: int, global_samples: int) -> None:
+        """Record one training step (no communication)."""
+        if loss is not None and self.reduces:
+            self.window.add(loss, local_samples)
+            self.epoch.add(loss, local_samples)
+        self._samples_log += global_samples
+        self._samples_epoch += global_samples
+        if self._bar is not None:
+            self._bar.update(global_samples)
+
+    def log(self, step: int, epoch: int, lr_factor: float, console: bool = False) -> float:
+        """Reduce the window's loss over the group and emit it; returns the mean loss."""
+        loss = reduce_meters([self.window], self.group)[0] if self.reduces else math.nan
+        now = time.perf_counter()
+        rate = self._samples_log / max(now - self._t_log, 1e-9)
+        self.window.reset()
+        self._t_log, self._samples_log = now, 0
+        self.write("train", step=step, epoch=epoch, loss=loss, lr_factor=lr_factor,
+                   samples_per_s=rate)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", epoch=epoch, refresh=False)
+        elif console:
+            self.print(f"step {step:>7d}  epoch {epoch}  loss {loss:.4f}  {rate:,.0f} samples/s")
+        return loss
+
+    def epoch_end(self, epoch: int, step: int) -> float:
+        """Reduce and print the one-line summary of ``epoch``; returns its mean loss."""
+        loss = reduce_meters([self.epoch], self.group)[0] if self.reduces else math.nan
+        now = time.perf_counter()
+        secs = now - self._t_epoch
+        rate = self._samples_epoch / max(secs, 1e-9)
+        self.print(f"epoch {epoch}: loss {loss:.4f}  {self._samples_epoch} samples in "
+                   f"{secs:.1f} s ({rate:,.0f} samples/s)  step {step}")
+        self.write("epoch", epoch=epoch, step=step, loss=loss, seconds=secs, samples_per_s=rate)
+        self.epoch.reset()
+        self._t_epoch, self._samples_epoch = now, 0
+        return loss
+
+    def validation(self, step: int, epochs: float, metrics: dict[str, float]) -> None:
+        """Emit validation metrics (already reduced); ``epochs``: epochs done so far."""
+        if metrics:
+            self.print(f"validation @ step {step} ({epochs:.2f} epochs): "
+                       + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))
+            self.write("validation", step=step, epochs=epochs, **metrics)
+
+    def close(self) -> None:
+        """Close the bar and the file."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

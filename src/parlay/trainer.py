@@ -1,0 +1,481 @@
+"""Trainer: a model and a dataset in, distributed training out, in any mode.
+
+The Trainer never branches on the mode. It asks :func:`parlay.strategies.get_strategy` for one
+and drives it: shard the data over ``strategy.dp_size`` replicas, scale the learning rate,
+step, log, validate, checkpoint, resume. Parameter-server ranks serve inside
+:meth:`Trainer.should_stop` and return ``True`` when the workers are done.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import random
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from parlay import comm, runtime
+from parlay.checkpoint import CheckpointManager
+from parlay.data.loader import build_loader
+from parlay.data.sampler import ShardedSampler
+from parlay.errors import CheckpointError, ConfigError
+from parlay.metrics import MetricsLogger
+from parlay.strategies import Strategy, get_strategy
+
+__all__ = ["Trainer", "TrainerState", "default_metrics"]
+
+log = logging.getLogger("parlay")
+
+_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass
+class TrainerState:
+    """Where training stands (identical on every training rank).
+
+    Attributes:
+        epoch: Current epoch (0-based; equals ``num_epochs`` when training is over).
+        step: Optimizer steps taken.
+        samples_seen: Training samples consumed over all replicas.
+        batch_in_epoch: Batches of the current epoch already consumed by each replica.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    samples_seen: int = 0
+    batch_in_epoch: int = 0
+
+
+def default_metrics(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., dict[str, torch.Tensor]]:
+    """Validation metrics: ``loss`` (the training loss), plus ``accuracy`` for class scores."""
+    def fn(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"loss": loss_fn(output, target)}
+        if output.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
+            out["accuracy"] = (output.argmax(1) == target).float().mean()
+        return out
+    return fn
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    py = random.getstate()
+    st: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+        "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64),
+                   "gauss": py[2]},
+    }
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    n = st["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["gauss"]))
+    p = st["python"]
+    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+
+
+def _positive(name: str, value: Any, allow_none: bool = True, kind: type = int) -> None:
+    if value is None and allow_none:
+        return
+    ok = (isinstance(value, kind) or (kind is float and isinstance(value, int))) \
+        and not isinstance(value, bool) and value > 0
+    if not ok:
+        raise ConfigError(f"{name} must be a positive {kind.__name__}"
+                          f"{' or None' if allow_none else ''}, got {value!r}.")
+
+
+class Trainer:
+    """Train ``build_training_func()``'s model on ``training_dataset`` across all processes.
+
+    Args:
+        build_training_func: Returns ``(model, loss_fn)`` with ``loss_fn(output, target)``;
+            called on every rank (the same function serves every mode).
+        training_dataset: A map-style dataset of ``(input, target)`` pairs.
+        optimizer: A ``torch.optim.Optimizer`` class.
+        optimizer_args: Its keyword arguments (``lr`` is the single-replica learning rate).
+        batch_size: Samples per batch *per data-parallel replica*.
+        mode: A registered strategy: ``"allreduce"``, ``"ps"`` or ``"hybrid"``.
+        num_epochs: Stop after this many epochs (with neither limit: one epoch).
+        max_iteration: Stop after this many optimizer steps in total.
+        scaling_learning_rate: Multiply the learning rate by the number of replicas (Goyal
+            et al. 2017, "Accurate, Large Minibatch SGD"), reached by a linear warm-up.
+        warmup_epochs: Length of that warm-up, in epochs (may be fractional; 0: none).
+        compression: Gradient compressor name or object (e.g. ``"fp16"``, ``"topk:0.01"``).
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
+        checkpoint_dir: Save checkpoints here and resume from the latest valid one.
+        checkpoint_every: Steps between checkpoints (None: at every epoch end). A final one
+            is always written when training stops.
+        validation_dataset: Dataset for :meth:`validate`.
+        build_validation_func: Returns ``fn(output, target) -> dict[str, tensor]`` of batch
+            means (default: loss and, for class scores, accuracy).
+        log_step_size: Steps between (reduced) loss logs.
+        prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread).
+        keep_last: Checkpoints kept.
+        metrics_path: JSONL metrics file (default: ``<checkpoint_dir>/metrics.jsonl`` when
+            checkpointing, else none).
+        num_workers: DataLoader worker processes (0: a loading thread in this process).
+        seed: Seeds model construction and the data order (same on every rank); None leaves
+            the global RNG alone (data order then uses seed 0).
+        grad_clip: Clip the global gradient norm (after averaging) to this value.
+        progress: Show the progress bar on the printing rank.
+        shuffle: Shuffle the training data each epoch.
+        drop_last: Drop the dataset's tail instead of padding it (see ShardedSampler).
+        validation_batch_size: Batch size for validation (default: ``batch_size``).
+        lr_schedule: After the warm-up, ``"constant"`` or ``"cosine"`` (decay to 0 at the
+            last step, Loshchilov & Hutter 2017).
+        strategy_options: Extra keyword options for the mode (e.g. ``{"consistency": "async"}``).
+
+    Raises:
+        ConfigError: Bad arguments (with the expected value and a hint).
+        CheckpointError: ``checkpoint_dir`` holds checkpoints of an incompatible run.
+    """
+
+    def __init__(self, build_training_func: Callable[[], tuple[nn.Module, Callable[..., Any]]],
+                 training_dataset: Dataset, optimizer: type[torch.optim.Optimizer] = torch.optim.Adam,
+                 optimizer_args: dict[str, Any] | None = None, batch_size: int = 32,
+                 mode: str = "allreduce", num_epochs: int | None = None,
+                 max_iteration: int | None = None, scaling_learning_rate: bool = True,
+                 warmup_epochs: float = 1.0, compression: Any = None, precision: str = "fp32",
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 validation_dataset: Dataset | None = None,
+                 build_validation_func: Callable[[], Callable[..., dict[str, Any]]] | None = None,
+                 log_step_size: int = 50, prefetch: int = 2, *, keep_last: int = 3,
+                 metrics_path: str | None = None, num_workers: int = 0, seed: int | None = 0,
+                 grad_clip: float | None = None, progress: bool = True, shuffle: bool = True,
+                 drop_last: bool = False, validation_batch_size: int | None = None,
+                 lr_schedule: str = "constant",
+                 strategy_options: dict[str, Any] | None = None) -> None:
+        if not callable(build_training_func):
+            raise ConfigError("build_training_func must be a function returning (model, loss_fn).")
+        if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer class (e.g. "
+                              f"torch.optim.Adam), got {optimizer!r}.")
+        for name, v in (("batch_size", batch_size), ("log_step_size", log_step_size)):
+            _positive(name, v, allow_none=False)
+        for name, v in (("num_epochs", num_epochs), ("max_iteration", max_iteration),
+                        ("checkpoint_every", checkpoint_every),
+                        ("validation_batch_size", validation_batch_size)):
+            _positive(name, v)
+        if not (isinstance(warmup_epochs, (int, float)) and warmup_epochs >= 0):
+            raise ConfigError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
+        if lr_schedule not in _SCHEDULES:
+            raise ConfigError(f"lr_schedule must be one of {_SCHEDULES}, got {lr_schedule!r}.")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise ConfigError(f"seed must be an int >= 0 or None, got {seed!r}.")
+        if not runtime.is_initialized():
+            runtime.init()
+        self.mode = mode
+        self.lr_schedule = lr_schedule
+        self.batch_size = batch_size
+        self.num_epochs = num_epochs if (num_epochs or max_iteration) else 1
+        self.max_iteration = max_iteration
+        self.log_step_size = log_step_size
+        self.checkpoint_every = checkpoint_every
+        self.validation_dataset = validation_dataset
+        self.state = TrainerState()
+        self.strategy: Strategy = get_strategy(mode, compression=compression, precision=precision,
+                                               grad_clip=grad_clip, **(strategy_options or {}))
+        s = self.strategy
+        if seed is not None:
+            torch.manual_seed(seed)
+        built = build_training_func()
+        if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)
+                and callable(built[1])):
+            raise ConfigError(f"build_training_func() must return (model, loss_fn) with an "
+                              f"nn.Module and a callable loss_fn(output, target), got "
+                              f"{type(built).__name__}. Hint: return model, nn.CrossEntropyLoss().")
+        model, self.loss_fn = built
+        s.setup(model, self.loss_fn, optimizer, dict(optimizer_args or {}))
+        if seed is not None:  # distinct dropout masks per rank, reproducible per run
+            torch.manual_seed(seed + 1 + runtime.rank())
+        self._metric_fn = (build_validation_func() if build_validation_func is not None
+                           else default_metrics(self.loss_fn))
+        try:
+            n = len(training_dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError("training_dataset must be a map-style Dataset with __len__.") from None
+        dev = runtime.device()
+        self._val_batch = validation_batch_size or batch_size
+        self._val_loader: Any = None
+        self._num_workers, self._prefetch = num_workers, prefetch
+        self._pin = dev.type == "cuda"
+        self.sampler = ShardedSampler(n, s.dp_size, s.dp_rank, shuffle=shuffle, seed=seed or 0,
+                                      drop_last=drop_last)
+        self.loader = (build_loader(training_dataset, self.sampler, batch_size,
+                                    num_workers=num_workers, prefetch=prefetch, pin_memory=self._pin)
+                       if s.consumes_data else None)
+        self.steps_per_epoch = math.ceil(len(self.sampler) / batch_size)
+        self.lr_scale = float(s.dp_size) if scaling_learning_rate else 1.0
+        self.warmup_steps = round(warmup_epochs * self.steps_per_epoch) if self.lr_scale != 1 else 0
+        self._it: Any = None
+        self._stopped = False
+        self._last_ckpt_step = -1
+        self._ckpt = (CheckpointManager(checkpoint_dir, keep_last, rank=runtime.rank(),
+                                        group=s.train_group)
+                      if checkpoint_dir is not None and s.consumes_data else None)
+        if self._ckpt is not None:
+            resumed = self._ckpt.load_latest()
+            if resumed is not None:
+                self._load(resumed)
+        printer = False
+        if s.consumes_data:
+            everyone = (comm.allgather_object((runtime.rank(), s.reports_loss), group=s.train_group)
+                        if comm.group_size(s.train_group) > 1 else [(runtime.rank(), s.reports_loss)])
+            printer = runtime.rank() == min((r for r, rep in everyone if rep),
+                                            default=everyone[0][0])
+        full, rest = divmod(self.total_steps, self.steps_per_epoch)
+        total = full * self.sampler.total_size + rest * batch_size * s.dp_size
+        if metrics_path is None and checkpoint_dir is not None:
+            metrics_path = f"{checkpoint_dir}/metrics.jsonl"
+        self.metrics = MetricsLogger(printer=printer, reduces=s.reports_loss and s.consumes_data,
+                                     group=s.dp_group, total_samples=total,
+                                     initial_samples=self.state.samples_seen,
+                                     jsonl_path=metrics_path, progress=progress)
+        base = [g.get("lr") for g in (optimizer_args or {},)]
+        msg = (f"parlay Trainer: mode={mode}, {s.dp_size} replica(s) x batch {batch_size} = "
+               f"{batch_size * s.dp_size} samples/step, {self.steps_per_epoch} steps/epoch, "
+               f"{self.total_steps} steps; learning rate x{self.lr_scale:g} "
+               + (f"(linear scaling, warm-up over {self.warmup_steps} steps = {warmup_epochs:g} "
+                  f"epoch(s) from x1; base lr {base[0]})" if self.lr_scale != 1
+                  else "(no scaling)")
+               + f"; precision={precision}, compression={compression}"
+               + (f"; resumed at step {self.state.step}, epoch {self.state.epoch}"
+                  if self.state.step else ""))
+        log.info(msg)
+        self.metrics.print(msg)
+        self.metrics.write("start", mode=mode, dp_size=s.dp_size, batch_size=batch_size,
+                           lr_scale=self.lr_scale, warmup_steps=self.warmup_steps,
+                           step=self.state.step, epoch=self.state.epoch)
+
+    # ------------------------------------------------------------------ schedule
+    @property
+    def total_steps(self) -> int:
+        """Steps of the whole run (the smaller of both limits)."""
+        limits = [self.max_iteration] if self.max_iteration else []
+        if self.num_epochs:
+            limits.append(self.num_epochs * self.steps_per_epoch)
+        return min(limits)
+
+    def lr_factor(self, step: int | None = None) -> float:
+        """Learning-rate multiplier for ``step`` (default: the next one): linear warm-up from
+        1 to the replica count over ``warmup_steps`` (Goyal et al. 2017), then constant or a
+        cosine decay to 0 at the last step (``lr_schedule``)."""
+        t = self.state.step if step is None else step
+        if self.warmup_steps > 0 and t < self.warmup_steps:
+            return 1.0 + (self.lr_scale - 1.0) * t / self.warmup_steps
+        if self.lr_schedule == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            done = min(1.0, (t - self.warmup_steps) / span)
+            return self.lr_scale * 0.5 * (1.0 + math.cos(math.pi * done))
+        return self.lr_scale
+
+    # ------------------------------------------------------------------ training
+    def _next_batch(self) -> Any:
+        if self._it is None:
+            self.sampler.epoch = self.state.epoch
+            self.sampler.position = min(len(self.sampler), self.state.batch_in_epoch * self.batch_size)
+            self._it = iter(self.loader)  # type: ignore[arg-type]
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise CheckpointError("the data loader ended before the epoch did (the dataset "
+                                  "changed size?). Hint: keep the dataset fixed during a run.") from None
+
+    def train_on_batch(self) -> float | None:
+        """Run one optimizer step on the next batch of every replica.
+
+        Returns:
+            This rank's batch loss (``None`` on ranks that do not compute one).
+
+        Raises:
+            ConfigError: Called on a rank that only serves (a parameter server).
+        """
+        s = self.strategy
+        if not s.consumes_data:
+            raise ConfigError("train_on_batch() was called on a serving-only rank (parameter "
+                              "server). Hint: loop `while not trainer.should_stop(): "
+                              "trainer.train_on_batch()`; should_stop() serves on these ranks.")
+        batch = self._next_batch()
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(f"each training sample must be an (input, target) pair; the loader "
+                              f"gave a {type(batch).__name__} of length "
+                              f"{len(batch) if hasattr(batch, '__len__') else '?'}.")
+        x, y = batch
+        factor = self.lr_factor()
+        s.set_lr_factor(factor)
+        res = s.train_step(x, y)
+        n = len(y)
+        st = self.state
+        st.step += 1
+        st.samples_seen += n * s.dp_size
+        st.batch_in_epoch += 1
+        self.sampler.advance(n)
+        self.metrics.step(res.loss, n, n * s.dp_size)
+        if st.step % self.log_step_size == 0:
+            self.metrics.log(st.step, st.epoch, factor, console=True)
+        epoch_done = st.batch_in_epoch >= self.steps_per_epoch
+        if epoch_done:
+            self.metrics.epoch_end(st.epoch, st.step)
+            st.epoch += 1
+            st.batch_in_epoch = 0
+            self.sampler.set_epoch(st.epoch)
+            self._close_iter()
+        if self._ckpt is not None and (
+                (self.checkpoint_every is not None and st.step % self.checkpoint_every == 0)
+                or (self.checkpoint_every is None and epoch_done)):
+            self.save_checkpoint()
+        return res.loss
+
+    def _reached_end(self) -> bool:
+        st = self.state
+        return bool((self.max_iteration is not None and st.step >= self.max_iteration)
+                    or (self.num_epochs is not None and st.epoch >= self.num_epochs))
+
+    def should_stop(self) -> bool:
+        """True when training is over. On serving-only ranks (parameter servers) this serves
+        until the workers finish, then returns True. The first True also writes the final
+        checkpoint and releases the servers."""
+        if self._stopped:
+            return True
+        if self.strategy.serve_until_done():
+            self._stopped = True
+            self.close()
+            return True
+        if self._reached_end():
+            self._stopped = True
+            if self._ckpt is not None and self._last_ckpt_step != self.state.step:
+                self.save_checkpoint()
+            self.strategy.finish()
+            self.close()
+            return True
+        return False
+
+    def train_and_validate_to_end(self, validate_every: int | None = None) -> dict[str, float]:
+        """Train until :meth:`should_stop`, validating every ``validate_every`` steps (default:
+        at every epoch end) and at the end.
+
+        Returns:
+            The last validation metrics (empty without a validation set, or on ranks that
+            do not report metrics).
+        """
+        _positive("validate_every", validate_every)
+        last: dict[str, float] = {}
+        validated_at = -1
+        while not self._stopped and not self._reached_end():
+            if not self.strategy.consumes_data:
+                break
+            epoch = self.state.epoch
+            self.train_on_batch()
+            due = (self.state.step % validate_every == 0 if validate_every
+                   else self.state.epoch != epoch)
+            if self.validation_dataset is not None and due:
+                last, validated_at = self.validate(), self.state.step
+        if (self.validation_dataset is not None and self.strategy.consumes_data
+                and validated_at != self.state.step and not self._stopped):
+            last = self.validate()
+        self.should_stop()
+        return last
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, dataset: Dataset | None = None) -> dict[str, float]:
+        """Evaluate on ``dataset`` (default: ``validation_dataset``) across all replicas.
+
+        Each replica evaluates its own shard (no sample twice); metrics are batch means
+        weighted by sample counts and reduced over the strategy's ``dp_group``, so every
+        reporting rank returns the mean over the whole dataset.
+
+        Returns:
+            ``{name: value}`` plus ``"samples"``; empty on ranks without metrics.
+
+        Raises:
+            ConfigError: No dataset.
+        """
+        ds = dataset if dataset is not None else self.validation_dataset
+        if ds is None:
+            raise ConfigError("validate() needs a dataset: pass validation_dataset=... to the "
+                              "Trainer or validate(dataset).")
+        s = self.strategy
+        if not s.consumes_data:
+            return {}
+        if dataset is None and self._val_loader is not None:
+            loader = self._val_loader
+        else:
+            sampler = ShardedSampler(len(ds), s.dp_size, s.dp_rank, shuffle=False, even=False)  # type: ignore[arg-type]
+            loader = build_loader(ds, sampler, self._val_batch, num_workers=self._num_workers,
+                                  prefetch=self._prefetch, pin_memory=self._pin)
+            if dataset is None:
+                self._val_loader = loader
+        sums: dict[str, float] = {}
+        count = 0
+        for x, y in loader:
+            out = s.eval_forward(x)
+            if out is None or not s.reports_loss:
+                continue
+            y = y.to(out.device) if isinstance(y, torch.Tensor) else y
+            vals = self._metric_fn(out, y)
+            k = len(y)
+            for name, v in vals.items():
+                sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
+            count += k
+        if not s.reports_loss:
+            return {}
+        parts = (comm.allgather_object((sums, count), group=s.dp_group)
+                 if comm.group_size(s.dp_group) > 1 else [(sums, count)])
+        total = sum(c for _, c in parts)
+        names = sorted({name for p, _ in parts for name in p})
+        result = {name: sum(p.get(name, 0.0) for p, _ in parts) / max(total, 1) for name in names}
+        result["samples"] = float(total)
+        self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch, result)
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of everything stateful now (every training rank must call it)."""
+        if self._ckpt is None:
+            raise ConfigError("save_checkpoint() needs checkpoint_dir=... on the Trainer.")
+        state = {"trainer": asdict(self.state), "mode": self.mode,
+                 "strategy": self.strategy.state_dict(), "sampler": self.sampler.state_dict(),
+                 "rng": _rng_state()}
+        self._ckpt.save(self.state.step, state)
+        self._last_ckpt_step = self.state.step
+
+    def _load(self, ck: dict[str, Any]) -> None:
+        if ck.get("mode") != self.mode:
+            raise CheckpointError(f"the checkpoint in {self._ckpt.directory} was written in mode "  # type: ignore[union-attr]
+                                  f"{ck.get('mode')!r}, this Trainer runs mode {self.mode!r}. "
+                                  "Hint: use a fresh checkpoint_dir for a different mode.")
+        self.sampler.load_state_dict(ck["sampler"])
+        self.strategy.load_state_dict(ck["strategy"])
+        self.state = TrainerState(**ck["trainer"])
+        _set_rng_state(ck["rng"])
+        self._last_ckpt_step = self.state.step
+
+    # ------------------------------------------------------------------ teardown
+    def _close_iter(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+        self._it = None
+
+    def close(self) -> None:
+        """Stop loading threads and close the progress bar and metrics file."""
+        self._close_iter()
+        if self._val_loader is not None:
+            self._val_loader.close()
+        self.metrics.close()
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model being trained on this rank, when the strategy exposes it."""
+        return getattr(self.strategy, "model", None)
