@@ -1,0 +1,330 @@
+"""Consistency policies of the parameter server, and the pure bookkeeping that enforces them.
+
+A policy answers two questions (registry entries ``"sync"``, ``"async"``, ``"stale:s"``):
+
+* ``aggregate``: are the gradients of one step of every worker averaged into one update
+  (``sync``: the same maths as allreduce) or applied one push at a time on arrival?
+* ``bound``: how far ahead of the slowest worker may a worker run? A worker whose clock (its
+  number of applied pushes, i.e. the index of the step it is about to compute) exceeds the
+  slowest live worker's clock by more than ``bound`` is held: its pull is answered only once
+  the slowest catches up. ``async`` has no bound, ``stale:s`` has ``s`` (the SSP condition of
+  Ho et al., NeurIPS 2013), ``sync`` has 0.
+
+:class:`ServerCore` is the transport-free state machine a server runs: events in (hello, push,
+done, lost, time passing), replies out. Keeping it pure lets the bound be reasoned about (and
+tested) without a process group; :func:`max_lead` re-checks it from the recorded versions.
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple
+
+from parlay.errors import ConfigError
+
+__all__ = ["Consistency", "register_consistency", "get_consistency", "available_consistency",
+           "Update", "Reply", "ServerCore", "max_lead", "RUN", "HELD", "DONE", "LOST"]
+
+
+@dataclass(frozen=True)
+class Consistency:
+    """A consistency policy.
+
+    Attributes:
+        name: Registry spelling, e.g. ``"stale:2"``.
+        aggregate: Average one step of every live worker into one update (sync).
+        bound: Largest clock lead over the slowest live worker; ``None`` is unbounded.
+    """
+
+    name: str
+    aggregate: bool
+    bound: int | None
+
+    def may_proceed(self, clock: int, slowest: int) -> bool:
+        """Whether a worker at ``clock`` may compute its next step while the slowest live worker
+        is at ``slowest``."""
+        return self.bound is None or clock - slowest <= self.bound
+
+
+_REGISTRY: dict[str, Callable[..., Consistency]] = {}
+
+
+def register_consistency(name: str, factory: Callable[..., Consistency]) -> None:
+    """Register ``factory``; ``"name:a"`` specs call ``factory("a")``."""
+    _REGISTRY[name] = factory
+
+
+def available_consistency() -> list[str]:
+    """Registered policy names."""
+    return sorted(_REGISTRY)
+
+
+def get_consistency(spec: "str | Consistency") -> Consistency:
+    """Build a policy from ``"sync"``, ``"async"`` or ``"stale:s"`` (or return the one given).
+
+    Raises:
+        ConfigError: Unknown name or bad option (the message lists the valid spellings).
+    """
+    if isinstance(spec, Consistency):
+        return spec
+    if not isinstance(spec, str):
+        raise ConfigError(f"consistency must be a string like 'sync', 'async' or 'stale:2', "
+                          f"got {type(spec).__name__}.")
+    name, sep, opt = spec.strip().lower().partition(":")
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown consistency {spec!r}; valid: "
+                          f"{', '.join(available_consistency())} (stale takes a bound: 'stale:2').")
+    args = [opt] if sep else []
+    try:
+        return _REGISTRY[name](*args)
+    except TypeError:
+        raise ConfigError(f"bad consistency {spec!r}: {name!r} takes "
+                          f"{'no option' if name != 'stale' else 'one bound, e.g. stale:2'}.") from None
+
+
+def _stale(bound: str | int | None = None) -> Consistency:
+    if bound is None:
+        raise ConfigError("consistency 'stale' needs a bound: 'stale:s' with s >= 0, e.g. "
+                          "'stale:2'.")
+    try:
+        s = int(bound)
+    except ValueError:
+        s = -1
+    if s < 0 or str(bound).strip() not in (str(s), f"+{s}"):
+        raise ConfigError(f"the staleness bound must be an integer >= 0, got {bound!r}. "
+                          "Hint: 'stale:2' lets a worker run 2 steps ahead of the slowest.")
+    return Consistency(f"stale:{s}", aggregate=False, bound=s)
+
+
+register_consistency("sync", lambda: Consistency("sync", aggregate=True, bound=0))
+register_consistency("async", lambda: Consistency("async", aggregate=False, bound=None))
+register_consistency("stale", _stale)
+
+
+class Update(NamedTuple):
+    """One applied gradient.
+
+    Attributes:
+        worker: Worker index that computed it.
+        step: That worker's step index (its clock when it computed the gradient).
+        base_version: Parameter version the gradient was computed on.
+        version: Version it was applied to (the update produced ``version + 1``).
+    """
+
+    worker: int
+    step: int
+    base_version: int
+    version: int
+
+    @property
+    def staleness(self) -> int:
+        """Updates applied between the read and this apply."""
+        return self.version - self.base_version
+
+
+class Reply(NamedTuple):
+    """What the server must send: ``kind`` in ``("params", "bye", "error")``."""
+
+    kind: str
+    worker: int
+    code: int = 0  # params: staleness of the worker's last push; error: Err kind
+    peer: int = -1  # error: worker index the error is about
+
+
+RUN, HELD, DONE, LOST = "run", "held", "done", "lost"
+
+
+class ServerCore:
+    """Consistency bookkeeping of one server (pure; times are passed in).
+
+    Args:
+        policy: The consistency policy.
+        num_workers: Number of workers.
+        timeout: Seconds a released worker may stay silent before it is declared lost.
+        apply: ``apply(grads, lr_factor)`` performs one update from a list of gradients (one
+            per worker, in worker order, averaged by the caller) and returns nothing.
+        now: Start time (deadlines of workers that have not said hello count from it).
+        version: Starting parameter version (from a checkpoint).
+        clocks: Starting worker clocks (from a checkpoint).
+        log_limit: Keep at most this many :class:`Update` records (the histogram is kept
+            for every update regardless).
+    """
+
+    def __init__(self, policy: Consistency, num_workers: int, timeout: float,
+                 apply: Callable[[list[Any], float], None], now: float, version: int = 0,
+                 clocks: Iterable[int] | None = None, log_limit: int = 1_000_000) -> None:
+        self.policy = policy
+        self.num_workers = num_workers
+        self.timeout = timeout
+        self._apply = apply
+        self.version = version
+        self.clocks = list(clocks) if clocks is not None else [0] * num_workers
+        self.state = [RUN] * num_workers
+        self.deadline: list[float | None] = [now + timeout] * num_workers
+        self.last_staleness = [0] * num_workers
+        self.pending: dict[int, tuple[Any, float, int, int]] = {}
+        self.failure: tuple[int, int] | None = None  # (Err kind, worker) that broke sync
+        self.histogram: collections.Counter[int] = collections.Counter()
+        self.log: list[Update] = []
+        self.log_limit = log_limit
+        self.lost: list[int] = []
+
+    # -- queries ------------------------------------------------------------------------------
+    def active(self) -> list[int]:
+        """Workers that may still push (neither done nor lost)."""
+        return [w for w in range(self.num_workers) if self.state[w] in (RUN, HELD)]
+
+    def finished(self) -> bool:
+        """True when no worker can send anything more."""
+        return not self.active()
+
+    def next_deadline(self) -> float | None:
+        """Earliest time a silent worker would be declared lost."""
+        ds = [d for w, d in enumerate(self.deadline) if d is not None and self.state[w] == RUN]
+        return min(ds) if ds else None
+
+    # -- events -------------------------------------------------------------------------------
+    def hello(self, w: int, now: float) -> list[Reply]:
+        """Worker ``w`` asks for the parameters (its first pull)."""
+        if self.state[w] == LOST:
+            return [Reply("error", w, _EVICTED, w)]
+        if self.failure is not None:
+            return self._tell_failure(w)
+        self.state[w] = HELD
+        return self._release(now)
+
+    def push(self, w: int, step: int, base_version: int, grad: Any, lr_factor: float,
+             now: float) -> list[Reply]:
+        """Worker ``w`` pushes the gradient of its step ``step``, computed on ``base_version``."""
+        if self.state[w] == LOST:
+            return [Reply("error", w, _EVICTED, w)]
+        if self.failure is not None:
+            return self._tell_failure(w)
+        self.state[w] = HELD
+        self.deadline[w] = None
+        self.clocks[w] += 1
+        if self.policy.aggregate:
+            self.pending[w] = (grad, lr_factor, step, base_version)
+            self._maybe_apply_round()
+        else:
+            self._record(w, step, base_version)
+            self._apply([grad], lr_factor)
+            self.version += 1
+        return self._release(now)
+
+    def done(self, w: int, now: float) -> list[Reply]:
+        """Worker ``w`` finished training."""
+        if self.state[w] == LOST:
+            return [Reply("bye", w)]
+        self.state[w] = DONE
+        self.deadline[w] = None
+        out = [Reply("bye", w)]
+        if self.failure is None and self.policy.aggregate:
+            self._maybe_apply_round()
+        return out + self._release(now)
+
+    def lose(self, w: int, kind: int, now: float) -> list[Reply]:
+        """Worker ``w`` is gone (silent past the timeout: ``Err.LOST``; raised: ``Err.FAILED``).
+
+        In ``sync`` every other worker is told (the round cannot complete); otherwise the
+        others go on and ``w`` no longer holds anyone back.
+        """
+        if self.state[w] in (DONE, LOST):
+            return []
+        self.state[w] = LOST
+        self.deadline[w] = None
+        self.lost.append(w)
+        self.pending.pop(w, None)
+        if self.policy.aggregate and self.failure is None:
+            self.failure = (kind, w)
+            self.pending.clear()
+            out: list[Reply] = []
+            for v in range(self.num_workers):
+                if self.state[v] == HELD:
+                    out += self._tell_failure(v)
+            return out
+        return self._release(now)
+
+    def expire(self, now: float) -> list[Reply]:
+        """Declare lost every released worker silent past its deadline."""
+        out: list[Reply] = []
+        for w in range(self.num_workers):
+            d = self.deadline[w]
+            if self.state[w] == RUN and d is not None and d <= now:
+                out += self.lose(w, _LOST, now)
+        return out
+
+    # -- internals ----------------------------------------------------------------------------
+    def _tell_failure(self, w: int) -> list[Reply]:
+        assert self.failure is not None
+        kind, peer = self.failure
+        self.state[w] = DONE  # told; it will not send again
+        self.deadline[w] = None
+        return [Reply("error", w, kind, peer)]
+
+    def _record(self, w: int, step: int, base_version: int) -> None:
+        u = Update(w, step, base_version, self.version)
+        self.histogram[u.staleness] += 1
+        self.last_staleness[w] = u.staleness
+        if len(self.log) < self.log_limit:
+            self.log.append(u)
+
+    def _maybe_apply_round(self) -> None:
+        act = self.active()
+        if not self.pending or any(v not in self.pending for v in act):
+            return
+        order = sorted(self.pending)
+        for v in order:
+            _, _, step, base = self.pending[v]
+            self._record(v, step, base)
+        grads = [self.pending[v][0] for v in order]
+        lr = self.pending[order[0]][1]
+        self.pending.clear()
+        self._apply(grads, lr)
+        self.version += 1
+
+    def _release(self, now: float) -> list[Reply]:
+        act = self.active()
+        if not act:
+            return []
+        slowest = min(self.clocks[v] for v in act)
+        out = []
+        for w in act:
+            if self.state[w] == HELD and w not in self.pending and \
+                    self.policy.may_proceed(self.clocks[w], slowest):
+                self.state[w] = RUN
+                self.deadline[w] = now + self.timeout
+                out.append(Reply("params", w, self.last_staleness[w]))
+        return out
+
+
+# Err kinds, duplicated from wire.Err to keep this module free of transport imports.
+_LOST, _FAILED, _EVICTED = 1, 2, 3
+
+
+def max_lead(log: Iterable[Update], totals: dict[int, int] | None = None) -> int:
+    """Largest step lead of a worker over the slowest other unfinished worker, re-derived from
+    the recorded versions alone.
+
+    For an applied gradient of worker ``w`` at step ``c`` computed on version ``b``, each other
+    worker ``v`` had ``n_v(b)`` gradients among the updates below version ``b``; ``v`` counts as
+    unfinished when ``n_v(b)`` is below its total. The lead is ``c - min_v n_v(b)``. Under
+    ``stale:s`` it never exceeds ``s``; under ``sync`` it is 0.
+
+    Args:
+        log: Updates from a run that started at version 0 with all clocks 0.
+        totals: Pushes applied per worker over the run (default: counted from ``log``).
+
+    Returns:
+        The largest lead (0 for an empty log or a single worker).
+    """
+    log = list(log)
+    totals = dict(totals) if totals is not None else dict(collections.Counter(u.worker for u in log))
+    lead = 0
+    for u in log:
+        counts = collections.Counter(x.worker for x in log if x.version < u.base_version)
+        others = [counts.get(v, 0) for v in totals if v != u.worker
+                  and counts.get(v, 0) < totals[v]]
+        if others:
+            lead = max(lead, u.step - min(others))
+    return lead

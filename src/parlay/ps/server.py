@@ -1,0 +1,317 @@
+"""A parameter server: holds one shard, applies a torch optimizer to it, answers workers.
+
+Transport (DESIGN.md "PS traffic runs over a gloo group on CPU tensors"): one gloo group of all
+ranks; pushes arrive through an any-source receive (``recv(src=None)``), so they are served in
+arrival order. A receiver thread does the blocking receives and queues whole messages; the
+main thread owns all state, applies updates and sends replies. The queue lets the main thread
+wake up at a deadline: a worker silent for ``timeout`` seconds after being answered is declared
+lost (a timed-out gloo wait would close every connection of the group, so the receive itself
+never times out).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parlay import comm
+from parlay.compress.base import Compressor
+from parlay.errors import CheckpointError, CommError
+from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
+from parlay.ps.plan import ShardPlan
+from parlay.ps.wire import TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, pack, unpack
+
+__all__ = ["Server", "save_atomic", "lost_message"]
+
+log = logging.getLogger("parlay.ps")
+
+_FOREVER = _dt.timedelta(days=365)
+
+
+def save_atomic(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary file, fsync it, then ``os.replace`` it onto ``path``.
+
+    A crash leaves either the old file or the new one, never a torn one.
+
+    Raises:
+        CheckpointError: The file could not be written.
+    """
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError as e:
+        raise CheckpointError(f"could not write checkpoint {path!r}: {e}. Hint: check that the "
+                              "directory exists, is writable and has free space.") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, where: str) -> str:
+    """The text of the error a worker raises for an ERROR reply (shared by server and worker)."""
+    if kind == Err.EVICTED:
+        return (f"{where}: this worker (rank {peer_rank}) was declared lost by the parameter "
+                f"server after {timeout:g} s of silence and may not rejoin. Hint: raise the "
+                "timeout (parlay.init(timeout=...) / PARLAY_TIMEOUT) if steps can be this slow.")
+    what = ("was lost (the parameter server heard nothing from it for "
+            f"{timeout:g} s)" if kind == Err.LOST else "failed (it raised an error)")
+    return (f"{where}: worker {peer_index} (rank {peer_rank}) {what}; synchronous training "
+            "needs every worker's gradient for each step, so it cannot continue. Hint: check "
+            f"rank {peer_rank}'s log, or train with consistency='async' or 'stale:s' to "
+            "survive lost workers.")
+
+
+class Server:
+    """Serve one shard of the parameters.
+
+    Args:
+        index: Server index (= its global rank; servers take the first ranks).
+        plan: The placement shared by every rank.
+        model: This rank's copy of the model; its parameter values initialise the shard
+            (unless a checkpoint is resumed).
+        optimizer_cls: Any ``torch.optim.Optimizer`` class.
+        optimizer_args: Its keyword arguments.
+        policy: Consistency policy.
+        compressor: Decodes pushes (a server-side instance of the workers' compressor).
+        worker_ranks: Global ranks of the workers, by worker index.
+        group: The gloo group of all ranks that carries PS traffic.
+        timeout: Seconds a worker may stay silent before it is declared lost.
+        checkpoint_dir: Where ``ps-<index>.pt`` is written (``None``: no checkpoints).
+        checkpoint_every: Save every this many versions (and at the end).
+    """
+
+    def __init__(self, index: int, plan: ShardPlan, model: nn.Module,
+                 optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any],
+                 policy: Consistency, compressor: Compressor, worker_ranks: list[int],
+                 group: Any, timeout: float, checkpoint_dir: str | None = None,
+                 checkpoint_every: int | None = 100) -> None:
+        self.index, self.plan, self.policy = index, plan, policy
+        self.compressor = compressor
+        self.worker_ranks = worker_ranks
+        self.group, self.timeout = group, timeout
+        self.checkpoint_every = checkpoint_every
+        self.path = (os.path.join(checkpoint_dir, f"ps-{index}.pt") if checkpoint_dir else None)
+        self.pieces = plan.pieces(index)
+        self.model = model
+        named = dict(model.named_parameters())
+        dtype = next(iter(named.values())).dtype
+        numel = plan.numel(index)
+        self.flat = torch.empty(numel, dtype=dtype)
+        self.grad = torch.zeros(numel, dtype=dtype)
+        self.params: list[nn.Parameter] = []
+        for p in self.pieces:
+            src = named[p.name].detach().reshape(-1)[p.start: p.start + p.length]
+            self.flat[p.offset: p.offset + p.length].copy_(src)
+            param = nn.Parameter(self.flat[p.offset: p.offset + p.length].view(p.shape))
+            param.grad = self.grad[p.offset: p.offset + p.length].view(p.shape)
+            self.params.append(param)
+        if not self.params:  # an empty shard still keeps versions in step with the others
+            self.params.append(nn.Parameter(torch.zeros(0, dtype=dtype)))
+        self.optimizer = optimizer_cls(self.params, **optimizer_args)
+        self.base_lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        # The server-side decode context: compressors' contexts depend only on the bucket's
+        # size, dtype and key, so one probe gives it (documented in DistributedSession).
+        self.key = f"ps{index}"
+        payload, self.ctx = (compressor.compress(torch.zeros(numel, dtype=dtype), self.key)
+                             if numel else ([], None))
+        self.push_capacity = capacity(max(sum(t.numel() * t.element_size() for t in payload),
+                                          self.flat.numel() * self.flat.element_size()),
+                                      len(payload))
+        self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
+        version, clocks = 0, None
+        if self.path and os.path.exists(self.path):
+            version, clocks = self._load()
+        self.core = ServerCore(policy, len(worker_ranks), timeout, self._apply, time.monotonic(),
+                               version=version, clocks=clocks)
+        self.served = False
+        self._q: queue.Queue = queue.Queue()
+        self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
+                            for _ in worker_ranks]
+        self._sends: dict[int, comm.Handle] = {}
+        self._finished_senders: set[int] = set()
+
+    # -- optimisation -------------------------------------------------------------------------
+    def _apply(self, grads: list[torch.Tensor], lr_factor: float) -> None:
+        if len(grads) == 1:
+            self.grad.copy_(grads[0])
+        else:
+            # Average in worker order: deterministic, and equal to allreduce's mean.
+            self.grad.copy_(grads[0])
+            for g in grads[1:]:
+                self.grad.add_(g)
+            self.grad.div_(len(grads))
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            if base is not None:
+                group["lr"] = base * lr_factor
+        self.optimizer.step()
+
+    def copy_to_model(self) -> None:
+        """Write this shard's values into the server's copy of the model (its own pieces only)."""
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for p in self.pieces:
+                dst = named[p.name]
+                dst.view(-1)[p.start: p.start + p.length].copy_(
+                    self.flat[p.offset: p.offset + p.length].to(dst.device))
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Shard, optimizer state, version and worker clocks."""
+        return {"format": 1, "server": self.index, "plan": self.plan.rows(),
+                "flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
+                "version": self.core.version, "clocks": list(self.core.clocks),
+                "histogram": dict(self.core.histogram)}
+
+    def save(self) -> None:
+        """Write ``ps-<index>.pt`` atomically (no-op without a checkpoint directory)."""
+        if self.path:
+            save_atomic(self.state_dict(), self.path)
+
+    def _load(self) -> tuple[int, list[int]]:
+        try:
+            sd = torch.load(self.path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
+            raise CheckpointError(f"could not read checkpoint {self.path!r}: {e}") from e
+        if sd.get("plan") != self.plan.rows() or len(sd.get("clocks", [])) != len(self.worker_ranks):
+            raise CheckpointError(
+                f"checkpoint {self.path!r} was written for a different placement or number of "
+                f"workers (expected {len(self.worker_ranks)} workers and the current ShardPlan). "
+                "Hint: resume with the same model, --ps count and worker count, or use a new "
+                "checkpoint_dir.")
+        self.flat.copy_(sd["flat"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        log.info("ps%d resumed from %s at version %d", self.index, self.path, sd["version"])
+        return int(sd["version"]), [int(c) for c in sd["clocks"]]
+
+    # -- serving ------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        buf = torch.empty(self.push_capacity, dtype=torch.uint8)
+        everyone = set(range(len(self.worker_ranks)))
+        rank_to_worker = {r: i for i, r in enumerate(self.worker_ranks)}
+        while True:
+            try:
+                work = dist.irecv(buf, src=None, group=self.group, tag=TAG_PUSH)
+                work.wait(timeout=_FOREVER)
+                src = int(work._source_rank())  # group rank == global rank here
+            except Exception as e:  # noqa: BLE001 - handed to the main thread
+                self._q.put(("error", e))
+                return
+            msg = unpack(buf, clone=True)
+            w = rank_to_worker.get(src, -1)
+            self._q.put(("msg", w, msg))
+            if msg.op in (Op.DONE, Op.FAIL):
+                self._finished_senders.add(w)
+            if everyone <= self._finished_senders | set(self.core.lost):
+                return
+
+    def _send(self, r: Reply) -> None:
+        w = r.worker
+        prev = self._sends.pop(w, None)
+        if prev is not None:
+            prev.wait()  # the worker got it: it has since sent us another message
+        c = self.core
+        if r.kind == "params":
+            msg = Message(Op.PARAMS, self.index, c.clocks[w], c.version, float(r.code),
+                          tensors=[self.flat])
+        elif r.kind == "bye":
+            msg = Message(Op.BYE, self.index, c.clocks[w], c.version)
+        else:
+            msg = Message(Op.ERROR, self.index, c.clocks[w], c.version, float(r.code),
+                          extra=self.worker_ranks[r.peer])
+            log.error("ps%d: %s", self.index, lost_message(r.code, r.peer,
+                                                           self.worker_ranks[r.peer],
+                                                           self.timeout, "parameter server"))
+        out = pack(msg, self._reply_bufs[w])
+        self._sends[w] = comm.send(out, self.worker_ranks[w], tag=TAG_REPLY, group=self.group,
+                                   async_op=True)
+
+    def _handle(self, w: int, msg: Message, now: float) -> list[Reply]:
+        c = self.core
+        if msg.op == Op.HELLO:
+            return c.hello(w, now)
+        if msg.op == Op.PUSH:
+            if c.failure is not None or c.state[w] == LOST:
+                return c.push(w, msg.step, msg.version, None, 1.0, now)
+            grad = (self.compressor.decompress(msg.tensors, self.ctx) if self.flat.numel()
+                    else self.flat)
+            return c.push(w, msg.step, msg.version, grad.to(self.flat.dtype), msg.scalar, now)
+        if msg.op == Op.DONE:
+            return c.done(w, now)
+        if msg.op == Op.FAIL:
+            log.error("ps%d: worker %d (rank %d) failed", self.index, w, self.worker_ranks[w])
+            return c.lose(w, Err.FAILED, now)
+        raise CommError(f"parameter server {self.index} got an unknown message op {msg.op} from "
+                        f"worker {w}. Hint: every rank must run the same parlay version.",
+                        op="ps serve", rank=self.index, peer=self.worker_ranks[w] if w >= 0 else None)
+
+    def serve(self) -> None:
+        """Serve until every worker finished or was lost.
+
+        Raises:
+            CommError: In ``sync`` mode, after a worker was lost or failed (the other workers
+                were told), naming it; or when the transport itself failed.
+        """
+        if self.served:
+            return
+        self.served = True
+        thread = threading.Thread(target=self._receive, name=f"parlay-ps{self.index}-recv",
+                                  daemon=True)
+        thread.start()
+        c = self.core
+        n_lost = 0
+        saved = c.version
+        while not c.finished():
+            dl = c.next_deadline()
+            wait = 5.0 if dl is None else min(5.0, max(0.0, dl - time.monotonic()))
+            try:
+                item = self._q.get(timeout=wait)
+            except queue.Empty:
+                item = None
+            now = time.monotonic()
+            replies: list[Reply] = []
+            if item is not None:
+                if item[0] == "error":
+                    raise comm._as_comm_error("ps serve", item[1])  # noqa: SLF001
+                replies += self._handle(item[1], item[2], now)
+            replies += c.expire(now)
+            for r in replies:
+                self._send(r)
+            while n_lost < len(c.lost):
+                w = c.lost[n_lost]
+                n_lost += 1
+                log.warning("ps%d: worker %d (rank %d) lost after %g s of silence; %s", self.index,
+                            w, self.worker_ranks[w], self.timeout,
+                            "sync training stops" if self.policy.aggregate
+                            else f"continuing with {len(c.active())} workers")
+            every = self.checkpoint_every
+            if self.path and every and c.version // every > saved // every:
+                saved = c.version
+                self.save()
+        for w, h in list(self._sends.items()):
+            if w not in c.lost:
+                h.wait()
+        self._sends.clear()
+        self.save()
+        self.copy_to_model()
+        if c.failure is not None:
+            kind, peer = c.failure
+            raise CommError(lost_message(kind, peer, self.worker_ranks[peer], self.timeout,
+                                         f"parameter server {self.index}"),
+                            op="ps serve", rank=self.index, peer=self.worker_ranks[peer])

@@ -1,0 +1,330 @@
+"""DistributedSession: the user-facing parameter-server API (TF's MonitoredTrainingSession shape).
+
+The same script runs on every rank::
+
+    with parlay.DistributedSession(task_spec=parlay.TaskSpec.from_env(), model=model,
+                                   optimizer=torch.optim.SGD, optimizer_args={"lr": 0.1},
+                                   consistency="async") as sess:
+        while not sess.should_stop():
+            sess.train_step((x, y), loss_fn)     # loss_fn(model(x), y) -> scalar loss
+
+On parameter-server ranks ``should_stop()`` (or ``train_step``, or leaving the ``with`` block)
+serves until every worker finished, then returns True: no PS-specific user code is needed.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parlay import runtime
+from parlay.compress.base import Compressor, get_compressor
+from parlay.env import TaskSpec
+from parlay.errors import CheckpointError, ConfigError
+from parlay.ps.consistency import Consistency, Update, get_consistency
+from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
+from parlay.ps.server import Server, save_atomic
+from parlay.ps.worker import Worker
+
+__all__ = ["DistributedSession"]
+
+log = logging.getLogger("parlay.ps")
+
+
+class DistributedSession:
+    """Parameter-server training session: servers hold sharded parameters and optimizer state,
+    workers compute gradients.
+
+    Args:
+        task_spec: This process's task (``None``: :meth:`TaskSpec.from_env`). Must agree with
+            the process group when one exists; otherwise the group is created from it.
+        model: The model, built identically on every rank (servers take their initial values
+            from their copy; workers start from the servers' values).
+        optimizer: A ``torch.optim.Optimizer`` class, applied by each server to its shard.
+        optimizer_args: Keyword arguments of ``optimizer`` (e.g. ``{"lr": 0.1}``).
+        consistency: ``"sync"`` (average one step of every worker, one update: the maths of
+            allreduce), ``"async"`` (apply each push on arrival) or ``"stale:s"`` (apply on
+            arrival; no worker more than ``s`` steps ahead of the slowest).
+        compression: Gradient compression of pushes: a name (``"fp16"``, ``"topk:0.01"``) or a
+            :class:`~parlay.compress.Compressor`. Its decode context must depend only on the
+            bucket's size, dtype and key (true of parlay's built-in compressors).
+        checkpoint_dir: Servers write ``ps-<k>.pt`` here (atomically) every
+            ``checkpoint_every`` updates and at the end, workers ``worker-<i>.pt`` (compressor
+            residuals) at the end; a new session with the same directory resumes.
+        max_steps: Stop when the parameters have been updated this many times (the global
+            step, as TF's ``StopAtStepHook``): one update per round of all workers in ``sync``,
+            one per applied push otherwise (in ``async`` up to ``workers - 1`` pushes already
+            in flight may still land).
+        placement: ``"balanced"`` (by bytes) or ``"round_robin"`` (see :class:`ShardPlan`).
+        split_bytes: Tensors above this size are split across servers (``None``: never).
+        timeout: Seconds a worker may be silent before servers declare it lost (default: the
+            process group's timeout). Workers wait up to ``2 * timeout + 5`` s for a reply,
+            because a server may itself be waiting out a lost peer.
+        checkpoint_every: Server checkpoint interval in updates (``None``: only at the end).
+
+    Raises:
+        ConfigError: Bad arguments (at construction) or a world without parameter servers.
+
+    Notes:
+        Workers send batches as ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` must
+        return the batch-mean loss, so ``sync`` equals single-process training on the
+        concatenated batch when workers' batches have equal sizes. Parameters without a
+        gradient in a step push zeros. Buffers (e.g. BatchNorm statistics) stay local to each
+        worker.
+    """
+
+    def __init__(self, task_spec: TaskSpec | None = None, model: nn.Module | None = None,
+                 optimizer: type[torch.optim.Optimizer] | None = None,
+                 optimizer_args: dict[str, Any] | None = None, consistency: str = "sync",
+                 compression: str | Compressor | None = None, checkpoint_dir: str | None = None,
+                 max_steps: int | None = None, *, placement: str = "balanced",
+                 split_bytes: int | None = DEFAULT_SPLIT_BYTES, timeout: float | None = None,
+                 checkpoint_every: int | None = 100) -> None:
+        if task_spec is not None and not isinstance(task_spec, TaskSpec):
+            raise ConfigError(f"task_spec must be a parlay.TaskSpec or None, got "
+                              f"{type(task_spec).__name__}. Hint: parlay.TaskSpec.from_env().")
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            raise ConfigError(f"optimizer must be an optimizer class such as torch.optim.SGD, got "
+                              f"{optimizer!r}. Hint: servers build it on their shard: "
+                              "optimizer=torch.optim.SGD, optimizer_args={'lr': 0.1}.")
+        if optimizer_args is not None and not isinstance(optimizer_args, dict):
+            raise ConfigError(f"optimizer_args must be a dict, got {type(optimizer_args).__name__}.")
+        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
+                                      or max_steps < 0):
+            raise ConfigError(f"max_steps must be None or an int >= 0, got {max_steps!r}.")
+        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
+                                             or checkpoint_every < 1):
+            raise ConfigError(f"checkpoint_every must be None or an int >= 1, "
+                              f"got {checkpoint_every!r}.")
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
+            raise ConfigError(f"checkpoint_dir must be a path or None, got {checkpoint_dir!r}.")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        dtypes = sorted({str(p.dtype) for p in trainable})
+        if len(dtypes) > 1:
+            raise ConfigError(f"parameter servers hold one dtype; the model has {dtypes}. "
+                              "Hint: convert it, e.g. model.float() or model.double().")
+        self.task_spec = task_spec
+        self.model = model
+        self.optimizer_cls = optimizer
+        self.optimizer_args = dict(optimizer_args or {})
+        self.consistency: Consistency = get_consistency(consistency)
+        self.compressor: Compressor = get_compressor(compression)
+        self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
+        self.max_steps = max_steps
+        self.checkpoint_every = checkpoint_every
+        self._timeout = timeout
+        self.plan = ShardPlan.from_module(model, 1, placement=placement, split_bytes=split_bytes)
+        self._plan_args = dict(placement=placement, split_bytes=split_bytes)
+        self.server: Server | None = None
+        self.worker: Worker | None = None
+        self.ps_group: Any = None
+        self.dp_group: Any = None
+        self._owns_runtime = False
+        self._started = self._closed = False
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "DistributedSession":
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        self.close(exc)
+
+    def start(self) -> None:
+        """Join the process group (creating it if needed), build the plan, start serving roles.
+
+        Raises:
+            ConfigError: The task spec disagrees with the process group, or there is no PS.
+            CommError: A server did not answer the first pull.
+        """
+        if self._started:
+            return
+        spec = self.task_spec
+        if not runtime.is_initialized():
+            if spec is not None and spec.rank is not None:
+                runtime.init(rank=spec.rank, world_size=spec.world_size,
+                             master_addr=spec.master_addr, master_port=spec.master_port,
+                             num_ps=spec.num_ps)
+            else:
+                runtime.init()
+            self._owns_runtime = True
+        self._started = True
+        c = runtime.cluster()
+        spec = spec if spec is not None else TaskSpec.from_env()
+        if spec.is_evaluator or (spec.rank, spec.world_size, spec.num_ps) != (
+                c.rank, c.world_size, c.num_ps):
+            raise ConfigError(f"task_spec ({spec.task_type} {spec.index}: rank {spec.rank} of "
+                              f"{spec.world_size}, {spec.num_ps} ps) does not match the process "
+                              f"group (rank {c.rank} of {c.world_size}, {c.num_ps} ps). Hint: "
+                              "use parlay.TaskSpec.from_env() under `parlay run --ps K`.")
+        if c.num_ps < 1:
+            raise ConfigError("DistributedSession needs at least one parameter-server rank, got 0. "
+                              "Hint: launch with `parlay run -n 3 --ps 1 script.py` "
+                              "(PARLAY_NUM_PS=1).")
+        self.is_ps = c.rank < c.num_ps
+        self.num_servers, self.num_workers = c.num_ps, c.world_size - c.num_ps
+        self.rank = c.rank
+        self.timeout = float(self._timeout or runtime.timeout().total_seconds())
+        self.plan = ShardPlan.from_module(self.model, c.num_ps, **self._plan_args)  # type: ignore[arg-type]
+        world = list(range(c.world_size))
+        workers = world[c.num_ps:]
+        # Replies may wait out a lost peer's full timeout at the server first.
+        self.ps_group = dist.new_group(world, backend="gloo",
+                                       timeout=_dt.timedelta(seconds=2 * self.timeout + 5))
+        self.dp_group = dist.new_group(workers)
+        for p in self.model.parameters():
+            if not p.is_contiguous():
+                p.data = p.data.contiguous()
+        if self.checkpoint_dir:
+            os.makedirs(self.checkpoint_dir, exist_ok=True)
+        if self.is_ps:
+            self.server = Server(c.rank, self.plan, self.model, self.optimizer_cls,
+                                 self.optimizer_args, self.consistency, self.compressor, workers,
+                                 self.ps_group, self.timeout, self.checkpoint_dir,
+                                 self.checkpoint_every)
+        else:
+            self._load_worker_state()
+            self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
+                                 world[: c.num_ps], self.ps_group, self.timeout)
+            self.worker.hello()
+
+    def close(self, exc: BaseException | None = None) -> None:
+        """Finish: workers say goodbye (or report their error), servers serve to the end and
+        save; the session's process groups are destroyed. Idempotent."""
+        if self._closed or not self._started:
+            return
+        self._closed = True
+        try:
+            if self.worker is not None:
+                if exc is None:
+                    self.worker.finish()
+                    self._save_worker_state()
+                else:
+                    self.worker.fail()
+            elif self.server is not None and exc is None:
+                self.server.serve()
+        finally:
+            for g in (self.ps_group, self.dp_group):
+                if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+                    try:
+                        dist.destroy_process_group(g)
+                    except Exception:  # noqa: BLE001 - already gone with the default group
+                        pass
+            self.ps_group = self.dp_group = None
+            if self._owns_runtime:
+                runtime.shutdown()
+
+    # -- training -----------------------------------------------------------------------------
+    def should_stop(self) -> bool:
+        """Workers: True once ``max_steps`` updates were applied (or the session closed).
+        Servers: serve until every worker finished, then True.
+
+        Raises:
+            CommError: ``sync`` lost a worker (names it), or a server stopped answering.
+        """
+        self._need_started("should_stop")
+        if self.server is not None:
+            self.server.serve()
+            return True
+        assert self.worker is not None
+        return self._closed or (self.max_steps is not None
+                                and self.worker.global_step >= self.max_steps)
+
+    def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float | None:
+        """One step on a worker: push this batch's gradients, pull the released parameters.
+
+        Args:
+            batch: ``(inputs, targets)``; inputs may be a tuple of model arguments.
+            loss_fn: ``loss_fn(model(inputs), targets)`` -> scalar batch-mean loss.
+
+        Returns:
+            The worker's loss on ``batch`` (before the update); ``None`` on servers, where this
+            call serves until the workers finish.
+        """
+        self._need_started("train_step")
+        if self.server is not None:
+            self.server.serve()
+            return None
+        assert self.worker is not None
+        return self.worker.train_step(batch, loss_fn)
+
+    def set_lr_factor(self, factor: float) -> None:
+        """Scale every server's base learning rates by ``factor`` from this worker's next push
+        on (warm-up schedules run on workers; the factor travels in the push header)."""
+        if self.worker is not None:
+            self.worker.lr_factor = float(factor)
+
+    # -- introspection ------------------------------------------------------------------------
+    @property
+    def is_worker(self) -> bool:
+        """Whether this rank computes gradients."""
+        return self.worker is not None
+
+    @property
+    def worker_index(self) -> int | None:
+        """This worker's index among the workers (``None`` on servers)."""
+        return self.worker.index if self.worker is not None else None
+
+    @property
+    def global_step(self) -> int:
+        """Parameter updates applied so far (servers: own version; workers: as last pulled)."""
+        if self.server is not None:
+            return self.server.core.version
+        return self.worker.global_step if self.worker is not None else 0
+
+    @property
+    def step(self) -> int:
+        """Workers: this worker's pushes applied so far."""
+        return self.worker.step if self.worker is not None else 0
+
+    def staleness_histogram(self) -> dict[int, int]:
+        """``{staleness: count}``: on a server over every gradient it applied, on a worker over
+        its own pushes (one entry per server). Staleness = updates applied between the read of
+        the parameters and the apply of the gradient computed on them (0 in ``sync``)."""
+        h = self.server.core.histogram if self.server is not None else (
+            self.worker.histogram if self.worker is not None else {})
+        return dict(sorted(h.items()))
+
+    def update_log(self) -> list[Update]:
+        """Servers: every applied gradient (worker, step, base version, version), in order."""
+        return list(self.server.core.log) if self.server is not None else []
+
+    def lost_workers(self) -> list[int]:
+        """Servers: global ranks of workers declared lost or failed, in that order."""
+        if self.server is None:
+            return []
+        return [self.server.worker_ranks[w] for w in self.server.core.lost]
+
+    def _need_started(self, what: str) -> None:
+        if not self._started:
+            raise ConfigError(f"{what}() needs a started session. Hint: use "
+                              "`with parlay.DistributedSession(...) as sess:` or call start().")
+
+    # -- worker-side state (compressor residuals) ---------------------------------------------
+    def _worker_path(self) -> str | None:
+        if not self.checkpoint_dir:
+            return None
+        return os.path.join(self.checkpoint_dir, f"worker-{self.rank - self.num_servers}.pt")
+
+    def _save_worker_state(self) -> None:
+        path = self._worker_path()
+        if path:
+            save_atomic({"compressor": self.compressor.state_dict()}, path)
+
+    def _load_worker_state(self) -> None:
+        path = self._worker_path()
+        if path and os.path.exists(path):
+            try:
+                sd = torch.load(path, weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"could not read worker checkpoint {path!r}: {e}") from e
+            self.compressor.load_state_dict(sd.get("compressor", {}))

@@ -1,0 +1,155 @@
+"""Wire format of parameter-server messages: one flat ``uint8`` tensor per message.
+
+Every message is a fixed 256-byte header of int64 fields followed by up to
+:data:`MAX_TENSORS` tensors' raw bytes (each 8-byte aligned). Packing header and payload into
+one buffer makes each push or reply *atomic*: a worker that dies mid-step can never leave a
+server holding a header whose payload will not come, and the server's any-source receive
+(gloo ``recv(src=None)``) takes whole messages in arrival order. gloo accepts a message smaller
+than the posted buffer, so receivers post one buffer of the largest size they can get.
+No pickling: only tensors and integers cross the wire.
+"""
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+
+import torch
+
+from parlay.errors import ConfigError
+
+__all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
+           "TAG_PUSH", "TAG_REPLY"]
+
+#: Tag of worker -> server messages (any-source on the server).
+TAG_PUSH = 0x5053
+#: Tag of server -> worker replies.
+TAG_REPLY = 0x5054
+
+MAX_TENSORS = 4
+_MAX_DIMS = 3
+_FIELDS = 8  # op, sender, step, version, scalar, ntensors, nbytes, extra
+_META = 2 + _MAX_DIMS  # dtype, ndim, dims
+HEADER_INTS = 32
+HEADER_BYTES = HEADER_INTS * 8
+assert _FIELDS + MAX_TENSORS * _META <= HEADER_INTS
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+
+class Op:
+    """Message kinds (header field 0)."""
+
+    HELLO = 1  #: worker -> server: send me the parameters (first pull)
+    PUSH = 2   #: worker -> server: a gradient; the reply carries fresh parameters
+    DONE = 3   #: worker -> server: I finished; the reply is BYE
+    FAIL = 4   #: worker -> server: I raised an error and stop
+    PARAMS = 10  #: server -> worker: parameters (version, staleness of the last push)
+    BYE = 11     #: server -> worker: acknowledged DONE
+    ERROR = 12   #: server -> worker: training cannot go on (field ``extra`` = lost rank)
+
+
+class Err:
+    """Error kinds of an ERROR reply (header field ``scalar``)."""
+
+    LOST = 1      #: a peer worker was lost (sync cannot continue)
+    FAILED = 2    #: a peer worker raised an error (sync cannot continue)
+    EVICTED = 3   #: this worker was declared lost earlier (it was silent past the timeout)
+
+
+@dataclass
+class Message:
+    """A decoded message.
+
+    Attributes:
+        op: One of :class:`Op`.
+        sender: Worker index (pushes) or server index (replies).
+        step: Worker clock: pushes of that worker applied so far (or the push's step).
+        version: Parameter version (the base version of a push, the version of a reply).
+        scalar: A float (learning-rate factor of a push) or small int (staleness, error kind).
+        extra: Free int (the lost peer's global rank of an ERROR, a timeout in ms...).
+        tensors: Payload tensors (views into the receive buffer unless cloned).
+    """
+
+    op: int
+    sender: int
+    step: int = 0
+    version: int = 0
+    scalar: float = 0.0
+    extra: int = 0
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+
+def _align(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def capacity(payload_bytes: int, ntensors: int = 1) -> int:
+    """Buffer bytes needed for a message whose tensors hold ``payload_bytes`` in total."""
+    return HEADER_BYTES + payload_bytes + 8 * max(ntensors, 1)
+
+
+def pack(msg: Message, out: torch.Tensor) -> torch.Tensor:
+    """Write ``msg`` into the ``uint8`` buffer ``out``; return the used prefix (a view).
+
+    Raises:
+        ConfigError: Too many tensors, too many dimensions, an unsupported dtype, or a payload
+            larger than ``out``.
+    """
+    if len(msg.tensors) > MAX_TENSORS:
+        raise ConfigError(f"a parameter-server message carries at most {MAX_TENSORS} tensors, "
+                          f"got {len(msg.tensors)}. Hint: use a compressor with fewer payload "
+                          "tensors.")
+    head = [0] * HEADER_INTS
+    head[0], head[1], head[2], head[3] = msg.op, msg.sender, msg.step, msg.version
+    head[4] = struct.unpack("<q", struct.pack("<d", float(msg.scalar)))[0]
+    head[5], head[7] = len(msg.tensors), msg.extra
+    pos = HEADER_BYTES
+    spans = []
+    for i, t in enumerate(msg.tensors):
+        if t.dtype not in _CODE:
+            raise ConfigError(f"payload dtype must be one of {_DTYPES}, got {t.dtype}.")
+        if t.dim() > _MAX_DIMS:
+            raise ConfigError(f"payload tensors have at most {_MAX_DIMS} dims, got {t.dim()}.")
+        dims = list(t.shape) + [0] * (_MAX_DIMS - t.dim())
+        base = _FIELDS + i * _META
+        head[base: base + _META] = [_CODE[t.dtype], t.dim(), *dims]
+        n = t.numel() * t.element_size()
+        spans.append((pos, n, t))
+        pos = _align(pos + n)
+    head[6] = pos - HEADER_BYTES
+    if pos > out.numel():
+        raise ConfigError(f"message of {pos} bytes does not fit the {out.numel()}-byte buffer "
+                          "agreed with the server. Hint: the compressor's payload grew beyond "
+                          "what it produced at setup; use a compressor with a fixed payload size.")
+    out[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+    for start, n, t in spans:
+        if n:
+            src = t.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+            out[start: start + n].copy_(src)
+    return out[:pos]
+
+
+def unpack(buf: torch.Tensor, clone: bool = False) -> Message:
+    """Decode a message from the ``uint8`` buffer ``buf``.
+
+    Args:
+        buf: The receive buffer (only the prefix the header describes is read).
+        clone: Copy payload tensors out of ``buf`` (needed when ``buf`` is reused).
+    """
+    head = buf[:HEADER_BYTES].view(torch.int64).tolist()
+    scalar = struct.unpack("<d", struct.pack("<q", head[4]))[0]
+    msg = Message(op=head[0], sender=head[1], step=head[2], version=head[3], scalar=scalar,
+                  extra=head[7])
+    pos = HEADER_BYTES
+    for i in range(head[5]):
+        base = _FIELDS + i * _META
+        dtype = _DTYPES[head[base]]
+        shape = tuple(head[base + 2: base + 2 + head[base + 1]])
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        t = buf[pos: pos + n].view(dtype).view(shape)
+        msg.tensors.append(t.clone() if clone else t)
+        pos = _align(pos + n)
+    return msg

@@ -1,0 +1,195 @@
+"""A parameter-server worker: computes gradients, pushes them, pulls fresh parameters.
+
+Workers keep no optimizer state. One step: forward, backward, copy each server's slice of the
+gradients into a flat CPU buffer, compress it, push it (one atomic message per server, see
+:mod:`parlay.ps.wire`), then wait for every server's reply, which carries the parameters
+released by the consistency policy, and copy them into the model.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from parlay import comm
+from parlay.compress.base import Compressor
+from parlay.errors import CheckpointError, CommError, ConfigError
+from parlay.ps.plan import ShardPlan
+from parlay.ps.server import lost_message
+from parlay.ps.wire import TAG_PUSH, TAG_REPLY, Message, Op, capacity, pack, unpack
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("parlay.ps")
+
+
+class Worker:
+    """The worker side of the parameter-server protocol.
+
+    Args:
+        index: Worker index (0-based among the workers).
+        rank: This process's global rank.
+        plan: The placement shared by every rank.
+        model: The model this worker trains (any device).
+        compressor: Encodes pushes (keeps error-feedback residuals, if any).
+        server_ranks: Global ranks of the servers, by server index.
+        group: The gloo group of all ranks that carries PS traffic.
+        timeout: The servers' lost-worker timeout (for error messages).
+    """
+
+    def __init__(self, index: int, rank: int, plan: ShardPlan, model: nn.Module,
+                 compressor: Compressor, server_ranks: list[int], group: Any,
+                 timeout: float) -> None:
+        self.index, self.rank, self.plan, self.model = index, rank, plan, model
+        self.compressor, self.server_ranks = compressor, server_ranks
+        self.group, self.timeout = group, timeout
+        named = dict(model.named_parameters())
+        self.dtype = next(iter(named.values())).dtype
+        self.slices: list[list[tuple[torch.Tensor, int, int, int]]] = []
+        self.grads: list[torch.Tensor] = []
+        self.push_bufs: list[torch.Tensor] = []
+        self.reply_bufs: list[torch.Tensor] = []
+        for s in range(plan.num_servers):
+            numel = plan.numel(s)
+            self.slices.append([(named[p.name], p.start, p.length, p.offset)
+                                for p in plan.pieces(s)])
+            self.grads.append(torch.zeros(numel, dtype=self.dtype))
+            # Same probe as the server's, so both agree on the message capacity.
+            probe = probe_payload(compressor, numel, self.dtype, f"ps{s}")
+            nbytes = numel * self.grads[s].element_size()
+            self.push_bufs.append(torch.empty(
+                capacity(max(sum(t.numel() * t.element_size() for t in probe), nbytes), len(probe)),
+                dtype=torch.uint8))
+            self.reply_bufs.append(torch.empty(capacity(nbytes), dtype=torch.uint8))
+        self.versions = [0] * plan.num_servers
+        self.step = 0
+        self.lr_factor = 1.0
+        self.histogram: collections.Counter[int] = collections.Counter()
+        self.closed = False
+        self.told_error = False
+
+    @property
+    def global_step(self) -> int:
+        """Parameter version: updates applied so far (the smallest over the servers)."""
+        return min(self.versions)
+
+    # -- protocol -----------------------------------------------------------------------------
+    def _exchange(self, op: int, payloads: list[list[torch.Tensor]] | None, what: str) -> list[Message]:
+        recvs = [comm.recv(self.reply_bufs[s], src=r, tag=TAG_REPLY, group=self.group,
+                           async_op=True) for s, r in enumerate(self.server_ranks)]
+        sends = []
+        for s, r in enumerate(self.server_ranks):
+            msg = Message(op, self.index, self.step, self.versions[s], self.lr_factor,
+                          tensors=payloads[s] if payloads is not None else [])
+            out = pack(msg, self.push_bufs[s])
+            sends.append(comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True))
+        try:
+            for h in sends:
+                h.wait()
+            replies = []
+            for h, buf in zip(recvs, self.reply_bufs):
+                h.wait()
+                replies.append(unpack(buf))
+        except CommError as e:
+            raise CommError(f"{what} on worker {self.index} (rank {self.rank}): a parameter server "
+                            f"did not answer: {e}", op=e.op, rank=self.rank, peer=e.peer) from e
+        for s, m in enumerate(replies):
+            if m.op == Op.ERROR:
+                self.told_error = True
+                raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
+                                             m.extra, self.timeout, f"{what} (step {self.step})"),
+                                op="ps " + what, rank=self.rank, peer=m.extra)
+        return replies
+
+    def _load(self, replies: list[Message]) -> None:
+        with torch.no_grad():
+            for s, m in enumerate(replies):
+                flat = m.tensors[0]
+                for p, start, length, off in self.slices[s]:
+                    p.view(-1)[start: start + length].copy_(flat[off: off + length])
+                self.versions[s] = m.version
+        clocks = {m.step for m in replies}
+        if len(clocks) != 1:
+            raise CheckpointError(f"the parameter servers disagree on worker {self.index}'s step "
+                                  f"({sorted(clocks)}): they resumed from checkpoints of "
+                                  "different times. Hint: resume every server from the same run.")
+        self.step = clocks.pop()
+
+    def hello(self) -> None:
+        """First pull: take the servers' parameters (and step, when resuming)."""
+        self._load(self._exchange(Op.HELLO, None, "first pull"))
+
+    def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float:
+        """Forward, backward, push the gradients, pull the released parameters.
+
+        Returns:
+            This worker's loss on ``batch`` (computed before the update).
+        """
+        x, y = _split(batch)
+        dev = next(self.model.parameters()).device
+        x = tuple(t.to(dev) if torch.is_tensor(t) else t for t in (x if isinstance(x, tuple) else (x,)))
+        y = y.to(dev) if torch.is_tensor(y) else y
+        for p in self.model.parameters():
+            p.grad = None
+        loss = loss_fn(self.model(*x), y)
+        loss.backward()
+        payloads = []
+        for s in range(self.plan.num_servers):
+            g = self.grads[s]
+            for p, start, length, off in self.slices[s]:
+                if p.grad is None:  # no gradient this step: push zeros (documented)
+                    g[off: off + length].zero_()
+                else:
+                    g[off: off + length].copy_(p.grad.reshape(-1)[start: start + length])
+            payload, _ = self.compressor.compress(g, f"ps{s}") if g.numel() else ([], None)
+            payloads.append(payload)
+        replies = self._exchange(Op.PUSH, payloads, "push")
+        for m in replies:
+            self.histogram[int(m.scalar)] += 1
+        self._load(replies)
+        return float(loss.detach())
+
+    def finish(self) -> None:
+        """Tell every server this worker is done and wait for their acknowledgement."""
+        if self.closed or self.told_error:
+            return
+        self.closed = True
+        self._exchange(Op.DONE, None, "finish")
+
+    def fail(self) -> None:
+        """Tell every server this worker stops because of an error (best effort, no reply)."""
+        if self.closed or self.told_error:
+            return
+        self.closed = True
+        for s, r in enumerate(self.server_ranks):
+            try:
+                out = pack(Message(Op.FAIL, self.index, self.step, self.versions[s]),
+                           self.push_bufs[s])
+                comm.send(out, r, tag=TAG_PUSH, group=self.group)
+            except CommError:
+                pass
+
+
+def probe_payload(c: Compressor, numel: int, dtype: torch.dtype, key: str) -> list[torch.Tensor]:
+    """The payload ``c`` produces for a zero bucket of ``numel`` elements, from a copy of ``c``
+    (so a stateful compressor's memory is untouched); sizes the message buffers."""
+    import copy
+
+    if numel == 0:
+        return []
+    try:
+        c = copy.deepcopy(c)
+    except Exception:  # noqa: BLE001 - uncopyable compressors are probed as they are
+        pass
+    return c.compress(torch.zeros(numel, dtype=dtype), key)[0]
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ConfigError(f"train_step expects batch=(inputs, targets), got "
+                      f"{type(batch).__name__}{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}. "
+                      "Hint: pass sess.train_step((x, y), loss_fn); loss_fn(model(x), y) -> loss.")
