@@ -63,7 +63,9 @@ def _context() -> Any:
         method = os.environ.get("PARLAY_TEST_START_METHOD", "forkserver")
         _ctx = mp.get_context(method)
         if method == "forkserver":
-            _ctx.set_forkserver_preload(["torch", "torch.distributed", "parlay"])
+            # torch.distributed.pipelining takes ~2 s to import: pay it once in the forkserver.
+            _ctx.set_forkserver_preload(["torch", "torch.distributed", "parlay",
+                                         "torch.distributed.pipelining"])
     return _ctx
 
 

@@ -1,0 +1,478 @@
+"""``Pipeline``: a model split into stages, run by a schedule, replicated data-parallel.
+
+Loss contract (read this before comparing numbers with a single-process run). ``loss_fn(output,
+target)`` is called once per micro-batch and must return that micro-batch's *mean* loss
+(``reduction="mean"``, the PyTorch default). A batch of ``B`` samples is cut into ``m`` equal
+micro-batches and every micro-batch loss is multiplied by ``1/m`` before its backward, so
+
+* the loss parlay reports is the mean over the batch, and
+* the gradient equals the gradient of the full-batch mean loss,
+
+exactly as one process running ``loss_fn(model(x), y).backward()`` on the whole batch (up to
+summation order). This is ``torch.distributed.pipelining``'s ``scale_grads=True`` done before
+the backward instead of after it, which also keeps the data-parallel hooks free to start their
+allreduce during the last micro-batch's backward. With ``loss_reduction="sum"`` nothing is
+scaled (sum losses add up across micro-batches). When ``B`` is not a multiple of ``chunks``, the
+largest divisor of ``B`` not above ``chunks`` is used, so micro-batches stay equal and the
+contract stays exact; a schedule that cannot run that many micro-batches (1F1B needs
+``chunks >= stages``) falls back to one with the same mathematics (GPipe).
+
+Every rank of a pipeline calls :meth:`Pipeline.step` with the same batch: stage 0 reads ``x``,
+the last stage ``target``, and every stage derives the micro-batch plan from the batch size.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+
+from parlay import comm
+from parlay.errors import ConfigError
+from parlay.pipeline.hybrid import HybridMesh, build_mesh, mean_over
+from parlay.pipeline.partition import Partition, check_boundaries, partition
+from parlay.pipeline.schedule import (WIRE_DTYPES, InstrumentedStage, ScheduleSpec, StageMeter,
+                                      StageModule, _dtypes, get_schedule, theoretical_bubble)
+
+__all__ = ["Pipeline", "StepOutput"]
+
+
+@dataclass
+class StepOutput:
+    """What one :meth:`Pipeline.step` did on this rank.
+
+    Attributes:
+        loss: Mean loss of this replica's batch (detached); ``None`` off the last stage.
+        output: The model output for the batch on the last stage (when requested), else None.
+        chunks: Micro-batches the batch was cut into.
+        schedule: Schedule that ran (after any fallback).
+        wall_s: Seconds the schedule took on this rank.
+        compute_s: Seconds of it spent computing (forward, backward, loss).
+        compute_cpu_s: CPU seconds of that compute (less than ``compute_s`` when the OS
+            gave this rank's core to another process).
+        fwd_bytes / bwd_bytes: Activation / gradient bytes this rank sent to other stages.
+        fwd_dense_bytes / bwd_dense_bytes: The same without the wire cast.
+        messages: Point-to-point sends this rank issued.
+    """
+
+    loss: torch.Tensor | None
+    output: Any
+    chunks: int
+    schedule: str
+    wall_s: float
+    compute_s: float
+    compute_cpu_s: float
+    fwd_bytes: int
+    bwd_bytes: int
+    fwd_dense_bytes: int
+    bwd_dense_bytes: int
+    messages: int
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds not computing: blocked on a neighbour (the bubble) or communicating."""
+        return max(0.0, self.wall_s - self.compute_s)
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of the step on this rank."""
+        return self.idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+class _ScaledLoss:
+    """``loss_fn`` times a per-step factor, timed as compute (see the module's loss contract)."""
+
+    def __init__(self, fn: Callable[..., torch.Tensor], meter: StageMeter,
+                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
+        self.fn, self.meter, self.scale = fn, meter, 1.0
+        self.autocast_dtype, self.device_type = autocast_dtype, device_type
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        amp = (torch.autocast(self.device_type, dtype=self.autocast_dtype)
+               if self.autocast_dtype is not None else contextlib.nullcontext())
+        with self.meter.timing(), amp:
+            loss = self.fn(output, target)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise ConfigError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
+                                  f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}."
+                                  " Hint: use reduction='mean'.")
+            return loss * self.scale if self.scale != 1.0 else loss
+
+
+def _args(x: Any) -> tuple[Any, ...]:
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
+        return tuple(x)
+    raise ConfigError(f"a pipeline input must be a tensor or a tuple of tensors, got "
+                      f"{type(x).__name__}.")
+
+
+def _plan_chunks(batch: int, chunks: int) -> int:
+    """Largest divisor of ``batch`` that is at most ``chunks`` (equal micro-batches)."""
+    for m in range(min(chunks, batch), 0, -1):
+        if batch % m == 0:
+            return m
+    return 1
+
+
+class Pipeline:
+    """Split ``model`` into pipeline stages across ranks, optionally replicated data-parallel.
+
+    Example (4 ranks: 2 replicas x 2 stages)::
+
+        pipe = parlay.pipeline.Pipeline(model, nn.functional.cross_entropy, stages=2, chunks=4)
+        opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.1))
+        for x, y in loader:                # the same batch on both stages of a replica
+            opt.zero_grad()
+            out = pipe.step(x, y)          # out.loss on the last stage, None elsewhere
+            opt.step()                     # stage gradients averaged over the replicas
+
+    Args:
+        model: An ``nn.Sequential`` (every rank builds the same full model; each keeps its
+            stage's layers).
+        loss_fn: ``loss_fn(output, target) -> scalar`` mean over a micro-batch (see the module
+            docstring); ``None`` for an inference-only pipeline.
+        stages: Ranks per pipeline (``pp``); default: the whole world (``dp=1``) or
+            ``world // dp``.
+        chunks: Micro-batches per batch (``m``).
+        schedule: ``"1f1b"`` (default), ``"gpipe"`` or ``"interleaved"``.
+        balance: Layers per *model* stage (``stages * virtual_stages`` entries), or ``None``.
+        split_points: Names of the layers that start model stages 1.. (instead of balance).
+        sample: Example input (one micro-batch); enables balancing by profiled time and the
+            construction-time check that stage boundaries carry tensors.
+        by: ``"auto"`` | ``"time"`` | ``"params"``: what to balance (see :func:`partition`).
+        activation_dtype: ``"bf16"``/``"fp16"`` (or a dtype) to send activations and their
+            gradients between stages in; ``None`` sends them as computed.
+        virtual_stages: Model stages per rank (interleaved only; default 2 there, else 1).
+        dp: Data-parallel replicas; default ``world // stages``.
+        loss_reduction: ``"mean"`` (default) or ``"sum"``: what ``loss_fn`` returns.
+        sync_parameters: Broadcast each stage's parameters from replica 0 at construction.
+        autocast_dtype: Mixed precision: run every stage and the loss under
+            ``torch.autocast`` with this dtype (e.g. ``torch.bfloat16``).
+        mesh: An existing :class:`HybridMesh` to run on (then ``dp``/``stages`` come from it).
+
+    Raises:
+        ConfigError: Bad arguments (see :func:`parlay.pipeline.partition` for the partition
+            errors) or a world that is not ``dp x stages`` ranks.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None = None, *,
+                 stages: int | None = None, chunks: int = 4, schedule: str = "1f1b",
+                 balance: list[int] | None = None, split_points: list[str] | None = None,
+                 sample: Any = None, by: str = "auto", activation_dtype: Any = None,
+                 virtual_stages: int | None = None, dp: int | None = None,
+                 loss_reduction: str = "mean", sync_parameters: bool = True,
+                 autocast_dtype: torch.dtype | None = None,
+                 mesh: HybridMesh | None = None) -> None:
+        import torch.distributed as dist
+
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ConfigError(f"chunks (micro-batches per batch) must be an int >= 1, got {chunks!r}.")
+        if loss_reduction not in ("mean", "sum"):
+            raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+        if loss_fn is not None and not callable(loss_fn):
+            raise ConfigError(f"loss_fn must be callable(output, target), got {type(loss_fn).__name__}.")
+        self.spec: ScheduleSpec = get_schedule(schedule)
+        v = virtual_stages if virtual_stages is not None else (2 if self.spec.multi_stage else 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ConfigError(f"virtual_stages must be an int >= 1, got {v!r}.")
+        if v > 1 and not self.spec.multi_stage:
+            raise ConfigError(f"virtual_stages={v} needs schedule='interleaved', got "
+                              f"schedule={schedule!r}.")
+        self.wire_dtype = _wire_dtype(activation_dtype)
+        if mesh is None:
+            if not dist.is_initialized():
+                raise ConfigError("the pipeline needs a process group. Hint: call parlay.init() first.")
+            world = dist.get_world_size()
+            if stages is None:
+                stages = world // dp if dp else world
+            mesh = build_mesh(stages, dp)
+        self.mesh = mesh
+        self.chunks, self.virtual_stages = chunks, v
+        self.loss_reduction = loss_reduction
+        self.num_stages = mesh.pp * v
+        self.device = torch.device("cpu")
+        from parlay import runtime
+
+        if runtime.is_initialized():
+            self.device = runtime.device()
+        self.traced = not isinstance(model, nn.Sequential)
+        self.seq = _as_sequential(model, split_points, sample)
+        by_time = by == "time" or (by == "auto" and sample is not None)
+        self.partition: Partition = partition(
+            self.seq, self.num_stages, balance=balance,
+            split_points=split_points if isinstance(model, nn.Sequential) else None,
+            sample=sample if by_time and balance is None and split_points is None else None,
+            by="time" if by_time else "params")
+        if self.partition.method == "time" and dist.get_world_size() > 1:
+            # Profiles differ between ranks; everyone must cut the model the same way.
+            self.partition = comm.broadcast_object(self.partition, src=0)
+        self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
+        self.modules: list[StageModule] = []
+        for s in self.stage_ids:
+            layers = self.partition.build(self.seq, s).to(self.device)
+            self.modules.append(StageModule(layers, self.wire_dtype, s == 0,
+                                            s == self.num_stages - 1, autocast_dtype))
+        self.meter = StageMeter()
+        self._loss = (_ScaledLoss(loss_fn, self.meter, autocast_dtype, self.device.type)
+                      if loss_fn is not None else None)
+        self._cache: OrderedDict[Any, tuple[Any, str]] = OrderedDict()
+        self._checked = False
+        if sample is not None:
+            self._check(sample)
+        if sync_parameters and mesh.dp > 1:
+            from parlay.dp.functions import broadcast_parameters
+
+            broadcast_parameters(self.state_dict(), root_rank=0, process_group=mesh.dp_group)
+
+    # ------------------------------------------------------------------ structure
+    @property
+    def is_first(self) -> bool:
+        """Whether this rank holds stage 0 (it reads the input)."""
+        return 0 in self.stage_ids
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this rank holds the last stage (it computes the loss and the output)."""
+        return self.num_stages - 1 in self.stage_ids
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under their names in the full model (e.g. ``"2.weight"``)."""
+        for mod in self.modules:
+            for name, p in mod.layers.named_parameters():
+                yield _orig_name(name, self.traced), p
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This rank's parameters."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers under their full-model names."""
+        out: dict[str, torch.Tensor] = {}
+        for mod in self.modules:
+            out.update({_orig_name(k, self.traced): v for k, v in mod.layers.state_dict().items()})
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state_dict` (strict: the keys must be this rank's)."""
+        mine = self.state_dict()
+        if set(state) != set(mine):
+            raise ConfigError(f"state for this pipeline rank holds {sorted(state)[:4]}..., "
+                              f"expected exactly the keys of stages {self.stage_ids}.")
+        for mod in self.modules:
+            keys = mod.layers.state_dict().keys()
+            mod.layers.load_state_dict({k: state[_orig_name(k, self.traced)] for k in keys})
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Set the stage modules' training mode."""
+        for mod in self.modules:
+            mod.train(mode)
+        return self
+
+    # ------------------------------------------------------------------ schedules
+    def _check(self, sample: Any) -> None:
+        outs = check_boundaries(self.seq, self.partition, sample)
+        for mod, s in zip(self.modules, self.stage_ids):
+            if s > 0:
+                mod.in_dtypes = _dtypes(outs[s - 1])
+        self._checked = True
+
+    def _schedule(self, x: tuple[torch.Tensor, ...], m: int, train: bool) -> tuple[Any, str]:
+        key = (train, m, tuple((tuple(t.shape), t.dtype) for t in x))
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        spec = self.spec
+        if not spec.accepts(m, self.mesh.pp):
+            spec = get_schedule(spec.fallback) if spec.fallback else spec
+        stages = [InstrumentedStage(mod, s, self.num_stages, self.device, self.mesh.pp_group,
+                                    self.meter) for mod, s in zip(self.modules, self.stage_ids)]
+        arg = stages if spec.multi_stage else stages[0]
+        if train:
+            sched = spec.cls(arg, m, loss_fn=self._loss, scale_grads=False)
+        else:
+            sched = spec.eval_cls(arg, m)
+        self._cache[key] = (sched, spec.name)
+        while len(self._cache) > 8:
+            self._cache.popitem(last=False)
+        return sched, spec.name
+
+    def _run(self, x: Any, target: Any, train: bool, return_outputs: bool) -> StepOutput:
+        args = _args(x)
+        batch = int(args[0].shape[0])
+        if batch < 1:
+            raise ConfigError("the batch is empty.")
+        m = _plan_chunks(batch, self.chunks)
+        if not self._checked:
+            self._check(args[0][: batch // m] if len(args) == 1
+                        else tuple(a[: batch // m] for a in args))
+        sched, name = self._schedule(args, m, train)
+        if self._loss is not None:
+            self._loss.scale = 1.0 / m if self.loss_reduction == "mean" else 1.0
+        self.meter.reset()
+        losses: list[torch.Tensor] = []
+        kwargs: dict[str, Any] = {}
+        if train:
+            kwargs = {"target": target if self.is_last else None,
+                      "losses": losses if self.is_last else None}
+        t0 = time.perf_counter()
+        out = sched.step(*(args if self.is_first else ()), return_outputs=return_outputs,
+                         **kwargs)
+        wall = time.perf_counter() - t0
+        mt = self.meter
+        loss = torch.stack([v.detach() for v in losses]).sum() if losses else None
+        return StepOutput(loss, out if self.is_last and return_outputs else None, m, name,
+                          wall, mt.compute_s, mt.compute_cpu_s, mt.fwd_bytes, mt.bwd_bytes,
+                          mt.fwd_dense_bytes, mt.bwd_dense_bytes, mt.messages)
+
+    # ------------------------------------------------------------------ running
+    def step(self, x: Any, target: Any = None, *, return_outputs: bool = False) -> StepOutput:
+        """Forward and backward of one batch through the pipeline.
+
+        Gradients accumulate into this rank's parameters (``.grad``): the gradient of the
+        batch's mean loss (see the module docstring). With :meth:`distributed_optimizer`, their
+        average over the replicas starts during the last micro-batch's backward and completes
+        in ``optimizer.step()``.
+
+        Args:
+            x: The batch input (tensor or tuple of tensors), on every rank of the pipeline.
+            target: The batch target; required on the last stage.
+            return_outputs: Also return the model output on the last stage.
+
+        Returns:
+            A :class:`StepOutput` (loss on the last stage).
+
+        Raises:
+            ConfigError: No loss_fn, a missing target on the last stage, or a bad input.
+            CommError: A neighbouring stage failed or timed out.
+        """
+        if self._loss is None:
+            raise ConfigError("this pipeline has no loss_fn; use forward() for inference, or "
+                              "pass loss_fn to Pipeline(...) to train.")
+        if self.is_last and target is None:
+            raise ConfigError("the last pipeline stage needs the target: call step(x, target) "
+                              "on every rank of the pipeline with the same batch.")
+        with _p2p_errors("pipeline step"):
+            return self._run(x, target, train=True, return_outputs=return_outputs)
+
+    @torch.no_grad()
+    def forward(self, x: Any) -> Any:
+        """Inference through the pipeline (no gradients): the output on the last stage, else
+        ``None``. Every rank of the pipeline calls it with the same batch."""
+        with _p2p_errors("pipeline forward"):
+            return self._run(x, None, train=False, return_outputs=True).output
+
+    def distributed_optimizer(self, optimizer: torch.optim.Optimizer, *, compression: Any = None,
+                              bucket_cap_mb: float = 25.0) -> Any:
+        """Wrap ``optimizer`` (built over :meth:`parameters`) so each stage's gradients are
+        averaged over its replicas with parlay's bucketed, overlapped engine.
+
+        Args:
+            optimizer: A ``torch.optim`` optimizer over this rank's parameters.
+            compression: Gradient compression for the data-parallel allreduce (``"fp16"``,
+                ``"topk:0.01"``, ...).
+            bucket_cap_mb: Bucket size.
+
+        Returns:
+            A :class:`parlay.DistributedOptimizer` over ``dp_group``.
+        """
+        from parlay.dp.optimizer import DistributedOptimizer
+
+        mine = {id(p) for p in self.parameters()}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in mine]
+        if foreign:
+            raise ConfigError(f"the optimizer holds {len(foreign)} parameter(s) that are not in "
+                              "this rank's stages. Hint: build it over pipe.parameters().")
+        dopt = DistributedOptimizer(optimizer, named_parameters=list(self.named_parameters()),
+                                    compression=compression, bucket_cap_mb=bucket_cap_mb,
+                                    process_group=self.mesh.dp_group)
+        # Hooks stay silent for every backward but a stage's last one in a step.
+        self.meter.defer_grad_sync = dopt.skip_synchronize
+        return dopt
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the gradients of the *whole model* to ``max_norm`` (2-norm over every stage).
+
+        Call after the data-parallel average (``optimizer.synchronize()``); returns the norm
+        before clipping. A collective over the pipeline group.
+        """
+        sq = torch.zeros(1, dtype=torch.float64)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        for g in grads:
+            sq += g.detach().double().pow(2).sum().cpu()
+        comm.allreduce(sq, "sum", group=self.mesh.pp_group)
+        norm = float(sq.sqrt().item())
+        if norm > max_norm:
+            coef = max_norm / (norm + 1e-6)
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+    def mean_over_replicas(self, value: float | torch.Tensor) -> float:
+        """Average a metric over the replicas (``dp_group``; every member must call)."""
+        return mean_over(value, self.mesh.dp_group)
+
+    def theoretical_bubble(self, chunks: int | None = None) -> float:
+        """``(S-1)/(v*m + S-1)`` for this pipeline."""
+        return theoretical_bubble(self.mesh.pp, chunks or self.chunks, self.virtual_stages)
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(stages={self.mesh.pp}, dp={self.mesh.dp}, schedule={self.spec.name!r}, "
+                f"chunks={self.chunks}, balance={list(self.partition.balance)}, "
+                f"local_stages={self.stage_ids}, wire_dtype={self.wire_dtype})")
+
+
+def _orig_name(name: str, traced: bool) -> str:
+    # A traced stage is Sequential child "stageK" wrapping graph module "gm": strip both.
+    return name.split(".", 2)[2] if traced else name
+
+
+@contextlib.contextmanager
+def _p2p_errors(op: str) -> Iterator[None]:
+    """Turn transport failures (a lost or silent neighbour) into ``CommError``; errors raised
+    by the model or the loss propagate unchanged."""
+    import torch.distributed as dist
+
+    try:
+        yield
+    except RuntimeError as e:
+        text = str(e).lower()
+        if isinstance(e, dist.DistError) or any(
+                w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection")):
+            with comm.comm_errors(op):
+                raise
+        raise
+
+
+def _wire_dtype(value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise ConfigError(f"activation_dtype must be a floating dtype, got {value}.")
+        return value
+    key = str(value).lower().replace("torch.", "")
+    if key in ("fp32", "float32", "none"):
+        return None
+    if key not in WIRE_DTYPES:
+        raise ConfigError(f"activation_dtype must be one of {sorted(WIRE_DTYPES)} or a torch "
+                          f"dtype, got {value!r}.")
+    return WIRE_DTYPES[key]
+
+
+def _as_sequential(model: nn.Module, split_points: list[str] | None, sample: Any
+                   ) -> nn.Sequential:
+    if isinstance(model, nn.Sequential):
+        return model
+    if split_points is None:
+        raise ConfigError(f"the pipeline splits an nn.Sequential, got {type(model).__name__}. "
+                          "Hint: express the model as nn.Sequential(...) of its layers, or "
+                          "name the submodules that start each stage with split_points=[...] "
+                          "(the model is then traced with torch.distributed.pipelining).")
+    from parlay.pipeline.partition import trace_to_sequential
+
+    return trace_to_sequential(model, split_points, sample)
