@@ -13,8 +13,10 @@ by Sterbenz's lemma; for PowerSGD it is exact up to one rounding of the subtract
 
 DGC momentum correction (Lin et al. 2018, "Deep Gradient Compression") accumulates a *velocity*
 ``u = m * u + grad`` and feeds ``u`` (not ``grad``) into the residual, then clears both at the
-coordinates that were sent (momentum factor masking). Use it with plain SGD (no optimizer
-momentum): the compressor then carries the momentum.
+coordinates that were sent (momentum factor masking, which DGC uses against stale momentum;
+``masking=False`` turns it off). Use it with plain SGD (no optimizer momentum): the compressor
+then carries the momentum. Without masking and with everything sent, this is exactly SGD with
+momentum; with masking, a coordinate's momentum restarts each time it is sent.
 """
 from __future__ import annotations
 
@@ -96,16 +98,18 @@ class Residuals:
 
     Args:
         momentum: DGC momentum-correction factor ``m`` in ``[0, 1)``; 0 disables it.
+        masking: DGC momentum factor masking (clear the velocity where a coordinate was sent).
 
     Raises:
         ConfigError: ``momentum`` out of range.
     """
 
-    def __init__(self, momentum: float = 0.0) -> None:
+    def __init__(self, momentum: float = 0.0, masking: bool = True) -> None:
         if not 0.0 <= float(momentum) < 1.0:
             raise ConfigError(f"momentum correction must be in [0, 1), got {momentum!r}. "
                               "Hint: 0.9 as in Lin et al. (2018), with optimizer momentum off.")
         self.momentum = float(momentum)
+        self.masking = bool(masking)
         self.residual: dict[str, torch.Tensor] = {}
         self.velocity: dict[str, torch.Tensor] = {}
 
@@ -136,7 +140,7 @@ class Residuals:
     def keep(self, key: str, residual: torch.Tensor, sent_mask: torch.Tensor | None = None) -> None:
         """Store ``residual`` (taken over, not copied); mask the velocity where it was sent."""
         self.residual[key] = residual
-        if self.momentum and sent_mask is not None and key in self.velocity:
+        if self.momentum and self.masking and sent_mask is not None and key in self.velocity:
             self.velocity[key].masked_fill_(sent_mask, 0)
 
     def clear(self, key: str) -> None:

@@ -7,6 +7,7 @@ only delayed. Options (also in registry strings, e.g. ``"topk:0.01,momentum=0.9,
 * ``ratio``: density, the fraction of coordinates sent; ``k = max(1, floor(ratio * numel))``.
 * ``error_feedback`` (``ef``): keep residuals (default on).
 * ``momentum``: DGC momentum correction (Lin et al. 2018); use with optimizer momentum off.
+  ``masking`` (default on): DGC's momentum factor masking.
 * ``warmup_steps`` (``warmup``) and ``warmup_start``: DGC density warm-up, the density decays
   exponentially from ``warmup_start`` to ``ratio`` over the first ``warmup_steps`` steps of
   each bucket. Wire bytes are measured, so the warm-up's cost shows in ``comm_stats()``.
@@ -68,7 +69,7 @@ class _Sparsifier(Compressor):
     """Shared machinery: density schedule, per-bucket step counter, error feedback."""
 
     def __init__(self, ratio: float = 0.01, error_feedback: bool = True, momentum: float = 0.0,
-                 warmup_steps: int = 0, warmup_start: float = 0.25) -> None:
+                 warmup_steps: int = 0, warmup_start: float = 0.25, masking: bool = True) -> None:
         if not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
             raise ConfigError(f"{self.name} ratio must be in (0, 1] (the fraction of "
                               f"coordinates sent), got {ratio!r}. Hint: 0.01 sends 1%.")
@@ -81,7 +82,7 @@ class _Sparsifier(Compressor):
         self.ratio = float(ratio)
         self.warmup_steps = int(warmup_steps)
         self.warmup_start = float(warmup_start)
-        self.memory: Residuals | None = Residuals(momentum) if error_feedback else None
+        self.memory: Residuals | None = Residuals(momentum, masking) if error_feedback else None
         self._steps: dict[str, int] = {}
 
     @property
@@ -111,7 +112,7 @@ class _Sparsifier(Compressor):
         values = x[idx]
         if self.memory is not None:
             mask = None
-            if self.memory.momentum:
+            if self.memory.momentum and self.memory.masking:
                 mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
                 mask[idx] = True
             x[idx] = 0  # x is a fresh tensor: what was not sent is exactly the residual
@@ -177,7 +178,8 @@ class RandomK(_Sparsifier):
     Args:
         ratio: Fraction of coordinates sent.
         seed: Base seed; indices depend on ``(seed, bucket key, step)`` only.
-        **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``.
+        **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``,
+            ``masking``.
     """
 
     name = "randomk"
@@ -214,7 +216,7 @@ class RandomK(_Sparsifier):
 
 
 _TYPES: dict[str, type] = {"ratio": float, "ef": bool, "momentum": float, "warmup": int,
-                           "warmup_start": float}
+                           "warmup_start": float, "masking": bool}
 
 
 def _factory(cls: type[_Sparsifier], extra: dict[str, type]) -> Callable[..., Compressor]:
@@ -224,7 +226,8 @@ def _factory(cls: type[_Sparsifier], extra: dict[str, type]) -> Callable[..., Co
                               "error_feedback": o.pop("ef", True),
                               "momentum": o.pop("momentum", 0.0),
                               "warmup_steps": o.pop("warmup", 0),
-                              "warmup_start": o.pop("warmup_start", 0.25)}
+                              "warmup_start": o.pop("warmup_start", 0.25),
+                              "masking": o.pop("masking", True)}
         return cls(**kw, **o)
     return make
 
