@@ -63,10 +63,11 @@ def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except (OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - disk errors and unpicklable state alike
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {path}: {e}. Hint: check free disk "
-                              "space and write permission of the checkpoint directory.") from e
+                              "space and write permission of the checkpoint directory, and that the state "
+                              "holds only tensors and plain Python values.") from e
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -7,6 +7,7 @@ step, log, validate, checkpoint, resume. Parameter-server ranks serve inside
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import random
@@ -24,7 +25,7 @@ from parlay.data.loader import build_loader
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError
 from parlay.metrics import MetricsLogger
-from parlay.strategies import Strategy, get_strategy
+from parlay.strategies import StepResult, Strategy, get_strategy
 
 __all__ = ["Trainer", "TrainerState", "default_metrics"]
 
@@ -55,9 +56,17 @@ def default_metrics(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., dict[
     def fn(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {"loss": loss_fn(output, target)}
         if output.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
-            out["accuracy"] = (output.argmax(1) == target).float().mean()
+            out["accuracy"] = (output.argmax(1) == target).double().mean()
         return out
     return fn
+
+
+def _default_lr(optimizer: type) -> Any:
+    try:
+        p = inspect.signature(optimizer).parameters.get("lr")
+    except (TypeError, ValueError):
+        return None
+    return None if p is None or p.default is inspect.Parameter.empty else p.default
 
 
 def _rng_state() -> dict[str, Any]:
@@ -220,6 +229,7 @@ class Trainer:
         self.lr_scale = float(s.dp_size) if scaling_learning_rate else 1.0
         self.warmup_steps = round(warmup_epochs * self.steps_per_epoch) if self.lr_scale != 1 else 0
         self._it: Any = None
+        self.last_step: StepResult | None = None
         self._stopped = False
         self._last_ckpt_step = -1
         self._ckpt = (CheckpointManager(checkpoint_dir, keep_last, rank=runtime.rank(),
@@ -243,12 +253,12 @@ class Trainer:
                                      group=s.dp_group, total_samples=total,
                                      initial_samples=self.state.samples_seen,
                                      jsonl_path=metrics_path, progress=progress)
-        base = [g.get("lr") for g in (optimizer_args or {},)]
+        base = (optimizer_args or {}).get("lr", _default_lr(optimizer))
         msg = (f"parlay Trainer: mode={mode}, {s.dp_size} replica(s) x batch {batch_size} = "
                f"{batch_size * s.dp_size} samples/step, {self.steps_per_epoch} steps/epoch, "
                f"{self.total_steps} steps; learning rate x{self.lr_scale:g} "
                + (f"(linear scaling, warm-up over {self.warmup_steps} steps = {warmup_epochs:g} "
-                  f"epoch(s) from x1; base lr {base[0]})" if self.lr_scale != 1
+                  f"epoch(s) from x1; base lr {base})" if self.lr_scale != 1
                   else "(no scaling)")
                + f"; precision={precision}, compression={compression}"
                + (f"; resumed at step {self.state.step}, epoch {self.state.epoch}"
@@ -315,7 +325,7 @@ class Trainer:
         x, y = batch
         factor = self.lr_factor()
         s.set_lr_factor(factor)
-        res = s.train_step(x, y)
+        res = self.last_step = s.train_step(x, y)
         n = len(y)
         st = self.state
         st.step += 1

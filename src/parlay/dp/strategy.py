@@ -65,6 +65,7 @@ class AllreduceStrategy(Strategy):
         backward_passes_per_step: Passed to :class:`DistributedOptimizer`.
         bucket_cap_mb: Passed to :class:`DistributedOptimizer`.
         process_group: Group to train over (default: the world).
+        loss_scale: Initial fp16 loss scale (``GradScaler(init_scale=...)``; default 2**16).
 
     Raises:
         ConfigError: Bad precision, clip value, or an unknown option.
@@ -74,11 +75,13 @@ class AllreduceStrategy(Strategy):
 
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, backward_passes_per_step: int = 1,
-                 bucket_cap_mb: float = 25, process_group: Any = None, **unknown: Any) -> None:
+                 bucket_cap_mb: float = 25, process_group: Any = None,
+                 loss_scale: float | None = None, **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"mode 'allreduce' got unknown option(s) {sorted(unknown)}; it "
                               "takes compression, precision, grad_clip, "
-                              "backward_passes_per_step, bucket_cap_mb, process_group.")
+                              "backward_passes_per_step, bucket_cap_mb, process_group, "
+                              "loss_scale.")
         self.precision = check_precision(precision)
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise ConfigError(f"grad_clip must be a positive number or None, got {grad_clip!r}.")
@@ -87,6 +90,7 @@ class AllreduceStrategy(Strategy):
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_cap_mb = bucket_cap_mb
         self.process_group = process_group
+        self.loss_scale = loss_scale
         self.model: nn.Module | None = None
         self.optimizer: DistributedOptimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None
@@ -131,7 +135,8 @@ class AllreduceStrategy(Strategy):
             bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group)
         self._base_lrs = [float(g["lr"]) for g in opt.param_groups]
         if self.precision == "fp16":
-            self.scaler = torch.amp.GradScaler(self._device.type)
+            kw = {} if self.loss_scale is None else {"init_scale": float(self.loss_scale)}
+            self.scaler = torch.amp.GradScaler(self._device.type, **kw)
 
     def _ready(self) -> tuple[nn.Module, DistributedOptimizer, Callable[..., torch.Tensor]]:
         if self.model is None or self.optimizer is None or self._loss_fn is None:

@@ -1,0 +1,265 @@
+"""Trainer on real gloo ranks: equivalence with hand-written loops, sharding, validation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import parlay
+from parlay import comm
+from parlay.data import ShardedSampler
+from parlay.errors import ConfigError
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+# float64: the Trainer and the oracles run the same maths in a different summation order only.
+TOL = dict(rtol=1e-10, atol=1e-10)
+N, BATCH, LR = 40, 4, 0.05
+
+
+def _dataset(n: int = N) -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(n, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(n, 2, generator=g, dtype=torch.float64)
+    return TensorDataset(x, y)
+
+
+def _build():
+    return (nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double(),
+            nn.MSELoss())
+
+
+def _sgd(params, lr):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def _trainer_run(epochs: int):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": LR, "momentum": 0.9}, batch_size=BATCH,
+                       num_epochs=epochs, warmup_epochs=0, progress=False, prefetch=2)
+    losses = []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+    assert t.lr_scale == parlay.size()
+    return losses, [p.detach().clone() for p in t.model.parameters()], t.state
+
+
+def _handwritten_run(epochs: int):
+    """The loop a user writes by hand with DistributedOptimizer (LR scaled by the world)."""
+    world, rank = parlay.size(), parlay.rank()
+    torch.manual_seed(0)
+    model, loss_fn = _build()
+    opt = parlay.DistributedOptimizer(_sgd(model.parameters(), LR * world),
+                                      named_parameters=model.named_parameters())
+    parlay.broadcast_parameters(model.state_dict(), root_rank=0)
+    ds = _dataset()
+    sampler = ShardedSampler(len(ds), world, rank, seed=0)
+    losses = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        idx = list(sampler)
+        for i in range(0, len(idx), BATCH):
+            x, y = ds[idx[i:i + BATCH]]
+            opt.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _both(epochs: int):
+    return _trainer_run(epochs), _handwritten_run(epochs)
+
+
+def _single_process(world: int, epochs: int):
+    """Oracle: one process, global batch = the union of the replicas' batches."""
+    torch.manual_seed(0)
+    model, loss_fn = _build()
+    opt = _sgd(model.parameters(), LR * world)
+    ds = _dataset()
+    full = ShardedSampler(len(ds), 1, 0, seed=0)
+    for epoch in range(epochs):
+        full.set_epoch(epoch)
+        order = list(full)
+        for i in range(0, len(order), BATCH * world):
+            x, y = ds[order[i:i + BATCH * world]]
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_trainer_equals_handwritten_distributed_optimizer_loop(world):
+    epochs = 2
+    out = run_world(_both, world, epochs)
+    ref = _single_process(world, epochs)
+    for (t_losses, t_params, state), (h_losses, h_params) in out:
+        assert state.step == epochs * math.ceil(N / world / BATCH)
+        assert state.epoch == epochs and state.samples_seen == epochs * N
+        torch.testing.assert_close(torch.tensor(t_losses), torch.tensor(h_losses), **TOL)
+        for p, q, r in zip(t_params, h_params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+            torch.testing.assert_close(p, r, **TOL)
+
+
+class _Recorder(nn.Module):
+    """Loss that records which samples (their index is the target) this rank trained on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen += y[:, 0].long().tolist()
+        return out.pow(2).mean()
+
+
+def _record_shards(n: int, epochs: int, drop_last: bool):
+    rec = _Recorder()
+    ds = TensorDataset(torch.randn(n, 3), torch.arange(n, dtype=torch.float32).unsqueeze(1))
+    t = parlay.Trainer(lambda: (nn.Linear(3, 1), rec), ds, batch_size=3, num_epochs=epochs,
+                       drop_last=drop_last, progress=False)
+    per_epoch = []
+    while not t.should_stop():
+        before = len(rec.seen)
+        epoch = t.state.epoch
+        t.train_on_batch()
+        if len(per_epoch) <= epoch:
+            per_epoch.append([])
+        per_epoch[epoch] += rec.seen[before:]
+    return comm.allgather_object(per_epoch), t.steps_per_epoch
+
+
+@pytest.mark.parametrize("n, drop_last", [(36, False), (38, False), (38, True)])
+def test_sharding_covers_every_sample_once_per_epoch(n, drop_last):
+    world, epochs = 3, 2
+    out = run_world(_record_shards, world, n, epochs, drop_last)
+    everyone, steps = out[0]
+    for epoch in range(epochs):
+        shards = [everyone[r][epoch] for r in range(world)]
+        assert len({len(s) for s in shards}) == 1, "every rank must get the same number"
+        seen = sorted(i for s in shards for i in s)
+        if n % world == 0:
+            assert seen == list(range(n))            # exactly once
+        elif drop_last:
+            assert len(seen) == len(set(seen)) == n - n % world
+        else:                                          # padded by wrapping around
+            assert set(seen) == set(range(n)) and len(seen) == n + (world - n % world)
+    assert [everyone[0][0]] != [everyone[0][1]], "a new permutation each epoch"
+    assert all(o[1] == steps for o in out)
+
+
+def _validate_run(n_val: int):
+    g = torch.Generator().manual_seed(5)
+    val = TensorDataset(torch.randn(n_val, 4, generator=g, dtype=torch.float64),
+                        torch.randint(0, 3, (n_val,), generator=g))
+
+    def build():
+        return nn.Linear(4, 3).double(), nn.CrossEntropyLoss()
+
+    def build_metric():
+        return lambda out, y: {"mean_logit": out.mean(dim=1).mean(), "n": torch.tensor(1.0)}
+
+    t = parlay.Trainer(build, val, batch_size=2, validation_dataset=val,
+                       validation_batch_size=3, progress=False)
+    default = t.validate()
+    t2 = parlay.Trainer(build, val, batch_size=2, validation_dataset=val, progress=False,
+                        build_validation_func=build_metric)
+    custom = t2.validate()
+    return default, custom
+
+
+def test_validation_metrics_are_averaged_over_all_ranks():
+    n_val = 11  # uneven over 3 ranks: shards of 4, 4, 3 samples
+    out = run_world(_validate_run, 3, n_val)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n_val, 4, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (n_val,), generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).double()
+    with torch.no_grad():
+        logits = model(x)
+    want_loss = nn.functional.cross_entropy(logits, y).item()
+    want_acc = (logits.argmax(1) == y).double().mean().item()
+    want_logit = logits.mean().item()
+    for default, custom in out:
+        assert default["samples"] == n_val
+        assert default["loss"] == pytest.approx(want_loss, rel=1e-12)
+        assert default["accuracy"] == pytest.approx(want_acc, rel=1e-12)
+        assert custom["mean_logit"] == pytest.approx(want_logit, rel=1e-12)
+        assert custom["n"] == pytest.approx(1.0)
+    assert out[0] == out[1] == out[2]
+
+
+def _blobs(n: int = 256):
+    g = torch.Generator().manual_seed(7)
+    centers = torch.randn(4, 16, generator=g) * 3
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = centers[y] + torch.randn(n, 16, generator=g)
+    return TensorDataset(x, y)
+
+
+def _precision_run(precision: str, options: dict):
+    def build():
+        return (nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)),
+                nn.CrossEntropyLoss())
+
+    ds = _blobs()
+    t = parlay.Trainer(build, ds, optimizer_args={"lr": 1e-2}, batch_size=16, num_epochs=6,
+                       precision=precision, validation_dataset=ds, progress=False,
+                       strategy_options=options)
+    skipped, losses = [], []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+        skipped.append(t.last_step.skipped)
+    metrics = t.validate()
+    return losses, skipped, metrics, [p.detach().clone() for p in t.model.parameters()]
+
+
+@pytest.mark.parametrize("precision, options", [("bf16", {}), ("fp16", {"loss_scale": 2.0 ** 40})])
+def test_mixed_precision_converges_and_skips_agree(precision, options):
+    out = run_world(_precision_run, 2, precision, options)
+    for losses, skipped, metrics, params in out:
+        finite = [v for v in losses if math.isfinite(v)]
+        assert sum(finite[-4:]) / 4 < 0.3 * sum(finite[:4]) / 4
+        assert metrics["accuracy"] > 0.9
+    # Both ranks skip exactly the same steps and end with identical weights.
+    assert out[0][1] == out[1][1]
+    if precision == "fp16":
+        assert any(out[0][1]), "a 2**40 loss scale must overflow (and be skipped) at first"
+    for p, q in zip(out[0][3], out[1][3]):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_bad_arguments_raise_config_error():
+    ds = _dataset()
+    with pytest.raises(ConfigError, match="valid modes"):
+        parlay.Trainer(_build, ds, mode="nope", progress=False)
+    with pytest.raises(ConfigError, match="precision"):
+        parlay.Trainer(_build, ds, precision="fp8", progress=False)
+    with pytest.raises(ConfigError, match=r"\(model, loss_fn\)"):
+        parlay.Trainer(lambda: nn.Linear(5, 2), ds, progress=False)
+    with pytest.raises(ConfigError, match="batch_size"):
+        parlay.Trainer(_build, ds, batch_size=0, progress=False)
+    with pytest.raises(ConfigError, match="lr_schedule"):
+        parlay.Trainer(_build, ds, lr_schedule="step", progress=False)
+    parlay.shutdown()
+
+
+def test_learning_rate_warmup_and_scaling_schedule():
+    t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 0.1}, batch_size=4,
+                       num_epochs=4, warmup_epochs=1, progress=False)
+    # A world of one: no scaling, so no warm-up either.
+    assert t.lr_factor(0) == t.lr_factor(25) == 1.0
+    t.lr_scale, t.warmup_steps = 4.0, 10   # what 4 replicas would get
+    assert [t.lr_factor(s) for s in (0, 5, 10, 39)] == [1.0, 2.5, 4.0, 4.0]
+    t.lr_schedule = "cosine"
+    assert t.lr_factor(10) == 4.0 and t.lr_factor(t.total_steps) == pytest.approx(0.0, abs=1e-12)
+    t.close()
+    parlay.shutdown()
