@@ -285,7 +285,7 @@ class ServerCore:
 
     def _release(self, now: float) -> list[Reply]:
         act = self.active()
-        if not act:
+        if not act or self.failure is not None:
             return []
         slowest = min(self.clocks[v] for v in act)
         out = []

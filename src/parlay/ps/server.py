@@ -27,7 +27,8 @@ from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
-from parlay.ps.wire import TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, pack, unpack
+from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, decode_ctx, pack,
+                            probe, push_capacity, unpack)
 
 __all__ = ["Server", "save_atomic", "lost_message"]
 
@@ -126,14 +127,11 @@ class Server:
             self.params.append(nn.Parameter(torch.zeros(0, dtype=dtype)))
         self.optimizer = optimizer_cls(self.params, **optimizer_args)
         self.base_lrs = [g.get("lr") for g in self.optimizer.param_groups]
-        # The server-side decode context: compressors' contexts depend only on the bucket's
-        # size, dtype and key, so one probe gives it (documented in DistributedSession).
+        # Pushes carry their compressor context's values (wire.encode_ctx); its structure comes
+        # from a template made by a probe compress at setup.
         self.key = f"ps{index}"
-        payload, self.ctx = (compressor.compress(torch.zeros(numel, dtype=dtype), self.key)
-                             if numel else ([], None))
-        self.push_capacity = capacity(max(sum(t.numel() * t.element_size() for t in payload),
-                                          self.flat.numel() * self.flat.element_size()),
-                                      len(payload))
+        self.ctx_template = probe(compressor, numel, dtype, self.key)[1]
+        self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
         self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
         version, clocks = 0, None
         if self.path and os.path.exists(self.path):
@@ -249,8 +247,11 @@ class Server:
         if msg.op == Op.PUSH:
             if c.failure is not None or c.state[w] == LOST:
                 return c.push(w, msg.step, msg.version, None, 1.0, now)
-            grad = (self.compressor.decompress(msg.tensors, self.ctx) if self.flat.numel()
-                    else self.flat)
+            if self.flat.numel():
+                ctx = decode_ctx(msg.tensors[-1], self.ctx_template)
+                grad = self.compressor.decompress(msg.tensors[:-1], ctx)
+            else:
+                grad = self.flat
             return c.push(w, msg.step, msg.version, grad.to(self.flat.dtype), msg.scalar, now)
         if msg.op == Op.DONE:
             return c.done(w, now)

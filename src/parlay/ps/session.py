@@ -118,6 +118,10 @@ class DistributedSession:
         self.optimizer_args = dict(optimizer_args or {})
         self.consistency: Consistency = get_consistency(consistency)
         self.compressor: Compressor = get_compressor(compression)
+        if not getattr(self.compressor, "point_to_point", True):
+            raise ConfigError(f"compression {compression!r} needs collective rounds (PowerSGD) "
+                              "and cannot compress parameter-server pushes. Hint: use 'fp16', "
+                              "'bf16', 'topk:0.01' or 'randomk:0.01'.")
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
         self.max_steps = max_steps
         self.checkpoint_every = checkpoint_every
@@ -256,6 +260,17 @@ class DistributedSession:
             return None
         assert self.worker is not None
         return self.worker.train_step(batch, loss_fn)
+
+    def serve(self) -> None:
+        """Servers: serve until every worker finished (returns at once on workers and when
+        already served).
+
+        Raises:
+            CommError: ``sync`` lost a worker (names it), or the transport failed.
+        """
+        self._need_started("serve")
+        if self.server is not None:
+            self.server.serve()
 
     def set_lr_factor(self, factor: float) -> None:
         """Scale every server's base learning rates by ``factor`` from this worker's next push

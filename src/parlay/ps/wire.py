@@ -10,16 +10,18 @@ No pickling: only tensors and integers cross the wire.
 """
 from __future__ import annotations
 
+import copy
 import math
 import struct
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from parlay.errors import ConfigError
 
 __all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
-           "TAG_PUSH", "TAG_REPLY"]
+           "TAG_PUSH", "TAG_REPLY", "encode_ctx", "decode_ctx", "probe", "push_capacity"]
 
 #: Tag of worker -> server messages (any-source on the server).
 TAG_PUSH = 0x5053
@@ -153,3 +155,122 @@ def unpack(buf: torch.Tensor, clone: bool = False) -> Message:
         msg.tensors.append(t.clone() if clone else t)
         pos = _align(pos + n)
     return msg
+
+
+# -- compressor contexts without pickle -------------------------------------------------------
+# A compressor's ``ctx`` (shape, dtype, scale, seed...) must reach the server with the payload.
+# Its *structure* (which dataclass, which fields) is the same for every push of a bucket, so the
+# server takes it from a template ctx (a probe compress at setup) and only the leaf values
+# travel, as tagged int64s: None, bool, int, float (bit pattern), torch.dtype and short str.
+_NONE, _BOOL, _INT, _FLOAT, _DTYPE, _STR = range(6)
+
+
+def _fields(obj: Any) -> dict[str, Any] | None:
+    if isinstance(obj, (tuple, list, dict)) or not hasattr(obj, "__dict__"):
+        return None
+    if type(obj).__getstate__ is not object.__getstate__:  # honours e.g. CastCtx dropping source
+        state = obj.__getstate__()
+        if isinstance(state, dict):
+            return state
+    return dict(vars(obj))
+
+
+def _leaves(obj: Any, out: list[int], where: str) -> None:
+    if obj is None:
+        out += [_NONE]
+    elif isinstance(obj, bool):
+        out += [_BOOL, int(obj)]
+    elif isinstance(obj, int):
+        out += [_INT, obj]
+    elif isinstance(obj, float):
+        out += [_FLOAT, struct.unpack("<q", struct.pack("<d", obj))[0]]
+    elif isinstance(obj, torch.dtype):
+        if obj not in _CODE:
+            raise ConfigError(f"compressor context {where} has unsupported dtype {obj}.")
+        out += [_DTYPE, _CODE[obj]]
+    elif isinstance(obj, str):
+        b = obj.encode()
+        out += [_STR, len(b), *b]
+    elif isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            _leaves(v, out, f"{where}[{i}]")
+    elif isinstance(obj, dict):
+        for k in sorted(obj):
+            _leaves(obj[k], out, f"{where}[{k!r}]")
+    elif (f := _fields(obj)) is not None:
+        for k in sorted(f):
+            _leaves(f[k], out, f"{where}.{k}")
+    else:
+        raise ConfigError(f"compressor context {where} holds a {type(obj).__name__}, which a "
+                          "parameter-server push cannot carry (only None, bool, int, float, "
+                          "dtype, str and containers of them). Hint: keep tensors out of ctx.")
+
+
+def encode_ctx(ctx: Any) -> torch.Tensor:
+    """The leaf values of a compressor context as an int64 tensor (no pickling).
+
+    Raises:
+        ConfigError: The context holds something other than plain values.
+    """
+    out: list[int] = []
+    _leaves(ctx, out, "ctx")
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def decode_ctx(codes: torch.Tensor, template: Any) -> Any:
+    """Rebuild a context shaped like ``template`` from :func:`encode_ctx`'s values."""
+    vals = codes.tolist()
+    pos = 0
+
+    def build(t: Any) -> Any:
+        nonlocal pos
+        if isinstance(t, (tuple, list)):
+            items = [build(v) for v in t]
+            return type(t)(items) if isinstance(t, list) else tuple(items)
+        if isinstance(t, dict):
+            return {k: build(t[k]) for k in sorted(t)}
+        f = None if t is None or isinstance(t, (bool, int, float, str, torch.dtype)) else _fields(t)
+        if f is not None:
+            new = copy.copy(t)
+            new.__dict__.update({k: build(f[k]) for k in sorted(f)})
+            return new
+        tag = vals[pos]
+        pos += 1
+        if tag == _NONE:
+            return None
+        v = vals[pos]
+        pos += 1
+        if tag == _BOOL:
+            return bool(v)
+        if tag == _INT:
+            return v
+        if tag == _FLOAT:
+            return struct.unpack("<d", struct.pack("<q", v))[0]
+        if tag == _DTYPE:
+            return _DTYPES[v]
+        s = bytes(vals[pos: pos + v]).decode()
+        pos += v
+        return s
+
+    return build(template)
+
+
+def probe(compressor: Any, numel: int, dtype: torch.dtype, key: str) -> tuple[list[torch.Tensor], Any]:
+    """``(payload, ctx)`` that a copy of ``compressor`` gives for a zero bucket (the copy keeps a
+    stateful compressor's memory untouched). Sizes buffers and gives the server its template."""
+    if numel == 0:
+        return [], None
+    try:
+        compressor = copy.deepcopy(compressor)
+    except Exception:  # noqa: BLE001 - uncopyable compressors are probed as they are
+        pass
+    return compressor.compress(torch.zeros(numel, dtype=dtype), key)
+
+
+def push_capacity(compressor: Any, numel: int, dtype: torch.dtype, key: str) -> int:
+    """Bytes of the largest push of a ``numel`` bucket: the compressed payload or, after an
+    overflow fallback, the dense bucket, plus the encoded context (with slack)."""
+    payload, ctx = probe(compressor, numel, dtype, key)
+    dense = numel * torch.empty((), dtype=dtype).element_size()
+    sent = sum(t.numel() * t.element_size() for t in payload)
+    return capacity(max(sent, dense) + encode_ctx(ctx).numel() * 8 + 512, MAX_TENSORS)

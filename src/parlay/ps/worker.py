@@ -8,6 +8,7 @@ released by the consistency policy, and copy them into the model.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 from typing import Any, Callable
 
@@ -19,7 +20,8 @@ from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.plan import ShardPlan
 from parlay.ps.server import lost_message
-from parlay.ps.wire import TAG_PUSH, TAG_REPLY, Message, Op, capacity, pack, unpack
+from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Message, Op, capacity, encode_ctx, pack,
+                            push_capacity, unpack)
 
 __all__ = ["Worker"]
 
@@ -57,12 +59,10 @@ class Worker:
             self.slices.append([(named[p.name], p.start, p.length, p.offset)
                                 for p in plan.pieces(s)])
             self.grads.append(torch.zeros(numel, dtype=self.dtype))
-            # Same probe as the server's, so both agree on the message capacity.
-            probe = probe_payload(compressor, numel, self.dtype, f"ps{s}")
+            # Same computation as the server's, so both agree on the message capacity.
+            self.push_bufs.append(torch.empty(push_capacity(compressor, numel, self.dtype,
+                                                            f"ps{s}"), dtype=torch.uint8))
             nbytes = numel * self.grads[s].element_size()
-            self.push_bufs.append(torch.empty(
-                capacity(max(sum(t.numel() * t.element_size() for t in probe), nbytes), len(probe)),
-                dtype=torch.uint8))
             self.reply_bufs.append(torch.empty(capacity(nbytes), dtype=torch.uint8))
         self.versions = [0] * plan.num_servers
         self.step = 0
@@ -70,6 +70,9 @@ class Worker:
         self.histogram: collections.Counter[int] = collections.Counter()
         self.closed = False
         self.told_error = False
+        #: Context of the forward pass and loss (e.g. bf16 autocast, set by the "ps" strategy).
+        self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = \
+            contextlib.nullcontext
 
     @property
     def global_step(self) -> int:
@@ -134,7 +137,8 @@ class Worker:
         y = y.to(dev) if torch.is_tensor(y) else y
         for p in self.model.parameters():
             p.grad = None
-        loss = loss_fn(self.model(*x), y)
+        with self.forward_context():
+            loss = loss_fn(self.model(*x), y)
         loss.backward()
         payloads = []
         for s in range(self.plan.num_servers):
@@ -144,13 +148,23 @@ class Worker:
                     g[off: off + length].zero_()
                 else:
                     g[off: off + length].copy_(p.grad.reshape(-1)[start: start + length])
-            payload, _ = self.compressor.compress(g, f"ps{s}") if g.numel() else ([], None)
-            payloads.append(payload)
+            payloads.append(self._encode(g, f"ps{s}") if g.numel() else [])
         replies = self._exchange(Op.PUSH, payloads, "push")
         for m in replies:
             self.histogram[int(m.scalar)] += 1
         self._load(replies)
         return float(loss.detach())
+
+    def _encode(self, flat: torch.Tensor, key: str) -> list[torch.Tensor]:
+        payload, ctx = self.compressor.compress(flat, key)
+        # Further rounds (fp16's overflow retry) resolve here: this worker's payload is the
+        # whole "reduction" the server will decode.
+        more = getattr(self.compressor, "next_round", None)
+        nxt = more(payload, ctx) if more is not None else None
+        while nxt is not None:
+            payload = nxt
+            nxt = more(payload, ctx)
+        return [*payload, encode_ctx(ctx)]
 
     def finish(self) -> None:
         """Tell every server this worker is done and wait for their acknowledgement."""
@@ -171,20 +185,6 @@ class Worker:
                 comm.send(out, r, tag=TAG_PUSH, group=self.group)
             except CommError:
                 pass
-
-
-def probe_payload(c: Compressor, numel: int, dtype: torch.dtype, key: str) -> list[torch.Tensor]:
-    """The payload ``c`` produces for a zero bucket of ``numel`` elements, from a copy of ``c``
-    (so a stateful compressor's memory is untouched); sizes the message buffers."""
-    import copy
-
-    if numel == 0:
-        return []
-    try:
-        c = copy.deepcopy(c)
-    except Exception:  # noqa: BLE001 - uncopyable compressors are probed as they are
-        pass
-    return c.compress(torch.zeros(numel, dtype=dtype), key)[0]
 
 
 def _split(batch: Any) -> tuple[Any, Any]:

@@ -1,0 +1,201 @@
+"""Parameter-server mode on real gloo ranks: sync equals single-process training, sharding over
+two servers equals one server, compressed pushes, the "ps" strategy, and a clean shutdown."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import parlay
+from parlay.compress import Compressor, available, get_compressor
+from parlay.errors import ConfigError
+from parlay.ps import DistributedSession, ShardPlan
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+# float64: PS sync and the oracle differ only in summation order, so 1e-10 states equality.
+TOL = dict(rtol=1e-10, atol=1e-10)
+STEPS, PER_WORKER = 4, 3
+PS1 = {"PARLAY_NUM_PS": "1"}
+PS2 = {"PARLAY_NUM_PS": "2"}
+OPTS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+        "adam": (torch.optim.Adam, {"lr": 0.01})}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+
+
+def _data(workers: int):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS, workers * PER_WORKER, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(STEPS, workers * PER_WORKER, 3, generator=g, dtype=torch.float64)
+    return x, y
+
+
+def _mse(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def _reference(opt: str, workers: int, compression=None):
+    """Single process on the concatenated batch. With ``compression``, each worker's gradient
+    goes through its own compressor instance (encode, local extra rounds, decode) and the
+    decoded gradients are averaged: exactly what the server applies."""
+    model = _model()
+    cls, args = OPTS[opt]
+    o = cls(model.parameters(), **args)
+    x, y = _data(workers)
+    coders = [get_compressor(compression) for _ in range(workers)] if compression else None
+    for s in range(STEPS):
+        o.zero_grad()
+        if coders is None:
+            _mse(model(x[s]), y[s]).backward()
+            o.step()
+            continue
+        acc = [torch.zeros_like(p) for p in model.parameters()]
+        for w, c in enumerate(coders):
+            sl = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
+            g = torch.autograd.grad(_mse(model(x[s][sl]), y[s][sl]), list(model.parameters()))
+            payload, ctx = c.compress(torch.cat([t.reshape(-1) for t in g]), "ps0")
+            while (nxt := c.next_round(payload, ctx)) is not None:
+                payload = nxt
+            flat = c.decompress(payload, ctx)
+            off = 0
+            for a, p in zip(acc, model.parameters()):
+                a += flat[off: off + p.numel()].view_as(p)
+                off += p.numel()
+        for a, p in zip(acc, model.parameters()):
+            p.grad = a / workers
+        o.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _ps_train(opt: str, consistency: str = "sync", compression=None, split_bytes=8 * 2**20):
+    model = _model()
+    cls, args = OPTS[opt]
+    groups_before = len(dist.distributed_c10d._world.pg_map)
+    with DistributedSession(task_spec=parlay.TaskSpec.from_env(), model=model, optimizer=cls,
+                            optimizer_args=args, consistency=consistency,
+                            compression=compression, split_bytes=split_bytes) as sess:
+        x, y = _data(sess.num_workers)
+        t = 0
+        while not sess.should_stop() and t < STEPS:
+            w = sess.worker_index
+            sl = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
+            sess.train_step((x[t][sl], y[t][sl]), _mse)
+            t += 1
+    leaked = len(dist.distributed_c10d._world.pg_map) - groups_before
+    mine = ([(p.name, p.start, p.length) for p in sess.plan.pieces(parlay.rank())]
+            if not sess.is_worker else None)
+    return {"params": [p.detach().clone() for p in model.parameters()], "leaked": leaked,
+            "role": parlay.role(), "pieces": mine, "hist": sess.staleness_histogram(),
+            "version": sess.global_step}
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_sync_equals_single_process_on_concatenated_batch(opt):
+    out = run_world(_ps_train, 3, opt, env=PS1)  # 1 PS + 2 workers
+    ref = _reference(opt, 2)
+    for r in out:  # the server's copy and both workers' copies
+        for p, q in zip(r["params"], ref):
+            torch.testing.assert_close(p, q, **TOL)
+        assert r["leaked"] == 0 and r["version"] == STEPS
+    assert out[0]["hist"] == {0: 2 * STEPS}  # sync: every gradient is fresh
+
+
+def test_two_servers_split_as_planned_and_equal_one_server():
+    # 3 workers, 2 servers; split_bytes=256 splits the 16x5 weight (640 B) over both servers.
+    out = run_world(_ps_train, 5, "adam", "sync", None, 256, env=PS2)
+    plan = ShardPlan.from_module(_model(), 2, split_bytes=256)
+    for s in (0, 1):
+        assert out[s]["pieces"] == [(p.name, p.start, p.length) for p in plan.pieces(s)]
+    assert sorted(plan.servers_of("0.weight")) == [0, 1]
+    one = run_world(_ps_train, 4, "adam", env=PS1)  # 1 PS + 3 workers
+    for r in out[2:]:
+        for p, q in zip(r["params"], one[1]["params"]):
+            torch.testing.assert_close(p, q, **TOL)
+    for p, q in zip(one[1]["params"], _reference("adam", 3)):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+class _Half(Compressor):
+    """Plain fp16 cast, defined here: a compressor from outside the registry works too."""
+
+    name = "half-test"
+
+    def compress(self, flat, key):
+        return [flat.to(torch.float16)], flat.dtype
+
+    def decompress(self, payload, ctx):
+        return payload[0].to(ctx)
+
+
+_P2P = [n for n in available() if getattr(get_compressor(n), "point_to_point", True)]
+
+
+@pytest.mark.parametrize("name", [*_P2P, "topk:0.3", "randomk:0.3", "half"])
+def test_compressed_pushes_equal_oracle_on_decoded_gradients(name):
+    # Every point-to-point compressor of the registry (a newcomer inherits this test): the
+    # server must apply exactly the mean of what each worker's compressor decodes to, including
+    # contexts that change every step (random-k's seed, fp16's scale).
+    comp = _Half() if name == "half" else name
+    out = run_world(_ps_train, 3, "sgd", "sync", comp, env=PS1)
+    ref = _reference("sgd", 2, compression=_Half if name == "half" else name)
+    for p, q in zip(out[1]["params"], ref):
+        torch.testing.assert_close(p, q, **TOL)
+
+
+def _strategy_run():
+    from parlay.strategies import get_strategy
+
+    s = get_strategy("ps", compression=None, precision="fp32", grad_clip=None)
+    assert s.dp_size == parlay.size() - 1
+    model = _model()
+    s.setup(model, _mse, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    x, y = _data(s.dp_size)
+    losses = []
+    if not s.serve_until_done():
+        assert s.consumes_data and s.reports_loss
+        for t in range(STEPS):
+            sl = slice(s.dp_rank * PER_WORKER, (s.dp_rank + 1) * PER_WORKER)
+            s.set_lr_factor(1.0)
+            losses.append(s.train_step(x[t][sl], y[t][sl]).loss)
+        assert s.eval_forward(x[0]).shape == (len(x[0]), 3)
+        assert comm.group_size(s.dp_group) == s.dp_size
+        s.finish()
+    else:
+        assert not s.consumes_data and not s.reports_loss and s.eval_forward(x[0]) is None
+        s.finish()
+    return [p.detach().clone() for p in model.parameters()], losses
+
+
+from parlay import comm  # noqa: E402  (used inside _strategy_run on the ranks)
+
+
+def test_ps_strategy_drives_like_the_trainer():
+    out = run_world(_strategy_run, 3, env=PS1)
+    ref = _reference("sgd", 2)
+    for params, _ in out:
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+    assert len(out[1][1]) == STEPS and all(math.isfinite(v) for v in out[1][1])
+
+
+def _no_ps():
+    try:
+        with DistributedSession(model=_model(), optimizer=torch.optim.SGD,
+                                optimizer_args={"lr": 0.1}):
+            pass
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_world_without_parameter_servers_is_a_config_error():
+    for msg in run_world(_no_ps, 2):
+        assert "at least one parameter-server rank" in msg and "--ps 1" in msg
