@@ -157,7 +157,7 @@ class HybridStrategy(Strategy):
             b[k] += getattr(out, k)
         b["steps"] += 1
         n = len(y) if hasattr(y, "__len__") else 1
-        loss = float(out.loss.float().item()) if out.loss is not None else None
+        loss = float(out.loss.item()) if out.loss is not None else None
         return StepResult(loss=loss, samples=n)
 
     @torch.no_grad()

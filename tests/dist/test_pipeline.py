@@ -1,0 +1,261 @@
+"""Pipelines on real gloo ranks against the unpartitioned model in one process.
+
+Everything is float64, so the only difference from the oracle is summation order (micro-batch
+gradients are added one by one): equality is asserted to 1e-10. Each world runs several
+configurations to keep process start-up off the clock.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import parlay
+from parlay.errors import ConfigError
+from parlay.pipeline import Pipeline
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+BATCH = 12
+
+
+def _model(width: int = 6, blocks: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(5, width), nn.Tanh()]
+    for _ in range(blocks - 1):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    layers.append(nn.Linear(width, 3))
+    return nn.Sequential(*layers).double()
+
+
+def _batch(n: int = BATCH, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, 5, generator=g, dtype=torch.float64),
+            torch.randn(n, 3, generator=g, dtype=torch.float64))
+
+
+def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    out = model(x)
+    loss = nn.functional.mse_loss(out, y)
+    loss.backward()
+    return out.detach(), loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# Configurations: (label, Pipeline kwargs, batch size). Batch 12 with chunks=5 runs as 4
+# micro-batches of 3 (largest divisor); chunks=1 makes 1F1B fall back to GPipe.
+CONFIGS = {
+    2: [("gpipe/m4", dict(schedule="gpipe", chunks=4), 12),
+        ("1f1b/m4", dict(schedule="1f1b", chunks=4), 12),
+        ("1f1b/m5->4", dict(schedule="1f1b", chunks=5), 12),
+        ("1f1b/m1->gpipe", dict(schedule="1f1b", chunks=1), 12),
+        ("1f1b/balance", dict(schedule="1f1b", chunks=3, balance=[7, 2]), 12),
+        ("interleaved/v2", dict(schedule="interleaved", chunks=4), 12)],
+    4: [("gpipe/m4", dict(schedule="gpipe", chunks=4), 12),
+        ("1f1b/m4", dict(schedule="1f1b", chunks=4), 12),
+        ("1f1b/m6", dict(schedule="1f1b", chunks=6), 12),
+        ("interleaved/v2", dict(schedule="interleaved", chunks=4), 12)],
+}
+
+
+def _run_configs(world: int):
+    results = []
+    for label, kw, n in CONFIGS[world]:
+        pipe = Pipeline(_model(), nn.functional.mse_loss, stages=world, **kw)
+        x, y = _batch(n)
+        out = pipe.step(x, y, return_outputs=True)
+        grads = {k: p.grad.clone() for k, p in pipe.named_parameters()}
+        fwd = pipe.forward(x)
+        results.append((label, pipe.stage_ids, out.loss, out.output, fwd, grads, out.chunks,
+                        out.schedule))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_outputs_loss_and_gradients_equal_the_unpartitioned_model(world):
+    per_rank = run_world(_run_configs, world, world)
+    ref_out, ref_loss, ref_grads = _reference(_model(), *_batch())
+    for k, (label, _, kw, n) in enumerate((c[0], None, c[1], c[2]) for c in CONFIGS[world]):
+        grads, last = {}, None
+        for rank_results in per_rank:
+            lab, stages, loss, out, fwd, g, chunks, sched = rank_results[k]
+            assert lab == label
+            grads.update(g)
+            if loss is not None:
+                assert last is None, f"{label}: two ranks report a loss"
+                last = (loss, out, fwd, chunks, sched)
+            else:
+                assert out is None and fwd is None
+        assert last is not None, f"{label}: no rank reported the loss"
+        loss, out, fwd, chunks, sched = last
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=f"{label}: loss")
+        torch.testing.assert_close(out, ref_out, **TOL, msg=f"{label}: output")
+        torch.testing.assert_close(fwd, ref_out, **TOL, msg=f"{label}: forward()")
+        assert sorted(grads) == sorted(ref_grads), label
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **TOL,
+                                       msg=f"{label}: grad of {name}")
+        if label == "1f1b/m5->4":
+            assert chunks == 4 and sched == "1f1b"
+        if label == "1f1b/m1->gpipe":
+            assert chunks == 1 and sched == "gpipe"
+
+
+# -- hybrid dp x pp ----------------------------------------------------------------------------
+
+STEPS, PER_REPLICA = 4, 8
+
+
+def _make_opt(name: str, params):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _data(dp: int):
+    xs, ys = zip(*(_batch(dp * PER_REPLICA, seed=10 + s) for s in range(STEPS)))
+    return xs, ys
+
+
+def _hybrid(opt_name: str, schedule: str, compression=None):
+    pipe = Pipeline(_model(), nn.functional.mse_loss, stages=2, chunks=4, schedule=schedule)
+    opt = pipe.distributed_optimizer(_make_opt(opt_name, pipe.parameters()),
+                                     compression=compression, bucket_cap_mb=0.0005)
+    xs, ys = _data(pipe.mesh.dp)
+    sl = slice(pipe.mesh.dp_rank * PER_REPLICA, (pipe.mesh.dp_rank + 1) * PER_REPLICA)
+    losses, launched_in_backward = [], []
+    for s in range(STEPS):
+        opt.zero_grad()
+        before = opt.comm_stats()["reductions"]
+        out = pipe.step(xs[s][sl], ys[s][sl])
+        # The data-parallel reduction started during the pipeline's last backward, not in step().
+        launched_in_backward.append(opt.comm_stats()["reductions"] - before)
+        opt.step()
+        if out.loss is not None:
+            losses.append(pipe.mean_over_replicas(out.loss))
+    return ({n: p.detach().clone() for n, p in pipe.named_parameters()}, losses,
+            launched_in_backward, len(opt.plan.buckets), pipe.mesh.dp_rank, pipe.mesh.pp_rank,
+            opt.comm_stats())
+
+
+def _single_process(opt_name: str, dp: int):
+    model = _model()
+    opt = _make_opt(opt_name, model.parameters())
+    xs, ys = _data(dp)
+    losses = []
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(xs[s]), ys[s])
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return {n: p.detach() for n, p in model.named_parameters()}, losses
+
+
+@pytest.mark.parametrize("opt_name, schedule", [("sgd", "1f1b"), ("adam", "gpipe")])
+def test_hybrid_2x2_equals_single_process_training(opt_name, schedule):
+    out = run_world(_hybrid, 4, opt_name, schedule)
+    ref_params, ref_losses = _single_process(opt_name, dp=2)
+    params = {}
+    for rank, (p, losses, launched, buckets, dp_rank, pp_rank, _) in enumerate(out):
+        assert (dp_rank, pp_rank) == (rank // 2, rank % 2)
+        assert launched == [buckets] * STEPS        # every bucket, once, during backward
+        for name, value in p.items():
+            if name in params:                      # the other replica holds the same stage
+                torch.testing.assert_close(value, params[name], rtol=0, atol=0)
+            params[name] = value
+        if pp_rank == 1:                            # last stage: dp-averaged batch losses
+            torch.testing.assert_close(losses, ref_losses, **TOL)
+        else:
+            assert losses == []
+    assert sorted(params) == sorted(ref_params)
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], **TOL, msg=name)
+
+
+def test_hybrid_gradient_compression_applies():
+    # fp16 gradient compression over each stage's dp group: close to, not equal to, exact.
+    out = run_world(_hybrid, 4, "sgd", "1f1b", "fp16")
+    ref_params, _ = _single_process("sgd", dp=2)
+    for p, *_, stats in out:
+        assert stats["wire_bytes"] * 4 == stats["dense_bytes"] > 0   # float64 sent as fp16
+        differs = False
+        for name, value in p.items():
+            torch.testing.assert_close(value, ref_params[name], rtol=1e-3, atol=1e-3)
+            differs |= not torch.equal(value, ref_params[name])
+        assert differs, "fp16 rounding should be visible against the float64 oracle"
+
+
+# -- inter-stage wire dtype --------------------------------------------------------------------
+
+def _wire(dtype):
+    pipe = Pipeline(_model(), nn.functional.mse_loss, stages=2, chunks=4, activation_dtype=dtype)
+    x, y = _batch()
+    out = pipe.step(x, y, return_outputs=True)
+    return (pipe.stage_ids, out.loss, out.output, out.fwd_bytes, out.bwd_bytes,
+            out.fwd_dense_bytes, out.bwd_dense_bytes, out.messages,
+            {k: p.grad.clone() for k, p in pipe.named_parameters()})
+
+
+@pytest.mark.parametrize("dtype, size", [(None, 8), ("bf16", 2), ("fp16", 2)])
+def test_activation_dtype_and_bytes_between_stages(dtype, size):
+    ranks = run_world(_wire, 2, dtype)
+    ref_out, ref_loss, ref_grads = _reference(_model(), *_batch())
+    pipe_stages = [r[0] for r in ranks]
+    assert pipe_stages == [[0], [1]]
+    # Balanced by parameter count, the boundary is one (12 x 6) activation per batch.
+    boundary = BATCH * 6
+    first, last = ranks
+    assert first[3] == boundary * size and first[4] == 0          # stage 0 sends activations
+    assert last[3] == 0 and last[4] == boundary * size            # stage 1 sends gradients
+    assert first[5] == last[6] == boundary * 8                    # as float64 without the cast
+    assert first[7] == last[7] == 4                               # one message per micro-batch
+    tol = TOL if dtype is None else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(last[1], ref_loss, **tol)
+    torch.testing.assert_close(last[2], ref_out, **tol)
+    grads = {**first[8], **last[8]}
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **tol)
+    if dtype is not None:  # the cast is real: results differ from the float64 oracle
+        assert not torch.equal(last[1], ref_loss)
+
+
+# -- errors on real ranks ----------------------------------------------------------------------
+
+def _errors():
+    found = {}
+    for key, kw in {"world": dict(stages=3), "chunks": dict(stages=2, chunks=0),
+                    "schedule": dict(stages=2, schedule="zero-bubble"),
+                    "virtual": dict(stages=2, schedule="1f1b", virtual_stages=2),
+                    "wire": dict(stages=2, activation_dtype="int8"),
+                    "too_many": dict(stages=2, schedule="interleaved", virtual_stages=6)}.items():
+        try:
+            Pipeline(_model(), nn.functional.mse_loss, **kw)
+        except ConfigError as e:
+            found[key] = str(e)
+    pipe = Pipeline(_model(), nn.functional.mse_loss, stages=2)
+    x, _ = _batch()
+    if pipe.is_last:
+        try:
+            pipe.step(x, None)
+        except ConfigError as e:
+            found["target"] = str(e)
+    return found
+
+
+def test_bad_pipeline_arguments_raise_documented_errors():
+    for found in run_world(_errors, 2):
+        assert "world_size % stages == 0" in found["world"] and "Hint" in found["world"]
+        assert "chunks (micro-batches per batch) must be an int >= 1" in found["chunks"]
+        assert "unknown pipeline schedule 'zero-bubble'" in found["schedule"]
+        assert "virtual_stages=2 needs schedule='interleaved'" in found["virtual"]
+        assert "activation_dtype must be one of" in found["wire"]
+        assert "cannot split a model of 9 layer(s) into 12 stages" in found["too_many"]
+    assert "needs the target" in run_world(_errors, 2)[1]["target"]
+
+
+def test_pipeline_needs_a_process_group():
+    with pytest.raises(ConfigError, match="parlay.init"):
+        Pipeline(_model(), nn.functional.mse_loss, stages=1)
+    assert not parlay.is_initialized()

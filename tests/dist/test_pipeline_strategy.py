@@ -1,0 +1,121 @@
+"""The "hybrid" strategy driven directly (setup + train_step), as the Trainer drives it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from parlay.errors import ConfigError
+from parlay.strategies import available_strategies, get_strategy
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+STEPS, PER_REPLICA, CLIP = 3, 8, 0.05
+
+
+def build_training_func():
+    """What an example's build function returns: (nn.Sequential, loss_fn(output, target))."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
+                          nn.Linear(16, 4)).double()
+    return model, nn.CrossEntropyLoss()
+
+
+def _data():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(STEPS, 2 * PER_REPLICA, 7, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (STEPS, 2 * PER_REPLICA), generator=g)
+    return x, y
+
+
+def _strategy_run(grad_clip):
+    s = get_strategy("hybrid", compression=None, precision="fp32", grad_clip=grad_clip,
+                     pp=2, chunks=2)
+    assert s.dp_size == 2                       # known before setup: the Trainer shards with it
+    model, loss_fn = build_training_func()
+    s.setup(model, loss_fn, torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+    x, y = _data()
+    sl = slice(s.dp_rank * PER_REPLICA, (s.dp_rank + 1) * PER_REPLICA)
+    losses = []
+    for step in range(STEPS):
+        s.set_lr_factor(0.5 if step == 0 else 1.0)
+        r = s.train_step(x[step][sl], y[step][sl])
+        assert r.samples == PER_REPLICA
+        losses.append(r.loss)
+    out = s.eval_forward(x[0][sl])
+    sd = s.state_dict()
+    s.load_state_dict(sd)
+    return (s.dp_rank, s.dp_size, s.reports_loss, losses, out, sd["model"],
+            s.comm_stats()["pipeline_fwd_bytes_per_step"])
+
+
+def _reference(grad_clip):
+    model, loss_fn = build_training_func()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()
+    for step in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = 0.1 * (0.5 if step == 0 else 1.0)
+        opt.zero_grad()
+        loss_fn(model(x[step]), y[step]).backward()
+        if grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+            assert norm > grad_clip             # the clip is active in this test
+        opt.step()
+    with torch.no_grad():
+        halves = [model(x[0][r * PER_REPLICA:(r + 1) * PER_REPLICA]) for r in range(2)]
+    return model.state_dict(), halves
+
+
+def _replica_losses():
+    """Each replica's batch loss at every step of the reference run (before its update)."""
+    model, loss_fn = build_training_func()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data()
+    out = []
+    for step in range(STEPS):
+        for g in opt.param_groups:
+            g["lr"] = 0.1 * (0.5 if step == 0 else 1.0)
+        with torch.no_grad():
+            out.append([float(loss_fn(model(x[step][r * PER_REPLICA:(r + 1) * PER_REPLICA]),
+                                      y[step][r * PER_REPLICA:(r + 1) * PER_REPLICA]))
+                        for r in range(2)])
+        opt.zero_grad()
+        loss_fn(model(x[step]), y[step]).backward()
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("grad_clip", [None, CLIP])
+def test_hybrid_strategy_equals_single_process(grad_clip):
+    assert "hybrid" in available_strategies()
+    ranks = run_world(_strategy_run, 4, grad_clip)
+    ref_state, ref_halves = _reference(grad_clip)
+    ref_losses = _replica_losses() if grad_clip is None else None
+    state = {}
+    for rank, (dp_rank, dp_size, reports, losses, out, sd, fwd_bytes) in enumerate(ranks):
+        assert (dp_rank, dp_size) == (rank // 2, 2)
+        assert reports == (rank % 2 == 1)       # only last stages report the loss
+        if reports:
+            assert all(isinstance(v, float) for v in losses)
+            torch.testing.assert_close(out, ref_halves[dp_rank], **TOL)
+            if ref_losses is not None:
+                torch.testing.assert_close(losses, [r[dp_rank] for r in ref_losses], **TOL)
+        else:
+            assert losses == [None] * STEPS and out is None
+            assert fwd_bytes == PER_REPLICA * 16 * 8   # one float64 activation per sample
+        state.update(sd)
+    assert sorted(state) == sorted(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, **TOL, msg=name)
+
+
+def test_hybrid_strategy_options_are_checked():
+    with pytest.raises(ConfigError, match=r"precision 'fp32' or 'bf16', got 'fp16'.*loss scaler"):
+        get_strategy("hybrid", compression=None, precision="fp16", grad_clip=None)
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) \['stages'\]"):
+        get_strategy("hybrid", compression=None, precision="fp32", grad_clip=None, stages=2)
+    with pytest.raises(ConfigError, match=r"grad_clip must be a positive number"):
+        get_strategy("hybrid", compression=None, precision="fp32", grad_clip=-1.0)
