@@ -247,6 +247,8 @@ def test_bad_arguments_raise_config_error():
         parlay.Trainer(lambda: nn.Linear(5, 2), ds, progress=False)
     with pytest.raises(ConfigError, match="batch_size"):
         parlay.Trainer(_build, ds, batch_size=0, progress=False)
+    with pytest.raises(ConfigError, match="unknown option"):
+        parlay.Trainer(_build, ds, strategy_options={"bogus": 1}, progress=False)
     with pytest.raises(ConfigError, match="lr_schedule"):
         parlay.Trainer(_build, ds, lr_schedule="step", progress=False)
     parlay.shutdown()

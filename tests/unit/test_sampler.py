@@ -53,6 +53,19 @@ def test_uneven_datasets_give_every_rank_the_same_count(n, world, drop_last, epo
         assert len(seen) == -(-n // world) * world
 
 
+@pytest.mark.parametrize("n, world, drop_last", [(40, 2, False), (41, 3, False), (41, 3, True)])
+def test_same_order_as_torch_distributed_sampler(n, world, drop_last):
+    from torch.utils.data import DistributedSampler
+
+    for r in range(world):
+        ours = ShardedSampler(n, world, r, seed=5, drop_last=drop_last)
+        theirs = DistributedSampler(range(n), world, r, seed=5, drop_last=drop_last)
+        for epoch in (0, 3):
+            ours.set_epoch(epoch)
+            theirs.set_epoch(epoch)
+            assert list(ours) == list(theirs)
+
+
 def test_even_false_partitions_without_padding():
     shards = _shards(11, 3, even=False, shuffle=False)
     assert [len(s) for s in shards] == [4, 4, 3]

@@ -1,9 +1,11 @@
 """ShardedSampler: a deterministic, per-epoch shuffled, resumable shard of a dataset per rank.
 
-Every replica draws the same permutation of ``range(n)`` for an epoch (seeded by ``seed`` and
-the epoch) and takes every ``num_replicas``-th index starting at its rank, so the union of the
-replicas' ``k``-th batches is one contiguous slice of the permutation: exactly the batch that
-single-process training over ``num_replicas`` times the batch size would see.
+Every replica draws the same permutation of ``range(n)`` for an epoch (``torch.randperm`` seeded
+with ``seed + epoch``) and takes every ``num_replicas``-th index starting at its rank, so the
+union of the replicas' ``k``-th batches is one contiguous slice of the permutation: exactly the
+batch that single-process training over ``num_replicas`` times the batch size would see. The
+order is the same as ``torch.utils.data.DistributedSampler``'s for the same seed, so a run is
+directly comparable with a plain DDP script.
 
 Uneven datasets never leave a rank waiting for a batch the others do not have:
 
@@ -103,7 +105,7 @@ class ShardedSampler(Sampler[int]):
         """This replica's full shard for ``epoch`` (default: the current one), in order."""
         e = self.epoch if epoch is None else epoch
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + e)
+            g = torch.Generator().manual_seed(self.seed + e)
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))
