@@ -1,7 +1,19 @@
-"""Collective helpers for data-parallel scripts: broadcast state, reduce and gather tensors.
+"""Collectives for data-parallel scripts, with Horovod's semantics; shared by ``parlay`` and
+``parlay.horovod`` (``parlay.allreduce is parlay.horovod.allreduce``).
 
-Signatures follow Horovod's (``root_rank``, ``average=``/``op=``, ``name=``) so ported scripts
-run unchanged; every function also takes ``process_group`` (a torch process group).
+Tensor collectives (``allreduce``, ``allgather``, ``broadcast`` and their ``_async`` forms)
+follow ``horovod.torch``: same argument names and order, defaults (``op=Average``), autograd
+rules and asynchronous handles (``hvd.poll`` / ``hvd.synchronize``, or ``handle.wait()``).
+They run on a *process set* (default: every rank), matched across ranks by name, on a
+background negotiation engine (:mod:`parlay.horovod.engine`); ranks that disagree on shape,
+dtype or root get :class:`~parlay.horovod.HorovodInternalError` instead of a hang.
+
+Every function also takes ``process_group=``: a plain torch group, on which the operation runs
+inline in the calling thread, matched by call order as c10d does (no names, no join). There,
+as before, ``root_rank`` counts within that group; everywhere else it is a global rank.
+
+State helpers (``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
+``allgather_object``) run directly on the set's (or the given) group in the calling thread.
 """
 from __future__ import annotations
 
@@ -9,9 +21,9 @@ import collections
 from typing import Any, Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 
 from parlay import comm
-from parlay.dp.ops import ReduceOp
 from parlay.errors import ConfigError
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
@@ -19,15 +31,159 @@ __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_objec
            "broadcast", "broadcast_async", "coalesced_broadcast"]
 
 
-def _check_root(root_rank: int, group: Any) -> None:
+def _c() -> Any:
+    # Deferred: parlay.horovod re-exports this module's functions, so it imports it first.
+    from parlay.horovod import collectives
+
+    return collectives
+
+
+def _check_group_root(root_rank: int, group: Any) -> None:
     world = comm.group_size(group)
-    if not isinstance(root_rank, int) or not 0 <= root_rank < world:
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool) or not 0 <= root_rank < world:
         raise ConfigError(f"root_rank must be an int in [0, {world}), got {root_rank!r}.")
 
 
+def _group_and_root(root_rank: int, process_set: Any, process_group: Any) -> tuple[Any, int]:
+    """The torch group to use directly and the root's rank within it."""
+    if process_group is not None:
+        if process_set is not None and process_set.process_set_id != 0:
+            raise ConfigError("pass either process_set= (Horovod) or process_group= (a torch "
+                              "group), not both.")
+        _check_group_root(root_rank, process_group)
+        return process_group, root_rank
+    from parlay.horovod.process_sets import global_process_set
+
+    ps = global_process_set if process_set is None else process_set
+    group = ps.group()
+    members = ps.global_ranks()
+    if root_rank not in members:
+        raise ConfigError(f"root_rank must be a global rank in the process set {members}, "
+                          f"got {root_rank!r}.")
+    return group, members.index(root_rank)
+
+
+def _global_root(root_rank: int, process_group: Any) -> int:
+    if process_group is None:
+        return root_rank
+    _check_group_root(root_rank, process_group)
+    return dist.get_global_rank(process_group, root_rank)
+
+
+def _compressor(compression: Any) -> Any:
+    if compression is None:
+        return None
+    from parlay.compress.base import Compressor
+
+    parlay_style = isinstance(compression, Compressor) or (
+        isinstance(compression, type) and issubclass(compression, Compressor))
+    if (parlay_style and not getattr(compression, "_horovod_style", False)) or not (
+            callable(getattr(compression, "compress", None))
+            and callable(getattr(compression, "decompress", None))):
+        raise ConfigError("compression must be a Horovod-style compressor with "
+                          "compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx), e.g. "
+                          f"hvd.Compression.fp16; got {compression!r}.")
+    return compression
+
+
+# ------------------------------------------------------------------------------ tensors
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: Any = None, *, process_group: Any = None) -> Any:
+    """Start averaging (or summing, ...) ``tensor`` over the process set; not modified.
+
+    Args:
+        tensor: Tensor to reduce.
+        average: Deprecated Horovod flag; prefer ``op``.
+        name: Name matching this operation across ranks (default: auto-numbered).
+        op: ``Average`` (default), ``Sum``, ``Adasum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: Multiply by this before the reduction.
+        postscale_factor: Multiply by this after it.
+        process_set: Ranks to reduce over (default: the global process set).
+        process_group: A torch group instead (inline, matched by call order).
+
+    Returns:
+        A handle: ``hvd.synchronize(handle)`` or ``handle.wait()`` returns the result.
+    """
+    c = _c()
+    return c.allreduce_async([tensor], False, name, c.resolve_op(average, op), prescale_factor,
+                             postscale_factor, process_set, process_group, True)
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, process_set: Any = None, *,
+              process_group: Any = None) -> torch.Tensor:
+    """Reduce ``tensor`` over the process set and return the result (input unchanged).
+
+    Differentiable: the gradient is the same reduction of the output's gradient.
+
+    Args:
+        tensor: Tensor to reduce.
+        average: Deprecated Horovod flag; prefer ``op``.
+        name: Name matching this operation across ranks.
+        compression: A Horovod-style compressor (``hvd.Compression.fp16``); default none.
+        op: ``Average`` (default), ``Sum``, ``Adasum``, ``Min``, ``Max`` or ``Product``.
+        prescale_factor: Multiply by this before the reduction.
+        postscale_factor: Multiply by this after it.
+        process_set: Ranks to reduce over (default: all).
+        process_group: A torch group instead (inline, matched by call order).
+
+    Raises:
+        HorovodInternalError: Ranks disagree on shape, dtype or op, or a peer was lost.
+    """
+    c = _c()
+    rop = c.resolve_op(average, op)
+    comp = _compressor(compression)
+    sent, ctx = comp.compress(tensor) if comp is not None else (tensor, None)
+    out = c.AllreduceFn.apply(sent, name, rop, float(prescale_factor), float(postscale_factor),
+                              process_set, process_group)
+    return comp.decompress(out, ctx) if comp is not None else out
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None, *,
+                    process_group: Any = None) -> Any:
+    """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
+    return _c().submit("allgather", [tensor], name, process_set, process_group,
+                       finish=lambda res: res[0][0])
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None, *,
+              process_group: Any = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0; only the first dimension may differ.
+
+    Differentiable: the gradient is this rank's slice of the averaged output gradient.
+
+    Raises:
+        HorovodInternalError: Ranks disagree on dtype or trailing shape, or a peer was lost.
+    """
+    return _c().AllgatherFn.apply(tensor, name, process_set, process_group)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: Any = None, *, process_group: Any = None) -> Any:
+    """Start broadcasting root's ``tensor`` into a new tensor (the input is not modified)."""
+    return _c().broadcast_async(tensor, _global_root(root_rank, process_group), False, name,
+                                process_set, process_group)
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every rank (input unchanged).
+
+    Differentiable: the root gets the averaged gradient, other ranks zero.
+
+    Raises:
+        HorovodInternalError: Ranks disagree on shape, dtype or root, or a peer was lost.
+    """
+    return _c().BroadcastFn.apply(tensor, _global_root(root_rank, process_group), name,
+                                  process_set, process_group)
+
+
+# ------------------------------------------------------------------------------ state
 def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
                         process_group: Any = None) -> None:
-    """Broadcast tensors in place, fusing those of one dtype and device into one message."""
+    """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device."""
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = collections.defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
@@ -42,38 +198,43 @@ def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
                 off += n
 
 
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                         root_rank: int = 0, process_group: Any = None) -> None:
+def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any],
+                         root_rank: int = 0, process_set: Any = None, *,
+                         process_group: Any = None) -> None:
     """Overwrite every rank's tensors with root's, in place.
 
     Args:
-        params: ``model.state_dict()`` (parameters and buffers) or ``model.named_parameters()``.
-        root_rank: Rank whose values win.
-        process_group: Group (default: the world).
+        params: ``model.state_dict()``, ``model.named_parameters()`` or ``model.parameters()``.
+        root_rank: Rank whose values win (global; within ``process_group`` if given).
+        process_set: Ranks to broadcast among (default: all).
+        process_group: A torch group instead.
 
     Raises:
-        ConfigError: ``params`` is neither a mapping nor (name, tensor) pairs.
+        ConfigError: ``params`` holds something other than tensors.
     """
-    _check_root(root_rank, process_group)
+    group, root = _group_and_root(root_rank, process_set, process_group)
     if isinstance(params, Mapping):
-        items = sorted(params.items(), key=lambda kv: str(kv[0]))
+        items: list[Any] = sorted(params.items(), key=lambda kv: str(kv[0]))
     else:
         try:
-            items = sorted(list(params), key=lambda kv: str(kv[0]))
-        except (TypeError, ValueError, IndexError):
-            raise ConfigError("broadcast_parameters expects model.state_dict() or "
-                              "model.named_parameters().") from None
+            items = list(params)
+        except TypeError:
+            raise ConfigError("broadcast_parameters expects model.state_dict(), "
+                              "model.named_parameters() or model.parameters(); got "
+                              f"{type(params).__name__}.") from None
+        items = [it if isinstance(it, tuple) else (None, it) for it in items]
+        if all(isinstance(n, str) for n, _ in items):
+            items.sort(key=lambda kv: kv[0])
     tensors = []
     for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise ConfigError("broadcast_parameters expects (name, tensor) pairs; "
-                              f"got {type(item).__name__}.")
+        if len(item) != 2:
+            raise ConfigError("broadcast_parameters expects (name, tensor) pairs or tensors.")
         if isinstance(item[1], torch.Tensor):
             tensors.append(item[1])
         elif item[1] is not None:
             raise ConfigError(f"broadcast_parameters: {item[0]!r} is a "
                               f"{type(item[1]).__name__}, not a tensor.")
-    coalesced_broadcast(tensors, root_rank, process_group)
+    coalesced_broadcast(tensors, root, group)
 
 
 def _strip_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
@@ -89,8 +250,12 @@ def _strip_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
     return obj
 
 
+def _is_slot(o: Any) -> bool:
+    return isinstance(o, tuple) and len(o) == 4 and o[0] == "__parlay_tensor__"
+
+
 def _fill_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, tuple) and len(obj) == 4 and obj[0] == "__parlay_tensor__":
+    if _is_slot(obj):
         return tensors[obj[1]]
     if isinstance(obj, dict):
         return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
@@ -102,23 +267,31 @@ def _fill_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
+                              model: Any = None, process_set: Any = None, *,
                               process_group: Any = None) -> None:
     """Make every rank's optimizer state (buffers, step counts, hyper-parameters) root's.
 
-    Works for every ``torch.optim`` optimizer: the structure of root's ``state_dict()`` travels
-    as a small object and its tensors as fused broadcasts, then each rank loads it.
+    Works for every ``torch.optim`` optimizer, including ones newer than Horovod (and
+    L-BFGS): the structure of root's ``state_dict()`` travels as a small object and its tensors
+    as fused broadcasts, then each rank loads it, so hyper-parameters keep root's types.
+
+    Args:
+        optimizer: The optimizer (or a DistributedOptimizer).
+        root_rank: Rank whose state wins (global; within ``process_group`` if given).
+        model: Accepted for Horovod compatibility; not needed.
+        process_set: Ranks to broadcast among (default: all).
+        process_group: A torch group instead.
     """
-    _check_root(root_rank, process_group)
-    me = comm.group_rank(process_group)
+    group, root = _group_and_root(root_rank, process_set, process_group)
+    me = comm.group_rank(group)
     tensors: list[torch.Tensor] = []
-    skeleton = _strip_tensors(optimizer.state_dict(), tensors) if me == root_rank else None
-    skeleton = comm.broadcast_object(skeleton, src=root_rank, group=process_group)
-    if me != root_rank:
-        tensors = []
+    skeleton = _strip_tensors(optimizer.state_dict(), tensors) if me == root else None
+    skeleton = comm.broadcast_object(skeleton, src=root, group=group)
+    if me != root:
         metas: list[tuple[int, tuple[int, ...], str]] = []
 
         def collect(o: Any) -> None:
-            if isinstance(o, tuple) and len(o) == 4 and o[0] == "__parlay_tensor__":
+            if _is_slot(o):
                 metas.append((o[1], o[2], o[3]))
             elif isinstance(o, dict):
                 for v in o.values():
@@ -133,98 +306,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         tensors = [torch.empty(shape, dtype=getattr(torch, dt), device=dev)
                    for _, shape, dt in metas]
     else:
-        tensors = [t.detach().clone() if t.device.type == "cpu" else t.detach()
-                   for t in tensors]
-    # step counters of some optimizers live on CPU even for CUDA params: broadcast per device.
-    coalesced_broadcast(tensors, root_rank, process_group)
-    if me != root_rank:
+        tensors = [t.detach().clone() for t in tensors]
+    coalesced_broadcast(tensors, root, group)
+    if me != root:
         optimizer.load_state_dict(_fill_tensors(skeleton, tensors))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_group: Any = None) -> Any:
+                     process_set: Any = None, *, process_group: Any = None) -> Any:
     """Broadcast any picklable object from ``root_rank``; returns it on every rank."""
-    _check_root(root_rank, process_group)
-    return comm.broadcast_object(obj, src=root_rank, group=process_group)
+    group, root = _group_and_root(root_rank, process_set, process_group)
+    return comm.broadcast_object(obj, src=root, group=group)
 
 
-def allgather_object(obj: Any, name: str | None = None, process_group: Any = None) -> list[Any]:
-    """Gather a picklable object from every rank, ordered by rank."""
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None, *,
+                     process_group: Any = None) -> list[Any]:
+    """Gather a picklable object from every rank of the set, ordered by rank."""
+    if process_group is None:
+        from parlay.horovod.process_sets import global_process_set
+
+        process_group = (global_process_set if process_set is None else process_set).group()
     return comm.allgather_object(obj, group=process_group)
-
-
-def _resolve_op(average: bool | None, op: Any) -> ReduceOp:
-    if average is not None and op is not None:
-        raise ConfigError("pass either average= (deprecated) or op=, not both.")
-    if op is None:
-        return ReduceOp.Average if average is None or average else ReduceOp.Sum
-    try:
-        return ReduceOp(int(op))
-    except (ValueError, TypeError):
-        raise ConfigError(f"op must be one of parlay.Average, Sum, Min, Max, Product; "
-                          f"got {op!r}.") from None
-
-
-_C10D = {ReduceOp.Average: "sum", ReduceOp.Sum: "sum", ReduceOp.Min: "min",
-         ReduceOp.Max: "max", ReduceOp.Product: "product"}
-
-
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: Any = None, process_group: Any = None) -> comm.Handle:
-    """Start an allreduce of a copy of ``tensor``; ``handle.wait()`` returns the result."""
-    rop = _resolve_op(average, op)
-    if rop == ReduceOp.Adasum:
-        raise ConfigError("op=Adasum is not supported; use parlay.Average.")
-    out = tensor.detach().clone()
-    h = comm.allreduce(out, _C10D[rop], group=process_group, async_op=True)
-    world = comm.group_size(process_group)
-
-    def finish() -> torch.Tensor:
-        res = h.wait()
-        if rop == ReduceOp.Average:
-            if res.dtype.is_floating_point or res.is_complex():
-                res.div_(world)
-            else:
-                res.floor_divide_(world)
-        return res
-    return comm.Handle(None, "allreduce", finish)
-
-
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              op: Any = None, process_group: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over ranks and return the result (the input is not modified).
-
-    Args:
-        tensor: Input tensor.
-        average: Deprecated Horovod flag; prefer ``op``.
-        name: Ignored (kept for Horovod compatibility).
-        op: ``parlay.Average`` (default), ``Sum``, ``Min``, ``Max`` or ``Product``.
-        process_group: Group (default: the world).
-    """
-    return allreduce_async(tensor, average, name, op, process_group).wait()
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_group: Any = None) -> comm.Handle:
-    """Start a concatenation of every rank's ``tensor`` along dim 0 (sizes may differ)."""
-    return comm.allgather(tensor, group=process_group, async_op=True)
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_group: Any = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0; first-dimension sizes may differ."""
-    return allgather_async(tensor, name, process_group).wait()
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_group: Any = None) -> comm.Handle:
-    """Start a broadcast of a copy of ``tensor`` from ``root_rank``."""
-    _check_root(root_rank, process_group)
-    out = tensor.detach().clone()
-    return comm.broadcast(out, src=root_rank, group=process_group, async_op=True)
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_group: Any = None) -> torch.Tensor:
-    """Return root's ``tensor`` on every rank (the input is not modified)."""
-    return broadcast_async(tensor, root_rank, name, process_group).wait()

@@ -1,0 +1,382 @@
+"""The core of every Horovod-style operation: where it runs, its request, its autograd rule.
+
+An operation runs either on a process set's :class:`~parlay.horovod.engine.Engine` (Horovod's
+semantics: matched by name, asynchronous, join-aware) or, when the caller passes a plain torch
+``process_group``, inline on that group in the calling thread (c10d's semantics: matched by
+call order) after the same descriptor check. Gradient rules follow Horovod's: allreduce's
+gradient is the allreduce of the gradient; allgather's and broadcast's are the averaged
+gradient (sliced, or zero off the root); alltoall's is the reverse alltoall; reducescatter's is
+the allgather of the (size-scaled, for Sum) gradient.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parlay.dp.ops import ReduceOp
+from parlay.errors import ConfigError
+from parlay.horovod import execute
+from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
+from parlay.horovod.engine import Engine, Handle, Meta, Request, exchange
+from parlay.horovod.process_sets import ProcessSet, global_process_set
+
+__all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn",
+           "AllgatherFn", "GroupedAllgatherFn", "BroadcastFn", "AlltoallFn",
+           "ReducescatterFn", "GroupedReducescatterFn", "set_size", "set_rank_of"]
+
+#: Largest fused allreduce buffer (``HOROVOD_FUSION_THRESHOLD`` bytes, default 64 MiB).
+FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)) or 1
+
+
+class _Inline:
+    """Runs one request at a time on a caller-owned group, in the calling thread."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.global_ranks = dist.get_process_group_ranks(group)
+
+    def auto_name(self, kind: str) -> str:
+        return f"{kind}.inline"
+
+    def submit(self, req: Request) -> Handle:
+        msgs = exchange(self.group, self.size, [(req.key, req.meta)])
+        metas = {r: items[0][1] for r, items in enumerate(msgs)}
+        [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
+                                              self.size, self.rank, self.global_ranks,
+                                              FUSION_BYTES)
+        if err is None and req.finish is not None:
+            res = req.finish(res)
+        req.handle._finish(res, err)
+        return req.handle
+
+
+def target(process_set: ProcessSet | None, process_group: Any = None) -> Any:
+    """The engine of ``process_set`` (default: the global set), or an inline runner for a
+    caller's torch ``process_group``.
+
+    Raises:
+        ConfigError: Both were given, the set is not registered, or this rank is not in it.
+    """
+    if process_group is not None:
+        if process_set is not None and process_set is not global_process_set:
+            raise ConfigError("pass either process_set= (Horovod) or process_group= (a torch "
+                              "group), not both.")
+        return _Inline(process_group)
+    ps = global_process_set if process_set is None else process_set
+    if not isinstance(ps, ProcessSet):
+        raise ConfigError(f"process_set must be a hvd.ProcessSet, got {type(ps).__name__}. "
+                          "Hint: hvd.add_process_set([ranks]), or process_group= for a torch "
+                          "group.")
+    ps._check_member()
+    if ps._engine is None:
+        ps._engine = Engine(ps.engine_group(), ps.global_ranks(), FUSION_BYTES)
+    return ps._engine
+
+
+def set_size(process_set: ProcessSet | None, process_group: Any = None) -> int:
+    """Number of ranks an operation runs over."""
+    if process_group is not None:
+        return dist.get_world_size(process_group)
+    ps = global_process_set if process_set is None else process_set
+    ps._check_member()
+    return len(ps.global_ranks())
+
+
+def set_rank_of(process_set: ProcessSet | None, process_group: Any = None) -> int:
+    """This process's rank within the set/group."""
+    if process_group is not None:
+        return dist.get_rank(process_group)
+    ps = global_process_set if process_set is None else process_set
+    ps._check_member()
+    return ps.global_ranks().index(dist.get_rank())
+
+
+def resolve_op(average: bool | None, op: Any, default: ReduceOp = ReduceOp.Average) -> ReduceOp:
+    """Horovod's ``average=`` (deprecated) / ``op=`` rule.
+
+    Raises:
+        ConfigError: Both given, or an unknown op.
+    """
+    if average is not None and op is not None:
+        raise ConfigError("pass either average= (deprecated) or op=, not both.")
+    if op is None:
+        return default if average is None else (ReduceOp.Average if average else ReduceOp.Sum)
+    try:
+        return ReduceOp(int(op))
+    except (ValueError, TypeError):
+        raise ConfigError(f"op must be one of hvd.Average, Sum, Adasum, Min, Max, Product; "
+                          f"got {op!r}.") from None
+
+
+def _check_tensors(kind: str, tensors: Sequence[torch.Tensor]) -> None:
+    if not tensors:
+        raise ConfigError(f"{kind} needs at least one tensor.")
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"{kind} expects torch tensors, got {type(t).__name__}.")
+        if t.is_sparse:
+            raise ConfigError(f"{kind} takes dense tensors. Hint: use sparse_allreduce_async "
+                              "for sparse ones, or tensor.to_dense().")
+    if len({t.device.type for t in tensors}) > 1:
+        raise HorovodInternalError(f"{kind}: tensors of one operation must all be on the CPU "
+                                   "or all on the GPU.", op=kind)
+
+
+def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None,
+           process_set: ProcessSet | None, process_group: Any, *,
+           outputs: list[torch.Tensor] | None = None, op: ReduceOp = ReduceOp.Sum,
+           root: int = -1, prescale: float = 1.0, postscale: float = 1.0,
+           splits: tuple[int, ...] | None = None, finish: Any = None) -> Handle:
+    """Build the request for one operation and hand it to its engine (or run it inline)."""
+    _check_tensors(kind, tensors)
+    runner = target(process_set, process_group)
+    key = f"{kind}.{name}" if name is not None else runner.auto_name(kind)
+    meta = Meta(kind, tuple(str(t.dtype) for t in tensors), tuple(tuple(t.shape) for t in tensors),
+                tensors[0].device.type, int(op), root, float(prescale), float(postscale), splits)
+    if tensors[0].device.type == "cuda":
+        # The engine's thread runs on its own view of the device: finish producing inputs.
+        torch.cuda.current_stream().synchronize()
+    req = Request(key, meta, inputs=list(tensors), outputs=outputs, finish=finish)
+    return runner.submit(req)
+
+
+def _first(res: Any) -> Any:
+    return res[0]
+
+
+# ------------------------------------------------------------------------------ allreduce
+def allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, name: str | None,
+                    op: ReduceOp, prescale: float, postscale: float,
+                    process_set: ProcessSet | None, process_group: Any,
+                    single: bool) -> Handle:
+    """Start an allreduce of ``tensors`` (into themselves when ``inplace``)."""
+    outs = list(tensors) if inplace else [t.detach().clone() for t in tensors]
+    return submit("allreduce", list(tensors), name, process_set, process_group, outputs=outs,
+                  op=op, prescale=prescale, postscale=postscale,
+                  finish=_first if single else list)
+
+
+class AllreduceFn(torch.autograd.Function):
+    """Allreduce whose gradient is the allreduce (same op and scaling) of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
+                post: float, ps: Any, pg: Any) -> torch.Tensor:
+        ctx.args = (op, pre, post, ps, pg)
+        return allreduce_async([tensor.detach()], False, name, op, pre, post, ps, pg,
+                               True).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        op, pre, post, ps, pg = ctx.args
+        g = allreduce_async([grad.contiguous()], False, None, op, pre, post, ps, pg, True).wait()
+        return g, None, None, None, None, None, None
+
+
+class GroupedAllreduceFn(torch.autograd.Function):
+    """Grouped allreduce (one fused operation) with the allreduce gradient rule."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, ps: Any,
+                pg: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.args = (op, pre, post, ps, pg)
+        return tuple(allreduce_async([t.detach() for t in tensors], False, name, op, pre, post,
+                                     ps, pg, False).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        op, pre, post, ps, pg = ctx.args
+        gs = allreduce_async([g.contiguous() for g in grads], False, None, op, pre, post, ps,
+                             pg, False).wait()
+        return (None,) * 6 + tuple(gs)
+
+
+# ------------------------------------------------------------------------------ allgather
+def _average_slices(grads: Sequence[torch.Tensor], dims: list[int], ps: Any, pg: Any,
+                    me: int) -> list[torch.Tensor]:
+    reduced = allreduce_async([g.contiguous() for g in grads], False, None, ReduceOp.Average,
+                              1.0, 1.0, ps, pg, False).wait()
+    start = sum(dims[:me])
+    return [r.narrow(0, start, dims[me]) for r in reduced]
+
+
+class AllgatherFn(torch.autograd.Function):
+    """Allgather whose gradient is this rank's slice of the averaged gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: Any,
+                pg: Any) -> torch.Tensor:
+        out, dims = submit("allgather", [tensor.detach()], name, ps, pg).wait()
+        ctx.save = (dims, ps, pg, set_rank_of(ps, pg), tensor.dim() == 0)
+        return out[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        dims, ps, pg, me, scalar = ctx.save
+        [g] = _average_slices([grad], [d[0] for d in dims], ps, pg, me)
+        return (g.reshape(()) if scalar else g), None, None, None
+
+
+class GroupedAllgatherFn(torch.autograd.Function):
+    """Grouped allgather (one message) with the allgather gradient rule."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, ps: Any, pg: Any,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out, dims = submit("allgather", [t.detach() for t in tensors], name, ps, pg).wait()
+        ctx.save = (dims, ps, pg, set_rank_of(ps, pg))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        dims, ps, pg, me = ctx.save
+        res = []
+        for i, g in enumerate(grads):
+            [s] = _average_slices([g], [d[i] for d in dims], ps, pg, me)
+            res.append(s)
+        return (None, None, None, *res)
+
+
+# ------------------------------------------------------------------------------ broadcast
+def broadcast_async(tensor: torch.Tensor, root_rank: int, inplace: bool, name: str | None,
+                    process_set: ProcessSet | None, process_group: Any) -> Handle:
+    """Start a broadcast from global rank ``root_rank`` (into ``tensor`` when ``inplace``)."""
+    if not isinstance(root_rank, int) or isinstance(root_rank, bool):
+        raise ConfigError(f"root_rank must be an int (a global rank), got {root_rank!r}.")
+    out = tensor if inplace else tensor.detach().clone()
+    return submit("broadcast", [tensor], name, process_set, process_group, outputs=[out],
+                  root=root_rank, finish=_first)
+
+
+class BroadcastFn(torch.autograd.Function):
+    """Broadcast whose gradient is the averaged gradient on the root and zero elsewhere."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, ps: Any,
+                pg: Any) -> torch.Tensor:
+        ctx.save = (root_rank, ps, pg)
+        return broadcast_async(tensor.detach(), root_rank, False, name, ps, pg).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        root, ps, pg = ctx.save
+        g = allreduce_async([grad.contiguous()], False, None, ReduceOp.Average, 1.0, 1.0, ps,
+                            pg, True).wait()
+        if dist.get_rank() != root:
+            g.zero_()
+        return g, None, None, None, None
+
+
+# ------------------------------------------------------------------------------ alltoall
+def alltoall_splits(tensor: torch.Tensor, splits: Any, size: int) -> tuple[int, ...] | None:
+    """Validate ``splits`` (rows sent to each rank) locally, as Horovod does.
+
+    Raises:
+        ConfigError: Not integers, wrong length, negative, or more rows than the tensor has;
+            or, without splits, a first dimension that does not divide by the set size.
+    """
+    d0 = tensor.shape[0] if tensor.dim() else 1
+    if splits is None:
+        if d0 % size:
+            raise ConfigError(f"alltoall without splits divides the first dimension equally: "
+                              f"{d0} rows do not divide by {size} ranks. Hint: pass splits=.")
+        return None
+    if isinstance(splits, torch.Tensor):
+        if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+            raise ConfigError(f"alltoall splits must hold 32-bit integers, got {splits.dtype}.")
+        vals = [int(v) for v in splits.reshape(-1).tolist()]
+    else:
+        try:
+            vals = [int(v) for v in splits]
+        except (TypeError, ValueError):
+            raise ConfigError(f"alltoall splits must be integers, got {splits!r}.") from None
+    if len(vals) != size or any(v < 0 for v in vals):
+        raise ConfigError(f"alltoall splits must be {size} non-negative counts (one per rank), "
+                          f"got {vals}.")
+    if sum(vals) > d0:
+        raise ConfigError(f"alltoall splits send {sum(vals)} rows but the tensor has {d0}.")
+    return tuple(vals)
+
+
+class AlltoallFn(torch.autograd.Function):
+    """Alltoall whose gradient is the alltoall of the gradient with the received splits."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[int, ...] | None,
+                name: str | None, ps: Any, pg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out, recv = submit("alltoall", [tensor.detach()], name, ps, pg, splits=splits).wait()
+        ctx.save = (tuple(recv), ps, pg)
+        recv_t = torch.tensor(recv, dtype=torch.int32)
+        ctx.mark_non_differentiable(recv_t)
+        return out, recv_t
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
+        recv, ps, pg = ctx.save
+        g, _r = submit("alltoall", [grad.contiguous()], None, ps, pg, splits=recv).wait()
+        return g, None, None, None, None
+
+
+# ------------------------------------------------------------------------------ reducescatter
+def reducescatter_check(tensors: Sequence[torch.Tensor], op: ReduceOp) -> None:
+    """Horovod's local checks: no scalars, no Adasum.
+
+    Raises:
+        HorovodUnsupportedError: Adasum requested.
+        ConfigError: A 0-dimensional tensor.
+    """
+    if op == ReduceOp.Adasum:
+        raise HorovodUnsupportedError("reducescatter does not support op=Adasum. Hint: use "
+                                      "op=hvd.Average or hvd.Sum (allreduce supports Adasum).")
+    if any(t.dim() == 0 for t in tensors):
+        raise ConfigError("reducescatter needs tensors with at least one dimension (it splits "
+                          "the first); got a scalar.")
+
+
+def _rs_grad(g: torch.Tensor, op: ReduceOp, pre: float, post: float, size: int) -> torch.Tensor:
+    g = g.contiguous()
+    if op == ReduceOp.Sum:
+        g = g * size
+    return g * (pre * post) if pre * post != 1.0 else g
+
+
+class ReducescatterFn(torch.autograd.Function):
+    """Reducescatter whose gradient is the allgather of the (scaled) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
+                post: float, ps: Any, pg: Any) -> torch.Tensor:
+        ctx.save = (op, pre, post, ps, pg)
+        return submit("reducescatter", [tensor.detach()], name, ps, pg, op=op, prescale=pre,
+                      postscale=post, finish=_first).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        op, pre, post, ps, pg = ctx.save
+        g = _rs_grad(grad, op, pre, post, set_size(ps, pg))
+        out, _ = submit("allgather", [g], None, ps, pg).wait()
+        return out[0], None, None, None, None, None, None
+
+
+class GroupedReducescatterFn(torch.autograd.Function):
+    """Grouped reducescatter with the reducescatter gradient rule."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, ps: Any,
+                pg: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save = (op, pre, post, ps, pg)
+        return tuple(submit("reducescatter", [t.detach() for t in tensors], name, ps, pg, op=op,
+                            prescale=pre, postscale=post).wait())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        op, pre, post, ps, pg = ctx.save
+        n = set_size(ps, pg)
+        out, _ = submit("allgather", [_rs_grad(g, op, pre, post, n) for g in grads], None, ps,
+                        pg).wait()
+        return (None,) * 6 + tuple(out)

@@ -1,0 +1,319 @@
+"""The negotiation engine: Horovod's name-matched, asynchronous collectives on c10d.
+
+Horovod matches operations across ranks by *name*, not by call order: a rank may start
+``allreduce_async(a, name="x")`` and then call ``barrier()`` while its peer calls ``barrier()``
+first and ``x`` later; the operation runs once every rank has submitted it. Each process set
+gets one engine: a background thread with a private process group. The thread sleeps while
+this rank has nothing in flight. Otherwise each *cycle* it allgathers the descriptors of the
+requests submitted since the last cycle (kind, name, dtypes, shapes, op, root, ...), so every
+rank holds the same table of who asked for what. A name is *ready* when every rank that has
+not joined asked for it; every rank then checks the descriptors agree and runs the ready
+operations in the same order (the table's), fusing small allreduces. A mismatch fails the
+operation on every rank with :class:`HorovodInternalError` instead of hanging c10d.
+
+``join()`` marks a rank as done: it keeps answering cycles, contributes zeros to allreduces
+(the average still divides by the full size, as Horovod does), and returns when every rank
+joined. Shutdown is a negotiated stop, so no thread is ever left inside a collective.
+"""
+from __future__ import annotations
+
+import atexit
+import pickle
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from parlay import comm
+from parlay.horovod import execute, timeline
+from parlay.horovod.basics import HorovodInternalError
+
+__all__ = ["Meta", "Request", "Handle", "Engine", "exchange", "STOP", "JOIN"]
+
+STOP = "stop.__parlay__"
+JOIN = "join.__parlay__"
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class Meta:
+    """What the other ranks learn about a request (small and picklable)."""
+
+    kind: str
+    dtypes: tuple[str, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
+    device: str = "cpu"
+    op: int = -1
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] | None = None
+    extra: Any = None
+
+
+class Handle:
+    """An in-flight operation: ``poll``-able, and ``wait()`` returns its result.
+
+    Args:
+        name: The operation's name (for messages).
+    """
+
+    __slots__ = ("name", "_event", "_result", "_error")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        """Whether the operation finished (never blocks)."""
+        return self._event.is_set()
+
+    def wait(self) -> Any:
+        """Block until the operation finished and return its result.
+
+        Raises:
+            HorovodInternalError: Ranks disagreed, a peer was lost, or the group timed out.
+        """
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._event.set()
+
+    def __repr__(self) -> str:
+        return f"Handle({self.name!r}, done={self.is_completed()})"
+
+
+@dataclass
+class Request:
+    """A local request: its descriptor, the tensors it sends and where its result goes."""
+
+    key: str
+    meta: Meta
+    inputs: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] | None = None
+    finish: Callable[[Any], Any] | None = None
+    handle: Handle = field(init=False)
+    t_submit: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        self.handle = Handle(self.key)
+
+
+_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+class Engine:
+    """Negotiates and runs the Horovod-style operations of one process set on this rank.
+
+    Args:
+        group: A process group used by this engine only.
+        global_ranks: Global rank of each member, in group-rank order.
+        fusion_bytes: Largest fused allreduce buffer.
+    """
+
+    def __init__(self, group: Any, global_ranks: list[int], fusion_bytes: int) -> None:
+        self.group = group
+        self.global_ranks = global_ranks
+        self.size = len(global_ranks)
+        self.rank = dist.get_rank(group)
+        self.fusion_bytes = fusion_bytes
+        self._cv = threading.Condition()
+        self._new: list[Request] = []
+        self._local: dict[str, Request] = {}      # submitted here, not finished
+        self._table: dict[str, dict[int, Meta]] = {}  # identical on every rank
+        self._joined: dict[int, tuple[int, Any]] = {}  # rank -> (cycle, its name counters)
+        self._cycle = 0
+        self._counters: dict[str, int] = {}
+        self._dead: BaseException | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="parlay-hvd-engine", daemon=True)
+        self._thread.start()
+        _engines.add(self)
+
+    # ------------------------------------------------------------------ calling thread
+    def auto_name(self, kind: str) -> str:
+        """``kind.noname.N``: the N-th unnamed ``kind`` operation of this set on this rank."""
+        with self._cv:
+            n = self._counters.get(kind, 0)
+            self._counters[kind] = n + 1
+        return f"{kind}.noname.{n}"
+
+    def submit(self, req: Request) -> Handle:
+        """Queue ``req`` for negotiation and return its handle.
+
+        Raises:
+            ValueError: An operation with the same name is still in flight on this rank.
+            HorovodInternalError: The engine died (a peer was lost) or is shut down.
+        """
+        with self._cv:
+            if self._dead is not None or self._closing:
+                raise HorovodInternalError(
+                    f"cannot start {req.key}: the Horovod engine is shut down"
+                    + (f" after an error: {self._dead}" if self._dead else "")
+                    + ". Hint: call hvd.init() again after hvd.shutdown().")
+            if req.key in self._local:
+                raise ValueError(f"an operation named {req.key!r} is already in flight on this "
+                                 "rank; names must be unique until the operation completes. "
+                                 "Hint: synchronize() the first one, or use another name.")
+            self._local[req.key] = req
+            self._new.append(req)
+            self._cv.notify()
+        timeline.negotiate_start(req.key, req.meta.kind, self.rank)
+        return req.handle
+
+    def stop(self) -> None:
+        """Negotiated stop: every member calls this; unmatched requests fail, the thread ends."""
+        if not self._thread.is_alive():
+            return
+        if self._dead is None:
+            req = Request(STOP, Meta("stop"))
+            with self._cv:
+                if STOP not in self._local:
+                    self._local[STOP] = req
+                    self._new.append(req)
+                    self._cv.notify()
+        self._thread.join()
+
+    def close_if_idle(self) -> None:
+        """At interpreter exit: end the thread if it is idle (no collective, no peers)."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+
+    # ------------------------------------------------------------------ background thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    while not self._local and not self._closing:
+                        self._cv.wait()
+                    if not self._local:
+                        return
+                    new, self._new = self._new, []
+                msgs = self._exchange([(r.key, r.meta) for r in new])
+                self._cycle += 1
+                timeline.cycle(self.rank)
+                if self._process(msgs):
+                    return
+        except BaseException as e:  # noqa: BLE001 - every waiter must learn about it
+            err = e if isinstance(e, HorovodInternalError) else HorovodInternalError(
+                f"Horovod engine on rank {dist.get_rank()} failed: {e}", op="negotiation")
+            with self._cv:
+                self._dead = err
+                waiting = list(self._local.values())
+                self._local.clear()
+            for r in waiting:
+                r.handle._finish(error=err)
+
+    def _exchange(self, items: list[tuple[str, Meta]]) -> list[list[tuple[str, Meta]]]:
+        return exchange(self.group, self.size, items)
+
+    def _process(self, msgs: list[list[tuple[str, Meta]]]) -> bool:
+        for r, items in enumerate(msgs):
+            for key, meta in items:
+                if meta.kind == "join":
+                    self._joined.setdefault(r, (self._cycle, meta.extra))
+                else:
+                    self._table.setdefault(key, {})[r] = meta
+        active = [r for r in range(self.size) if r not in self._joined]
+        ready = [k for k, metas in self._table.items()
+                 if k != STOP and active and all(r in metas for r in active)]
+        if ready:
+            batch = []
+            for k in ready:
+                metas = self._table.pop(k)
+                timeline.negotiate_end(k, self.rank)
+                batch.append((k, metas, self._local.get(k)))
+            outcomes = execute.run_ready(self.group, batch, set(self._joined), self.size,
+                                         self.rank, self.global_ranks, self.fusion_bytes)
+            self._complete(outcomes)
+        if len(self._joined) == self.size:
+            self._finish_join()
+        stop = self._table.get(STOP)
+        if stop is not None and len(stop) == self.size:
+            with self._cv:
+                left = [r for k, r in self._local.items() if k != STOP]
+                self._local.clear()
+                self._closing = True
+            err = HorovodInternalError("Horovod was shut down before every rank submitted this "
+                                       "operation", op="shutdown")
+            for r in left:
+                r.handle._finish(error=err)
+            return True
+        return False
+
+    def _complete(self, outcomes: list[tuple[Request, Any, BaseException | None]]) -> None:
+        with self._cv:
+            for req, _, _ in outcomes:
+                self._local.pop(req.key, None)
+        for req, result, error in outcomes:
+            timeline.op_end(req.key)
+            if error is None and req.finish is not None:
+                try:
+                    result = req.finish(result)
+                except Exception as e:  # noqa: BLE001 - reported through the handle
+                    error = e
+            req.handle._finish(result, error)
+
+    def _finish_join(self) -> None:
+        # The last rank to join is the one that joined in the latest cycle (highest on ties).
+        last = max(self._joined, key=lambda r: (self._joined[r][0], r))
+        counters: dict[str, int] = {}
+        for _, theirs in self._joined.values():
+            for k, v in (theirs or {}).items():
+                counters[k] = max(counters.get(k, 0), v)
+        self._joined.clear()
+        with self._cv:
+            # Auto-names must agree again after ranks ran different numbers of operations.
+            for k, v in counters.items():
+                self._counters[k] = max(self._counters.get(k, 0), v)
+            req = self._local.pop(JOIN, None)
+        if req is not None:
+            req.handle._finish(self.global_ranks[last])
+
+    def join_request(self) -> Request:
+        """A join request carrying this rank's auto-name counters."""
+        with self._cv:
+            counters = dict(self._counters)
+        return Request(JOIN, Meta("join", extra=counters))
+
+
+def exchange(group: Any, size: int, items: list[tuple[str, Meta]]
+             ) -> list[list[tuple[str, Meta]]]:
+    """Allgather every rank's list of ``(name, descriptor)`` (two small collectives)."""
+    payload = pickle.dumps(items) if items else b""
+    dev = execute.control_device(group)
+    sizes = torch.empty(size, dtype=torch.int64, device=dev)
+    with comm.comm_errors("negotiation"):
+        _all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=dev),
+                           group=group)
+    lens = sizes.tolist()
+    longest = max(lens)
+    if longest == 0:
+        return [[] for _ in range(size)]
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if payload:
+        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    out = torch.empty(longest * size, dtype=torch.uint8, device=dev)
+    with comm.comm_errors("negotiation"):
+        _all_gather_single(out, buf.to(dev), group=group)
+    raw = out.cpu().numpy()
+    return [pickle.loads(raw[i * longest: i * longest + n].tobytes()) if n else []
+            for i, n in enumerate(lens)]
+
+
+@atexit.register
+def _close_idle_engines() -> None:
+    for e in list(_engines):
+        e.close_if_idle()

@@ -1,0 +1,184 @@
+"""``DistributedOptimizer`` with Horovod's signature, on parlay's bucketed optimizer.
+
+This is the class ``parlay.DistributedOptimizer`` and ``parlay.horovod.DistributedOptimizer``
+both name. It takes Horovod's arguments in Horovod's order and parlay's extras as keywords,
+and reduces gradients with :class:`parlay.dp.optimizer.DistributedOptimizer`'s fused buckets
+(overlapped with backward; see that class for the mechanics).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Iterable
+
+import torch
+
+from parlay.compress.base import Compressor, NoneCompressor
+from parlay.dp.ops import ReduceOp
+from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
+from parlay.errors import ConfigError
+
+__all__ = ["DistributedOptimizer"]
+
+
+class _HorovodCompressor(Compressor):
+    """Adapts a Horovod-style compressor (``compress(tensor) -> (tensor, ctx)``,
+    ``decompress(tensor, ctx)``) to parlay's bucket protocol; it is assumed summable, as
+    Horovod applies it right before an allreduce."""
+
+    name = "horovod"
+    summable = True
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        sent, ctx = self.inner.compress(flat)
+        return [sent], ctx
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        return self.inner.decompress(payload[0], ctx)
+
+    def __repr__(self) -> str:
+        return f"HorovodCompressor({self.inner!r})"
+
+
+def _adapt_compression(compression: Any) -> Any:
+    if compression is None or isinstance(compression, (str, Compressor)) or (
+            isinstance(compression, type) and issubclass(compression, Compressor)):
+        return compression
+    if isinstance(compression, int) and not isinstance(compression, bool):
+        raise ConfigError("DistributedOptimizer's third positional argument is compression "
+                          f"(Horovod's order), got the reduction op {compression!r}. Hint: "
+                          "pass op= by keyword.")
+    fn = getattr(compression, "compress", None)
+    if not callable(fn) or not callable(getattr(compression, "decompress", None)):
+        raise ConfigError(f"compression must be a name ('fp16'), a parlay Compressor or a "
+                          f"Horovod-style compressor, got {compression!r}.")
+    try:
+        required = [p for p in inspect.signature(fn).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                           p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        required = []
+    if len(required) >= 2:       # compress(flat, key): parlay's protocol already
+        return compression
+    probe = torch.zeros(1)
+    if compression.compress(probe)[0] is probe:   # Horovod's Compression.none
+        return NoneCompressor()
+    return _HorovodCompressor(compression)
+
+
+def _check_groups(groups: Any, num_groups: Any) -> Any:
+    if num_groups:
+        if groups is not None:
+            raise ConfigError("pass groups= or the deprecated num_groups=, not both.")
+        groups = num_groups
+    if groups is None:
+        return None
+    if isinstance(groups, bool) or not (isinstance(groups, list) or
+                                        (isinstance(groups, int) and groups > 0)):
+        raise ConfigError("groups should be a positive integer or a list of lists of "
+                          f"torch.Tensor, got {groups!r}.")
+    if isinstance(groups, list):
+        seen: set[int] = set()
+        for group in groups:
+            for p in group:
+                if not isinstance(p, torch.Tensor):
+                    raise ConfigError("groups must consist of torch.Tensor.")
+                if id(p) in seen:
+                    raise ConfigError("A parameter can only appear once in groups.")
+                seen.add(id(p))
+    return groups
+
+
+class DistributedOptimizer(_BucketedOptimizer):
+    """Wrap a ``torch.optim`` optimizer so ``step()`` applies gradients reduced over ranks.
+
+    Horovod's ``hvd.DistributedOptimizer``: gradient hooks start fused, asynchronous
+    reductions during backward and ``step()`` waits for them; ``synchronize()`` and
+    ``skip_synchronize()`` work as in Horovod, as do its misuse warnings.
+
+    Args:
+        optimizer: The optimizer to wrap.
+        named_parameters: ``model.named_parameters()``; default: positional names.
+        compression: ``hvd.Compression.none`` / ``.fp16`` (Horovod-style), a parlay
+            compressor name (``"topk:0.01"``) or object; default none.
+        backward_passes_per_step: Backward passes accumulated locally per reduction.
+        op: ``Average`` (default) or ``Sum``. ``Adasum`` raises: use Average with the learning
+            rate scaled by ``size()``, or ``hvd.allreduce(..., op=hvd.Adasum)`` by hand.
+        gradient_predivide_factor: Average as ``sum(g / f) * f / size`` (Horovod's split).
+        num_groups: Deprecated alias of an integer ``groups``.
+        groups: Horovod's fusion groups (an int or lists of parameters). Validated; parlay
+            fuses by ``bucket_cap_mb`` instead, which gives the same result.
+        sparse_as_dense: Accepted; sparse gradients are always reduced densely inside the
+            buckets (the result is the same) and handed back sparse.
+        process_set: Reduce over this process set; non-members step on local gradients.
+        bucket_cap_mb: Bucket size in MiB (keyword only).
+        process_group: A torch group instead of ``process_set`` (keyword only).
+        **options: Further keywords of :class:`parlay.dp.optimizer.DistributedOptimizer`, e.g.
+            ``average_aggregated_gradients`` (default True: with ``backward_passes_per_step=k``
+            the k accumulated gradients are averaged; False sums them, as Horovod does).
+
+    Raises:
+        ConfigError: Bad arguments (a ``ValueError``), or ranks hold different models.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 compression: Any = None, backward_passes_per_step: int = 1,
+                 op: Any = ReduceOp.Average, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: Any = None, *, bucket_cap_mb: float = 25,
+                 process_group: Any = None, **options: Any) -> None:
+        named = list(named_parameters) if named_parameters is not None else None
+        self.groups = _check_groups(groups, num_groups)
+        self.sparse_as_dense = bool(sparse_as_dense)
+        local_only = False
+        if process_set is not None and process_set.process_set_id != 0:
+            if process_group is not None:
+                raise ConfigError("pass either process_set= or process_group=, not both.")
+            if process_set.included():
+                process_group = process_set.group()
+            else:
+                local_only = True      # Horovod: ranks outside the set train on their own
+        self.process_set = process_set
+        self._average_aggregated = bool(options.get("average_aggregated_gradients", True))
+        if local_only:
+            options["check_consistency"] = False
+        super().__init__(optimizer, named, op=op, compression=_adapt_compression(compression),
+                         backward_passes_per_step=backward_passes_per_step,
+                         bucket_cap_mb=bucket_cap_mb,
+                         gradient_predivide_factor=gradient_predivide_factor,
+                         process_group=process_group, **options)
+        if local_only:
+            self.remove_hooks()
+            self._passthrough = True
+        if named is None:
+            self._parameter_names = {p: f"allreduce.noname.{i}.{j}"
+                                     for i, g in enumerate(optimizer.param_groups)
+                                     for j, p in enumerate(g["params"])}
+        else:
+            self._parameter_names = {p: n for n, p in named}
+        # SparseAdam and friends need sparse gradients back after the dense reduction.
+        self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
+
+    def synchronize(self) -> None:
+        """Finish the gradient reduction now (see the base class); sparse gradients come back
+        sparse."""
+        sparse = {id(p) for p in self._params if p.grad is not None and p.grad.is_sparse}
+        super().synchronize()
+        if sparse or self._sparse_only:
+            for p in self._params:
+                if p.grad is not None and not p.grad.is_sparse and (
+                        self._sparse_only or id(p) in sparse):
+                    p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change the number of backward passes per reduction (Horovod's method)."""
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {passes!r}.")
+        scale = self.backward_passes_per_step / passes
+        self.backward_passes_per_step = passes
+        if self.op == ReduceOp.Average and self._average_aggregated:
+            self._postscale *= scale
+        self._reset_step_state()

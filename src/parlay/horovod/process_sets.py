@@ -1,0 +1,228 @@
+"""Process sets: Horovod's name for a subset of ranks that runs collectives together.
+
+Here a process set *is* a pair of torch process groups over its ranks: ``group``, which the
+calling thread may use directly (DistributedOptimizer buckets, parameter broadcasts), and a
+private group owned by the set's negotiation engine (:mod:`parlay.horovod.engine`), whose
+background thread must never share a group with the calling thread. Adding or removing a set is
+collective: every rank of the world calls it, in the same order, as with
+``HOROVOD_DYNAMIC_PROCESS_SETS=1``. ``root_rank`` arguments stay *global* ranks, as in Horovod.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import torch.distributed as dist
+
+from parlay import runtime
+from parlay.errors import ConfigError
+
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+
+_lock = threading.Lock()
+_sets: dict[int, "ProcessSet"] = {}     # id -> set, for the current process group generation
+_next_id = 1
+
+
+class ProcessSet:
+    """A sorted set of global ranks that runs collective operations together.
+
+    Build one from a list of ranks and pass it to :func:`add_process_set` (every rank calls
+    it), then give it as ``process_set=`` to any operation. ``rank()`` and ``size()`` are
+    relative to the set; ``root_rank`` arguments of broadcasts are global ranks.
+
+    Args:
+        ranks: Global ranks in the set (any order, no duplicates).
+
+    Raises:
+        ConfigError: ``ranks`` is not a collection of distinct ints.
+    """
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        try:
+            ranks = sorted(ranks)
+        except TypeError:
+            raise ConfigError("ProcessSet takes a list of global ranks, e.g. ProcessSet([0, 2]); "
+                              f"got {ranks!r}.") from None
+        if any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
+            raise ConfigError(f"ProcessSet ranks must be ints, got {ranks!r}.")
+        if len(set(ranks)) != len(ranks):
+            raise ConfigError(f"ProcessSet ranks must be distinct, got {ranks!r}.")
+        self.ranks: list[int] = list(ranks)
+        self.process_set_id: int | None = None
+        self._group: Any = None           # torch group for the calling thread (None: world)
+        self._engine_group: Any = None    # private group of the negotiation engine
+        self._engine: Any = None
+        self._generation = -1
+
+    # ------------------------------------------------------------------ Horovod API
+    def included(self) -> bool | None:
+        """Whether this process is in the set (``None`` before parlay is initialised)."""
+        if not runtime.is_initialized():
+            return None
+        return self is global_process_set or runtime.rank() in self.ranks
+
+    def size(self) -> int | None:
+        """Number of ranks in the set (``None`` if the set is not registered)."""
+        if self is global_process_set:
+            return runtime.size() if runtime.is_initialized() else None
+        return len(self.ranks) if self._valid() else None
+
+    def rank(self) -> int | None:
+        """This process's rank within the set (``None`` if not registered or not a member)."""
+        if not runtime.is_initialized():
+            return None
+        if self is global_process_set:
+            return runtime.rank()
+        if not self._valid() or runtime.rank() not in self.ranks:
+            return None
+        return self.ranks.index(runtime.rank())
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+    # ------------------------------------------------------------------ parlay internals
+    def _valid(self) -> bool:
+        return self.process_set_id is not None and self._generation == _generation()
+
+    def group(self) -> Any:
+        """The torch process group of this set for direct use (``None`` means the world).
+
+        Raises:
+            ConfigError: The set is not registered, or this rank is not a member.
+        """
+        self._check_member()
+        return None if self is global_process_set else self._group
+
+    def engine_group(self) -> Any:
+        """The private group of this set's negotiation engine (created on first use)."""
+        self._check_member()
+        if self._engine_group is None:
+            # Only the global set gets here: added sets create theirs in add_process_set.
+            # Every rank issues its first Horovod-style collective at the same point of the
+            # program, so this new_group is called in the same order everywhere.
+            self._engine_group = dist.new_group(list(range(runtime.size())))
+        return self._engine_group
+
+    def global_ranks(self) -> list[int]:
+        """Global ranks of the members, in set-rank order."""
+        return list(range(runtime.size())) if self is global_process_set else list(self.ranks)
+
+    def _check_member(self) -> None:
+        if not runtime.is_initialized():
+            raise ConfigError("parlay is not initialised. Hint: call hvd.init() first.")
+        if self is global_process_set:
+            if self._generation != _generation():
+                self._reset()
+                self._generation = _generation()
+            return
+        if not self._valid():
+            raise ConfigError(f"{self!r} is not registered (never added, removed, or added "
+                              "before the last shutdown). Hint: hvd.add_process_set(ranks) on "
+                              "every rank after hvd.init().")
+        if runtime.rank() not in self.ranks:
+            raise ConfigError(f"rank {runtime.rank()} is not in {self!r}; only its members may "
+                              "run operations on it.")
+
+    def _reset(self) -> None:
+        self._engine = None
+        self._engine_group = None
+        self._group = None
+
+
+#: The set of all ranks; the default ``process_set`` of every operation.
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def _generation() -> int:
+    # Groups die with the default group: a set from before the last shutdown/init is stale.
+    from parlay.horovod import basics
+
+    return basics.generation()
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank of the world must call this, in the same order.
+
+    Args:
+        process_set: A :class:`ProcessSet` or a list of global ranks.
+
+    Returns:
+        The registered set (the object passed in, when it was a ProcessSet).
+
+    Raises:
+        ConfigError: Bad ranks, or a set with the same ranks is already registered
+            (a ``ValueError``, as in Horovod).
+    """
+    global _next_id
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    world = runtime.size()
+    if not ps.ranks or ps.ranks[0] < 0 or ps.ranks[-1] >= world:
+        raise ConfigError(f"process set ranks must be non-empty and in [0, {world}), "
+                          f"got {ps.ranks}.")
+    gen = _generation()
+    with _lock:
+        _purge(gen)
+        if ps.ranks == list(range(world)) or any(s.ranks == ps.ranks for s in _sets.values()):
+            raise ConfigError(f"Attempted to add a duplicate process set: {ps.ranks} is already "
+                              "registered (the world is global_process_set).")
+        ps.process_set_id, _next_id = _next_id, _next_id + 1
+        _sets[ps.process_set_id] = ps
+    # Collective over the whole world, in the same order on every rank: user group first.
+    ps._group = dist.new_group(ps.ranks)
+    ps._engine_group = dist.new_group(ps.ranks)
+    ps._engine = None
+    ps._generation = gen
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (every rank calls this); returns whether it was registered.
+
+    The global process set is never removed. A member's pending operations on the set are
+    completed or failed first.
+    """
+    if process_set is global_process_set or not process_set._valid():
+        return False
+    with _lock:
+        _sets.pop(process_set.process_set_id, None)
+    engine, process_set._engine = process_set._engine, None
+    if engine is not None:
+        engine.stop()
+    for g in (process_set._group, process_set._engine_group):
+        if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    process_set._reset()
+    process_set.process_set_id = None
+    return True
+
+
+def _purge(gen: int) -> None:
+    global _next_id
+    stale = [k for k, s in _sets.items() if s._generation not in (gen, -1)]
+    for k in stale:
+        s = _sets.pop(k)
+        s._reset()
+        s.process_set_id = None
+    if not _sets:
+        _next_id = 1
+
+
+def live_sets() -> list[ProcessSet]:
+    """Every set with an engine on this rank, global set first (used at shutdown)."""
+    with _lock:
+        added = sorted(_sets.values(), key=lambda s: s.process_set_id or 0)
+    return [s for s in [global_process_set, *added] if s._engine is not None]
+
+
+def forget_all() -> None:
+    """Drop every registered set (the groups die with the default group at shutdown)."""
+    global _next_id
+    with _lock:
+        for s in _sets.values():
+            s._reset()
+            s.process_set_id = None
+        _sets.clear()
+        _next_id = 1
+    global_process_set._reset()
