@@ -1,0 +1,117 @@
+"""Failures and restarts on real gloo ranks: a worker killed with ``os._exit`` (sync: the
+survivors get a CommError naming it; async and stale: the others finish and the server logs the
+loss), a worker that raises, and a checkpointed run that resumes where it stopped."""
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+
+import parlay
+from parlay.errors import CommError
+from parlay.ps import DistributedSession
+from parlay.testing import WorldError, run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+PS1 = {"PARLAY_NUM_PS": "1"}
+TIMEOUT = 3.0  # seconds of silence before a worker is declared lost (the comm timeout)
+DEAD_RANK = 3  # worker 2 of 1 PS + 3 workers
+
+
+def _problem(worker: int):
+    g = torch.Generator().manual_seed(worker)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    return x, x @ torch.tensor([[1.0, -1.0, 2.0, 0.5]], dtype=torch.float64).T
+
+
+def _mse(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def _run_with_casualty(consistency: str, how: str, die_at: int, steps: int):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1, bias=False).double()
+    with DistributedSession(model=model, optimizer=torch.optim.SGD, optimizer_args={"lr": 0.05},
+                            consistency=consistency) as sess:
+        if sess.is_worker:
+            batch = _problem(sess.worker_index)
+            for t in range(steps):
+                if parlay.rank() == DEAD_RANK and t == die_at:
+                    if how == "kill":
+                        os._exit(1)
+                    raise ValueError("boom in the user's step")
+                sess.train_step(batch, _mse)
+        else:
+            sess.should_stop()
+    return {"lost": sess.lost_workers(), "applied": len(sess.update_log()), "step": sess.step}
+
+
+def test_sync_survivors_get_comm_error_naming_the_killed_worker():
+    out = run_world(_run_with_casualty, 4, "sync", "kill", 2, 6, env=PS1,
+                    comm_timeout=TIMEOUT, return_exceptions=True)
+    assert isinstance(out[DEAD_RANK], WorldError)  # it died
+    for r in (0, 1, 2):  # the server and both surviving workers
+        e = out[r]
+        assert isinstance(e, CommError), (r, e)
+        assert "worker 2 (rank 3) was lost" in str(e) and "cannot continue" in str(e)
+        assert e.peer == DEAD_RANK
+    assert "step 2" in str(out[1])  # the workers say where they stopped
+
+
+def test_sync_survivors_are_told_when_a_worker_raises():
+    out = run_world(_run_with_casualty, 4, "sync", "raise", 1, 4, env=PS1,
+                    comm_timeout=TIMEOUT, return_exceptions=True)
+    assert isinstance(out[DEAD_RANK], ValueError)
+    for r in (0, 1, 2):
+        assert isinstance(out[r], CommError) and "worker 2 (rank 3) failed" in str(out[r])
+
+
+@pytest.mark.parametrize("consistency", ["async", "stale:1"])
+def test_async_and_stale_survivors_keep_training(consistency, caplog):
+    steps, die_at = 8, 2
+    out = run_world(_run_with_casualty, 4, consistency, "kill", die_at, steps, env=PS1,
+                    comm_timeout=TIMEOUT, return_exceptions=True)
+    assert isinstance(out[DEAD_RANK], WorldError)
+    server = out[0]
+    assert server["lost"] == [DEAD_RANK]
+    assert server["applied"] == 2 * steps + die_at  # every push of the living was applied
+    assert out[1]["step"] == out[2]["step"] == steps
+
+
+def _checkpointed(ckpt: str, stop: int):
+    from tests.dist.test_ps import OPTS, PER_WORKER, _data, _model
+
+    model = _model()
+    cls, args = OPTS["adam"]
+    with DistributedSession(model=model, optimizer=cls, optimizer_args=args,
+                            consistency="sync", checkpoint_dir=ckpt, checkpoint_every=2) as sess:
+        x, y = _data(sess.num_workers)
+        first = sess.step
+        while not sess.should_stop() and sess.step < stop:
+            t, w = sess.step, sess.worker_index  # the step resumes from the servers' clocks
+            sl = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
+            sess.train_step((x[t][sl], y[t][sl]), _mse)
+    return [p.detach().clone() for p in model.parameters()], first, sess.global_step
+
+
+def test_restart_resumes_from_the_checkpoint(tmp_path):
+    from tests.dist.test_ps import STEPS, TOL, _reference
+
+    ckpt = str(tmp_path / "ps")
+    first = run_world(_checkpointed, 3, ckpt, 2, env=PS1)
+    assert [r[2] for r in first] == [2, 2, 2]
+    assert sorted(os.listdir(ckpt)) == ["ps-0.pt", "worker-0.pt", "worker-1.pt"]  # no temp files
+    second = run_world(_checkpointed, 3, ckpt, STEPS, env=PS1)
+    assert [r[1] for r in second[1:]] == [2, 2]  # workers resumed at step 2
+    ref = _reference("adam", 2)  # STEPS uninterrupted steps, single process
+    for params, _, version in second:
+        assert version == STEPS
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+    sd = torch.load(os.path.join(ckpt, "ps-0.pt"), weights_only=True)
+    assert sd["version"] == STEPS and sd["clocks"] == [STEPS, STEPS]
+    assert not glob.glob(os.path.join(ckpt, "*.tmp*"))
