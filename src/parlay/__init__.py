@@ -4,8 +4,7 @@ Three communication modes behind one :class:`Trainer`: data parallel (``allreduc
 parameter server (``ps``) and hybrid pipeline x data parallel (``hybrid``).
 """
 from parlay import comm, compress
-from parlay.dp import (Adasum, Average, DistributedOptimizer, Max, Min, Product, ReduceOp, Sum,
-                       allgather, allgather_async, allgather_object, allreduce, allreduce_async,
+from parlay.dp import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async, allgather_object, allreduce, allreduce_async,
                        broadcast, broadcast_async, broadcast_object, broadcast_optimizer_state,
                        broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
@@ -23,7 +22,17 @@ _LAZY = {
     "DistributedSession": "parlay.ps",
     "ShardPlan": "parlay.ps",
     "compression": "parlay.compression",
-    "Compression": "parlay.compression",
+    # Horovod's names (the same objects as parlay.horovod.<name>, issue 8).
+    "DistributedOptimizer": "parlay.horovod",
+    "Compression": "parlay.horovod",
+    "join": "parlay.horovod",
+    "barrier": "parlay.horovod",
+    "poll": "parlay.horovod",
+    "synchronize": "parlay.horovod",
+    "nccl_built": "parlay.horovod",
+    "gloo_built": "parlay.horovod",
+    "mpi_built": "parlay.horovod",
+    "mpi_enabled": "parlay.horovod",
     "data": "parlay.data",
     "pipeline": "parlay.pipeline",
     "horovod": "parlay.horovod",
