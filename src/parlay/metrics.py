@@ -15,13 +15,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Callable, TextIO
 
 import torch
 
 from parlay import comm
 
-__all__ = ["Meter", "reduce_meters", "MetricsLogger"]
+__all__ = ["Meter", "reduce_meters", "MetricsLogger", "default_metrics"]
 
 
 class Meter:
@@ -53,9 +53,19 @@ def reduce_meters(meters: list[Meter], group: Any = None) -> list[float]:
     return [s / c if c else math.nan for s, c in pairs]
 
 
+def default_metrics(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., dict[str, torch.Tensor]]:
+    """Validation metrics: ``loss`` (the training loss), plus ``accuracy`` for class scores."""
+    def fn(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {"loss": loss_fn(output, target)}
+        if output.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
+            out["accuracy"] = (output.argmax(1) == target).double().mean()
+        return out
+    return fn
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
-        return f"{v:.4g}"
+        return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.4g}"
     return str(v)
 
 
@@ -92,7 +102,7 @@ class MetricsLogger:
             Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(jsonl_path, "a", encoding="utf-8")
         if printer and progress and sys.stderr.isatty():  # a bar in a log file is noise
-            from tqdm.auto import tqdm
+            from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
             self._bar = tqdm(total=total_samples, initial=initial_samples, unit="sample",
                              unit_scale=True, dynamic_ncols=True, smoothing=0.1,

@@ -10,24 +10,22 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import random
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
 from parlay import comm, runtime
-from parlay.checkpoint import CheckpointManager
+from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.loader import build_loader
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError
-from parlay.metrics import MetricsLogger
+from parlay.metrics import MetricsLogger, default_metrics
 from parlay.strategies import StepResult, Strategy, get_strategy
 
-__all__ = ["Trainer", "TrainerState", "default_metrics"]
+__all__ = ["Trainer", "TrainerState"]
 
 log = logging.getLogger("parlay")
 
@@ -51,16 +49,6 @@ class TrainerState:
     batch_in_epoch: int = 0
 
 
-def default_metrics(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., dict[str, torch.Tensor]]:
-    """Validation metrics: ``loss`` (the training loss), plus ``accuracy`` for class scores."""
-    def fn(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {"loss": loss_fn(output, target)}
-        if output.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
-            out["accuracy"] = (output.argmax(1) == target).double().mean()
-        return out
-    return fn
-
-
 def _default_lr(optimizer: type) -> Any:
     try:
         p = inspect.signature(optimizer).parameters.get("lr")
@@ -69,37 +57,12 @@ def _default_lr(optimizer: type) -> Any:
     return None if p is None or p.default is inspect.Parameter.empty else p.default
 
 
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    py = random.getstate()
-    st: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
-        "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64),
-                   "gauss": py[2]},
-    }
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def _set_rng_state(st: dict[str, Any]) -> None:
-    torch.set_rng_state(st["torch"])
-    n = st["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["gauss"]))
-    p = st["python"]
-    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-
-
 def _positive(name: str, value: Any, allow_none: bool = True, kind: type = int) -> None:
     if value is None and allow_none:
         return
-    ok = (isinstance(value, kind) or (kind is float and isinstance(value, int))) \
-        and not isinstance(value, bool) and value > 0
+    v: Any = value
+    ok = (isinstance(v, kind) or (kind is float and isinstance(v, int))) \
+        and not isinstance(v, bool) and v > 0
     if not ok:
         raise ConfigError(f"{name} must be a positive {kind.__name__}"
                           f"{' or None' if allow_none else ''}, got {value!r}.")
@@ -173,10 +136,10 @@ class Trainer:
                               f"torch.optim.Adam), got {optimizer!r}.")
         for name, v in (("batch_size", batch_size), ("log_step_size", log_step_size)):
             _positive(name, v, allow_none=False)
-        for name, v in (("num_epochs", num_epochs), ("max_iteration", max_iteration),
-                        ("checkpoint_every", checkpoint_every),
-                        ("validation_batch_size", validation_batch_size)):
-            _positive(name, v)
+        for name, opt_v in (("num_epochs", num_epochs), ("max_iteration", max_iteration),
+                            ("checkpoint_every", checkpoint_every),
+                            ("validation_batch_size", validation_batch_size)):
+            _positive(name, opt_v)
         if not (isinstance(warmup_epochs, (int, float)) and warmup_epochs >= 0):
             raise ConfigError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
         if lr_schedule not in _SCHEDULES:
@@ -457,7 +420,7 @@ class Trainer:
             raise ConfigError("save_checkpoint() needs checkpoint_dir=... on the Trainer.")
         state = {"trainer": asdict(self.state), "mode": self.mode,
                  "strategy": self.strategy.state_dict(), "sampler": self.sampler.state_dict(),
-                 "rng": _rng_state()}
+                 "rng": rng_state()}
         self._ckpt.save(self.state.step, state)
         self._last_ckpt_step = self.state.step
 
@@ -469,7 +432,7 @@ class Trainer:
         self.sampler.load_state_dict(ck["sampler"])
         self.strategy.load_state_dict(ck["strategy"])
         self.state = TrainerState(**ck["trainer"])
-        _set_rng_state(ck["rng"])
+        set_rng_state(ck["rng"])
         self._last_ckpt_step = self.state.step
 
     # ------------------------------------------------------------------ teardown

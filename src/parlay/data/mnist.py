@@ -88,7 +88,7 @@ def _md5(path: Path) -> str:
 
 def _download(name: str, folder: Path, mirrors: Sequence[str], md5: str | None) -> list[str]:
     """Fetch ``name`` into ``folder``; returns the errors of the mirrors that failed."""
-    from tqdm.auto import tqdm
+    from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     errors: list[str] = []
     folder.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import parlay
 from parlay import comm
 from parlay.data import mnist
 from parlay.errors import ConfigError
+from parlay.trainer import Trainer
 
 __all__ = ["build_mlp", "main", "parse_args", "DEFAULTS"]
 
@@ -90,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parlay.init()
     try:
         train, test = load_data(args.data)
-        trainer = parlay.Trainer(
+        trainer = Trainer(
             build_mlp, train, optimizer=torch.optim.Adam, optimizer_args={"lr": args.lr},
             batch_size=args.batch_size, mode=args.mode, num_epochs=args.epochs,
             warmup_epochs=args.warmup_epochs, compression=args.compression,

@@ -135,8 +135,8 @@ class AllreduceStrategy(Strategy):
             bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group)
         self._base_lrs = [float(g["lr"]) for g in opt.param_groups]
         if self.precision == "fp16":
-            kw = {} if self.loss_scale is None else {"init_scale": float(self.loss_scale)}
-            self.scaler = torch.amp.GradScaler(self._device.type, **kw)
+            scale = 2.0 ** 16 if self.loss_scale is None else float(self.loss_scale)
+            self.scaler = torch.amp.GradScaler(self._device.type, init_scale=scale)
 
     def _ready(self) -> tuple[nn.Module, DistributedOptimizer, Callable[..., torch.Tensor]]:
         if self.model is None or self.optimizer is None or self._loss_fn is None:
