@@ -60,10 +60,8 @@ def _default_lr(optimizer: type) -> Any:
 def _positive(name: str, value: Any, allow_none: bool = True, kind: type = int) -> None:
     if value is None and allow_none:
         return
-    v: Any = value
-    ok = (isinstance(v, kind) or (kind is float and isinstance(v, int))) \
-        and not isinstance(v, bool) and v > 0
-    if not ok:
+    number = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not number or not value > 0:
         raise ConfigError(f"{name} must be a positive {kind.__name__}"
                           f"{' or None' if allow_none else ''}, got {value!r}.")
 
