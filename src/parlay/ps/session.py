@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from parlay import runtime
 from parlay.compress.base import Compressor, get_compressor
-from parlay.env import TaskSpec
+from parlay.env import TaskSpec, detect
 from parlay.errors import CheckpointError, ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
@@ -154,12 +154,14 @@ class DistributedSession:
             return
         spec = self.task_spec
         if not runtime.is_initialized():
-            if spec is not None and spec.rank is not None:
+            found = detect()
+            if spec is None or spec.rank is None or (found.rank, found.world_size) == (
+                    spec.rank, spec.world_size):
+                runtime.init()  # the launcher's environment (keeps local rank, device, ...)
+            else:  # an explicit cluster description (TF-style host lists) the env lacks
                 runtime.init(rank=spec.rank, world_size=spec.world_size,
                              master_addr=spec.master_addr, master_port=spec.master_port,
                              num_ps=spec.num_ps)
-            else:
-                runtime.init()
             self._owns_runtime = True
         self._started = True
         c = runtime.cluster()
