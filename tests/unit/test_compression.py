@@ -14,7 +14,7 @@ import parlay
 from parlay.compress import (BF16, FP16, ErrorFeedback, PowerSGD, RandomK, TopK, available,
                              get_compressor)
 from parlay.compress.feedback import warmup_density
-from parlay.compress.sparse import random_indices
+from parlay.compress.sparse import exact_topk, random_indices
 from parlay.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -99,6 +99,19 @@ def test_topk_selects_exactly_the_k_largest_magnitudes():
     torch.testing.assert_close(values, x[idx.long()], rtol=0, atol=0)
     dense = c.decompress([values, idx], ctx)
     assert int((dense != 0).sum()) == 50 and torch.equal(dense[idx.long()], values)
+
+
+@pytest.mark.parametrize("k", [1, 300, 3000])
+def test_exact_topk_on_large_buckets_matches_torch_topk(k):
+    g = torch.Generator().manual_seed(k)
+    a = (torch.randn(200_000, generator=g) * torch.rand(200_000, generator=g) ** 4).abs()
+    a[:5000] = a[5000:10000]  # ties
+    expect = torch.topk(a, k).values
+    got = a[exact_topk(a, k)]
+    assert got.numel() == k and exact_topk(a, k).unique().numel() == k
+    torch.testing.assert_close(got.sort(descending=True).values, expect, rtol=0, atol=0)
+    flat = torch.ones(200_000)  # all equal: every entry is a candidate
+    assert exact_topk(flat, k).unique().numel() == k
 
 
 def test_topk_uses_int64_indices_only_beyond_int32():

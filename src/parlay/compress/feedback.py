@@ -150,9 +150,10 @@ class Residuals:
             r.zero_()
 
     def state_dict(self) -> dict[str, Any]:
-        sd: dict[str, Any] = {"residual": dict(self.residual)}
+        """A snapshot (copies): later steps do not change what was returned."""
+        sd: dict[str, Any] = {"residual": {k: v.clone() for k, v in self.residual.items()}}
         if self.momentum:
-            sd["velocity"] = dict(self.velocity)
+            sd["velocity"] = {k: v.clone() for k, v in self.velocity.items()}
         return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -182,6 +183,7 @@ class ErrorFeedback(Compressor):
     Args:
         compressor: The compressor (object, class or registry name) to wrap.
         momentum: DGC momentum correction factor (0: off).
+        masking: DGC momentum factor masking where something was sent.
 
     Raises:
         ConfigError: The inner compressor is PowerSGD (its error feedback is built into its
@@ -190,7 +192,7 @@ class ErrorFeedback(Compressor):
 
     name = "ef"
 
-    def __init__(self, compressor: Any, momentum: float = 0.0) -> None:
+    def __init__(self, compressor: Any, momentum: float = 0.0, masking: bool = True) -> None:
         inner = get_compressor(compressor)
         if isinstance(inner, ErrorFeedback) or not getattr(inner, "point_to_point", True):
             raise ConfigError(f"ErrorFeedback cannot wrap {inner!r}: it already keeps its own "
@@ -199,7 +201,7 @@ class ErrorFeedback(Compressor):
         if getattr(inner, "memory", None) is not None:
             inner.memory = None  # type: ignore[union-attr]  # this wrapper now owns the residuals
         self.inner = inner
-        self.memory = Residuals(momentum)
+        self.memory = Residuals(momentum, masking)
         self.summable = inner.summable  # type: ignore[misc]
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
@@ -209,7 +211,8 @@ class ErrorFeedback(Compressor):
         # Not in place: the payload may alias ``corrected`` (identity). For a cast, Sterbenz's
         # lemma makes this subtraction exact (sent is within a factor 2 of corrected).
         self.memory.keep(key, corrected - sent,
-                         sent_mask=sent != 0 if self.memory.momentum else None)
+                         sent_mask=sent != 0 if self.memory.momentum and self.memory.masking
+                         else None)
         return payload, _EFCtx(ctx, key)
 
     def next_round(self, reduced: list[torch.Tensor], ctx: Any) -> list[torch.Tensor] | None:

@@ -31,7 +31,7 @@ from parlay.compress.base import Compressor, register
 from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
 from parlay.errors import ConfigError
 
-__all__ = ["TopK", "RandomK", "SparseCtx", "random_indices"]
+__all__ = ["TopK", "RandomK", "SparseCtx", "random_indices", "exact_topk"]
 
 _INT32_LIMIT = 2 ** 31
 
@@ -63,6 +63,30 @@ def random_indices(numel: int, k: int, seed: int) -> torch.Tensor:
         first.scatter_reduce_(0, inv, torch.arange(stream.numel()), reduce="amin")
         chosen = stream[first.sort().values]  # distinct, in order of first appearance
     return chosen[:k].sort().values
+
+
+def exact_topk(a: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the ``k`` largest entries of ``a`` (exact; order unspecified).
+
+    A full ``torch.topk`` over a large bucket is the slowest part of top-k compression. Like
+    DGC (Lin et al. 2018) we first estimate the threshold from a sample, keep only the entries
+    above it, and run ``topk`` on those. Unlike DGC's estimate this stays exact: if at least
+    ``k`` entries pass the threshold, the k-th largest is >= the threshold, so every true top-k
+    entry is a candidate; if fewer pass, we fall back to the full ``topk``.
+    """
+    n = a.numel()
+    if n < 65536 or k * 32 > n:
+        return torch.topk(a, k, sorted=False).indices
+    m = 16384
+    g = torch.Generator(device=a.device).manual_seed(n * 31 + k)
+    sample = a[torch.randint(n, (m,), generator=g, device=a.device)]
+    # aim for ~2k candidates (+ slack for the sample's noise)
+    rank = max(1, m - int(m * min(1.0, 2.0 * k / n)) - 8)
+    thr = sample.kthvalue(rank).values
+    cand = (a >= thr).nonzero().squeeze(1)
+    if cand.numel() < k:
+        return torch.topk(a, k, sorted=False).indices
+    return cand[torch.topk(a[cand], k, sorted=False).indices]
 
 
 class _Sparsifier(Compressor):
@@ -157,7 +181,7 @@ class TopK(_Sparsifier):
     summable = False
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
-        return torch.topk(x.abs(), k, sorted=False).indices, -1
+        return exact_topk(x.abs(), k), -1
 
     def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
         return [values, idx.to(torch.int32 if numel < _INT32_LIMIT else torch.int64)]
