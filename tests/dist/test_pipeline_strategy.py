@@ -119,3 +119,48 @@ def test_hybrid_strategy_options_are_checked():
         get_strategy("hybrid", compression=None, precision="fp32", grad_clip=None, stages=2)
     with pytest.raises(ConfigError, match=r"grad_clip must be a positive number"):
         get_strategy("hybrid", compression=None, precision="fp32", grad_clip=-1.0)
+
+
+# -- through the Trainer: hybrid (2 replicas x 2 stages) == allreduce (2 replicas) -------------
+
+def _trainer_dataset():
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(44, 7, generator=g, dtype=torch.float64)
+    return TensorDataset(x, torch.randint(0, 4, (44,), generator=g))
+
+
+def _trainer(mode: str, options: dict):
+    import parlay
+
+    t = parlay.Trainer(build_training_func, _trainer_dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 0.01}, batch_size=6, num_epochs=2, mode=mode,
+                       progress=False, validation_dataset=_trainer_dataset(),
+                       strategy_options=options)
+    metrics = t.train_and_validate_to_end()
+    s = t.strategy
+    state = s.pipe.state_dict() if mode == "hybrid" else t.model.state_dict()
+    return metrics, {k: v.clone() for k, v in state.items()}, s.reports_loss
+
+
+def test_trainer_hybrid_equals_trainer_allreduce_with_the_same_replicas():
+    # Same replicas (2), same shards, same LR scaling and warm-up: only the pipeline differs.
+    # Batches of 6 per replica with chunks=4 run as 3 micro-batches of 2; the epoch's last
+    # batch (4 samples) as 4 micro-batches of 1 (a new schedule for the new shape).
+    hybrid = run_world(_trainer, 4, "hybrid", {"pp": 2, "chunks": 4})
+    ref = run_world(_trainer, 2, "allreduce", {})
+    ref_metrics, ref_state, _ = ref[0]
+    state = {}
+    for rank, (metrics, sd, reports) in enumerate(hybrid):
+        assert reports == (rank % 2 == 1)
+        if reports:
+            assert metrics.keys() == ref_metrics.keys()
+            for k in ref_metrics:
+                torch.testing.assert_close(metrics[k], ref_metrics[k], **TOL)
+        else:
+            assert metrics == {}
+        state.update(sd)
+    assert sorted(state) == sorted(ref_state)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], **TOL, msg=k)
