@@ -25,6 +25,14 @@ class HorovodInternalError(CommError):
     """A collective failed: ranks disagreed on shapes, dtypes, root or op, a peer was lost, or
     the operation timed out. Raised on every rank that took part (a ``RuntimeError``)."""
 
+    def __reduce__(self):  # keep the type (and op/rank/peer) across process boundaries
+        return (_rebuild, (type(self), str(self), self.op, self.rank, self.peer))
+
+
+def _rebuild(cls: type, message: str, op: str | None, rank: int | None,
+             peer: int | None) -> CommError:
+    return cls(message, op=op, rank=rank, peer=peer)
+
 
 class HorovodUnsupportedError(ConfigError, NotImplementedError):
     """An operation/argument combination parlay does not support (both a ``ValueError`` and a
@@ -113,6 +121,12 @@ def _on_init() -> None:
         for k, v in values.items():
             if k not in os.environ or _exported.get(k) == os.environ[k]:
                 os.environ[k] = _exported[k] = str(v)
+    # The global set's engine starts now, while every rank is at the same point: creating
+    # its group later, at each rank's first operation, could wait on a peer that is inside
+    # another collective (Horovod starts its background thread in init too).
+    from parlay.horovod import collectives, process_sets
+
+    collectives.target(process_sets.global_process_set)
     path = os.environ.get("HOROVOD_TIMELINE", "")
     if path and path.upper() != "DYNAMIC":
         from parlay.horovod import timeline

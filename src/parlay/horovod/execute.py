@@ -277,8 +277,9 @@ def _gather_bytes(group: Any, ts: list[torch.Tensor], dims: dict[int, list[int]]
         mine = torch.cat([_bytes(t) for t in ts])
         send[: mine.numel()] = mine
     out = torch.empty(longest * size, dtype=torch.uint8, device=dev)
-    with comm.comm_errors("allgather"):
-        _all_gather_single(out, send, group=group)
+    if longest:   # every rank knows every size: all skip together
+        with comm.comm_errors("allgather"):
+            _all_gather_single(out, send, group=group)
     results = []
     offs = [r * longest for r in range(size)]
     for i, t in enumerate(ts):
@@ -294,8 +295,9 @@ def _gather_bytes(group: Any, ts: list[torch.Tensor], dims: dict[int, list[int]]
 
 def _broadcast(group: Any, outs: list[torch.Tensor], root: int) -> list[torch.Tensor]:
     buf = torch.cat([_bytes(t) for t in outs]) if len(outs) > 1 else _bytes(outs[0]).clone()
-    with comm.comm_errors("broadcast"):
-        dist.broadcast(buf, src=root, group=group)
+    if buf.numel():
+        with comm.comm_errors("broadcast"):
+            dist.broadcast(buf, src=root, group=group)
     off = 0
     for t in outs:
         n = t.numel() * t.element_size()

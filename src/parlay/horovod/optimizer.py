@@ -173,6 +173,25 @@ class DistributedOptimizer(_BucketedOptimizer):
                         self._sparse_only or id(p) in sparse):
                     p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
 
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Synchronize (unless skipped), then step the wrapped optimizer."""
+        try:
+            return super().step(closure)
+        finally:
+            self._restore_views()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero gradients (see the base class)."""
+        self._restore_views()
+        super().zero_grad(set_to_none=set_to_none)
+
+    def _restore_views(self) -> None:
+        # A gradient handed back sparse replaced its bucket view: put the view back so the
+        # next backward accumulates into the bucket again.
+        for p, view in zip(self._params, getattr(self, "_views", ())):
+            if view is not None and p.grad is not None and p.grad.is_sparse:
+                p.grad = view
+
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change the number of backward passes per reduction (Horovod's method)."""
         if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:

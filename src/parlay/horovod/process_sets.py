@@ -98,9 +98,8 @@ class ProcessSet:
         """The private group of this set's negotiation engine (created on first use)."""
         self._check_member()
         if self._engine_group is None:
-            # Only the global set gets here: added sets create theirs in add_process_set.
-            # Every rank issues its first Horovod-style collective at the same point of the
-            # program, so this new_group is called in the same order everywhere.
+            # Only the global set gets here, from the init hook (parlay.horovod.basics), where
+            # every rank is at the same point; added sets create theirs in add_process_set.
             self._engine_group = dist.new_group(list(range(runtime.size())))
         return self._engine_group
 
