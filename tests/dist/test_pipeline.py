@@ -51,6 +51,8 @@ CONFIGS = {
         ("1f1b/m5->4", dict(schedule="1f1b", chunks=5), 12),
         ("1f1b/m1->gpipe", dict(schedule="1f1b", chunks=1), 12),
         ("1f1b/balance", dict(schedule="1f1b", chunks=3, balance=[7, 2]), 12),
+        # Balanced by profiled time (rank 0's profile, broadcast) and checked on a sample.
+        ("1f1b/by-time", dict(schedule="1f1b", chunks=4, sample="micro-batch"), 12),
         ("interleaved/v2", dict(schedule="interleaved", chunks=4), 12)],
     4: [("gpipe/m4", dict(schedule="gpipe", chunks=4), 12),
         ("1f1b/m4", dict(schedule="1f1b", chunks=4), 12),
@@ -62,8 +64,12 @@ CONFIGS = {
 def _run_configs(world: int):
     results = []
     for label, kw, n in CONFIGS[world]:
-        pipe = Pipeline(_model(), nn.functional.mse_loss, stages=world, **kw)
         x, y = _batch(n)
+        if kw.get("sample") == "micro-batch":
+            kw = {**kw, "sample": x[:3]}
+        pipe = Pipeline(_model(), nn.functional.mse_loss, stages=world, **kw)
+        if "sample" in kw:
+            assert pipe.partition.method == "time"
         out = pipe.step(x, y, return_outputs=True)
         grads = {k: p.grad.clone() for k, p in pipe.named_parameters()}
         fwd = pipe.forward(x)
@@ -259,3 +265,40 @@ def test_pipeline_needs_a_process_group():
     with pytest.raises(ConfigError, match="parlay.init"):
         Pipeline(_model(), nn.functional.mse_loss, stages=1)
     assert not parlay.is_initialized()
+
+
+# -- a non-Sequential model cut at named submodules (traced) ------------------------------------
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.relu(self.b(h)) + h)
+
+
+def _traced():
+    x, y = _batch()
+    model = Residual().double()
+    pipe = Pipeline(model, nn.functional.mse_loss, stages=2, chunks=3, split_points=["b"],
+                    sample=x[:4])
+    out = pipe.step(x, y)
+    return out.loss, {k: p.grad.clone() for k, p in pipe.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_traced_model_with_split_points_equals_the_model():
+    ranks = run_world(_traced, 2)
+    model = Residual().double()
+    x, y = _batch()
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    assert ranks[0][0] is None
+    torch.testing.assert_close(ranks[1][0], loss.detach(), **TOL)
+    grads = {**ranks[0][1], **ranks[1][1]}
+    assert sorted(grads) == ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)

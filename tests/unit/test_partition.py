@@ -10,7 +10,8 @@ import torch.nn as nn
 from parlay.errors import ConfigError
 from parlay.pipeline import (available_schedules, balance_by_cost, get_schedule, partition,
                              theoretical_bubble)
-from parlay.pipeline.partition import check_boundaries, param_costs, trace_to_sequential
+from parlay.pipeline.partition import check_boundaries, param_costs
+from parlay.pipeline.trace import trace_to_sequential
 
 pytestmark = pytest.mark.timeout(60)
 

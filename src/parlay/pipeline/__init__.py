@@ -15,8 +15,12 @@ schedule registry. In the Trainer the same machinery is ``mode="hybrid"``
 from parlay.pipeline.hybrid import HybridMesh, build_mesh
 from parlay.pipeline.partition import Partition, balance_by_cost, partition
 from parlay.pipeline.pipe import Pipeline, StepOutput
-from parlay.pipeline.schedule import (available_schedules, get_schedule, register_schedule,
-                                      theoretical_bubble)
+from parlay.pipeline.schedule import (
+                                      available_schedules,
+                                      get_schedule,
+                                      register_schedule,
+                                      theoretical_bubble,
+)
 
 __all__ = ["Pipeline", "StepOutput", "Partition", "partition", "balance_by_cost", "HybridMesh",
            "build_mesh", "theoretical_bubble", "available_schedules", "get_schedule",

@@ -28,7 +28,7 @@ import torch.nn as nn
 from parlay.errors import ConfigError
 
 __all__ = ["Partition", "partition", "balance_by_cost", "profile_layers", "param_costs",
-           "check_boundaries", "trace_to_sequential", "TracedStage"]
+           "check_boundaries"]
 
 _BYS = ("auto", "time", "params")
 
@@ -330,59 +330,3 @@ def partition(model: nn.Module, stages: int | None = None, *,
     if sample is not None:
         check_boundaries(model, part, sample)
     return part
-
-
-class TracedStage(nn.Module):
-    """One piece of a traced model, called with ``nn.Sequential`` semantics (a tuple input is
-    spread over the piece's arguments). Its parameters are the original model's, shared."""
-
-    def __init__(self, graph_module: nn.Module) -> None:
-        super().__init__()
-        self.gm = graph_module
-
-    def forward(self, x: Any) -> Any:
-        return self.gm(*x) if isinstance(x, tuple) else self.gm(x)
-
-
-def trace_to_sequential(model: nn.Module, split_points: Sequence[str], sample: Any
-                        ) -> nn.Sequential:
-    """Cut any module at named submodules by tracing it (``torch.distributed.pipelining``'s
-    ``pipeline(..., split_spec={name: SplitPoint.BEGINNING})``).
-
-    Returns:
-        An ``nn.Sequential`` of :class:`TracedStage` children named ``stage0``, ``stage1``...;
-        their parameters are the model's own (same tensors, original names under ``gm.``).
-
-    Raises:
-        ConfigError: No sample, unknown names, a trace failure, or a value that skips a stage
-            (each stage may only consume what the stage before it produced).
-    """
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
-    if sample is None:
-        raise ConfigError("splitting a non-Sequential model traces it and needs sample=<example "
-                          "micro-batch input>.")
-    names = dict(model.named_modules())
-    bad = [p for p in split_points if p not in names or p == ""]
-    if bad:
-        raise ConfigError(f"split_points name submodules that are not in the model: {bad}. "
-                          "Hint: use names from model.named_modules(), e.g. 'layers.4'.")
-    args = sample if isinstance(sample, tuple) else (sample,)
-    try:
-        pipe = pipeline(model, mb_args=args,
-                        split_spec={p: SplitPoint.BEGINNING for p in split_points})
-    except Exception as e:  # noqa: BLE001 - tracing errors come in many types
-        raise ConfigError(f"could not trace {type(model).__name__} for pipelining: {e}. Hint: "
-                          "express the model as an nn.Sequential instead.") from e
-    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
-    for i, node in enumerate(calls[1:], start=1):
-        prev = calls[i - 1]
-        for a in node.all_input_nodes:
-            src = a.args[0] if a.op == "call_function" and a.args else a
-            if src is not prev:
-                raise ConfigError(
-                    f"stage {i} of the traced model reads {a.name!r}, which is not produced by "
-                    f"stage {i - 1}: values may only flow between neighbouring stages. Hint: "
-                    "move the split points so skip connections stay inside one stage.")
-    return nn.Sequential(OrderedDict((f"stage{i}", TracedStage(pipe.get_stage_module(i)))
-                                     for i in range(pipe.num_stages)))

@@ -22,10 +22,8 @@ the last stage ``target``, and every stage derives the micro-batch plan from the
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -35,89 +33,26 @@ from parlay import comm
 from parlay.errors import ConfigError
 from parlay.pipeline.hybrid import HybridMesh, build_mesh, mean_over
 from parlay.pipeline.partition import Partition, check_boundaries, partition
-from parlay.pipeline.schedule import (WIRE_DTYPES, InstrumentedStage, ScheduleSpec, StageMeter,
-                                      StageModule, _dtypes, get_schedule, theoretical_bubble)
+from parlay.pipeline.schedule import (
+    InstrumentedStage,
+    ScheduleSpec,
+    StageMeter,
+    StageModule,
+    tensor_dtypes,
+    get_schedule,
+    theoretical_bubble,
+    wire_dtype,
+)
+from parlay.pipeline.step import (
+    ScaledLoss,
+    StepOutput,
+    batch_args,
+    p2p_errors,
+    plan_chunks,
+)
+from parlay.pipeline.trace import as_sequential, original_name
 
 __all__ = ["Pipeline", "StepOutput"]
-
-
-@dataclass
-class StepOutput:
-    """What one :meth:`Pipeline.step` did on this rank.
-
-    Attributes:
-        loss: Mean loss of this replica's batch (detached); ``None`` off the last stage.
-        output: The model output for the batch on the last stage (when requested), else None.
-        chunks: Micro-batches the batch was cut into.
-        schedule: Schedule that ran (after any fallback).
-        wall_s: Seconds the schedule took on this rank.
-        compute_s: Seconds of it spent computing (forward, backward, loss).
-        compute_cpu_s: CPU seconds of that compute (less than ``compute_s`` when the OS
-            gave this rank's core to another process).
-        fwd_bytes / bwd_bytes: Activation / gradient bytes this rank sent to other stages.
-        fwd_dense_bytes / bwd_dense_bytes: The same without the wire cast.
-        messages: Point-to-point sends this rank issued.
-    """
-
-    loss: torch.Tensor | None
-    output: Any
-    chunks: int
-    schedule: str
-    wall_s: float
-    compute_s: float
-    compute_cpu_s: float
-    fwd_bytes: int
-    bwd_bytes: int
-    fwd_dense_bytes: int
-    bwd_dense_bytes: int
-    messages: int
-
-    @property
-    def idle_s(self) -> float:
-        """Seconds not computing: blocked on a neighbour (the bubble) or communicating."""
-        return max(0.0, self.wall_s - self.compute_s)
-
-    @property
-    def bubble(self) -> float:
-        """Idle fraction of the step on this rank."""
-        return self.idle_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-class _ScaledLoss:
-    """``loss_fn`` times a per-step factor, timed as compute (see the module's loss contract)."""
-
-    def __init__(self, fn: Callable[..., torch.Tensor], meter: StageMeter,
-                 autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
-        self.fn, self.meter, self.scale = fn, meter, 1.0
-        self.autocast_dtype, self.device_type = autocast_dtype, device_type
-
-    def __call__(self, output: Any, target: Any) -> torch.Tensor:
-        amp = (torch.autocast(self.device_type, dtype=self.autocast_dtype)
-               if self.autocast_dtype is not None else contextlib.nullcontext())
-        with self.meter.timing(), amp:
-            loss = self.fn(output, target)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                                  f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}."
-                                  " Hint: use reduction='mean'.")
-            return loss * self.scale if self.scale != 1.0 else loss
-
-
-def _args(x: Any) -> tuple[Any, ...]:
-    if isinstance(x, torch.Tensor):
-        return (x,)
-    if isinstance(x, (tuple, list)) and x and all(isinstance(t, torch.Tensor) for t in x):
-        return tuple(x)
-    raise ConfigError(f"a pipeline input must be a tensor or a tuple of tensors, got "
-                      f"{type(x).__name__}.")
-
-
-def _plan_chunks(batch: int, chunks: int) -> int:
-    """Largest divisor of ``batch`` that is at most ``chunks`` (equal micro-batches)."""
-    for m in range(min(chunks, batch), 0, -1):
-        if batch % m == 0:
-            return m
-    return 1
 
 
 class Pipeline:
@@ -184,7 +119,7 @@ class Pipeline:
         if v > 1 and not self.spec.multi_stage:
             raise ConfigError(f"virtual_stages={v} needs schedule='interleaved', got "
                               f"schedule={schedule!r}.")
-        self.wire_dtype = _wire_dtype(activation_dtype)
+        self.wire_dtype = wire_dtype(activation_dtype)
         if mesh is None:
             if not dist.is_initialized():
                 raise ConfigError("the pipeline needs a process group. Hint: call parlay.init() first.")
@@ -202,13 +137,13 @@ class Pipeline:
         if runtime.is_initialized():
             self.device = runtime.device()
         self.traced = not isinstance(model, nn.Sequential)
-        self.seq = _as_sequential(model, split_points, sample)
-        by_time = by == "time" or (by == "auto" and sample is not None)
+        self.seq = as_sequential(model, split_points, sample)
+        explicit = balance is not None or split_points is not None
+        by_time = not explicit and (by == "time" or (by == "auto" and sample is not None))
         self.partition: Partition = partition(
             self.seq, self.num_stages, balance=balance,
-            split_points=split_points if isinstance(model, nn.Sequential) else None,
-            sample=sample if by_time and balance is None and split_points is None else None,
-            by="time" if by_time else "params")
+            split_points=split_points if not self.traced else None,
+            sample=sample if by_time else None, by="time" if by_time else "params")
         if self.partition.method == "time" and dist.get_world_size() > 1:
             # Profiles differ between ranks; everyone must cut the model the same way.
             self.partition = comm.broadcast_object(self.partition, src=0)
@@ -219,7 +154,7 @@ class Pipeline:
             self.modules.append(StageModule(layers, self.wire_dtype, s == 0,
                                             s == self.num_stages - 1, autocast_dtype))
         self.meter = StageMeter()
-        self._loss = (_ScaledLoss(loss_fn, self.meter, autocast_dtype, self.device.type)
+        self._loss = (ScaledLoss(loss_fn, self.meter, autocast_dtype, self.device.type)
                       if loss_fn is not None else None)
         self._cache: OrderedDict[Any, tuple[Any, str]] = OrderedDict()
         self._checked = False
@@ -245,7 +180,7 @@ class Pipeline:
         """This rank's parameters under their names in the full model (e.g. ``"2.weight"``)."""
         for mod in self.modules:
             for name, p in mod.layers.named_parameters():
-                yield _orig_name(name, self.traced), p
+                yield original_name(name, self.traced), p
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters."""
@@ -256,7 +191,7 @@ class Pipeline:
         """This rank's parameters and buffers under their full-model names."""
         out: dict[str, torch.Tensor] = {}
         for mod in self.modules:
-            out.update({_orig_name(k, self.traced): v for k, v in mod.layers.state_dict().items()})
+            out.update({original_name(k, self.traced): v for k, v in mod.layers.state_dict().items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -267,7 +202,7 @@ class Pipeline:
                               f"expected exactly the keys of stages {self.stage_ids}.")
         for mod in self.modules:
             keys = mod.layers.state_dict().keys()
-            mod.layers.load_state_dict({k: state[_orig_name(k, self.traced)] for k in keys})
+            mod.layers.load_state_dict({k: state[original_name(k, self.traced)] for k in keys})
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Set the stage modules' training mode."""
@@ -280,7 +215,7 @@ class Pipeline:
         outs = check_boundaries(self.seq, self.partition, sample)
         for mod, s in zip(self.modules, self.stage_ids):
             if s > 0:
-                mod.in_dtypes = _dtypes(outs[s - 1])
+                mod.in_dtypes = tensor_dtypes(outs[s - 1])
         self._checked = True
 
     def _schedule(self, x: tuple[torch.Tensor, ...], m: int, train: bool) -> tuple[Any, str]:
@@ -304,11 +239,11 @@ class Pipeline:
         return sched, spec.name
 
     def _run(self, x: Any, target: Any, train: bool, return_outputs: bool) -> StepOutput:
-        args = _args(x)
+        args = batch_args(x)
         batch = int(args[0].shape[0])
         if batch < 1:
             raise ConfigError("the batch is empty.")
-        m = _plan_chunks(batch, self.chunks)
+        m = plan_chunks(batch, self.chunks)
         if not self._checked:
             self._check(args[0][: batch // m] if len(args) == 1
                         else tuple(a[: batch // m] for a in args))
@@ -358,14 +293,14 @@ class Pipeline:
         if self.is_last and target is None:
             raise ConfigError("the last pipeline stage needs the target: call step(x, target) "
                               "on every rank of the pipeline with the same batch.")
-        with _p2p_errors("pipeline step"):
+        with p2p_errors("pipeline step"):
             return self._run(x, target, train=True, return_outputs=return_outputs)
 
     @torch.no_grad()
     def forward(self, x: Any) -> Any:
         """Inference through the pipeline (no gradients): the output on the last stage, else
         ``None``. Every rank of the pipeline calls it with the same batch."""
-        with _p2p_errors("pipeline forward"):
+        with p2p_errors("pipeline forward"):
             return self._run(x, None, train=False, return_outputs=True).output
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, *, compression: Any = None,
@@ -426,53 +361,3 @@ class Pipeline:
         return (f"Pipeline(stages={self.mesh.pp}, dp={self.mesh.dp}, schedule={self.spec.name!r}, "
                 f"chunks={self.chunks}, balance={list(self.partition.balance)}, "
                 f"local_stages={self.stage_ids}, wire_dtype={self.wire_dtype})")
-
-
-def _orig_name(name: str, traced: bool) -> str:
-    # A traced stage is Sequential child "stageK" wrapping graph module "gm": strip both.
-    return name.split(".", 2)[2] if traced else name
-
-
-@contextlib.contextmanager
-def _p2p_errors(op: str) -> Iterator[None]:
-    """Turn transport failures (a lost or silent neighbour) into ``CommError``; errors raised
-    by the model or the loss propagate unchanged."""
-    import torch.distributed as dist
-
-    try:
-        yield
-    except RuntimeError as e:
-        text = str(e).lower()
-        if isinstance(e, dist.DistError) or any(
-                w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection")):
-            with comm.comm_errors(op):
-                raise
-        raise
-
-
-def _wire_dtype(value: Any) -> torch.dtype | None:
-    if value is None or isinstance(value, torch.dtype):
-        if isinstance(value, torch.dtype) and not value.is_floating_point:
-            raise ConfigError(f"activation_dtype must be a floating dtype, got {value}.")
-        return value
-    key = str(value).lower().replace("torch.", "")
-    if key in ("fp32", "float32", "none"):
-        return None
-    if key not in WIRE_DTYPES:
-        raise ConfigError(f"activation_dtype must be one of {sorted(WIRE_DTYPES)} or a torch "
-                          f"dtype, got {value!r}.")
-    return WIRE_DTYPES[key]
-
-
-def _as_sequential(model: nn.Module, split_points: list[str] | None, sample: Any
-                   ) -> nn.Sequential:
-    if isinstance(model, nn.Sequential):
-        return model
-    if split_points is None:
-        raise ConfigError(f"the pipeline splits an nn.Sequential, got {type(model).__name__}. "
-                          "Hint: express the model as nn.Sequential(...) of its layers, or "
-                          "name the submodules that start each stage with split_points=[...] "
-                          "(the model is then traced with torch.distributed.pipelining).")
-    from parlay.pipeline.partition import trace_to_sequential
-
-    return trace_to_sequential(model, split_points, sample)

@@ -22,18 +22,42 @@ from typing import Any, Callable, ContextManager
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                          ScheduleInterleaved1F1B, ScheduleLoopedBFS)
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
 
 from parlay.errors import ConfigError
 
-__all__ = ["StageModule", "StageMeter", "InstrumentedStage", "ScheduleSpec", "register_schedule",
+__all__ = ["wire_dtype", "StageModule", "StageMeter", "InstrumentedStage", "ScheduleSpec", "register_schedule",
            "get_schedule", "available_schedules", "theoretical_bubble", "WIRE_DTYPES"]
 
 #: Names accepted for ``activation_dtype``.
 WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                                        "fp16": torch.float16, "float16": torch.float16,
                                        "half": torch.float16}
+
+
+def wire_dtype(value: Any) -> torch.dtype | None:
+    """Resolve ``activation_dtype`` (a name, a dtype or ``None``) to a wire dtype or ``None``.
+
+    Raises:
+        ConfigError: Not a floating dtype or a known name.
+    """
+    if value is None or isinstance(value, torch.dtype):
+        if isinstance(value, torch.dtype) and not value.is_floating_point:
+            raise ConfigError(f"activation_dtype must be a floating dtype, got {value}.")
+        return value
+    key = str(value).lower().replace("torch.", "")
+    if key in ("fp32", "float32", "none"):
+        return None
+    if key not in WIRE_DTYPES:
+        raise ConfigError(f"activation_dtype must be one of {sorted(WIRE_DTYPES)} or a torch "
+                          f"dtype, got {value!r}.")
+    return WIRE_DTYPES[key]
 
 
 def _cast(value: Any, dtypes: Any) -> Any:
@@ -54,7 +78,7 @@ def _device_type(value: Any) -> str:
     return t.device.type if t is not None else "cpu"
 
 
-def _dtypes(value: Any) -> tuple[torch.dtype | None, ...]:
+def tensor_dtypes(value: Any) -> tuple[torch.dtype | None, ...]:
     if isinstance(value, torch.Tensor):
         return (value.dtype,)
     if isinstance(value, tuple):
@@ -101,7 +125,7 @@ class StageModule(nn.Module):
         else:
             out = self.layers(x)
         if self.wire_dtype is not None and not self.last:
-            self.out_dtypes = _dtypes(out)
+            self.out_dtypes = tensor_dtypes(out)
             out = _cast(out, self.wire_dtype)
         return out
 
