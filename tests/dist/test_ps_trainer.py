@@ -1,0 +1,81 @@
+"""The Trainer in mode="ps": parameter-server ranks serve inside should_stop(), workers train,
+and sync PS gives the same model as the single-process oracle of the allreduce mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import parlay
+from parlay.data import ShardedSampler
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+TOL = dict(rtol=1e-10, atol=1e-10)  # float64; only the summation order differs
+N, BATCH, LR, EPOCHS = 24, 4, 0.05, 2
+
+
+def _dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(N, 5, generator=g, dtype=torch.float64),
+                         torch.randn(N, 2, generator=g, dtype=torch.float64))
+
+
+def _build():
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double(), nn.MSELoss()
+
+
+def _trainer_ps(consistency: str):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": LR, "momentum": 0.9}, batch_size=BATCH,
+                       num_epochs=EPOCHS, warmup_epochs=0.5, progress=False, mode="ps",
+                       strategy_options={"consistency": consistency})
+    steps = 0
+    while not t.should_stop():
+        t.train_on_batch()
+        steps += 1
+    return parlay.role(), steps, [p.detach().clone() for p in t.model.parameters()]
+
+
+def _oracle(workers: int):
+    """One process, global batch = the union of the workers' batches, with the Trainer's
+    learning-rate scaling and warm-up (factor 1 -> workers over the first half epoch)."""
+    torch.manual_seed(0)
+    model, loss_fn = _build()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ds = _dataset()
+    full = ShardedSampler(len(ds), 1, 0, seed=0)
+    steps_per_epoch = N // workers // BATCH
+    warm = round(0.5 * steps_per_epoch)
+    step = 0
+    for epoch in range(EPOCHS):
+        full.set_epoch(epoch)
+        order = list(full)
+        for i in range(0, len(order), BATCH * workers):
+            f = 1 + (workers - 1) * step / warm if step < warm else workers
+            for g in opt.param_groups:
+                g["lr"] = LR * f
+            x, y = ds[order[i:i + BATCH * workers]]
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+            step += 1
+    return [p.detach() for p in model.parameters()]
+
+
+def test_trainer_ps_sync_equals_single_process():
+    out = run_world(_trainer_ps, 3, "sync", env={"PARLAY_NUM_PS": "1"})
+    ref = _oracle(2)
+    assert out[0][0] == "ps" and out[0][1] == 0  # the server only served
+    assert [o[1] for o in out[1:]] == [EPOCHS * N // 2 // BATCH] * 2
+    for _, _, params in out:  # the server's copy and the workers' copies
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+
+
+def test_trainer_ps_async_runs_to_the_end():
+    out = run_world(_trainer_ps, 3, "async", env={"PARLAY_NUM_PS": "1"})
+    assert [o[1] for o in out] == [0, EPOCHS * N // 2 // BATCH, EPOCHS * N // 2 // BATCH]
+    assert all(torch.isfinite(p).all() for o in out for p in o[2])
