@@ -25,6 +25,13 @@ Options go after the colon: ``"topk:0.01,momentum=0.9,warmup=500"`` (DGC momentu
 and density warm-up, Lin et al. 2018), ``"randomk:0.01,seed=3"``, ``"powersgd:4,ef=0"``.
 An unknown name raises :class:`~parlay.errors.ConfigError` listing the valid ones.
 
+Error feedback delays what it does not send, and delayed coordinates arrive in bursts. Top-k
+sends the large coordinates first, so its bursts stay small; random-k at low density does not:
+with heavy-ball momentum 0.9 it diverged on MNIST at 1% (``benchmarks/compression.py``), while
+plain SGD trains. The theory agrees (Stich et al. 2018; Karimireddy et al. 2019: the step size
+must shrink with the density). Use random-k without optimizer momentum or with a smaller
+learning rate, or prefer top-k / PowerSGD.
+
 Compression pays only where bandwidth is scarce: on a fast interconnect the encode/decode time
 can exceed the transfer it saves (``benchmarks/compression.py`` measures both).
 """

@@ -8,10 +8,14 @@ data-parallel optimizer, parameter-server pushes and hybrid mode's data-parallel
 
 The contract every caller may rely on (stable API):
 
-* ``compress(flat, key) -> (payload, ctx)``: ``flat`` is a 1-D bucket and is never modified;
-  ``key`` names the bucket (stable across steps, e.g. ``"bucket0"``) so stateful compressors
-  keep per-bucket memory (error-feedback residuals, random-k step counters, PowerSGD's Q).
-  Call it exactly once per bucket per step, on every rank, in the same order.
+* ``compress(flat, key) -> (payload, ctx)``: ``flat`` is a 1-D bucket; compress never
+  modifies it (reduce_async with the identity compressor reduces it in place). ``key`` names
+  the bucket (stable across steps, e.g. ``"bucket0"``; use distinct keys per group/stage) so
+  stateful compressors keep per-bucket memory (error-feedback residuals, random-k step
+  counters, PowerSGD's Q). For a collective, call it exactly once per bucket per step on every
+  rank of the group, in the same order (random-k's shared indices depend on that count).
+* ``decompress`` and ``aggregate`` are pure functions of their arguments (state lives only on
+  the sender), so a parameter server can decode with its own instance.
 * ``payload`` is a list of tensors (what crosses the wire; ``CommStats`` counts their bytes).
   ``ctx`` is small, picklable metadata (shape, dtype, scale, seed) that stays with the sender;
   a receiver in another process (a parameter server) decodes with ``decompress(payload, ctx)``
