@@ -327,7 +327,8 @@ def test_timeline_is_chrome_trace_json_and_reinit_works(tmp_path):
     outs = run_world(_timeline_and_reinit, 2, path)
     for r, (env, total) in enumerate(outs):
         assert env == (str(r), "2") and total == 1.0
-    events = json.loads(open(path).read())
+    with open(path, encoding="utf-8") as f:
+        events = json.load(f)
     names = {e["name"] for e in events}
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"} <= names
     rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}

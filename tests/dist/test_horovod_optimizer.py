@@ -163,7 +163,7 @@ def _optimizer_states():
             model = nn.Linear(4, 3, bias=False)   # 2-D only: Muon accepts nothing else
         opt = cls(model.parameters(), lr=0.01 * (r + 1))
 
-        def closure():
+        def closure(opt=opt, model=model, cls=cls):
             opt.zero_grad()
             out = model(torch.tensor([1, 2])) if cls is torch.optim.SparseAdam else \
                 model(torch.randn(2, 4))
@@ -237,7 +237,7 @@ def test_sync_batch_norm_equals_batch_norm_over_the_whole_batch():
 
 def test_horovod_style_example_runs_under_parlay_run():
     proc = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "2",
-                           "examples/horovod_style.py", "--steps", "12"], cwd=ROOT,
+                           "examples/horovod_style.py", "--steps", "12"], check=False, cwd=ROOT,
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in proc.stdout.splitlines()

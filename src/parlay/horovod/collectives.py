@@ -28,7 +28,7 @@ __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn"
            "ReducescatterFn", "GroupedReducescatterFn", "set_size", "set_rank_of"]
 
 #: Largest fused allreduce buffer (``HOROVOD_FUSION_THRESHOLD`` bytes, default 64 MiB).
-FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", 64 * 1024 * 1024)) or 1
+FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(64 * 1024 * 1024))) or 1
 
 
 class _Inline:

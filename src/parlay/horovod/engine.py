@@ -243,13 +243,13 @@ class Engine:
         stop = self._table.get(STOP)
         if stop is not None and len(stop) == self.size:
             with self._cv:
-                left = [r for k, r in self._local.items() if k != STOP]
+                left = [req for k, req in self._local.items() if k != STOP]
                 self._local.clear()
                 self._closing = True
             err = HorovodInternalError("Horovod was shut down before every rank submitted this "
                                        "operation", op="shutdown")
-            for r in left:
-                r.handle._finish(error=err)
+            for req in left:
+                req.handle._finish(error=err)
             return True
         return False
 

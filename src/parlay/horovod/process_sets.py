@@ -185,7 +185,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set is global_process_set or not process_set._valid():
         return False
     with _lock:
-        _sets.pop(process_set.process_set_id, None)
+        _sets.pop(process_set.process_set_id or 0, None)
     engine, process_set._engine = process_set._engine, None
     if engine is not None:
         engine.stop()
