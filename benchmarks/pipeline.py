@@ -3,7 +3,8 @@
 Bubble. Every rank measures, per step, the wall time of the schedule and the time it spent
 computing (inside forward, backward and loss; parlay's InstrumentedStage times them). The rest
 is idle: blocked in a receive waiting for a neighbour (the bubble) or posting sends. The bubble
-fraction is idle / wall, averaged over ranks and steps, compared with (S-1)/(m+S-1).
+fraction is idle / wall, averaged over ranks and steps, compared with (S-1)/(m+S-1)
+(interleaved 1F1B with v=2 virtual stages per rank: (S-1)/(2m+S-1)).
 
 On a host with fewer cores than ranks (2 cores, 4 stages) real compute is distorted: when all
 stages compute at once they time-share the cores, so "compute" stretches and the bubble
@@ -63,8 +64,8 @@ class SleepLayer(nn.Module):
 
 def _model(workload: str, stages: int, width: int, c: float) -> nn.Sequential:
     torch.manual_seed(0)
-    if workload == "sleep":
-        return nn.Sequential(*[SleepLayer(width, c) for _ in range(stages)])
+    if workload == "sleep":  # two half-cost layers per rank, so interleaving (v=2) can split
+        return nn.Sequential(*[SleepLayer(width, c / 2) for _ in range(2 * stages)])
     layers: list[nn.Module] = []
     for _ in range(2 * stages):
         layers += [nn.Linear(width, width), nn.ReLU()]
@@ -165,6 +166,8 @@ def main() -> None:
                     help="sleep per sample in forward (backward: twice); default 4 quick, 8 full")
     args = ap.parse_args()
     steps, rounds, tsteps = (2, 10, 2) if args.quick else (6, 30, 3)
+    # Interleaved 1F1B (v=2 virtual stages per rank) only in the full run (time budget).
+    schedules = ["gpipe", "1f1b"] + ([] if args.quick else ["interleaved"])
     sleep_ms = args.sleep_ms or (4.0 if args.quick else 8.0)
     stages = [int(v) for v in args.stages.split(",")]
     chunks = [1, 4, 8]
@@ -174,14 +177,14 @@ def main() -> None:
     for wl in args.workloads.split(","):
         for s in stages:
             width, batch = (16, 32) if wl == "sleep" else (1024, 256)
-            per_rank = run_world(_bubble_rank, s, wl, ["gpipe", "1f1b"], chunks, steps, batch,
+            per_rank = run_world(_bubble_rank, s, wl, schedules, chunks, steps, batch,
                                  width, sleep_ms / 1e3, timeout=600, comm_timeout=300)
             flat = [row for rows in per_rank for row in rows]
             results += [{"kind": "bubble_rank", **row} for row in flat]
-            for sched in ("gpipe", "1f1b"):
+            for sched in schedules:
                 for m in chunks:
                     mine = [row for row in flat if row["schedule"] == sched and row["m"] == m]
-                    theory = theoretical_bubble(s, m)
+                    theory = theoretical_bubble(s, m, 2 if sched == "interleaved" else 1)
                     meas = sum(row["bubble"] for row in mine) / len(mine)
                     rel = (meas - theory) / theory
                     wall = max(row["wall_s"] for row in mine)

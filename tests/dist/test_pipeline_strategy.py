@@ -113,8 +113,8 @@ def test_hybrid_strategy_equals_single_process(grad_clip):
 
 
 def test_hybrid_strategy_options_are_checked():
-    with pytest.raises(ConfigError, match=r"precision 'fp32' or 'bf16', got 'fp16'.*loss scaler"):
-        get_strategy("hybrid", compression=None, precision="fp16", grad_clip=None)
+    with pytest.raises(ConfigError, match=r"precision must be one of \['bf16', 'fp16', 'fp32'\]"):
+        get_strategy("hybrid", compression=None, precision="fp8", grad_clip=None)
     with pytest.raises(ConfigError, match=r"unknown option\(s\) \['stages'\]"):
         get_strategy("hybrid", compression=None, precision="fp32", grad_clip=None, stages=2)
     with pytest.raises(ConfigError, match=r"grad_clip must be a positive number"):
@@ -164,3 +164,52 @@ def test_trainer_hybrid_equals_trainer_allreduce_with_the_same_replicas():
     assert sorted(state) == sorted(ref_state)
     for k in ref_state:
         torch.testing.assert_close(state[k], ref_state[k], **TOL, msg=k)
+
+
+# -- mixed precision through the Trainer ---------------------------------------------------------
+
+def _blobs(n: int = 192):
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(7)
+    centers = torch.randn(4, 16, generator=g) * 3
+    y = torch.randint(0, 4, (n,), generator=g)
+    return TensorDataset(centers[y] + torch.randn(n, 16, generator=g), y)
+
+
+def _precision_run(precision: str, options: dict):
+    import parlay
+
+    def build():
+        return (nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                              nn.Linear(32, 4)), nn.CrossEntropyLoss())
+
+    t = parlay.Trainer(build, _blobs(), optimizer_args={"lr": 1e-2}, batch_size=16,
+                       num_epochs=4, precision=precision, mode="hybrid", progress=False,
+                       validation_dataset=_blobs(), strategy_options={"pp": 2, **options})
+    skipped, losses = [], []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+        skipped.append(t.last_step.skipped)
+    return losses, skipped, t.validate(), t.strategy.pipe.state_dict(), t.strategy.reports_loss
+
+
+@pytest.mark.parametrize("precision, options", [("bf16", {}), ("fp16", {"loss_scale": 2.0 ** 24})])
+def test_hybrid_mixed_precision_converges_and_skips_agree(precision, options):
+    import math
+
+    out = run_world(_precision_run, 4, precision, options)
+    for losses, skipped, metrics, _, reports in out:
+        if reports:
+            finite = [v for v in losses if math.isfinite(v)]
+            assert sum(finite[-3:]) / 3 < 0.3 * sum(finite[:3]) / 3
+            assert metrics["accuracy"] > 0.9
+    # Every stage of every replica skips exactly the same steps; replicas stay identical.
+    assert all(o[1] == out[0][1] for o in out)
+    if precision == "fp16":
+        assert any(out[0][1]), "a 2**24 loss scale must overflow fp16 (and be skipped) at first"
+        assert not all(out[0][1])
+    for stage in (0, 1):
+        a, b = out[stage][3], out[stage + 2][3]
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

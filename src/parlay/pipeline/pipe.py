@@ -158,6 +158,9 @@ class Pipeline:
                       if loss_fn is not None else None)
         self._cache: OrderedDict[Any, tuple[Any, str]] = OrderedDict()
         self._checked = False
+        #: Loss scaling (fp16): the loss, hence every gradient, is multiplied by this before
+        #: backward; the reported loss is unscaled. Must be equal on every rank of a pipeline.
+        self.loss_scale = 1.0
         if sample is not None:
             self._check(sample)
         if sync_parameters and mesh.dp > 1:
@@ -249,7 +252,7 @@ class Pipeline:
                         else tuple(a[: batch // m] for a in args))
         sched, name = self._schedule(args, m, train)
         if self._loss is not None:
-            self._loss.scale = 1.0 / m if self.loss_reduction == "mean" else 1.0
+            self._loss.scale = (1.0 / m if self.loss_reduction == "mean" else 1.0) * self.loss_scale
         self.meter.reset()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
@@ -262,6 +265,8 @@ class Pipeline:
         wall = time.perf_counter() - t0
         mt = self.meter
         loss = torch.stack([v.detach() for v in losses]).sum() if losses else None
+        if loss is not None and self.loss_scale != 1.0:
+            loss = loss.double() / self.loss_scale
         return StepOutput(loss, out if self.is_last and return_outputs else None, m, name,
                           wall, mt.compute_s, mt.compute_cpu_s, mt.fwd_bytes, mt.bwd_bytes,
                           mt.fwd_dense_bytes, mt.bwd_dense_bytes, mt.messages)

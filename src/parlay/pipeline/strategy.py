@@ -15,14 +15,46 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parlay import runtime
+from parlay import comm, runtime
 from parlay.errors import ConfigError
 from parlay.pipeline.pipe import Pipeline
 from parlay.strategies import StepResult, Strategy, register_strategy
 
 __all__ = ["HybridStrategy"]
 
-_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _LossScaler:
+    """Dynamic fp16 loss scale shared by every rank (GradScaler's policy: halve on overflow,
+    double after ``interval`` clean steps). The overflow decision is a world-wide MAX of every
+    rank's inf/NaN flag, so all stages of all replicas skip the same steps."""
+
+    def __init__(self, init: float = 2.0 ** 16, interval: int = 2000) -> None:
+        self.scale, self.interval, self.clean = float(init), interval, 0
+
+    def found_inf(self, grads: list[torch.Tensor]) -> bool:
+        flag = torch.zeros(1)
+        for g in grads:
+            if not torch.isfinite(g).all():
+                flag.fill_(1.0)
+                break
+        comm.allreduce(flag, "max")
+        return bool(flag.item())
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.clean = self.scale * 0.5, 0
+        else:
+            self.clean += 1
+            if self.clean >= self.interval:
+                self.scale, self.clean = self.scale * 2.0, 0
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "clean": self.clean}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.scale, self.clean = float(state["scale"]), int(state["clean"])
 
 
 def _default_pp() -> int:
@@ -38,8 +70,9 @@ class HybridStrategy(Strategy):
 
     Args:
         compression: Compressor for the data-parallel gradient allreduce (``"fp16"``, ...).
-        precision: ``"fp32"`` or ``"bf16"`` (autocast inside every stage). ``"fp16"`` is
-            refused: its loss scaler would have to skip steps on every stage together.
+        precision: ``"fp32"``, ``"bf16"`` (autocast inside every stage) or ``"fp16"``
+            (autocast plus a dynamic loss scale whose overflow/skip decision is agreed by
+            every rank, so all stages skip the same steps).
         grad_clip: Clip the whole model's gradient norm (over every stage) after averaging.
         pp: Ranks per pipeline; default ``$PARLAY_PP`` or 2.
         chunks: Micro-batches per batch.
@@ -47,6 +80,7 @@ class HybridStrategy(Strategy):
         balance / split_points / by / virtual_stages / activation_dtype: See
             :class:`~parlay.pipeline.Pipeline`.
         bucket_cap_mb: Gradient bucket size of the data-parallel engine.
+        loss_scale: Initial fp16 loss scale (default 2**16).
 
     Raises:
         ConfigError: Unknown options or values this mode cannot honour.
@@ -59,16 +93,16 @@ class HybridStrategy(Strategy):
                  schedule: str = "1f1b", balance: list[int] | None = None,
                  split_points: list[str] | None = None, by: str = "auto",
                  virtual_stages: int | None = None, activation_dtype: Any = None,
-                 bucket_cap_mb: float = 25.0, **unknown: Any) -> None:
+                 bucket_cap_mb: float = 25.0, loss_scale: float | None = None,
+                 **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"mode 'hybrid' got unknown option(s) {sorted(unknown)}; it takes "
                               "compression, precision, grad_clip, pp, chunks, schedule, balance, "
-                              "split_points, by, virtual_stages, activation_dtype, bucket_cap_mb.")
+                              "split_points, by, virtual_stages, activation_dtype, bucket_cap_mb, "
+                              "loss_scale.")
         if precision not in _PRECISIONS:
-            hint = (" fp16 needs a loss scaler whose skip decisions every stage shares; use "
-                    "'bf16' (no scaling needed)." if precision == "fp16" else "")
-            raise ConfigError(f"mode 'hybrid' supports precision 'fp32' or 'bf16', got "
-                              f"{precision!r}.{hint}")
+            raise ConfigError(f"precision must be one of {sorted(_PRECISIONS)}, got "
+                              f"{precision!r}. Hint: 'bf16' needs no loss scaling.")
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise ConfigError(f"grad_clip must be a positive number or None, got {grad_clip!r}.")
         self.compression, self.precision, self.grad_clip = compression, precision, grad_clip
@@ -77,6 +111,8 @@ class HybridStrategy(Strategy):
                             split_points=split_points, by=by, virtual_stages=virtual_stages,
                             activation_dtype=activation_dtype)
         self.bucket_cap_mb = bucket_cap_mb
+        self.scaler = (_LossScaler(2.0 ** 16 if loss_scale is None else float(loss_scale))
+                       if precision == "fp16" else None)
         self.pipe: Pipeline | None = None
         self.optimizer: Any = None
         self._base_lrs: list[float] = []
@@ -144,13 +180,29 @@ class HybridStrategy(Strategy):
         pipe, opt = self._ready(), self.optimizer
         pipe.train(True)
         opt.zero_grad(set_to_none=True)
-        out = pipe.step(self._to(x), self._to(y))
-        if self.grad_clip is not None:
+        skipped = False
+        if self.scaler is not None:
+            pipe.loss_scale = self.scaler.scale
+            out = pipe.step(self._to(x), self._to(y))
+            opt.synchronize()                       # average over replicas first
+            grads = [p.grad for p in pipe.parameters() if p.grad is not None]
+            skipped = self.scaler.found_inf(grads)  # agreed by every rank
+            if not skipped:
+                for g in grads:
+                    g.div_(self.scaler.scale)
+                if self.grad_clip is not None:
+                    pipe.clip_grad_norm_(float(self.grad_clip))
+                with opt.skip_synchronize():
+                    opt.step()
+            self.scaler.update(skipped)
+        elif self.grad_clip is not None:
+            out = pipe.step(self._to(x), self._to(y))
             opt.synchronize()
             pipe.clip_grad_norm_(float(self.grad_clip))
             with opt.skip_synchronize():
                 opt.step()
         else:
+            out = pipe.step(self._to(x), self._to(y))
             opt.step()
         b = self._bytes
         for k in ("fwd_bytes", "bwd_bytes", "fwd_dense_bytes", "bwd_dense_bytes"):
@@ -158,7 +210,7 @@ class HybridStrategy(Strategy):
         b["steps"] += 1
         n = len(y) if hasattr(y, "__len__") else 1
         loss = float(out.loss.item()) if out.loss is not None else None
-        return StepResult(loss=loss, samples=n)
+        return StepResult(loss=loss, samples=n, skipped=skipped)
 
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor | None:
@@ -178,8 +230,11 @@ class HybridStrategy(Strategy):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         pipe = self._ready()
-        return {"model": pipe.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "stages": list(pipe.stage_ids), "balance": list(pipe.partition.balance)}
+        sd = {"model": pipe.state_dict(), "optimizer": self.optimizer.state_dict(),
+              "stages": list(pipe.stage_ids), "balance": list(pipe.partition.balance)}
+        if self.scaler is not None:
+            sd["scaler"] = self.scaler.state_dict()
+        return sd
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pipe = self._ready()
@@ -191,6 +246,8 @@ class HybridStrategy(Strategy):
                               "the same pp, schedule and balance.")
         pipe.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
 
     def comm_stats(self) -> dict[str, float]:
         """Bytes between stages per step (wire and dense) and the data-parallel gradient bytes."""
