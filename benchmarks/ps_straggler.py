@@ -29,7 +29,6 @@ import torch.nn as nn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import median, table, write_json  # noqa: E402
 
-import parlay  # noqa: E402
 from parlay.ps import DistributedSession, max_lead  # noqa: E402
 from parlay.testing import run_world  # noqa: E402
 
@@ -161,11 +160,14 @@ def main() -> None:
             if r["mode"] == mode:
                 h.update(r["hist"])
         print(f"  {mode:>7}: " + ", ".join(f"{k}: {v}" for k, v in sorted(h.items())))
-    speed = median([r["fast_steps"] / max(r["slow_steps"], 1) for r in rows if r["mode"] == "async"])
+    speed = median([r["fast_steps"] / max(r["slow_steps"], 1) for r in rows
+                    if r["mode"] == "async"])
     print(f"\nmeasured speed ratio fast/slow worker (async, free-running): {speed:.2f}")
     print(f"median ratios over {args.rounds} rounds (anchor: sync):")
     for k, v in ratios.items():
         print(f"  {k:>30}: {v:.3f}")
+    spread = [by[k]["async"]["final_loss"] / by[k]["sync"]["final_loss"] for k in sorted(by)]
+    print("async/sync final loss, per round: " + ", ".join(f"{v:.3f}" for v in spread))
     ok_speed = ratios["async_vs_sync_steps_per_s"] >= 1.5
     ok_loss = ratios["async_vs_sync_final_loss"] <= 1.10
     print(f"target async >= 1.5x sync steps/s: {'met' if ok_speed else 'NOT met'}; "

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import parlay
 from parlay.ps import DistributedSession, max_lead
 from parlay.testing import run_world
 

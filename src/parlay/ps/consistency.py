@@ -78,8 +78,8 @@ def get_consistency(spec: "str | Consistency") -> Consistency:
     try:
         return _REGISTRY[name](*args)
     except TypeError:
-        raise ConfigError(f"bad consistency {spec!r}: {name!r} takes "
-                          f"{'no option' if name != 'stale' else 'one bound, e.g. stale:2'}.") from None
+        takes = "no option" if name != "stale" else "one bound, e.g. stale:2"
+        raise ConfigError(f"bad consistency {spec!r}: {name!r} takes {takes}.") from None
 
 
 def _stale(bound: str | int | None = None) -> Consistency:
@@ -319,7 +319,8 @@ def max_lead(log: Iterable[Update], totals: dict[int, int] | None = None) -> int
         The largest lead (0 for an empty log or a single worker).
     """
     log = list(log)
-    totals = dict(totals) if totals is not None else dict(collections.Counter(u.worker for u in log))
+    if totals is None:
+        totals = dict(collections.Counter(u.worker for u in log))
     lead = 0
     for u in log:
         counts = collections.Counter(x.worker for x in log if x.version < u.base_version)

@@ -110,7 +110,7 @@ class ShardPlan:
         for (pi, start, length), server in sorted(zip(chunks, owner)):
             name, shape, _ = params[pi]
             numel = math.prod(shape)
-            pshape = shape if length == numel else (length,)
+            pshape: tuple[int, ...] = tuple(shape) if length == numel else (length,)
             off = sum(p.length for p in self._pieces[server])
             self._pieces[server].append(Piece(name, pi, start, length, server, off, pshape))
 

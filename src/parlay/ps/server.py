@@ -183,11 +183,13 @@ class Server:
             save_atomic(self.state_dict(), self.path)
 
     def _load(self) -> tuple[int, list[int]]:
+        assert self.path is not None
         try:
             sd = torch.load(self.path, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
             raise CheckpointError(f"could not read checkpoint {self.path!r}: {e}") from e
-        if sd.get("plan") != self.plan.rows() or len(sd.get("clocks", [])) != len(self.worker_ranks):
+        n = len(self.worker_ranks)
+        if sd.get("plan") != self.plan.rows() or len(sd.get("clocks", [])) != n:
             raise CheckpointError(
                 f"checkpoint {self.path!r} was written for a different placement or number of "
                 f"workers (expected {len(self.worker_ranks)} workers and the current ShardPlan). "
@@ -206,6 +208,7 @@ class Server:
         while True:
             try:
                 work = dist.irecv(buf, src=None, group=self.group, tag=TAG_PUSH)
+                assert work is not None
                 work.wait(timeout=_FOREVER)
                 src = int(work._source_rank())  # group rank == global rank here
             except Exception as e:  # noqa: BLE001 - handed to the main thread
@@ -233,9 +236,6 @@ class Server:
         else:
             msg = Message(Op.ERROR, self.index, c.clocks[w], c.version, float(r.code),
                           extra=self.worker_ranks[r.peer])
-            log.error("ps%d: %s", self.index, lost_message(r.code, r.peer,
-                                                           self.worker_ranks[r.peer],
-                                                           self.timeout, "parameter server"))
         out = pack(msg, self._reply_bufs[w])
         self._sends[w] = comm.send(out, self.worker_ranks[w], tag=TAG_REPLY, group=self.group,
                                    async_op=True)
@@ -260,7 +260,8 @@ class Server:
             return c.lose(w, Err.FAILED, now)
         raise CommError(f"parameter server {self.index} got an unknown message op {msg.op} from "
                         f"worker {w}. Hint: every rank must run the same parlay version.",
-                        op="ps serve", rank=self.index, peer=self.worker_ranks[w] if w >= 0 else None)
+                        op="ps serve", rank=self.index,
+                        peer=self.worker_ranks[w] if w >= 0 else None)
 
     def serve(self) -> None:
         """Serve until every worker finished or was lost.

@@ -95,7 +95,8 @@ class DistributedSession:
                               f"{optimizer!r}. Hint: servers build it on their shard: "
                               "optimizer=torch.optim.SGD, optimizer_args={'lr': 0.1}.")
         if optimizer_args is not None and not isinstance(optimizer_args, dict):
-            raise ConfigError(f"optimizer_args must be a dict, got {type(optimizer_args).__name__}.")
+            raise ConfigError(f"optimizer_args must be a dict, got "
+                              f"{type(optimizer_args).__name__}.")
         if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
                                       or max_steps < 0):
             raise ConfigError(f"max_steps must be None or an int >= 0, got {max_steps!r}.")
@@ -180,7 +181,8 @@ class DistributedSession:
         self.num_servers, self.num_workers = c.num_ps, c.world_size - c.num_ps
         self.rank = c.rank
         self.timeout = float(self._timeout or runtime.timeout().total_seconds())
-        self.plan = ShardPlan.from_module(self.model, c.num_ps, **self._plan_args)  # type: ignore[arg-type]
+        self.plan = ShardPlan.from_module(self.model, c.num_ps,
+                                          **self._plan_args)  # type: ignore[arg-type]
         world = list(range(c.world_size))
         workers = world[c.num_ps:]
         # Replies may wait out a lost peer's full timeout at the server first.

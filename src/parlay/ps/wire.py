@@ -255,7 +255,8 @@ def decode_ctx(codes: torch.Tensor, template: Any) -> Any:
     return build(template)
 
 
-def probe(compressor: Any, numel: int, dtype: torch.dtype, key: str) -> tuple[list[torch.Tensor], Any]:
+def probe(compressor: Any, numel: int, dtype: torch.dtype,
+          key: str) -> tuple[list[torch.Tensor], Any]:
     """``(payload, ctx)`` that a copy of ``compressor`` gives for a zero bucket (the copy keeps a
     stateful compressor's memory untouched). Sizes buffers and gives the server its template."""
     if numel == 0:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import datetime as _dt
 import logging
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm
@@ -80,7 +82,8 @@ class Worker:
         return min(self.versions)
 
     # -- protocol -----------------------------------------------------------------------------
-    def _exchange(self, op: int, payloads: list[list[torch.Tensor]] | None, what: str) -> list[Message]:
+    def _exchange(self, op: int, payloads: list[list[torch.Tensor]] | None,
+                  what: str) -> list[Message]:
         recvs = [comm.recv(self.reply_bufs[s], src=r, tag=TAG_REPLY, group=self.group,
                            async_op=True) for s, r in enumerate(self.server_ranks)]
         sends = []
@@ -89,17 +92,20 @@ class Worker:
                           tensors=payloads[s] if payloads is not None else [])
             out = pack(msg, self.push_bufs[s])
             sends.append(comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True))
+        s = 0
         try:
-            for h in sends:
+            for s, h in enumerate(sends):
                 h.wait()
             replies = []
-            for h, buf in zip(recvs, self.reply_bufs):
+            for s, (h, buf) in enumerate(zip(recvs, self.reply_bufs)):
                 h.wait()
                 replies.append(unpack(buf))
         except CommError as e:
-            raise CommError(f"{what} on worker {self.index} (rank {self.rank}): a parameter server "
-                            f"did not answer: {e}", op=e.op, rank=self.rank, peer=e.peer) from e
-        for s, m in enumerate(replies):
+            r = self.server_ranks[s]
+            raise CommError(f"{what} on worker {self.index} (rank {self.rank}): parameter server "
+                            f"{s} (rank {r}) did not answer: {e}", op=e.op, rank=self.rank,
+                            peer=r) from e
+        for m in replies:
             if m.op == Op.ERROR:
                 self.told_error = True
                 raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
@@ -133,10 +139,11 @@ class Worker:
         """
         x, y = _split(batch)
         dev = next(self.model.parameters()).device
-        x = tuple(t.to(dev) if torch.is_tensor(t) else t for t in (x if isinstance(x, tuple) else (x,)))
+        args = x if isinstance(x, tuple) else (x,)
+        x = tuple(t.to(dev) if torch.is_tensor(t) else t for t in args)
         y = y.to(dev) if torch.is_tensor(y) else y
-        for p in self.model.parameters():
-            p.grad = None
+        for param in self.model.parameters():
+            param.grad = None
         with self.forward_context():
             loss = loss_fn(self.model(*x), y)
         loss.backward()
@@ -159,8 +166,10 @@ class Worker:
         payload, ctx = self.compressor.compress(flat, key)
         # Further rounds (fp16's overflow retry) resolve here: this worker's payload is the
         # whole "reduction" the server will decode.
-        more = getattr(self.compressor, "next_round", None)
-        nxt = more(payload, ctx) if more is not None else None
+        more: Callable[..., Any] | None = getattr(self.compressor, "next_round", None)
+        if more is None:
+            return [*payload, encode_ctx(ctx)]
+        nxt = more(payload, ctx)
         while nxt is not None:
             payload = nxt
             nxt = more(payload, ctx)
@@ -178,18 +187,30 @@ class Worker:
         if self.closed or self.told_error:
             return
         self.closed = True
+        works = []
         for s, r in enumerate(self.server_ranks):
+            out = pack(Message(Op.FAIL, self.index, self.step, self.versions[s]),
+                       self.push_bufs[s])
             try:
-                out = pack(Message(Op.FAIL, self.index, self.step, self.versions[s]),
-                           self.push_bufs[s])
-                comm.send(out, r, tag=TAG_PUSH, group=self.group)
-            except CommError:
-                pass
+                wk = dist.isend(out, dst=r, group=self.group, tag=TAG_PUSH)
+                if wk is not None:
+                    works.append(wk)
+            except Exception as e:  # noqa: BLE001 - already failing; the server times out
+                log.debug("worker %d: could not report its failure: %s", self.index, e)
+        for wk in works:
+            try:
+                # A bounded wait: this process is failing anyway, so a timeout that closes the
+                # group's connections costs nothing, and a dead server must not hold us.
+                wk.wait(timeout=_dt.timedelta(seconds=min(5.0, self.timeout)))
+            except Exception as e:  # noqa: BLE001
+                log.debug("worker %d: failure report not delivered: %s", self.index, e)
 
 
 def _split(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    raise ConfigError(f"train_step expects batch=(inputs, targets), got "
-                      f"{type(batch).__name__}{' of length ' + str(len(batch)) if isinstance(batch, (tuple, list)) else ''}. "
+    got = type(batch).__name__
+    if isinstance(batch, (tuple, list)):
+        got += f" of length {len(batch)}"
+    raise ConfigError(f"train_step expects batch=(inputs, targets), got {got}. "
                       "Hint: pass sess.train_step((x, y), loss_fn); loss_fn(model(x), y) -> loss.")
