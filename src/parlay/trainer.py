@@ -91,7 +91,8 @@ class Trainer:
         build_validation_func: Returns ``fn(output, target) -> dict[str, tensor]`` of batch
             means (default: loss and, for class scores, accuracy).
         log_step_size: Steps between (reduced) loss logs.
-        prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread).
+        prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread);
+            None: 2, or inline for in-memory tensor datasets (see :func:`build_loader`).
         keep_last: Checkpoints kept.
         metrics_path: JSONL metrics file (default: ``<checkpoint_dir>/metrics.jsonl`` when
             checkpointing, else none).
@@ -121,7 +122,7 @@ class Trainer:
                  checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
                  validation_dataset: Dataset | None = None,
                  build_validation_func: Callable[[], Callable[..., dict[str, Any]]] | None = None,
-                 log_step_size: int = 50, prefetch: int = 2, *, keep_last: int = 3,
+                 log_step_size: int = 50, prefetch: int | None = None, *, keep_last: int = 3,
                  metrics_path: str | None = None, num_workers: int = 0, seed: int | None = 0,
                  grad_clip: float | None = None, progress: bool = True, shuffle: bool = True,
                  drop_last: bool = False, validation_batch_size: int | None = None,
@@ -400,6 +401,8 @@ class Trainer:
             for name, v in vals.items():
                 sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
             count += k
+        if loader is not self._val_loader:
+            loader.close()
         if not s.reports_loss:
             return {}
         parts = (comm.allgather_object((sums, count), group=s.dp_group)
