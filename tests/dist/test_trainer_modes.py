@@ -7,6 +7,8 @@ sharded over ``dp_size``, and checkpoints and the printer involve the training r
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,4 +96,5 @@ def test_serving_rank_stops_when_workers_finish(tmp_path):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
     ranks = sorted({p.name.split(".")[1] for p in tmp_path.glob("ckpt-*.pt")})
     assert ranks == ["rank1", "rank2"], "only the training ranks checkpoint"
-    assert (tmp_path / "metrics.jsonl").is_file()
+    events = [json.loads(x)["event"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert events == ["start", "epoch", "validation", "epoch", "validation"], "printer only"
