@@ -44,7 +44,7 @@ class _Inline:
         return f"{kind}.inline"
 
     def submit(self, req: Request) -> Handle:
-        msgs = exchange(self.group, self.size, [(req.key, req.meta)])
+        msgs, _ = exchange(self.group, self.size, [(req.key, req.meta)])
         metas = {r: items[0][1] for r, items in enumerate(msgs)}
         [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
                                               self.size, self.rank, self.global_ranks,

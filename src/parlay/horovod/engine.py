@@ -135,6 +135,7 @@ class Engine:
         self._joined: dict[int, tuple[int, Any]] = {}  # rank -> (cycle, its name counters)
         self._cycle = 0
         self._counters: dict[str, int] = {}
+        self._slot = 2048       # negotiation message size (bytes), grows on demand
         self._dead: BaseException | None = None
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="parlay-hvd-engine", daemon=True)
@@ -217,7 +218,8 @@ class Engine:
                 r.handle._finish(error=err)
 
     def _exchange(self, items: list[tuple[str, Meta]]) -> list[list[tuple[str, Meta]]]:
-        return exchange(self.group, self.size, items)
+        msgs, self._slot = exchange(self.group, self.size, items, self._slot)
+        return msgs
 
     def _process(self, msgs: list[list[tuple[str, Meta]]]) -> bool:
         for r, items in enumerate(msgs):
@@ -289,28 +291,42 @@ class Engine:
         return Request(JOIN, Meta("join", extra=counters))
 
 
-def exchange(group: Any, size: int, items: list[tuple[str, Meta]]
-             ) -> list[list[tuple[str, Meta]]]:
-    """Allgather every rank's list of ``(name, descriptor)`` (two small collectives)."""
+def exchange(group: Any, size: int, items: list[tuple[str, Meta]], slot: int = 2048
+             ) -> tuple[list[list[tuple[str, Meta]]], int]:
+    """Allgather every rank's list of ``(name, descriptor)``.
+
+    One collective of fixed ``slot``-byte messages (an 8-byte length, then the pickle); when
+    some rank's message is longer, a second round carries the full messages and the slot
+    grows for the next cycles (every rank sees the lengths, so all grow alike).
+
+    Returns:
+        The per-rank lists and the slot size to use next time.
+    """
     payload = pickle.dumps(items) if items else b""
     dev = execute.control_device(group)
-    sizes = torch.empty(size, dtype=torch.int64, device=dev)
+    send = torch.zeros(8 + slot, dtype=torch.uint8)
+    send[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    head = payload[:slot]
+    if head:
+        send[8: 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    out = torch.empty(size * (8 + slot), dtype=torch.uint8, device=dev)
     with comm.comm_errors("negotiation"):
-        _all_gather_single(sizes, torch.tensor([len(payload)], dtype=torch.int64, device=dev),
-                           group=group)
-    lens = sizes.tolist()
+        _all_gather_single(out, send.to(dev), group=group)
+    rows = out.cpu().view(size, 8 + slot)
+    lens = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
     longest = max(lens)
-    if longest == 0:
-        return [[] for _ in range(size)]
-    buf = torch.zeros(longest, dtype=torch.uint8)
-    if payload:
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    out = torch.empty(longest * size, dtype=torch.uint8, device=dev)
-    with comm.comm_errors("negotiation"):
-        _all_gather_single(out, buf.to(dev), group=group)
-    raw = out.cpu().numpy()
-    return [pickle.loads(raw[i * longest: i * longest + n].tobytes()) if n else []
-            for i, n in enumerate(lens)]
+    if longest > slot:
+        full = torch.zeros(longest, dtype=torch.uint8)
+        full[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        big = torch.empty(size * longest, dtype=torch.uint8, device=dev)
+        with comm.comm_errors("negotiation"):
+            _all_gather_single(big, full.to(dev), group=group)
+        rows = big.cpu().view(size, longest)
+        raw = [rows[i, :n].numpy().tobytes() for i, n in enumerate(lens)]
+        slot = 1 << (longest - 1).bit_length()
+    else:
+        raw = [rows[i, 8: 8 + n].numpy().tobytes() for i, n in enumerate(lens)]
+    return [pickle.loads(b) if b else [] for b in raw], slot
 
 
 @atexit.register

@@ -33,6 +33,7 @@ _C10D_OP = {ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SUM
 # Reductions gloo cannot do natively in a dtype run in a wider one.
 _WIDEN = {torch.int16: torch.int32}
 _NO_JOIN = ("allgather", "broadcast", "alltoall", "reducescatter")
+_ALONE_BYTES = 1 << 20   # tensors this big are reduced in place, never copied for fusion
 
 
 def control_device(group: Any) -> torch.device:
@@ -141,6 +142,10 @@ def run_ready(group: Any, batch: list[tuple[str, dict[int, Any], Any]], joined: 
         nbytes = 0
         for t in tensors:
             b = t.numel() * t.element_size()
+            if b >= _ALONE_BYTES and t.is_contiguous():
+                # Copying a big tensor into a fusion buffer costs more than its own message.
+                _allreduce_flat(group, [t], op, pre, post, size)
+                continue
             if chunk and nbytes + b > fusion_bytes:
                 _allreduce_flat(group, chunk, op, pre, post, size)
                 chunk, nbytes = [], 0
