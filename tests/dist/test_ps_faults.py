@@ -115,3 +115,22 @@ def test_restart_resumes_from_the_checkpoint(tmp_path):
     sd = torch.load(os.path.join(ckpt, "ps-0.pt"), weights_only=True)
     assert sd["version"] == STEPS and sd["clocks"] == [STEPS, STEPS]
     assert not glob.glob(os.path.join(ckpt, "*.tmp*"))
+
+
+def _mismatched_model():
+    width = 3 if parlay.rank() != 2 else 5  # worker 1 builds a different model
+    model = nn.Linear(4, width)
+    with DistributedSession(model=model, optimizer=torch.optim.SGD,
+                            optimizer_args={"lr": 0.1}) as sess:
+        if not sess.should_stop():
+            sess.train_step((torch.randn(2, 4), torch.randn(2, width)), _mse)
+    return "finished"
+
+
+def test_worker_with_a_different_model_is_refused():
+    out = run_world(_mismatched_model, 3, env=PS1, comm_timeout=TIMEOUT, return_exceptions=True)
+    assert isinstance(out[2], parlay.ConfigError) and "differ from parameter server 0" in str(out[2])
+    # sync cannot go on without it: the server and the other worker (which needs a round) name
+    # the refused worker.
+    for r in (0, 1):
+        assert isinstance(out[r], CommError) and "worker 1 (rank 2) failed" in str(out[r])

@@ -168,6 +168,7 @@ class ServerCore:
         self.log: list[Update] = []
         self.log_limit = log_limit
         self.lost: list[int] = []
+        self.lost_kind: dict[int, int] = {}  # worker -> Err kind (LOST: silent, FAILED: raised)
 
     # -- queries ------------------------------------------------------------------------------
     def active(self) -> list[int]:
@@ -234,6 +235,7 @@ class ServerCore:
         self.state[w] = LOST
         self.deadline[w] = None
         self.lost.append(w)
+        self.lost_kind[w] = kind
         self.pending.pop(w, None)
         if self.policy.aggregate and self.failure is None:
             self.failure = (kind, w)

@@ -195,6 +195,13 @@ class ShardPlan:
         """The plan as plain lists (stored in checkpoints to detect a changed placement)."""
         return [p.as_row() for p in self.all_pieces()]
 
+    def fingerprint(self) -> int:
+        """A stable 31-bit hash of the placement and dtypes: every rank must agree on it."""
+        import zlib
+
+        text = repr((self.rows(), [str(dt) for _, _, dt in self.params]))
+        return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
     def describe(self) -> str:
         """A readable table: one line per server with its bytes and parameters."""
         lines = []

@@ -139,6 +139,7 @@ class Server:
         self.core = ServerCore(policy, len(worker_ranks), timeout, self._apply, time.monotonic(),
                                version=version, clocks=clocks)
         self.served = False
+        self.fingerprint = plan.fingerprint()
         self._q: queue.Queue = queue.Queue()
         self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
                             for _ in worker_ranks]
@@ -243,6 +244,10 @@ class Server:
     def _handle(self, w: int, msg: Message, now: float) -> list[Reply]:
         c = self.core
         if msg.op == Op.HELLO:
+            if msg.extra != self.fingerprint:
+                log.error("ps%d: worker %d (rank %d) has a different model or placement",
+                          self.index, w, self.worker_ranks[w])
+                return c.lose(w, Err.FAILED, now) + [Reply("error", w, Err.MISMATCH, w)]
             return c.hello(w, now)
         if msg.op == Op.PUSH:
             if c.failure is not None or c.state[w] == LOST:
@@ -256,7 +261,6 @@ class Server:
         if msg.op == Op.DONE:
             return c.done(w, now)
         if msg.op == Op.FAIL:
-            log.error("ps%d: worker %d (rank %d) failed", self.index, w, self.worker_ranks[w])
             return c.lose(w, Err.FAILED, now)
         raise CommError(f"parameter server {self.index} got an unknown message op {msg.op} from "
                         f"worker {w}. Hint: every rank must run the same parlay version.",
@@ -298,10 +302,12 @@ class Server:
             while n_lost < len(c.lost):
                 w = c.lost[n_lost]
                 n_lost += 1
-                log.warning("ps%d: worker %d (rank %d) lost after %g s of silence; %s", self.index,
-                            w, self.worker_ranks[w], self.timeout,
-                            "sync training stops" if self.policy.aggregate
-                            else f"continuing with {len(c.active())} workers")
+                why = ("raised an error" if c.lost_kind.get(w) == Err.FAILED
+                       else f"lost after {self.timeout:g} s of silence")
+                log.warning("ps%d: worker %d (rank %d) %s; %s", self.index, w,
+                            self.worker_ranks[w], why, "sync training stops"
+                            if self.policy.aggregate else
+                            f"continuing with {len(c.active())} workers")
             every = self.checkpoint_every
             if self.path and every and c.version // every > saved // every:
                 saved = c.version
@@ -312,6 +318,9 @@ class Server:
         self._sends.clear()
         self.save()
         self.copy_to_model()
+        log.info("ps%d: done at version %d; staleness histogram %s; lost workers %s",
+                 self.index, c.version, dict(sorted(c.histogram.items())),
+                 [self.worker_ranks[w] for w in c.lost] or "none")
         if c.failure is not None:
             kind, peer = c.failure
             raise CommError(lost_message(kind, peer, self.worker_ranks[peer], self.timeout,

@@ -59,6 +59,7 @@ class Err:
     LOST = 1      #: a peer worker was lost (sync cannot continue)
     FAILED = 2    #: a peer worker raised an error (sync cannot continue)
     EVICTED = 3   #: this worker was declared lost earlier (it was silent past the timeout)
+    MISMATCH = 4  #: this worker's model (its ShardPlan) differs from the server's
 
 
 @dataclass

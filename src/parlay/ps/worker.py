@@ -22,7 +22,7 @@ from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.plan import ShardPlan
 from parlay.ps.server import lost_message
-from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Message, Op, capacity, encode_ctx, pack,
+from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, encode_ctx, pack,
                             push_capacity, unpack)
 
 __all__ = ["Worker"]
@@ -89,6 +89,7 @@ class Worker:
         sends = []
         for s, r in enumerate(self.server_ranks):
             msg = Message(op, self.index, self.step, self.versions[s], self.lr_factor,
+                          extra=self.plan.fingerprint() if op == Op.HELLO else 0,
                           tensors=payloads[s] if payloads is not None else [])
             out = pack(msg, self.push_bufs[s])
             sends.append(comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True))
@@ -105,7 +106,13 @@ class Worker:
             raise CommError(f"{what} on worker {self.index} (rank {self.rank}): parameter server "
                             f"{s} (rank {r}) did not answer: {e}", op=e.op, rank=self.rank,
                             peer=r) from e
-        for m in replies:
+        for s, m in enumerate(replies):
+            if m.op == Op.ERROR and int(m.scalar) == Err.MISMATCH:
+                self.told_error = True
+                raise ConfigError(f"worker {self.index} (rank {self.rank}) built a model whose "
+                                  f"parameters differ from parameter server {s}'s (names, shapes, "
+                                  "dtypes or placement options). Hint: build the same model with "
+                                  "the same DistributedSession options on every rank.")
             if m.op == Op.ERROR:
                 self.told_error = True
                 raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
