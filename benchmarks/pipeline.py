@@ -184,7 +184,8 @@ def main() -> None:
             for sched in schedules:
                 for m in chunks:
                     mine = [row for row in flat if row["schedule"] == sched and row["m"] == m]
-                    theory = theoretical_bubble(s, m, 2 if sched == "interleaved" else 1)
+                    v = 2 if sched == "interleaved" else 1
+                    theory = theoretical_bubble(s, m, v)
                     meas = sum(row["bubble"] for row in mine) / len(mine)
                     rel = (meas - theory) / theory
                     wall = max(row["wall_s"] for row in mine)
@@ -192,9 +193,10 @@ def main() -> None:
                                         "ran": mine[0]["ran"], "m": m, "theory": theory,
                                         "measured": meas, "rel_err": rel,
                                         "step_ms": 1e3 * wall,
-                                        # Idle beyond theory per message sent/received by a
-                                        # rank (2m per step): latency + wake-up + overhead.
-                                        "excess_ms_per_msg": 1e3 * (meas - theory) * wall / (2 * m),
+                                        # Idle beyond theory per message a rank receives
+                                        # (2mv per step): latency + wake-up + overhead.
+                                        "excess_ms_per_msg":
+                                            1e3 * (meas - theory) * wall / (2 * m * v),
                                         "core_share": min(row["core_share"] for row in mine)})
                     ratios[f"bubble_{wl}_S{s}_{sched}_m{m}_measured_over_theory"] = meas / theory
     print("Bubble (idle fraction per rank, mean over ranks and steps):")

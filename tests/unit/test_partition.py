@@ -214,3 +214,9 @@ def test_schedule_registry():
                                            (1, 4, 1, 0.0), (4, 8, 2, 3 / 19)])
 def test_theoretical_bubble(s, m, v, want):
     assert theoretical_bubble(s, m, v) == pytest.approx(want)
+
+
+def test_interleaved_bubble_needs_whole_rounds():
+    assert theoretical_bubble(4, 1, 2) == pytest.approx(3 / 4)   # no overlap with one chunk
+    with pytest.raises(ConfigError, match=r"chunks % stages == 0, got chunks=6, stages=4"):
+        theoretical_bubble(4, 6, 2)

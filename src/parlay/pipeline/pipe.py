@@ -79,7 +79,8 @@ class Pipeline:
         balance: Layers per *model* stage (``stages * virtual_stages`` entries), or ``None``.
         split_points: Names of the layers that start model stages 1.. (instead of balance).
         sample: Example input (one micro-batch); enables balancing by profiled time and the
-            construction-time check that stage boundaries carry tensors.
+            construction-time check that stage boundaries carry tensors (without it, the
+            check runs on the first micro-batch of the first step, on every rank alike).
         by: ``"auto"`` | ``"time"`` | ``"params"``: what to balance (see :func:`partition`).
         activation_dtype: ``"bf16"``/``"fp16"`` (or a dtype) to send activations and their
             gradients between stages in; ``None`` sends them as computed.

@@ -300,7 +300,19 @@ def theoretical_bubble(stages: int, chunks: int, virtual_stages: int = 1) -> flo
     """Idle fraction of a synchronous pipeline with equal stages: ``(S-1)/(v*m + S-1)``.
 
     GPipe and 1F1B share it (Huang et al. 2019; Narayanan et al. 2019); interleaving ``v``
-    virtual stages per rank divides the bubble by ``v`` (Narayanan et al. 2021).
+    virtual stages per rank divides the bubble by ``v`` (Narayanan et al. 2021) when ``m`` is a
+    multiple of ``S``. With fewer micro-batches than stages interleaving cannot overlap
+    anything (one micro-batch visits the ``v*S`` virtual stages one after another), which is
+    the non-interleaved ``(S-1)/(m+S-1)`` for ``m = 1``; other ``m`` not a multiple of ``S``
+    have no closed form here.
+
+    Raises:
+        ConfigError: ``v > 1`` with ``m`` neither 1 nor a multiple of ``S``.
     """
     s, m, v = stages, chunks, virtual_stages
+    if v > 1 and m % s:
+        if m == 1:
+            return (s - 1) / s
+        raise ConfigError(f"the interleaved bubble formula needs chunks % stages == 0, got "
+                          f"chunks={m}, stages={s}.")
     return (s - 1) / (v * m + s - 1)
