@@ -72,6 +72,40 @@ def test_horovod_signature_equals_single_process(passes, average_aggregated):
             torch.testing.assert_close(p, q, **TOL)
 
 
+def _adasum_train():
+    import parlay.horovod as hvd
+
+    r = hvd.rank()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    x, y = _data(2)
+    for s in range(STEPS):
+        opt.zero_grad()
+        F.mse_loss(model(x[s, r, 0]), y[s, r, 0]).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def test_adasum_optimizer_combines_each_ranks_update():
+    from parlay.horovod.execute import adasum
+
+    model = _model()
+    x, y = _data(2)
+    for s in range(STEPS):
+        deltas = []
+        for r in range(2):
+            model.zero_grad()
+            F.mse_loss(model(x[s, r, 0]), y[s, r, 0]).backward()
+            deltas.append([-0.1 * p.grad for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p.add_(adasum([deltas[0][i], deltas[1][i]]))
+    for params in run_world(_adasum_train, 2):
+        for p, q in zip(params, model.parameters()):
+            torch.testing.assert_close(p, q.detach(), **TOL)
+
+
 def test_argument_checks_without_a_group():
     import parlay.horovod as hvd
     from parlay.errors import ConfigError

@@ -11,6 +11,7 @@ the allgather of the (size-scaled, for Sum) gradient.
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Sequence
 
 import torch
@@ -28,6 +29,7 @@ __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn"
            "ReducescatterFn", "GroupedReducescatterFn", "set_size", "set_rank_of"]
 
 #: Largest fused allreduce buffer (``HOROVOD_FUSION_THRESHOLD`` bytes, default 64 MiB).
+_engine_lock = threading.Lock()
 FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(64 * 1024 * 1024))) or 1
 
 
@@ -46,9 +48,10 @@ class _Inline:
     def submit(self, req: Request) -> Handle:
         msgs, _ = exchange(self.group, self.size, [(req.key, req.meta)])
         metas = {r: items[0][1] for r, items in enumerate(msgs)}
-        [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
-                                              self.size, self.rank, self.global_ranks,
-                                              FUSION_BYTES)
+        with torch.no_grad():
+            [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
+                                                  self.size, self.rank, self.global_ranks,
+                                                  FUSION_BYTES)
         if err is None and req.finish is not None:
             res = req.finish(res)
         req.handle._finish(res, err)
@@ -73,8 +76,9 @@ def target(process_set: ProcessSet | None, process_group: Any = None) -> Any:
                           "Hint: hvd.add_process_set([ranks]), or process_group= for a torch "
                           "group.")
     ps._check_member()
-    if ps._engine is None:
-        ps._engine = Engine(ps.engine_group(), ps.global_ranks(), FUSION_BYTES)
+    with _engine_lock:
+        if ps._engine is None:
+            ps._engine = Engine(ps.engine_group(), ps.global_ranks(), FUSION_BYTES)
     return ps._engine
 
 

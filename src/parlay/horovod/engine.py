@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parlay import comm
+from parlay import comm, runtime
 from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
 
@@ -136,6 +136,7 @@ class Engine:
         self._cycle = 0
         self._counters: dict[str, int] = {}
         self._slot = 2048       # negotiation message size (bytes), grows on demand
+        self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
         self._dead: BaseException | None = None
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="parlay-hvd-engine", daemon=True)
@@ -195,6 +196,8 @@ class Engine:
     # ------------------------------------------------------------------ background thread
     def _loop(self) -> None:
         try:
+            if self._device.type == "cuda":
+                torch.cuda.set_device(self._device)   # the thread's own current device
             while True:
                 with self._cv:
                     while not self._local and not self._closing:
@@ -237,8 +240,12 @@ class Engine:
                 metas = self._table.pop(k)
                 timeline.negotiate_end(k, self.rank)
                 batch.append((k, metas, self._local.get(k)))
-            outcomes = execute.run_ready(self.group, batch, set(self._joined), self.size,
-                                         self.rank, self.global_ranks, self.fusion_bytes)
+            with torch.no_grad():
+                outcomes = execute.run_ready(self.group, batch, set(self._joined), self.size,
+                                             self.rank, self.global_ranks, self.fusion_bytes)
+            if self._device.type == "cuda":
+                # Results must be complete before another thread's stream reads them.
+                torch.cuda.current_stream().synchronize()
             self._complete(outcomes)
         if len(self._joined) == self.size:
             self._finish_join()

@@ -91,6 +91,13 @@ def _check_groups(groups: Any, num_groups: Any) -> Any:
     return groups
 
 
+def _is_adasum(op: Any) -> bool:
+    try:
+        return ReduceOp(int(op)) == ReduceOp.Adasum
+    except (TypeError, ValueError):
+        return False
+
+
 class DistributedOptimizer(_BucketedOptimizer):
     """Wrap a ``torch.optim`` optimizer so ``step()`` applies gradients reduced over ranks.
 
@@ -104,8 +111,9 @@ class DistributedOptimizer(_BucketedOptimizer):
         compression: ``hvd.Compression.none`` / ``.fp16`` (Horovod-style), a parlay
             compressor name (``"topk:0.01"``) or object; default none.
         backward_passes_per_step: Backward passes accumulated locally per reduction.
-        op: ``Average`` (default) or ``Sum``. ``Adasum`` raises: use Average with the learning
-            rate scaled by ``size()``, or ``hvd.allreduce(..., op=hvd.Adasum)`` by hand.
+        op: ``Average`` (default), ``Sum`` or ``Adasum`` (Horovod's delta optimizer: each rank
+            steps on its own gradients, then the parameter updates are combined with Adasum,
+            Maleki et al. 2020; no compression, no overlap with backward).
         gradient_predivide_factor: Average as ``sum(g / f) * f / size`` (Horovod's split).
         num_groups: Deprecated alias of an integer ``groups``.
         groups: Horovod's fusion groups (an int or lists of parameters). Validated; parlay
@@ -145,14 +153,25 @@ class DistributedOptimizer(_BucketedOptimizer):
         self._average_aggregated = bool(options.get("average_aggregated_gradients", True))
         if local_only:
             options["check_consistency"] = False
-        super().__init__(optimizer, named, op=op, compression=_adapt_compression(compression),
+        # Adasum combines parameter *updates*, not gradients (Horovod's delta optimizer): the
+        # wrapped optimizer steps on local gradients, then the updates are Adasum-reduced.
+        self._adasum = _is_adasum(op)
+        self._adasum_group = ((process_set, None) if process_group is None or local_only
+                              or process_set is not None else (None, process_group))
+        comp = _adapt_compression(compression)
+        if self._adasum:
+            if comp is not None and not isinstance(comp, NoneCompressor):
+                raise ConfigError("op=Adasum does not combine with compression.")
+            op = ReduceOp.Average
+        super().__init__(optimizer, named, op=op, compression=comp,
                          backward_passes_per_step=backward_passes_per_step,
                          bucket_cap_mb=bucket_cap_mb,
                          gradient_predivide_factor=gradient_predivide_factor,
                          process_group=process_group, **options)
-        if local_only:
+        if local_only or self._adasum:
             self.remove_hooks()
             self._passthrough = True
+        self._adasum = self._adasum and not local_only
         if named is None:
             self._parameter_names = {p: f"allreduce.noname.{i}.{j}"
                                      for i, g in enumerate(optimizer.param_groups)
@@ -174,11 +193,34 @@ class DistributedOptimizer(_BucketedOptimizer):
                     p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Synchronize (unless skipped), then step the wrapped optimizer."""
+        """Synchronize (unless skipped), then step the wrapped optimizer.
+
+        With ``op=Adasum``: step on the local gradients, then replace each parameter's update
+        by the Adasum of every rank's update.
+        """
+        if self._adasum:
+            return self._adasum_step(closure)
         try:
             return super().step(closure)
         finally:
             self._restore_views()
+
+    def _adasum_step(self, closure: Any) -> Any:
+        from parlay.horovod import collectives
+
+        params = [p for p in self._params if p.grad is not None]
+        starts = [p.detach().clone() for p in params]
+        loss = self._opt.step(closure) if closure is not None else self._opt.step()
+        if params:
+            ps, pg = self._adasum_group
+            deltas = [p.detach() - s for p, s in zip(params, starts)]
+            reduced = collectives.allreduce_async(deltas, True, None, ReduceOp.Adasum, 1.0, 1.0,
+                                                  ps, pg, False).wait()
+            with torch.no_grad():
+                for p, s, d in zip(params, starts, reduced):
+                    p.copy_(s + d)
+        self._synchronized = False
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero gradients (see the base class)."""
