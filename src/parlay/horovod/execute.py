@@ -93,6 +93,11 @@ def check(key: str, metas: dict[int, Any], joined: set[int], size: int,
                         f"shape {_fmt(s0)}, rank {b} one of shape {_fmt(s)}.")
     if kind == "broadcast" and m0.root not in global_ranks:
         return f"broadcast root rank {m0.root} is not a member of the process set {global_ranks}."
+    if kind in ("allreduce", "reducescatter") and m0.op in (ReduceOp.Min, ReduceOp.Max,
+                                                           ReduceOp.Product):
+        bad = [d for d in m0.dtypes if _dtype(d).is_complex]
+        if bad:
+            return f"{ReduceOp(m0.op).name} is not defined for complex tensors ({key})."
     if m0.op == ReduceOp.Adasum:
         bad = [d for d in m0.dtypes if not _dtype(d).is_floating_point]
         if bad:

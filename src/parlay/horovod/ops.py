@@ -284,7 +284,8 @@ def join(device: int = -1) -> int:
 
     Allgather, broadcast, alltoall and reducescatter fail on the other ranks while a rank has
     joined. Covers operations of the global process set started through these functions (not
-    DistributedOptimizer's bucketed gradient reductions).
+    DistributedOptimizer's bucketed gradient reductions). A joined rank waits at most the
+    collective timeout (``PARLAY_TIMEOUT``) for the other ranks' next operation.
 
     Args:
         device: Accepted for Horovod compatibility (zeros are made on the tensors' device).
