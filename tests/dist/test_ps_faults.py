@@ -134,3 +134,23 @@ def test_worker_with_a_different_model_is_refused():
     # the refused worker.
     for r in (0, 1):
         assert isinstance(out[r], CommError) and "worker 1 (rank 2) failed" in str(out[r])
+
+
+def _server_dies():
+    import threading
+
+    with DistributedSession(model=nn.Linear(4, 1).double(), optimizer=torch.optim.SGD,
+                            optimizer_args={"lr": 0.05}, consistency="async") as sess:
+        if not sess.is_worker:  # the server dies while serving (whenever that timer fires)
+            threading.Timer(0.5, os._exit, (1,)).start()
+        while not sess.should_stop():  # workers train until the server is gone
+            sess.train_step(_problem(sess.worker_index), _mse)
+    return "finished"
+
+
+def test_workers_name_a_killed_server():
+    out = run_world(_server_dies, 3, env=PS1, comm_timeout=TIMEOUT, return_exceptions=True)
+    assert isinstance(out[0], WorldError)
+    for e in out[1:]:
+        assert isinstance(e, CommError) and "parameter server 0 (rank 0) did not answer" in str(e)
+        assert e.peer == 0

@@ -222,8 +222,9 @@ def test_session_rejects_bad_arguments(kw, match):
 
 def test_session_rejects_optimizer_instance_and_mixed_dtypes():
     m = nn.Linear(2, 2)
+    # An (uninitialised) instance: building a real one costs seconds of torch imports.
     with pytest.raises(ConfigError, match="optimizer class"):
-        DistributedSession(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1))
+        DistributedSession(model=m, optimizer=torch.optim.SGD.__new__(torch.optim.SGD))
     mixed = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2).double())
     with pytest.raises(ConfigError, match="one dtype"):
         DistributedSession(model=mixed, optimizer=torch.optim.SGD)

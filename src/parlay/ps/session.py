@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parlay import runtime
+from parlay import comm, runtime
 from parlay.compress.base import Compressor, get_compressor
 from parlay.env import TaskSpec, detect
 from parlay.errors import CheckpointError, ConfigError
@@ -186,9 +186,10 @@ class DistributedSession:
         world = list(range(c.world_size))
         workers = world[c.num_ps:]
         # Replies may wait out a lost peer's full timeout at the server first.
-        self.ps_group = dist.new_group(world, backend="gloo",
-                                       timeout=_dt.timedelta(seconds=2 * self.timeout + 5))
-        self.dp_group = dist.new_group(workers)
+        with comm.comm_errors("DistributedSession start"):
+            self.ps_group = dist.new_group(world, backend="gloo",
+                                           timeout=_dt.timedelta(seconds=2 * self.timeout + 5))
+            self.dp_group = dist.new_group(workers)
         for p in self.model.parameters():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()
