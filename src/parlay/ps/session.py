@@ -91,8 +91,10 @@ class DistributedSession:
         if not isinstance(model, nn.Module):
             raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
         if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+            got = (f"an instance of {type(optimizer).__name__}"
+                   if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer))
             raise ConfigError(f"optimizer must be an optimizer class such as torch.optim.SGD, got "
-                              f"{optimizer!r}. Hint: servers build it on their shard: "
+                              f"{got}. Hint: servers build it on their shard: "
                               "optimizer=torch.optim.SGD, optimizer_args={'lr': 0.1}.")
         if optimizer_args is not None and not isinstance(optimizer_args, dict):
             raise ConfigError(f"optimizer_args must be a dict, got "
