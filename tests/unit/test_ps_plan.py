@@ -212,6 +212,7 @@ def test_compressor_context_travels_without_pickle(name):
     ({"max_steps": -1}, "max_steps must be None or an int"),
     ({"placement": "hash"}, "placement must be one of"),
     ({"compression": "powersgd"}, "needs collective rounds"),
+    ({"optimizer_args": {"learning_rate": 0.1}}, "do not fit SGD"),
 ])
 def test_session_rejects_bad_arguments(kw, match):
     args = {"model": nn.Linear(2, 2), "optimizer": torch.optim.SGD,

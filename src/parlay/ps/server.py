@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from parlay import comm
 from parlay.compress.base import Compressor
-from parlay.errors import CheckpointError, CommError
+from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
 from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, decode_ctx, pack,
@@ -112,7 +112,7 @@ class Server:
         self.pieces = plan.pieces(index)
         self.model = model
         named = dict(model.named_parameters())
-        dtype = next(iter(named.values())).dtype
+        dtype = plan.params[0][2]
         numel = plan.numel(index)
         self.flat = torch.empty(numel, dtype=dtype)
         self.grad = torch.zeros(numel, dtype=dtype)
@@ -125,7 +125,12 @@ class Server:
             self.params.append(param)
         if not self.params:  # an empty shard still keeps versions in step with the others
             self.params.append(nn.Parameter(torch.zeros(0, dtype=dtype)))
-        self.optimizer = optimizer_cls(self.params, **optimizer_args)
+        try:
+            self.optimizer = optimizer_cls(self.params, **optimizer_args)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"parameter server {index} could not build "
+                              f"{getattr(optimizer_cls, '__name__', optimizer_cls)} with "
+                              f"optimizer_args={optimizer_args}: {e}") from e
         self.base_lrs = [g.get("lr") for g in self.optimizer.param_groups]
         # Pushes carry their compressor context's values (wire.encode_ctx); its structure comes
         # from a template made by a probe compress at setup.

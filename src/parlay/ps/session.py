@@ -14,6 +14,7 @@ serves until every worker finished, then returns True: no PS-specific user code 
 from __future__ import annotations
 
 import datetime as _dt
+import inspect
 import logging
 import os
 from typing import Any, Callable
@@ -110,6 +111,13 @@ class DistributedSession:
             raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}.")
         if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
             raise ConfigError(f"checkpoint_dir must be a path or None, got {checkpoint_dir!r}.")
+        try:  # catch misspelt optimizer arguments on every rank, without building one
+            inspect.signature(optimizer).bind(None, **(optimizer_args or {}))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"optimizer_args {optimizer_args} do not fit "
+                              f"{getattr(optimizer, '__name__', optimizer)}: {e}. Hint: use the "
+                              "optimizer's keyword names, e.g. {'lr': 0.1, 'momentum': 0.9}.") \
+                from None
         trainable = [p for p in model.parameters() if p.requires_grad]
         dtypes = sorted({str(p.dtype) for p in trainable})
         if len(dtypes) > 1:
@@ -155,6 +163,13 @@ class DistributedSession:
         """
         if self._started:
             return
+        try:
+            self._start()
+        except BaseException as e:
+            self.close(e)  # no half-built session: groups and an owned runtime are released
+            raise
+
+    def _start(self) -> None:
         spec = self.task_spec
         if not runtime.is_initialized():
             found = detect()
