@@ -9,8 +9,13 @@ import torch
 import torch.nn as nn
 
 from parlay.errors import ConfigError
-from parlay.pipeline import (available_schedules, balance_by_cost, get_schedule, partition,
-                             theoretical_bubble)
+from parlay.pipeline import (
+    available_schedules,
+    balance_by_cost,
+    get_schedule,
+    partition,
+    theoretical_bubble,
+)
 from parlay.pipeline.partition import check_boundaries, param_costs
 from parlay.pipeline.trace import trace_to_sequential
 
