@@ -26,6 +26,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
                    help="processes to start on this node (default: 1)")
     p.add_argument("--ps", type=int, default=0,
                    help="number of parameter-server ranks (the first K global ranks)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages per replica for mode='hybrid' (sets PARLAY_PP)")
     for flag in _PASSTHROUGH:
         p.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), default=None,
                        help="passed to torchrun")
@@ -71,6 +73,10 @@ def _launch(ns: argparse.Namespace, target: list[str]) -> int:
     from torch.distributed import run as torchrun
 
     os.environ["PARLAY_NUM_PS"] = str(ns.ps)
+    if ns.pp is not None:
+        if ns.pp < 1:
+            raise SystemExit(f"parlay run: --pp must be >= 1, got {ns.pp}")
+        os.environ["PARLAY_PP"] = str(ns.pp)
     argv = torchrun_argv(ns, target)
     try:
         torchrun.main(argv)
@@ -158,7 +164,7 @@ def _split_parse(parser: argparse.ArgumentParser,
     if args and args[0] == "run":
         # First positional (not an option value) starts the target: script or -m module.
         i = 1
-        takes_value = {"-n", "--nproc-per-node", "--np", "--ps", *_PASSTHROUGH}
+        takes_value = {"-n", "--nproc-per-node", "--np", "--ps", "--pp", *_PASSTHROUGH}
         while i < len(args):
             a = args[i]
             if a in ("-m", "--module"):
