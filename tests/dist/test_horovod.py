@@ -333,3 +333,21 @@ def test_timeline_is_chrome_trace_json_and_reinit_works(tmp_path):
     assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "CYCLE_START"} <= names
     rows = {e["args"]["name"] for e in events if e["name"] == "process_name"}
     assert "allreduce.test_allreduce" in rows
+
+
+def _one_rank_imports_horovod():
+    import sys
+
+    from parlay import comm
+
+    assert "parlay.horovod" not in sys.modules
+    if parlay.rank() == 0:
+        # A parameter server never touches parlay.horovod; a worker may, after init. That
+        # must not start anything collective (nothing connects before a Horovod-style op).
+        assert parlay.Compression.fp16.compress(torch.ones(1))[0].dtype == torch.float16
+    comm.barrier()
+    return "parlay.horovod" in sys.modules
+
+
+def test_importing_horovod_on_some_ranks_starts_nothing_collective():
+    assert run_world(_one_rank_imports_horovod, 2, timeout=60) == [True, False]

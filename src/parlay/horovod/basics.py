@@ -121,12 +121,6 @@ def _on_init() -> None:
         for k, v in values.items():
             if k not in os.environ or _exported.get(k) == os.environ[k]:
                 os.environ[k] = _exported[k] = str(v)
-    # The global set's engine starts now, while every rank is at the same point: creating
-    # its group later, at each rank's first operation, could wait on a peer that is inside
-    # another collective (Horovod starts its background thread in init too).
-    from parlay.horovod import collectives, process_sets
-
-    collectives.target(process_sets.global_process_set)
     path = os.environ.get("HOROVOD_TIMELINE", "")
     if path and path.upper() != "DYNAMIC":
         from parlay.horovod import timeline

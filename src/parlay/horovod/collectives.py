@@ -22,6 +22,7 @@ from parlay.errors import ConfigError
 from parlay.horovod import execute
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
 from parlay.horovod.engine import Engine, Handle, Meta, Request, exchange
+from parlay.horovod.groups import TorchGroup
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn",
@@ -37,20 +38,16 @@ class _Inline:
     """Runs one request at a time on a caller-owned group, in the calling thread."""
 
     def __init__(self, group: Any) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.global_ranks = dist.get_process_group_ranks(group)
+        self.group = TorchGroup(group)
 
     def auto_name(self, kind: str) -> str:
         return f"{kind}.inline"
 
     def submit(self, req: Request) -> Handle:
-        msgs, _ = exchange(self.group, self.size, [(req.key, req.meta)])
+        msgs, _ = exchange(self.group, [(req.key, req.meta)])
         metas = {r: items[0][1] for r, items in enumerate(msgs)}
         with torch.no_grad():
             [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
-                                                  self.size, self.rank, self.global_ranks,
                                                   FUSION_BYTES)
         if err is None and req.finish is not None:
             res = req.finish(res)
@@ -78,7 +75,7 @@ def target(process_set: ProcessSet | None, process_group: Any = None) -> Any:
     ps._check_member()
     with _engine_lock:
         if ps._engine is None:
-            ps._engine = Engine(ps.engine_group(), ps.global_ranks(), FUSION_BYTES)
+            ps._engine = Engine(ps.engine_prefix(), ps.global_ranks(), FUSION_BYTES)
     return ps._engine
 
 

@@ -28,16 +28,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from parlay import comm, runtime
+from parlay import runtime
 from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
+from parlay.horovod.groups import Group, PrivateGroup
 
 __all__ = ["Meta", "Request", "Handle", "Engine", "exchange", "STOP", "JOIN"]
 
 STOP = "stop.__parlay__"
 JOIN = "join.__parlay__"
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass(frozen=True)
@@ -117,16 +116,17 @@ class Engine:
     """Negotiates and runs the Horovod-style operations of one process set on this rank.
 
     Args:
-        group: A process group used by this engine only.
-        global_ranks: Global rank of each member, in group-rank order.
+        prefix: Store prefix of this engine's private group (unique per set and init).
+        global_ranks: Global rank of each member, in set-rank order.
         fusion_bytes: Largest fused allreduce buffer.
     """
 
-    def __init__(self, group: Any, global_ranks: list[int], fusion_bytes: int) -> None:
-        self.group = group
+    def __init__(self, prefix: str, global_ranks: list[int], fusion_bytes: int) -> None:
+        self.prefix = prefix
         self.global_ranks = global_ranks
         self.size = len(global_ranks)
-        self.rank = dist.get_rank(group)
+        self.rank = global_ranks.index(dist.get_rank())
+        self.group: Group | None = None       # connected by the thread, on first use
         self.fusion_bytes = fusion_bytes
         self._cv = threading.Condition()
         self._new: list[Request] = []
@@ -205,6 +205,8 @@ class Engine:
                     if not self._local:
                         return
                     new, self._new = self._new, []
+                if self.group is None:
+                    self.group = PrivateGroup(self.prefix, self.global_ranks)
                 msgs = self._exchange([(r.key, r.meta) for r in new])
                 self._cycle += 1
                 timeline.cycle(self.rank)
@@ -221,7 +223,8 @@ class Engine:
                 r.handle._finish(error=err)
 
     def _exchange(self, items: list[tuple[str, Meta]]) -> list[list[tuple[str, Meta]]]:
-        msgs, self._slot = exchange(self.group, self.size, items, self._slot)
+        assert self.group is not None
+        msgs, self._slot = exchange(self.group, items, self._slot)
         return msgs
 
     def _process(self, msgs: list[list[tuple[str, Meta]]]) -> bool:
@@ -240,9 +243,10 @@ class Engine:
                 metas = self._table.pop(k)
                 timeline.negotiate_end(k, self.rank)
                 batch.append((k, metas, self._local.get(k)))
+            assert self.group is not None
             with torch.no_grad():
-                outcomes = execute.run_ready(self.group, batch, set(self._joined), self.size,
-                                             self.rank, self.global_ranks, self.fusion_bytes)
+                outcomes = execute.run_ready(self.group, batch, set(self._joined),
+                                             self.fusion_bytes)
             if self._device.type == "cuda":
                 # Results must be complete before another thread's stream reads them.
                 torch.cuda.current_stream().synchronize()
@@ -298,7 +302,7 @@ class Engine:
         return Request(JOIN, Meta("join", extra=counters))
 
 
-def exchange(group: Any, size: int, items: list[tuple[str, Meta]], slot: int = 2048
+def exchange(g: Group, items: list[tuple[str, Meta]], slot: int = 2048
              ) -> tuple[list[list[tuple[str, Meta]]], int]:
     """Allgather every rank's list of ``(name, descriptor)``.
 
@@ -310,15 +314,15 @@ def exchange(group: Any, size: int, items: list[tuple[str, Meta]], slot: int = 2
         The per-rank lists and the slot size to use next time.
     """
     payload = pickle.dumps(items) if items else b""
-    dev = execute.control_device(group)
+    size = g.size
+    dev = g.control_device()
     send = torch.zeros(8 + slot, dtype=torch.uint8)
     send[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
     head = payload[:slot]
     if head:
         send[8: 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     out = torch.empty(size * (8 + slot), dtype=torch.uint8, device=dev)
-    with comm.comm_errors("negotiation"):
-        _all_gather_single(out, send.to(dev), group=group)
+    g.all_gather(out, send.to(dev))
     rows = out.cpu().view(size, 8 + slot)
     lens = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
     longest = max(lens)
@@ -326,8 +330,7 @@ def exchange(group: Any, size: int, items: list[tuple[str, Meta]], slot: int = 2
         full = torch.zeros(longest, dtype=torch.uint8)
         full[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         big = torch.empty(size * longest, dtype=torch.uint8, device=dev)
-        with comm.comm_errors("negotiation"):
-            _all_gather_single(big, full.to(dev), group=group)
+        g.all_gather(big, full.to(dev))
         rows = big.cpu().view(size, longest)
         raw = [rows[i, :n].numpy().tobytes() for i, n in enumerate(lens)]
         slot = 1 << (longest - 1).bit_length()

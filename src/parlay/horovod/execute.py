@@ -1,4 +1,4 @@
-"""Running negotiated operations: checks, fusion and the data movement on a torch group.
+"""Running negotiated operations: checks, fusion and the data movement on a group.
 
 Every rank calls :func:`run_ready` with the same batch (names, every rank's descriptor) and so
 takes the same decisions: which operations fail (descriptors disagree), which allreduces are
@@ -15,32 +15,17 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from parlay import comm
 from parlay.dp.ops import ReduceOp
 from parlay.horovod.basics import HorovodInternalError
+from parlay.horovod.groups import Group
 
-__all__ = ["run_ready", "check", "control_device", "scale_", "adasum"]
+__all__ = ["run_ready", "check", "scale_", "adasum", "scatter_rows"]
 
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or dist.reduce_scatter_tensor)
-
-_C10D_OP = {ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SUM,
-            ReduceOp.Min: dist.ReduceOp.MIN, ReduceOp.Max: dist.ReduceOp.MAX,
-            ReduceOp.Product: dist.ReduceOp.PRODUCT}
 # Reductions gloo cannot do natively in a dtype run in a wider one.
 _WIDEN = {torch.int16: torch.int32}
 _NO_JOIN = ("allgather", "broadcast", "alltoall", "reducescatter")
 _ALONE_BYTES = 1 << 20   # tensors this big are reduced in place, never copied for fusion
-
-
-def control_device(group: Any) -> torch.device:
-    """Where small control tensors live: CPU unless the group is NCCL-only."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -51,7 +36,7 @@ def _fmt(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(map(str, shape)) + "]"
 
 
-def check(key: str, metas: dict[int, Any], joined: set[int], size: int,
+def check(key: str, metas: dict[int, Any], joined: set[int],
           global_ranks: list[int]) -> str | None:
     """Why the descriptors of one operation disagree (``None`` if they agree)."""
     kind = next(iter(metas.values())).kind
@@ -105,18 +90,14 @@ def check(key: str, metas: dict[int, Any], joined: set[int], size: int,
     return None
 
 
-def run_ready(group: Any, batch: list[tuple[str, dict[int, Any], Any]], joined: set[int],
-              size: int, rank: int, global_ranks: list[int],
+def run_ready(g: Group, batch: list[tuple[str, dict[int, Any], Any]], joined: set[int],
               fusion_bytes: int) -> list[tuple[Any, Any, BaseException | None]]:
     """Run one cycle's ready operations (identically ordered on every rank).
 
     Args:
-        group: The engine's process group.
+        g: The group to run on.
         batch: ``(name, {group rank: descriptor}, local request or None)`` in table order.
         joined: Group ranks that joined (no request, zeros for allreduce).
-        size: Group size.
-        rank: This rank in the group.
-        global_ranks: Global rank of each group rank.
         fusion_bytes: Largest fused allreduce buffer.
 
     Returns:
@@ -125,7 +106,7 @@ def run_ready(group: Any, batch: list[tuple[str, dict[int, Any], Any]], joined: 
     out: list[tuple[Any, Any, BaseException | None]] = []
     fused: dict[tuple[Any, ...], list[torch.Tensor]] = {}
     for key, metas, req in batch:
-        why = check(key, metas, joined, size, global_ranks)
+        why = check(key, metas, joined, g.global_ranks)
         m = next(iter(metas.values()))
         if why is not None:
             if req is not None:
@@ -139,7 +120,7 @@ def run_ready(group: Any, batch: list[tuple[str, dict[int, Any], Any]], joined: 
             if req is not None:
                 out.append((req, req.outputs, None))
             continue
-        res = _run_one(group, m, metas, req, size, rank)
+        res = _run_one(g, m, metas, req)
         if req is not None:
             out.append((req, res, None))
     for (_, _, op, pre, post), tensors in fused.items():
@@ -149,15 +130,15 @@ def run_ready(group: Any, batch: list[tuple[str, dict[int, Any], Any]], joined: 
             b = t.numel() * t.element_size()
             if b >= _ALONE_BYTES and t.is_contiguous():
                 # Copying a big tensor into a fusion buffer costs more than its own message.
-                _allreduce_flat(group, [t], op, pre, post, size)
+                _allreduce_flat(g, [t], op, pre, post)
                 continue
             if chunk and nbytes + b > fusion_bytes:
-                _allreduce_flat(group, chunk, op, pre, post, size)
+                _allreduce_flat(g, chunk, op, pre, post)
                 chunk, nbytes = [], 0
             chunk.append(t)
             nbytes += b
         if chunk:
-            _allreduce_flat(group, chunk, op, pre, post, size)
+            _allreduce_flat(g, chunk, op, pre, post)
     return out
 
 
@@ -193,15 +174,14 @@ def _zeros(meta: Any, i: int) -> torch.Tensor:
     return torch.zeros(meta.shapes[i], dtype=_dtype(meta.dtypes[i]), device=dev)
 
 
-def _allreduce_flat(group: Any, ts: list[torch.Tensor], op: int, pre: float, post: float,
-                    size: int) -> None:
+def _allreduce_flat(g: Group, ts: list[torch.Tensor], op: int, pre: float, post: float) -> None:
+    size = g.size
     single = len(ts) == 1 and ts[0].is_contiguous() and ts[0].dtype not in _WIDEN
     buf = ts[0] if single else torch.cat([t.reshape(-1) for t in ts])
     wide = _WIDEN.get(buf.dtype)
     work = buf.to(wide) if wide is not None else buf
     scale_(work, pre)
-    with comm.comm_errors("allreduce"):
-        dist.all_reduce(work, op=_C10D_OP[ReduceOp(op)], group=group)
+    g.all_reduce(work, op)
     if op == ReduceOp.Average:
         if post != 1.0 and not (work.is_floating_point() or work.is_complex()):
             work.copy_(work.double().mul_(post).div_(size))   # one rounding, like Horovod
@@ -247,7 +227,8 @@ def _from_bytes(b: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return b.contiguous().view(dtype).reshape(shape)
 
 
-def _run_one(group: Any, m: Any, metas: dict[int, Any], req: Any, size: int, rank: int) -> Any:
+def _run_one(g: Group, m: Any, metas: dict[int, Any], req: Any) -> Any:
+    size = g.size
     if m.kind == "barrier":
         return None
     if m.kind == "allreduce":              # Adasum: gather everything, combine locally
@@ -255,8 +236,8 @@ def _run_one(group: Any, m: Any, metas: dict[int, Any], req: Any, size: int, ran
         for i, t in enumerate(req.outputs if req is not None else
                               [_zeros(m, j) for j in range(len(m.dtypes))]):
             scale_(t, m.prescale)
-            parts = _gather_bytes(group, [t.reshape(1, -1)], {r: [1] for r in range(size)},
-                                  size)[0].view(size, -1)
+            parts = _gather_bytes(g, [t.reshape(1, -1)], {r: [1] for r in range(size)})[0]
+            parts = parts.view(size, -1)
             res = adasum(list(parts.unbind(0))).to(t.dtype).view_as(t)
             t.copy_(scale_(res, m.postscale))
             outs.append(t)
@@ -264,19 +245,20 @@ def _run_one(group: Any, m: Any, metas: dict[int, Any], req: Any, size: int, ran
     if m.kind == "allgather":
         dims = {r: [s[0] if s else 1 for s in mm.shapes] for r, mm in metas.items()}
         ts = [t if t.dim() else t.reshape(1) for t in req.inputs]
-        return _gather_bytes(group, ts, dims, size), [dims[r] for r in range(size)]
+        return _gather_bytes(g, ts, dims), [dims[r] for r in range(size)]
     if m.kind == "broadcast":
-        return _broadcast(group, req.outputs, m.root)
+        return _broadcast(g, req.outputs, m.root)
     if m.kind == "alltoall":
-        return _alltoall(group, req.inputs[0], metas, size, rank)
+        return _alltoall(g, req.inputs[0], metas)
     if m.kind == "reducescatter":
-        return [_reducescatter(group, t, m, size, rank) for t in req.inputs]
+        return [_reducescatter(g, t, m) for t in req.inputs]
     raise HorovodInternalError(f"unknown operation kind {m.kind!r}")
 
 
-def _gather_bytes(group: Any, ts: list[torch.Tensor], dims: dict[int, list[int]],
-                  size: int) -> list[torch.Tensor]:
+def _gather_bytes(g: Group, ts: list[torch.Tensor],
+                  dims: dict[int, list[int]]) -> list[torch.Tensor]:
     """Allgather several tensors in one message; ``dims[r][i]``: rank r's rows of tensor i."""
+    size = g.size
     rows = [t[0].numel() * t.element_size() if t.shape[0] else
             math.prod(t.shape[1:]) * t.element_size() for t in ts]
     per_rank = [sum(d * rb for d, rb in zip(dims[r], rows)) for r in range(size)]
@@ -288,8 +270,7 @@ def _gather_bytes(group: Any, ts: list[torch.Tensor], dims: dict[int, list[int]]
         send[: mine.numel()] = mine
     out = torch.empty(longest * size, dtype=torch.uint8, device=dev)
     if longest:   # every rank knows every size: all skip together
-        with comm.comm_errors("allgather"):
-            _all_gather_single(out, send, group=group)
+        g.all_gather(out, send)
     results = []
     offs = [r * longest for r in range(size)]
     for i, t in enumerate(ts):
@@ -303,11 +284,10 @@ def _gather_bytes(group: Any, ts: list[torch.Tensor], dims: dict[int, list[int]]
     return results
 
 
-def _broadcast(group: Any, outs: list[torch.Tensor], root: int) -> list[torch.Tensor]:
+def _broadcast(g: Group, outs: list[torch.Tensor], root: int) -> list[torch.Tensor]:
     buf = torch.cat([_bytes(t) for t in outs]) if len(outs) > 1 else _bytes(outs[0]).clone()
     if buf.numel():
-        with comm.comm_errors("broadcast"):
-            dist.broadcast(buf, src=root, group=group)
+        g.broadcast(buf, root)
     off = 0
     for t in outs:
         n = t.numel() * t.element_size()
@@ -323,15 +303,14 @@ def _splits(m: Any, size: int) -> list[int]:
     return [d0 // size] * size
 
 
-def _alltoall(group: Any, t: torch.Tensor, metas: dict[int, Any], size: int,
-              rank: int) -> tuple[torch.Tensor, list[int]]:
+def _alltoall(g: Group, t: torch.Tensor,
+              metas: dict[int, Any]) -> tuple[torch.Tensor, list[int]]:
+    size, rank = g.size, g.rank
     row = math.prod(t.shape[1:]) * t.element_size()
     send = _splits(metas[rank], size)
     recv = [_splits(metas[r], size)[rank] for r in range(size)]
     out = torch.empty(sum(recv) * row, dtype=torch.uint8, device=t.device)
-    with comm.comm_errors("alltoall"):
-        dist.all_to_all_single(out, _bytes(t[: sum(send)]), [r * row for r in recv],
-                               [s * row for s in send], group=group)
+    g.all_to_all(out, _bytes(t[: sum(send)]), [r * row for r in recv], [s * row for s in send])
     return _from_bytes(out, t.dtype, (sum(recv), *t.shape[1:])), recv
 
 
@@ -340,7 +319,8 @@ def scatter_rows(d0: int, size: int) -> list[int]:
     return [d0 // size + (1 if r < d0 % size else 0) for r in range(size)]
 
 
-def _reducescatter(group: Any, t: torch.Tensor, m: Any, size: int, rank: int) -> torch.Tensor:
+def _reducescatter(g: Group, t: torch.Tensor, m: Any) -> torch.Tensor:
+    size, rank = g.size, g.rank
     rows = scatter_rows(t.shape[0], size)
     most = max(rows)
     wide = _WIDEN.get(t.dtype, t.dtype)
@@ -351,8 +331,7 @@ def _reducescatter(group: Any, t: torch.Tensor, m: Any, size: int, rank: int) ->
         off += n
     scale_(padded, m.prescale)
     out = padded.new_empty((most, *t.shape[1:]))
-    with comm.comm_errors("reducescatter"):
-        _reduce_scatter_single(out, padded, op=_C10D_OP[ReduceOp(m.op)], group=group)
+    g.reduce_scatter(out, padded, m.op)
     out = out[: rows[rank]]
     if m.op == ReduceOp.Average:
         _divide_(out, size)

@@ -51,8 +51,7 @@ class ProcessSet:
         self.ranks: list[int] = list(ranks)
         self.process_set_id: int | None = None
         self._group: Any = None           # torch group for the calling thread (None: world)
-        self._engine_group: Any = None    # private group of the negotiation engine
-        self._engine: Any = None
+        self._engine: Any = None          # negotiation engine (it owns a private group)
         self._generation = -1
 
     # ------------------------------------------------------------------ Horovod API
@@ -94,14 +93,10 @@ class ProcessSet:
         self._check_member()
         return None if self is global_process_set else self._group
 
-    def engine_group(self) -> Any:
-        """The private group of this set's negotiation engine (created on first use)."""
+    def engine_prefix(self) -> str:
+        """Store prefix of this set's engine group: unique per set id and init generation."""
         self._check_member()
-        if self._engine_group is None:
-            # Only the global set gets here, from the init hook (parlay.horovod.basics), where
-            # every rank is at the same point; added sets create theirs in add_process_set.
-            self._engine_group = dist.new_group(list(range(runtime.size())))
-        return self._engine_group
+        return f"parlay.horovod/init{_generation()}/set{self.process_set_id}"
 
     def global_ranks(self) -> list[int]:
         """Global ranks of the members, in set-rank order."""
@@ -125,7 +120,6 @@ class ProcessSet:
 
     def _reset(self) -> None:
         self._engine = None
-        self._engine_group = None
         self._group = None
 
 
@@ -168,9 +162,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
                               "registered (the world is global_process_set).")
         ps.process_set_id, _next_id = _next_id, _next_id + 1
         _sets[ps.process_set_id] = ps
-    # Collective over the whole world, in the same order on every rank: user group first.
+    # Collective over the whole world, in the same order on every rank.
     ps._group = dist.new_group(ps.ranks)
-    ps._engine_group = dist.new_group(ps.ranks)
     ps._engine = None
     ps._generation = gen
     return ps
@@ -189,23 +182,21 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     engine, process_set._engine = process_set._engine, None
     if engine is not None:
         engine.stop()
-    for g in (process_set._group, process_set._engine_group):
-        if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
-            dist.destroy_process_group(g)
+    g = process_set._group
+    if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
+        dist.destroy_process_group(g)
     process_set._reset()
     process_set.process_set_id = None
     return True
 
 
 def _purge(gen: int) -> None:
-    global _next_id
+    # Ids are never reused within an init generation: they name the engines' store prefixes.
     stale = [k for k, s in _sets.items() if s._generation not in (gen, -1)]
     for k in stale:
         s = _sets.pop(k)
         s._reset()
         s.process_set_id = None
-    if not _sets:
-        _next_id = 1
 
 
 def live_sets() -> list[ProcessSet]:
