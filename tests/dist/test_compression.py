@@ -90,8 +90,8 @@ def test_wire_result_equals_decompress_then_sum_on_every_rank(reports, name):
         r = rep[name]
         for s, (out, hand) in enumerate(zip(r["outs"], r["hands"])):
             assert out.dtype == torch.float64
-            torch.testing.assert_close(out, hand, **tol,
-                                       msg=lambda m: f"{name}, rank {rank}, step {s}: {m}")
+            where = f"{name}, rank {rank}, step {s}"
+            torch.testing.assert_close(out, hand, **tol, msg=lambda m, w=where: f"{w}: {m}")
             # every rank holds the same reduced bucket
             torch.testing.assert_close(out, per_rank[0][name]["outs"][s], rtol=0, atol=0)
             if name in ("none", "fp16", "bf16"):  # lossless on these inputs: the true sum
@@ -107,7 +107,7 @@ def test_randomk_ranks_draw_the_same_coordinates(reports):
 
 
 def test_wire_bytes_are_the_payload_bytes(reports):
-    world, per_rank = reports
+    _, per_rank = reports
     rep = per_rank[0]
     dense = STEPS * N * 8
     assert rep["none"]["wire"] == rep["none"]["dense"] == dense

@@ -215,14 +215,15 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
             reduced = payload
             for w in works:
                 w.wait()
-            nxt = more(reduced, ctx) if more is not None else None
-            while nxt is not None:
+            while more is not None:
+                nxt = more(reduced, ctx)
+                if nxt is None:
+                    break
                 if stats is not None:
                     stats.add_wire(_nbytes(nxt))
                 for p in nxt:
                     comm.allreduce(p, "sum", group=group)
                 reduced = nxt
-                nxt = more(reduced, ctx)
             out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
     else:

@@ -199,7 +199,7 @@ class ErrorFeedback(Compressor):
                               "residuals. Hint: PowerSGD(rank, error_feedback=True) is the "
                               "default; wrap a one-round compressor such as FP16() or TopK().")
         if getattr(inner, "memory", None) is not None:
-            inner.memory = None  # type: ignore[union-attr]  # this wrapper now owns the residuals
+            inner.memory = None  # type: ignore[attr-defined]  # this wrapper owns residuals
         self.inner = inner
         self.memory = Residuals(momentum, masking)
         self.summable = inner.summable  # type: ignore[misc]
