@@ -1,11 +1,12 @@
 """Process sets: Horovod's name for a subset of ranks that runs collectives together.
 
-Here a process set *is* a pair of torch process groups over its ranks: ``group``, which the
-calling thread may use directly (DistributedOptimizer buckets, parameter broadcasts), and a
-private group owned by the set's negotiation engine (:mod:`parlay.horovod.engine`), whose
-background thread must never share a group with the calling thread. Adding or removing a set is
-collective: every rank of the world calls it, in the same order, as with
-``HOROVOD_DYNAMIC_PROCESS_SETS=1``. ``root_rank`` arguments stay *global* ranks, as in Horovod.
+Here a process set *is* process groups over its ranks: ``group()``, a torch group the calling
+thread may use directly (DistributedOptimizer buckets, parameter broadcasts), and the private
+backends of the set's negotiation engine (:mod:`parlay.horovod.engine`,
+:class:`~parlay.horovod.groups.PrivateGroup`), whose background thread must never share a group
+with the calling thread. Adding or removing a set is collective: every rank of the world calls
+it, in the same order, as with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``. ``root_rank`` arguments stay
+*global* ranks, as in Horovod.
 """
 from __future__ import annotations
 
