@@ -185,6 +185,12 @@ class ServerCore:
         return min(ds) if ds else None
 
     # -- events -------------------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        """Serving begins now: silence deadlines of released workers count from here."""
+        for w in range(self.num_workers):
+            if self.state[w] == RUN:
+                self.deadline[w] = now + self.timeout
+
     def hello(self, w: int, now: float) -> list[Reply]:
         """Worker ``w`` asks for the parameters (its first pull)."""
         if self.state[w] == LOST:

@@ -286,6 +286,7 @@ class Server:
                                   daemon=True)
         thread.start()
         c = self.core
+        c.start(time.monotonic())
         n_lost = 0
         saved = c.version
         while not c.finished():
