@@ -10,10 +10,10 @@ cross the target at (almost) the same step and the ratio measures speed.
 * anchor: the DDP script a PyTorch user writes: ``DistributedDataParallel``, a
   ``DistributedSampler`` + ``DataLoader(batch_size=128)``, ``LambdaLR`` for the same schedule.
 
-Both trainings live in the same two processes and alternate in chunks of ``--eval-every``
-steps (parlay then DDP, then DDP then parlay, ...), each with its own clock, so load from other
-processes on a shared machine hits both alike (whole runs one after the other differed by up to
-2x here). After each chunk the test accuracy is measured on the full test set; evaluation is
+Both trainings live in the same two processes and take turns of ``--chunk`` steps (parlay
+then DDP, then DDP then parlay, ...), each with its own clock, so load from other processes on
+a shared machine hits both alike (whole runs one after the other differed by up to 2x here).
+Every ``--eval-every`` steps the test accuracy is measured on the full test set; evaluation is
 excluded from the clock, set-up (model, optimizer, broadcast) included. The ratio is parlay /
 DDP time to target (median over ``--repeats`` runs; < 1 means parlay is faster).
 
@@ -124,9 +124,10 @@ class _DDP:
         return _accuracy_ddp(self.model, self.test)
 
 
-def worker(data: str | None, target: float, chunk: int, out: str) -> None:
+def worker(data: str | None, target: float, eval_every: int, chunk: int, out: str) -> None:
     """One rank (started by torchrun): both trainings in this process, alternating chunks of
-    ``chunk`` steps, each timed by its own clock (evaluation excluded)."""
+    ``chunk`` steps, each timed by its own clock; test accuracy every ``eval_every`` steps
+    (evaluation excluded from the clock)."""
     import torch
     import torch.distributed as dist
 
@@ -142,7 +143,8 @@ def worker(data: str | None, target: float, chunk: int, out: str) -> None:
         sides[name] = cls(train, test)
         sides[name + "_setup"] = time.perf_counter() - t0
     rows = {k: {"kind": k, "seconds_to_target": None, "steps_to_target": None, "train_seconds":
-                sides[k + "_setup"], "eval_seconds": 0.0, "steps": 0, "final_accuracy": 0.0}
+                sides[k + "_setup"], "setup_seconds": sides[k + "_setup"], "eval_seconds": 0.0,
+                "steps": 0, "final_accuracy": 0.0}
             for k in ("parlay", "ddp")}
     rnd = 0
     while any(r["seconds_to_target"] is None and r["steps"] < sides[k].total
@@ -153,7 +155,8 @@ def worker(data: str | None, target: float, chunk: int, out: str) -> None:
             r, side = rows[k], sides[k]
             if r["seconds_to_target"] is not None or r["steps"] >= side.total:
                 continue
-            n = min(chunk, side.total - r["steps"])
+            to_eval = eval_every - r["steps"] % eval_every
+            n = min(chunk, to_eval, side.total - r["steps"])
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(n):
@@ -161,6 +164,8 @@ def worker(data: str | None, target: float, chunk: int, out: str) -> None:
             dist.barrier()
             r["train_seconds"] += time.perf_counter() - t0
             r["steps"] += n
+            if r["steps"] % eval_every and r["steps"] < side.total:
+                continue
             t0 = time.perf_counter()
             r["final_accuracy"] = side.accuracy()
             r["eval_seconds"] += time.perf_counter() - t0
@@ -179,7 +184,8 @@ def _launch(args: argparse.Namespace) -> list[dict]:
         out = os.path.join(tmp, "result.json")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", os.path.abspath(__file__), "--worker",
-               "--target", str(args.target), "--eval-every", str(args.eval_every), "--out", out]
+               "--target", str(args.target), "--eval-every", str(args.eval_every),
+               "--chunk", str(args.chunk), "--out", out]
         if args.data:
             cmd += ["--data", args.data]
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -196,6 +202,8 @@ def main() -> None:
                    help="folder with the MNIST .gz files (default: PARLAY_DATA_DIR)")
     p.add_argument("--target", type=float, default=0.98)
     p.add_argument("--eval-every", type=int, default=59, help="steps (a quarter epoch)")
+    p.add_argument("--chunk", type=int, default=10,
+                   help="steps per turn when alternating the two trainings")
     p.add_argument("--repeats", type=int, default=3, help="runs (each alternates both sides)")
     p.add_argument("--quick", action="store_true", help="one run")
     p.add_argument("--json", default=None)
@@ -203,7 +211,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        worker(args.data, args.target, args.eval_every, args.out)
+        worker(args.data, args.target, args.eval_every, args.chunk, args.out)
         return
     repeats = 1 if args.quick else args.repeats
     rows: list[dict] = []
@@ -217,7 +225,8 @@ def main() -> None:
                   else f"did not reach {args.target:.0%}") +
                   f" (accuracy {row['final_accuracy']:.4f}, {row['steps']} steps in "
                   f"{row['train_seconds']:.1f} s = {1000 * row['train_seconds'] / row['steps']:.1f}"
-                  f" ms/step, eval {row['eval_seconds']:.1f} s)", flush=True)
+                  f" ms/step, set-up {row['setup_seconds']:.1f} s, eval {row['eval_seconds']:.1f} s)",
+                  flush=True)
     pairs = repeats
     ratios = []
     for i in range(pairs):

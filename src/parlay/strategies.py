@@ -133,11 +133,19 @@ def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
     _REGISTRY[name] = factory
 
 
-def _load_builtin() -> None:
-    # Importing a mode's module registers it; modes that are not built yet are skipped.
+# Built-in mode -> the module whose import registers it.
+_BUILTIN = {"allreduce": "parlay.dp.strategy", "ps": "parlay.ps.strategy",
+            "hybrid": "parlay.pipeline.strategy"}
+
+
+def _load_builtin(only: str | None = None) -> None:
+    # Importing a mode's module registers it; modes that are not built yet are skipped. Only
+    # the mode asked for is imported when it is built in: the pipeline mode pulls in
+    # torch.distributed.pipelining (1.4 s here, several seconds on a loaded machine).
     import importlib
 
-    for mod in ("parlay.dp.strategy", "parlay.ps.strategy", "parlay.pipeline.strategy"):
+    mods = [_BUILTIN[only]] if only in _BUILTIN else list(_BUILTIN.values())
+    for mod in mods:
         try:
             importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -157,7 +165,9 @@ def get_strategy(mode: str, **options: Any) -> Strategy:
     Raises:
         ConfigError: Unknown mode (the message lists the valid ones).
     """
-    _load_builtin()
     if mode not in _REGISTRY:
+        _load_builtin(mode)
+    if mode not in _REGISTRY:
+        _load_builtin()
         raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(sorted(_REGISTRY))}.")
     return _REGISTRY[mode](**options)
