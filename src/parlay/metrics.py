@@ -164,8 +164,12 @@ class MetricsLogger:
         self._t_epoch, self._samples_epoch = now, 0
         return loss
 
-    def validation(self, step: int, epochs: float, metrics: dict[str, float]) -> None:
-        """Emit validation metrics (already reduced); ``epochs``: epochs done so far."""
+    def validation(self, step: int, epochs: float, metrics: dict[str, float],
+                   seconds: float = 0.0) -> None:
+        """Emit validation metrics (already reduced); ``epochs``: epochs done so far. The
+        ``seconds`` validation took are left out of the training rates."""
+        self._t_log += seconds
+        self._t_epoch += seconds
         if metrics:
             self.print(f"validation @ step {step} ({epochs:.2f} epochs): "
                        + "  ".join(f"{k} {_fmt(v)}" for k, v in metrics.items()))

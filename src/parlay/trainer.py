@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -381,6 +382,7 @@ class Trainer:
         s = self.strategy
         if not s.consumes_data:
             return {}
+        t0 = time.perf_counter()
         if dataset is None and self._val_loader is not None:
             loader = self._val_loader
         else:
@@ -411,7 +413,8 @@ class Trainer:
         names = sorted({name for p, _ in parts for name in p})
         result = {name: sum(p.get(name, 0.0) for p, _ in parts) / max(total, 1) for name in names}
         result["samples"] = float(total)
-        self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch, result)
+        self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch, result,
+                                seconds=time.perf_counter() - t0)
         return result
 
     # ------------------------------------------------------------------ checkpoints
