@@ -70,8 +70,8 @@ def _context() -> Any:
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any,
-               args: tuple[Any, ...], kwargs: dict[str, Any], env: Mapping[str, str],
-               timeout: float, threads: int) -> None:
+               release: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               env: Mapping[str, str], timeout: float, threads: int) -> None:
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
         "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
@@ -98,6 +98,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, q:
             payload = pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
         q.put((rank, "error", payload, tb))
     finally:
+        # Keep the group (rank 0 hosts its store) alive until every rank has reported, so a
+        # rank that finishes early never pulls the store from under one still talking to it.
+        release.wait(timeout + 30)
         try:
             rt.shutdown()
         except Exception:  # noqa: BLE001
@@ -126,9 +129,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     ctx = _context()
     q = ctx.Queue()
+    release = ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, name=f"parlay-rank{r}",
-                         args=(fn, r, world_size, port, q, args, kwargs, dict(env or {}),
+                         args=(fn, r, world_size, port, q, release, args, kwargs, dict(env or {}),
                                comm_timeout, threads), daemon=True)
              for r in range(world_size)]
     for p in procs:
@@ -169,6 +173,7 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             else:
                 failures[r] = RankFailure(r, "error", pickle.loads(payload), tb)
     finally:
+        release.set()
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
         for p in procs:
