@@ -124,6 +124,10 @@ class Strategy:
     def finish(self) -> None:
         """Called once when training ends (e.g. tell parameter servers to stop)."""
 
+    def use_checkpoint_dir(self, path: str) -> None:
+        """The Trainer's ``checkpoint_dir``, given before :meth:`setup`, for state the Trainer's
+        own checkpoints cannot hold (e.g. parameter-server shards, saved on the servers)."""
+
 
 _REGISTRY: dict[str, Callable[..., Strategy]] = {}
 

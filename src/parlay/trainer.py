@@ -169,6 +169,8 @@ class Trainer:
                               f"nn.Module and a callable loss_fn(output, target), got "
                               f"{type(built).__name__}. Hint: return model, nn.CrossEntropyLoss().")
         model, self.loss_fn = built
+        if checkpoint_dir is not None:
+            s.use_checkpoint_dir(str(checkpoint_dir))
         s.setup(model, self.loss_fn, optimizer, dict(optimizer_args or {}))
         if seed is not None:  # distinct dropout masks per rank, reproducible per run
             torch.manual_seed(seed + 1 + runtime.rank())

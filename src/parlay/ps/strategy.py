@@ -7,6 +7,8 @@ finished, closes the session and returns True. Workers form the data-parallel re
 """
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable
 
 import torch
@@ -100,6 +102,12 @@ class ParameterServerStrategy(Strategy):
         return self.dp_group
 
     # ------------------------------------------------------------------ life cycle
+    def use_checkpoint_dir(self, path: str) -> None:
+        """Servers save and resume their shards under ``<path>/ps`` unless the strategy was
+        given its own ``checkpoint_dir``."""
+        if self.options.get("checkpoint_dir") is None:
+            self.options["checkpoint_dir"] = os.path.join(path, "ps")
+
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
         if self.consumes_data:
