@@ -351,3 +351,22 @@ def _one_rank_imports_horovod():
 
 def test_importing_horovod_on_some_ranks_starts_nothing_collective():
     assert run_world(_one_rank_imports_horovod, 2, timeout=60) == [True, False]
+
+
+def _desynced():
+    import parlay.horovod as hvd
+
+    name = "a" if hvd.rank() == 0 else "b"
+    try:
+        hvd.allreduce(torch.ones(1), name=name)
+        err = "no error"
+    except hvd.HorovodInternalError as e:
+        err = str(e)
+    return err, hvd.allreduce(torch.ones(1), op=hvd.Sum, name="c").item()
+
+
+def test_ranks_waiting_for_different_names_fail_after_the_timeout_and_recover():
+    outs = run_world(_desynced, 2, comm_timeout=3, timeout=60)
+    assert "allreduce.a stalled" in outs[0][0] and "allreduce.b" in outs[0][0]
+    assert "allreduce.b stalled" in outs[1][0] and "ranks [0] did not" in outs[1][0]
+    assert outs[0][1] == outs[1][1] == 2.0

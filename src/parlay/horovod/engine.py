@@ -136,6 +136,11 @@ class Engine:
         self._cycle = 0
         self._counters: dict[str, int] = {}
         self._slot = 2048       # negotiation message size (bytes), grows on demand
+        self._idle = 0          # cycles in a row in which nothing happened
+        self._first_seen: dict[str, float] = {}   # when each table name appeared (local clock)
+        self._reported: set[str] = set()           # names this rank reported as stalled
+        self._stall_s = (runtime.timeout().total_seconds() if runtime.is_initialized()
+                         else 300.0)
         self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
         self._dead: BaseException | None = None
         self._closing = False
@@ -185,7 +190,9 @@ class Engine:
                     self._local[STOP] = req
                     self._new.append(req)
                     self._cv.notify()
-        self._thread.join()
+        # A peer that never stops must not keep this rank forever: give up after the timeout
+        # (the daemon thread is abandoned; the group dies with the default group).
+        self._thread.join(timeout=self._stall_s + 10)
 
     def close_if_idle(self) -> None:
         """At interpreter exit: end the thread if it is idle (no collective, no peers)."""
@@ -204,10 +211,14 @@ class Engine:
                         self._cv.wait()
                     if not self._local:
                         return
+                    if self._idle and not self._new:
+                        # Nothing moved last cycle: back off (a new request wakes us early).
+                        self._cv.wait(timeout=min(2e-4 * 2 ** min(self._idle, 8), 0.05))
                     new, self._new = self._new, []
                 if self.group is None:
                     self.group = PrivateGroup(self.prefix, self.global_ranks)
-                msgs = self._exchange([(r.key, r.meta) for r in new])
+                items = [(r.key, r.meta) for r in new] + self._stalled_here()
+                msgs = self._exchange(items)
                 self._cycle += 1
                 timeline.cycle(self.rank)
                 if self._process(msgs):
@@ -227,16 +238,54 @@ class Engine:
         msgs, self._slot = exchange(self.group, items, self._slot)
         return msgs
 
+    def _stalled_here(self) -> list[tuple[str, Meta]]:
+        """Names this rank has seen waiting longer than the timeout (reported once)."""
+        now = time.monotonic()
+        late = [k for k, t0 in self._first_seen.items()
+                if now - t0 > self._stall_s and k != STOP and k not in self._reported]
+        self._reported.update(late)
+        return [(k, Meta("stalled")) for k in late]
+
+    def _fail_stalled(self, keys: set[str]) -> None:
+        # Every rank learns the same set in the same cycle, so all drop the same names.
+        for key in sorted(k for k in keys if k in self._table):
+            metas = self._table.pop(key)
+            self._first_seen.pop(key, None)
+            self._reported.discard(key)
+            req = self._local.get(key)
+            if req is None:
+                continue
+            missing = [r for r in range(self.size) if r not in metas and r not in self._joined]
+            waits = {self.global_ranks[r]: [k for k, m in self._table.items() if r in m][:3]
+                     for r in missing}
+            err = HorovodInternalError(
+                f"{key} stalled: ranks {[self.global_ranks[r] for r in sorted(metas)]} submitted "
+                f"it, ranks {[self.global_ranks[r] for r in missing]} did not within "
+                f"{self._stall_s:.0f} s (they wait for: {waits}). Hint: every rank of the process "
+                "set must run the same operations (names must match); raise PARLAY_TIMEOUT if "
+                "a rank is legitimately this late.", op=key.split(".")[0])
+            self._complete([(req, None, err)])
+
     def _process(self, msgs: list[list[tuple[str, Meta]]]) -> bool:
+        stalled: set[str] = set()
+        moved = False
         for r, items in enumerate(msgs):
             for key, meta in items:
+                moved = True
                 if meta.kind == "join":
                     self._joined.setdefault(r, (self._cycle, meta.extra))
+                elif meta.kind == "stalled":
+                    stalled.add(key)
                 else:
                     self._table.setdefault(key, {})[r] = meta
+                    self._first_seen.setdefault(key, time.monotonic())
         active = [r for r in range(self.size) if r not in self._joined]
         ready = [k for k, metas in self._table.items()
                  if k != STOP and active and all(r in metas for r in active)]
+        for k in ready:
+            self._first_seen.pop(k, None)
+            self._reported.discard(k)
+        self._idle = 0 if (moved or ready) else self._idle + 1
         if ready:
             batch = []
             for k in ready:
@@ -251,6 +300,8 @@ class Engine:
                 # Results must be complete before another thread's stream reads them.
                 torch.cuda.current_stream().synchronize()
             self._complete(outcomes)
+        if stalled:
+            self._fail_stalled(stalled)
         if len(self._joined) == self.size:
             self._finish_join()
         stop = self._table.get(STOP)
