@@ -13,8 +13,8 @@ import torch
 
 from parlay.dp.ops import ReduceOp
 from parlay.horovod import collectives as c
-from parlay.horovod.basics import HorovodInternalError
-from parlay.horovod.engine import Handle, Request
+from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
+from parlay.horovod.engine import Handle, Meta, Request
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
@@ -114,14 +114,13 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
 
     rop = c.resolve_op(None, op)
     if rop not in (ReduceOp.Average, ReduceOp.Sum):
-        raise c.HorovodUnsupportedError("sparse_allreduce_async supports op=Average or Sum.")
+        raise HorovodUnsupportedError("sparse_allreduce_async supports op=Average or Sum.")
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    base = name if name is not None else None
     ih = allgather_async(t._indices().t().contiguous(),
-                         name=None if base is None else f"{base}.indices",
+                         name=None if name is None else f"{name}.indices",
                          process_set=process_set, process_group=process_group)
     vh = allgather_async(t._values().contiguous(),
-                         name=None if base is None else f"{base}.values",
+                         name=None if name is None else f"{name}.values",
                          process_set=process_set, process_group=process_group)
     n = c.set_size(process_set, process_group)
 
@@ -273,8 +272,6 @@ def barrier(process_set: ProcessSet = _GLOBAL) -> None:
     """Block until every rank of the set reached the barrier (negotiated like any operation,
     so operations started before it may still be in flight)."""
     runner = c.target(process_set)
-    from parlay.horovod.engine import Meta
-
     runner.submit(Request(runner.auto_name("barrier"), Meta("barrier"))).wait()
 
 
