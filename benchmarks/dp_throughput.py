@@ -53,7 +53,8 @@ class _Naive:
         self.opt.step()
 
 
-def _bench_rank(model_name: str, steps: int, rounds: int, bucket_mb: float) -> list[dict]:
+def _bench_rank(model_name: str, steps: int, rounds: int, bucket_mb: float,
+                overlap: bool = True) -> list[dict]:
     widths, batch = MODELS[model_name]
     x = torch.randn(batch, widths[0])
     y = torch.randint(0, widths[-1], (batch,))
@@ -66,7 +67,7 @@ def _bench_rank(model_name: str, steps: int, rounds: int, bucket_mb: float) -> l
     m_pl = _mlp(widths)
     o_pl = parlay.DistributedOptimizer(torch.optim.SGD(m_pl.parameters(), lr=0.01),
                                        named_parameters=m_pl.named_parameters(),
-                                       bucket_cap_mb=bucket_mb)
+                                       bucket_cap_mb=bucket_mb, overlap=overlap)
     m_single = _mlp(widths)
     o_single = torch.optim.SGD(m_single.parameters(), lr=0.01)
 
@@ -128,6 +129,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="parlay starts every bucket in step() instead of during backward")
     args = ap.parse_args()
     rounds = args.rounds or (3 if args.quick else 9)
     results: list[dict] = []
@@ -136,6 +139,7 @@ def main() -> None:
     for model_name in args.models.split(","):
         steps = args.steps or {"small": 6 if args.quick else 20, "big": 3 if args.quick else 8}[model_name]
         out = run_world(_bench_rank, 2, model_name, steps, rounds, args.bucket_mb,
+                        not args.no_overlap,
                         timeout=1800, comm_timeout=600)
         rows = out[0]
         results += rows

@@ -77,6 +77,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             accumulates straight into the communication buffer and no gradient is copied in
             or out (as DDP's option of the same name). ``zero_grad()`` then zeroes the buckets
             in place instead of setting gradients to ``None``.
+        overlap: Start each bucket's reduction as soon as it is full, during backward (the
+            default). ``False`` starts them all in ``synchronize()``: on machines where
+            communication and computation compete for the same few cores, overlapping can
+            cost more than it hides (measure with ``benchmarks/dp_throughput.py``).
 
     Raises:
         ConfigError: Bad arguments, or ranks disagree on parameter names, shapes or dtypes.
@@ -89,7 +93,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, process_group: Any = None, *,
                  average_aggregated_gradients: bool = True,
                  check_consistency: bool = True,
-                 gradient_as_bucket_view: bool = True) -> None:
+                 gradient_as_bucket_view: bool = True,
+                 overlap: bool = True) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}. Hint: build the optimizer first, "
@@ -134,6 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
 
         self.op = op
+        self.overlap = bool(overlap)
         self.backward_passes_per_step = backward_passes_per_step
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.process_group = process_group
@@ -236,7 +242,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         b, _ = self._plan.where[i]
         self._fill(i)
         self._ready[b] += 1
-        self._launch_ready()
+        if self.overlap:
+            self._launch_ready()
 
     def _fill(self, i: int) -> None:
         b, slot = self._plan.where[i]
