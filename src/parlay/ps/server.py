@@ -23,46 +23,30 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm
+from parlay.checkpoint import save_atomic
 from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
-from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, decode_ctx, pack,
-                            probe, push_capacity, unpack)
+from parlay.ps.wire import (
+    TAG_PUSH,
+    TAG_REPLY,
+    Err,
+    Message,
+    Op,
+    capacity,
+    decode_ctx,
+    pack,
+    probe,
+    push_capacity,
+    unpack,
+)
 
-__all__ = ["Server", "save_atomic", "lost_message"]
+__all__ = ["Server", "lost_message"]
 
 log = logging.getLogger("parlay.ps")
 
 _FOREVER = _dt.timedelta(days=365)
-
-
-def save_atomic(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file, fsync it, then ``os.replace`` it onto ``path``.
-
-    A crash leaves either the old file or the new one, never a torn one.
-
-    Raises:
-        CheckpointError: The file could not be written.
-    """
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError as e:
-        raise CheckpointError(f"could not write checkpoint {path!r}: {e}. Hint: check that the "
-                              "directory exists, is writable and has free space.") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, where: str) -> str:

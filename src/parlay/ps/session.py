@@ -24,12 +24,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm, runtime
+from parlay.checkpoint import save_atomic
 from parlay.compress.base import Compressor, get_compressor
 from parlay.env import TaskSpec, detect
 from parlay.errors import CheckpointError, ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
-from parlay.ps.server import Server, save_atomic
+from parlay.ps.server import Server
 from parlay.ps.worker import Worker
 
 __all__ = ["DistributedSession"]
