@@ -251,3 +251,54 @@ def test_bad_arguments_are_config_errors():
 
 def test_world_error_type_exported():
     assert issubclass(WorldError, parlay.ParlayError)
+
+
+def _positional_orders():
+    model = _model()
+    a = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    model.named_parameters(), parlay.Sum, None, 2)
+    b = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    model.named_parameters(), "fp16", 3, parlay.Sum)
+    res = (int(a.op), a.backward_passes_per_step, type(a.compression).__name__,
+           int(b.op), b.backward_passes_per_step, type(b.compression).__name__)
+    a.remove_hooks()
+    b.remove_hooks()
+    return res
+
+
+def test_positional_arguments_in_parlay_and_horovod_order():
+    # parlay's documented order puts op third; Horovod's puts compression third.
+    out = run_world(_positional_orders, 2)
+    assert out[0] == (int(parlay.Sum), 2, "NoneCompressor", int(parlay.Sum), 3, out[0][5])
+    assert out[0][5] != "NoneCompressor"
+
+
+def _sparse_embedding(use_base: bool):
+    from parlay.dp.optimizer import DistributedOptimizer as Base
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    cls = Base if use_base else parlay.DistributedOptimizer
+    opt = cls(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+              named_parameters=emb.named_parameters())
+    idx = torch.tensor([[1, 2], [3, 4]])[parlay.rank()]
+    for _ in range(3):
+        opt.zero_grad()
+        emb(idx).sum().backward()
+        opt.step()
+    return emb.weight.detach().clone()
+
+
+@pytest.mark.parametrize("use_base", [True, False])
+def test_sparse_gradients_with_sparse_adam(use_base):
+    out = run_world(_sparse_embedding, 2, use_base)
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        # Average over 2 ranks of sum-losses == half the sum over the full batch.
+        (emb(torch.tensor([1, 2, 3, 4])).sum() / 2).backward()
+        opt.step()
+    for w in out:
+        torch.testing.assert_close(w, emb.weight.detach(), **TOL)

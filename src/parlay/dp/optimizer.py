@@ -140,6 +140,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self.op = op
         self.overlap = bool(overlap)
+        # SparseAdam and friends need sparse gradients back after the dense reduction (the
+        # bucket views make autograd accumulate even sparse gradients densely).
+        self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
         self.backward_passes_per_step = backward_passes_per_step
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.process_group = process_group
@@ -198,6 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._delay = [self.backward_passes_per_step] * len(self._params)
         self._filled = [False] * len(self._params)
         self._ready = [0] * n
+        self._sparse: set[int] = set()
         self._handles: list[comm.Handle | None] = [None] * n
         self._next = 0
 
@@ -253,7 +257,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dst = self._buffers[b][off: off + p.numel()]
         g = p.grad
         view = self._views[i]
-        if view is not None and g is not None and g.data_ptr() == view.data_ptr():
+        if g is not None and g.is_sparse:
+            self._sparse.add(i)  # reduced densely in the bucket, handed back sparse
+        if view is not None and g is not None and not g.is_sparse \
+                and g.data_ptr() == view.data_ptr():
             # Autograd accumulated straight into the bucket: nothing to copy.
             if self._prescale != 1.0:
                 view.mul_(self._prescale)
@@ -316,7 +323,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 p = self._params[i]
                 view = self._views[i]
                 if view is not None:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    if i in self._sparse or self._sparse_only:
+                        p.grad = view.to_sparse(min(1, view.dim()))
+                    elif p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view
                     continue
                 off = bucket.offsets[slot]
@@ -378,7 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 v = views.get(id(p))
                 if v is not None:
-                    if p.grad is None or p.grad.data_ptr() != v.data_ptr():
+                    if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != v.data_ptr():
                         p.grad = v  # re-attach after e.g. model.zero_grad(set_to_none=True)
                 elif p.grad is not None:
                     if set_to_none:

@@ -1,7 +1,9 @@
 """``DistributedOptimizer`` with Horovod's signature, on parlay's bucketed optimizer.
 
 This is the class ``parlay.DistributedOptimizer`` and ``parlay.horovod.DistributedOptimizer``
-both name. It takes Horovod's arguments in Horovod's order and parlay's extras as keywords,
+both name. It takes Horovod's arguments in Horovod's order, or parlay's documented order
+(``optimizer, named_parameters, op, compression, backward_passes_per_step, bucket_cap_mb,
+gradient_predivide_factor, process_group``) when the third positional argument is an op,
 and reduces gradients with :class:`parlay.dp.optimizer.DistributedOptimizer`'s fused buckets
 (overlapped with backward; see that class for the mechanics).
 """
@@ -98,6 +100,16 @@ def _is_adasum(op: Any) -> bool:
         return False
 
 
+_HOROVOD_ORDER = ("compression", "backward_passes_per_step", "op", "gradient_predivide_factor",
+                  "num_groups", "groups", "sparse_as_dense", "process_set")
+_PARLAY_ORDER = ("op", "compression", "backward_passes_per_step", "bucket_cap_mb",
+                 "gradient_predivide_factor", "process_group")
+
+
+def _is_op(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class DistributedOptimizer(_BucketedOptimizer):
     """Wrap a ``torch.optim`` optimizer so ``step()`` applies gradients reduced over ranks.
 
@@ -121,8 +133,9 @@ class DistributedOptimizer(_BucketedOptimizer):
         sparse_as_dense: Accepted; sparse gradients are always reduced densely inside the
             buckets (the result is the same) and handed back sparse.
         process_set: Reduce over this process set; non-members step on local gradients.
-        bucket_cap_mb: Bucket size in MiB (keyword only).
-        process_group: A torch group instead of ``process_set`` (keyword only).
+        bucket_cap_mb: Bucket size in MiB (keyword, or 6th positional in parlay's order).
+        process_group: A torch group instead of ``process_set`` (keyword, or 8th positional
+            in parlay's order).
         **options: Further keywords of :class:`parlay.dp.optimizer.DistributedOptimizer`, e.g.
             ``average_aggregated_gradients`` (default True: with ``backward_passes_per_step=k``
             the k accumulated gradients are averaged; False sums them, as Horovod does).
@@ -133,11 +146,30 @@ class DistributedOptimizer(_BucketedOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 compression: Any = None, backward_passes_per_step: int = 1,
-                 op: Any = ReduceOp.Average, gradient_predivide_factor: float = 1.0,
-                 num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: Any = None, *, bucket_cap_mb: float = 25,
-                 process_group: Any = None, **options: Any) -> None:
+                 *args: Any, **kwargs: Any) -> None:
+        # Two positional orders, told apart by the third argument: a reduction op means
+        # parlay's documented order (optimizer, named_parameters, op, compression,
+        # backward_passes_per_step, bucket_cap_mb, gradient_predivide_factor, process_group);
+        # anything else is Horovod's (..., compression, backward_passes_per_step, op, ...).
+        names = _PARLAY_ORDER if args and _is_op(args[0]) else _HOROVOD_ORDER
+        if len(args) > len(names):
+            raise ConfigError(f"DistributedOptimizer takes at most {len(names) + 2} positional "
+                              f"arguments in this order ({', '.join(names)}), got "
+                              f"{len(args) + 2}. Hint: pass options by keyword.")
+        for name, value in zip(names, args):
+            if name in kwargs:
+                raise ConfigError(f"DistributedOptimizer got two values for {name!r} "
+                                  "(positional and keyword).")
+            kwargs[name] = value
+        self._init(optimizer, named_parameters, **kwargs)
+
+    def _init(self, optimizer: torch.optim.Optimizer,
+              named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+              compression: Any = None, backward_passes_per_step: int = 1,
+              op: Any = ReduceOp.Average, gradient_predivide_factor: float = 1.0,
+              num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
+              process_set: Any = None, *, bucket_cap_mb: float = 25,
+              process_group: Any = None, **options: Any) -> None:
         named = list(named_parameters) if named_parameters is not None else None
         self.groups = _check_groups(groups, num_groups)
         self.sparse_as_dense = bool(sparse_as_dense)
