@@ -273,14 +273,14 @@ def test_positional_arguments_in_parlay_and_horovod_order():
     assert out[0][5] != "NoneCompressor"
 
 
-def _sparse_embedding(use_base: bool):
+def _sparse_embedding(use_base: bool, views: bool = True):
     from parlay.dp.optimizer import DistributedOptimizer as Base
 
     torch.manual_seed(0)
     emb = nn.Embedding(10, 3, sparse=True).double()
     cls = Base if use_base else parlay.DistributedOptimizer
     opt = cls(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
-              named_parameters=emb.named_parameters())
+              named_parameters=emb.named_parameters(), gradient_as_bucket_view=views)
     idx = torch.tensor([[1, 2], [3, 4]])[parlay.rank()]
     for _ in range(3):
         opt.zero_grad()
@@ -289,9 +289,9 @@ def _sparse_embedding(use_base: bool):
     return emb.weight.detach().clone()
 
 
-@pytest.mark.parametrize("use_base", [True, False])
-def test_sparse_gradients_with_sparse_adam(use_base):
-    out = run_world(_sparse_embedding, 2, use_base)
+@pytest.mark.parametrize("use_base,views", [(True, True), (True, False), (False, True)])
+def test_sparse_gradients_with_sparse_adam(use_base, views):
+    out = run_world(_sparse_embedding, 2, use_base, views)
     torch.manual_seed(0)
     emb = nn.Embedding(10, 3, sparse=True).double()
     opt = torch.optim.SparseAdam(emb.parameters(), lr=0.1)

@@ -188,6 +188,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     view.copy_(p.grad)
                 p.grad = view
                 self._views[i] = view
+        # By parameter identity, for zero_grad (which walks the optimizer's param_groups).
+        self._view_of = {id(p): v for p, v in zip(self._params, self._views) if v is not None}
         self._reset_step_state()
         self._synchronized = False
         self._should_synchronize = True
@@ -330,7 +332,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     continue
                 off = bucket.offsets[slot]
                 red = buf[off: off + p.numel()].view_as(p)
-                if p.grad is None or p.grad.is_sparse:
+                if i in self._sparse or self._sparse_only:
+                    p.grad = red.to_sparse(min(1, red.dim()))
+                elif p.grad is None or p.grad.is_sparse:
                     p.grad = red.detach().clone()
                 else:
                     p.grad.copy_(red)
@@ -379,7 +383,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
                 "cause a race condition.", stacklevel=2)
-        views = {id(p): v for p, v in zip(self._params, self._views) if v is not None}
+        views = self._view_of
         if views:
             for buf in self._buffers:
                 buf.zero_()

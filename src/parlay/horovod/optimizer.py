@@ -210,19 +210,6 @@ class DistributedOptimizer(_BucketedOptimizer):
                                      for j, p in enumerate(g["params"])}
         else:
             self._parameter_names = {p: n for n, p in named}
-        # SparseAdam and friends need sparse gradients back after the dense reduction.
-        self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
-
-    def synchronize(self) -> None:
-        """Finish the gradient reduction now (see the base class); sparse gradients come back
-        sparse."""
-        sparse = {id(p) for p in self._params if p.grad is not None and p.grad.is_sparse}
-        super().synchronize()
-        if sparse or self._sparse_only:
-            for p in self._params:
-                if p.grad is not None and not p.grad.is_sparse and (
-                        self._sparse_only or id(p) in sparse):
-                    p.grad = p.grad.to_sparse(min(1, p.grad.dim()))
 
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Synchronize (unless skipped), then step the wrapped optimizer.
@@ -232,10 +219,7 @@ class DistributedOptimizer(_BucketedOptimizer):
         """
         if self._adasum:
             return self._adasum_step(closure)
-        try:
-            return super().step(closure)
-        finally:
-            self._restore_views()
+        return super().step(closure)
 
     def _adasum_step(self, closure: Any) -> Any:
         from parlay.horovod import collectives
@@ -253,18 +237,6 @@ class DistributedOptimizer(_BucketedOptimizer):
                     p.copy_(s + d)
         self._synchronized = False
         return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero gradients (see the base class)."""
-        self._restore_views()
-        super().zero_grad(set_to_none=set_to_none)
-
-    def _restore_views(self) -> None:
-        # A gradient handed back sparse replaced its bucket view: put the view back so the
-        # next backward accumulates into the bucket again.
-        for p, view in zip(self._params, getattr(self, "_views", ())):
-            if view is not None and p.grad is not None and p.grad.is_sparse:
-                p.grad = view
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change the number of backward passes per reduction (Horovod's method)."""
