@@ -84,12 +84,7 @@ class Prefetcher:
     def _run(self, it: Iterator[Any]) -> None:
         try:
             for item in it:
-                while not self._stop.is_set():
-                    try:
-                        self._q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
+                self._put(item)
                 if self._stop.is_set():
                     return
             self._put(self._END)
