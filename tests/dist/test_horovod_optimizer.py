@@ -233,16 +233,25 @@ def _assert_same(a, b, where):
         assert a == b, where
 
 
+def _bn_inputs():
+    """Per-rank inputs (2 ranks x 6 samples) and output weights, identical on every rank."""
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(2, 6, 4, 3, generator=g, dtype=torch.float64),
+            torch.randn(2, 6, 4, 3, generator=g, dtype=torch.float64))
+
+
+def _bn_weights(bn):
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(6))
+    return bn
+
+
 def _sync_bn():
     import parlay.horovod as hvd
 
     r = hvd.rank()
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 6, 4, 3, generator=g, dtype=torch.float64)
-    w = torch.randn(2, 6, 4, 3, generator=g, dtype=torch.float64)
-    bn = hvd.SyncBatchNorm(4).double()
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(6))
+    x, w = _bn_inputs()
+    bn = _bn_weights(hvd.SyncBatchNorm(4).double())
     xi = x[r].clone().requires_grad_()
     y = bn(xi)
     (y * w[r]).sum().backward()
@@ -252,12 +261,8 @@ def _sync_bn():
 
 def test_sync_batch_norm_equals_batch_norm_over_the_whole_batch():
     outs = run_world(_sync_bn, 2)
-    g = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 6, 4, 3, generator=g, dtype=torch.float64)
-    w = torch.randn(2, 6, 4, 3, generator=g, dtype=torch.float64)
-    bn = nn.BatchNorm1d(4).double()
-    with torch.no_grad():
-        bn.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(6))
+    x, w = _bn_inputs()
+    bn = _bn_weights(nn.BatchNorm1d(4).double())
     xs = x.reshape(12, 4, 3).clone().requires_grad_()
     y = bn(xs)
     (y * w.reshape(12, 4, 3)).sum().backward()
