@@ -16,10 +16,14 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from parlay.errors import ConfigError
 
-__all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "TaskSpecDef", "create_task_spec_def"]
 
 #: Task types in rank order (evaluators last: they have no rank).
 TASK_TYPES = ("ps", "chief", "worker", "evaluator")
@@ -220,6 +224,43 @@ class TaskSpec:
         """Port of rank 0."""
         return _parse_address(self.cluster_hosts[0], "rank 0")[1]
 
+    def local_index(self) -> int:
+        """How many training tasks (chief or workers) before this one, in rank order, run on
+        the same host: the accelerator this task uses on a multi-GPU host."""
+        if not self.is_worker:
+            return 0
+        me = _parse_address(self.cluster_hosts[self.rank or 0], "this task")[0].lower()
+        earlier = (*self.chief_hosts, *self.worker_hosts)[:(self.rank or 0) - self.num_ps]
+        return sum(_parse_address(a, "a task")[0].lower() == me for a in earlier)
+
+    def device_fn(self) -> "torch.device":
+        """Where this task's computation belongs, e.g. ``model.to(task_spec.device_fn())``.
+
+        TensorLayer's ``device_fn()`` returned a TensorFlow device setter that pinned variables
+        to the parameter servers; in parlay the :class:`~parlay.DistributedSession` already
+        shards parameters over the servers, so what is left to place is the task's own compute:
+
+        - ``ps``: ``cpu``. A parameter server keeps its parameter shards and optimizer state in
+          host memory and serves them over gloo (as BytePS's summation servers do); it never
+          needs a GPU.
+        - ``chief`` / ``worker`` / ``evaluator``: the device parlay's runtime uses when this
+          process is that task and is initialised (``cuda:<local rank>`` with NCCL, else CPU);
+          otherwise ``cuda:<k>`` where ``k`` is :meth:`local_index` modulo the GPUs on this
+          host, or ``cpu`` without CUDA.
+
+        Returns:
+            A ``torch.device``.
+        """
+        import torch
+
+        if self.is_ps or not torch.cuda.is_available():
+            return torch.device("cpu")
+        from parlay import runtime
+
+        if runtime.is_initialized() and runtime.rank() == self.rank:
+            return runtime.device()
+        return torch.device("cuda", self.local_index() % torch.cuda.device_count())
+
     @classmethod
     def from_tf_config(cls, text: str) -> TaskSpec:
         """Parse a ``TF_CONFIG`` JSON document.
@@ -312,3 +353,13 @@ class TaskSpec:
         if found.rank < k:
             return cls("ps", found.rank, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
         return cls("worker", found.rank - k, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
+
+
+#: TensorLayer's name for the same class (``tl.distributed.TaskSpecDef``).
+TaskSpecDef = TaskSpec
+
+
+def create_task_spec_def(environ: Mapping[str, str] | None = None) -> TaskSpec:
+    """TensorLayer's ``create_task_spec_def()``: this process's task, from ``TF_CONFIG`` or
+    the launcher's environment (torchrun, SLURM, MPI). Same as :meth:`TaskSpec.from_env`."""
+    return TaskSpec.from_env(environ)

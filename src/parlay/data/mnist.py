@@ -2,8 +2,10 @@
 
 Where the files are looked for, in order: the ``root`` argument, the ``PARLAY_DATA_DIR``
 environment variable, the user's cache directory (``$XDG_CACHE_HOME/parlay/mnist``, by default
-``~/.cache/parlay/mnist``). Missing files are downloaded (when ``download=True``) from the known
-mirrors into that folder, with a progress bar, through a temporary file that is renamed only
+``~/.cache/parlay/mnist``), then (when no ``root`` is given) the copy bundled with parlay
+(``parlay/data/mnist_files``, MD5-checked like any other), so a fresh clone trains with no
+network. Only when all of these lack a file is it downloaded (``download=True``) from the known
+mirrors into the folder, with a progress bar, through a temporary file that is renamed only
 after its MD5 matched the published one, so concurrent ranks and interrupted downloads never
 leave a half file behind.
 """
@@ -26,7 +28,7 @@ from torch.utils.data import TensorDataset
 
 from parlay.errors import ConfigError, ParlayError
 
-__all__ = ["MNIST", "mnist", "default_root", "FILES", "MIRRORS", "MEAN", "STD"]
+__all__ = ["MNIST", "mnist", "default_root", "bundled_root", "FILES", "MIRRORS", "MEAN", "STD"]
 
 #: File name -> published MD5.
 FILES: dict[str, str] = {
@@ -76,6 +78,11 @@ def default_root() -> Path:
         return Path(env).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "parlay" / "mnist"
+
+
+def bundled_root() -> Path:
+    """The folder of the MNIST files shipped inside the parlay package."""
+    return Path(__file__).resolve().parent / "mnist_files"
 
 
 def _md5(path: Path) -> str:
@@ -143,7 +150,7 @@ def _read_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
 
 def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
           download: bool = True, *, verify: bool | Mapping[str, str] = True,
-          mirrors: Sequence[str] = MIRRORS) -> MNIST:
+          mirrors: Sequence[str] = MIRRORS, bundled: bool = True) -> MNIST:
     """Load an MNIST split, downloading and verifying the files when needed.
 
     Args:
@@ -154,6 +161,8 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
         verify: Check the files' MD5s: ``True`` against the published ones, ``False`` not at
             all (e.g. for your own IDX files), or a ``{file name: md5}`` mapping.
         mirrors: Base URLs to try in order.
+        bundled: With no ``root``, read the copy shipped with parlay when ``PARLAY_DATA_DIR``
+            (or the cache) lacks the files, before trying to download.
 
     Returns:
         An :class:`MNIST` dataset of normalised float32 images and int64 labels.
@@ -167,6 +176,9 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     sums: Mapping[str, str] = FILES if verify is True else ({} if verify is False else verify)
     names = _SPLITS[bool(train)]
     missing = [n for n in names if not (folder / n).is_file()]
+    shipped = bundled_root()
+    if missing and root is None and bundled and all((shipped / n).is_file() for n in names):
+        folder, missing = shipped, []
     failures: list[str] = []
     if missing and download:
         for n in missing:
