@@ -1,0 +1,79 @@
+"""The seed's TensorLayer-shaped API: TaskSpecDef, device_fn, load_mnist_dataset, from_arrays,
+and the MNIST copy shipped inside the package (a fresh clone trains offline)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import parlay
+from parlay.data.mnist import FILES, _md5, bundled_root, mnist
+from parlay.errors import ConfigError
+
+
+def test_taskspecdef_is_taskspec_and_device_fn_places_a_model():
+    spec = parlay.TaskSpecDef(task_type="worker", index=0, ps_hosts=["ps0:2222"],
+                              worker_hosts=["w0:2222", "w1:2222"])
+    assert parlay.TaskSpecDef is parlay.TaskSpec and isinstance(spec, parlay.TaskSpec)
+    dev = spec.device_fn()
+    assert isinstance(dev, torch.device)
+    model = nn.Linear(3, 2).to(spec.device_fn())
+    assert next(model.parameters()).device.type == dev.type
+    ps = parlay.TaskSpecDef(task_type="ps", index=0, ps_hosts=["ps0:2222"], worker_hosts=["w0:2222"])
+    assert ps.device_fn() == torch.device("cpu"), "parameter servers hold their shards on the CPU"
+
+
+def test_local_index_counts_training_tasks_on_the_same_host():
+    hosts = ["a:1", "a:2", "b:1", "a:3"]
+    got = [parlay.TaskSpec("worker", i, ps_hosts=["a:9"], worker_hosts=hosts).local_index()
+           for i in range(4)]
+    assert got == [0, 1, 0, 2], "ps tasks on the host take no accelerator"
+
+
+def test_create_task_spec_def_reads_tf_config():
+    env = {"TF_CONFIG": '{"cluster": {"ps": ["p:1"], "worker": ["w:1", "w:2"]}, '
+                        '"task": {"type": "worker", "index": 1}}'}
+    spec = parlay.create_task_spec_def(env)
+    assert (spec.task_type, spec.index, spec.rank) == ("worker", 1, 2)
+
+
+def test_bundled_mnist_files_are_the_published_ones():
+    for name, md5 in FILES.items():
+        assert _md5(bundled_root() / name) == md5, name
+
+
+def test_bundled_copy_is_used_when_data_dir_and_cache_are_empty(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARLAY_DATA_DIR", str(tmp_path / "empty"))
+    ds = mnist(train=False, download=False)
+    assert ds.root == bundled_root() and len(ds) == 10000
+    with pytest.raises(ConfigError, match="not found"):     # an explicit root stays explicit
+        mnist(tmp_path / "empty", train=False, download=False)
+    with pytest.raises(ConfigError, match="not found"):
+        mnist(train=False, download=False, bundled=False)
+
+
+def test_load_mnist_dataset_has_tensorlayer_splits_and_shapes(tmp_path, monkeypatch):
+    monkeypatch.setenv("PARLAY_DATA_DIR", str(tmp_path))    # empty: the bundled copy serves
+    X_train, y_train, X_val, y_val, X_test, y_test = parlay.data.load_mnist_dataset(shape=(-1, 784))
+    assert [len(a) for a in (X_train, y_train, X_val, y_val, X_test, y_test)] == \
+        [50000, 50000, 10000, 10000, 10000, 10000]
+    assert X_train.shape == (50000, 784) and X_train.dtype == np.float32
+    assert 0.0 <= X_train.min() and X_train.max() <= 1.0 and y_train.dtype == np.int64
+    assert y_train[:5].tolist() == [5, 0, 4, 1, 9] and y_test[:3].tolist() == [7, 2, 1]
+    img = parlay.data.load_mnist_dataset(shape=(-1, 28, 28, 1))[4]
+    assert img.shape == (10000, 28, 28, 1)
+    np.testing.assert_array_equal(img.reshape(-1, 784), X_test)
+    with pytest.raises(ConfigError, match="784"):
+        parlay.data.load_mnist_dataset(shape=(-1, 100))
+
+
+def test_from_arrays_makes_a_trainer_dataset_in_one_call():
+    x = np.random.default_rng(0).random((6, 4)).astype(np.float64)
+    ds = parlay.data.from_arrays(x, np.arange(6, dtype=np.int32))
+    xi, yi = ds[2]
+    assert xi.dtype == torch.float32 and yi.dtype == torch.int64 and int(yi) == 2
+    tokens = parlay.data.from_arrays(np.arange(12).reshape(6, 2), np.zeros(6), dtype=torch.float32)
+    assert tokens[0][0].dtype == torch.int64, "integer inputs (token ids) are kept"
+    with pytest.raises(ConfigError, match="same length"):
+        parlay.data.from_arrays(x, np.arange(5))
