@@ -26,7 +26,7 @@ from parlay.errors import CheckpointError, ConfigError
 from parlay.metrics import MetricsLogger, default_metrics
 from parlay.strategies import StepResult, Strategy, get_strategy
 
-__all__ = ["Trainer", "TrainerState"]
+__all__ = ["Trainer", "TrainerState", "TrainerSession"]
 
 log = logging.getLogger("parlay")
 
@@ -455,6 +455,33 @@ class Trainer:
         self.metrics.close()
 
     @property
+    def session(self) -> "TrainerSession":
+        """The object the seed's TensorLayer loop asks, in every mode:
+        ``while not trainer.session.should_stop(): trainer.train_on_batch()``."""
+        return TrainerSession(self)
+
+    def train_to_end(self) -> None:
+        """Train until :meth:`should_stop` (TensorLayer's ``train_to_end``); parameter servers
+        serve until the workers finish."""
+        while not self.should_stop():
+            self.train_on_batch()
+
+    @property
     def model(self) -> nn.Module | None:
         """The model being trained on this rank, when the strategy exposes it."""
         return getattr(self.strategy, "model", None)
+
+
+class TrainerSession:
+    """``trainer.session``: TensorLayer's training-session handle, a view of its Trainer.
+
+    Args:
+        trainer: The Trainer whose loop this session reports on.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def should_stop(self) -> bool:
+        """Same as :meth:`Trainer.should_stop` (serves on parameter-server ranks)."""
+        return self.trainer.should_stop()
