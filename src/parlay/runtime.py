@@ -22,7 +22,7 @@ from parlay.errors import CommError, ConfigError
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "timeout",
-    "cluster", "DEFAULT_TIMEOUT_S",
+    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix",
 ]
 
 log = logging.getLogger("parlay")
@@ -45,8 +45,10 @@ class _Runtime:
 _rt: _Runtime | None = None
 
 # Re-initialisation: every init() rendezvouses under a fresh store prefix, because the store may
-# outlive the group (torchrun's agent store always does) and a peer could otherwise read the
-# previous group's stale addresses. Every rank counts its own inits, so the prefixes agree.
+# outlive the group (torchrun's agent store always does, across restart attempts too) and a peer
+# could otherwise read the previous group's stale addresses and dial a dead process. The prefix
+# names the launcher's run and restart attempt (a restarted process counts its inits from 0
+# again) and this process's init count; every rank derives the same prefix.
 _generation = 0
 
 #: Callables run after every successful init() and before shutdown() destroys the group, so
@@ -153,14 +155,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
             # No launcher: a world of one still gets a real group so every op works unchanged.
             dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
-            global _generation
-            url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
-                   f"{cluster.master_port}?rank={cluster.rank}&world_size={cluster.world_size}")
-            store, _, _ = next(dist.rendezvous(url, timeout=td))
-            store = dist.PrefixStore(f"parlay/init{_generation}", store)
-            _generation += 1
-            dist.init_process_group(be, store=store, rank=cluster.rank,
-                                    world_size=cluster.world_size, timeout=td)
+            _rendezvous(be, cluster, td)
     except (RuntimeError, TimeoutError, OSError) as e:
         raise CommError(
             f"rendezvous failed on rank {cluster.rank} of {cluster.world_size} "
@@ -171,6 +166,41 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
               cluster.rank, cluster.world_size, be, dev, cluster.source)
     _run_hooks(_init_hooks)
+
+
+def store_prefix(environ: Mapping[str, str] | None = None, generation: int | None = None) -> str:
+    """The store prefix of the next rendezvous: unique per run, restart attempt and init.
+
+    Args:
+        environ: Environment holding torchrun's ``TORCHELASTIC_RUN_ID`` and
+            ``TORCHELASTIC_RESTART_COUNT`` (default ``os.environ``).
+        generation: This process's init count (default: the current one).
+    """
+    env = os.environ if environ is None else environ
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    gen = _generation if generation is None else generation
+    return f"parlay/{run_id}/attempt{attempt}/init{gen}" if run_id else \
+        f"parlay/attempt{attempt}/init{gen}"
+
+
+def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta) -> None:
+    """Connect to the store and create the default group, each step bounded by ``td``.
+
+    ``dist.rendezvous`` gives the TCPStore (client and, without torchrun's agent store, the
+    server on rank 0) the timeout for its connect retries and every blocking get; gloo's full
+    mesh connect waits on the store and on its peers under the group timeout. Nothing in between
+    may fall back to torch's own defaults (30 min for the group, 5 min for the store).
+    """
+    global _generation
+    url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
+           f"{cluster.master_port}?rank={cluster.rank}&world_size={cluster.world_size}")
+    store, _, _ = next(dist.rendezvous(url, timeout=td))
+    store.set_timeout(td)
+    prefix = store_prefix()
+    _generation += 1
+    dist.init_process_group(be, store=dist.PrefixStore(prefix, store), rank=cluster.rank,
+                            world_size=cluster.world_size, timeout=td)
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:

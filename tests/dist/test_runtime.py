@@ -109,3 +109,14 @@ def _allgather_var():
 def test_allgather_variable_first_dim():
     out = run_world(_allgather_var, 2)
     assert out[0] == out[1] == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+
+
+def test_store_prefix_is_unique_per_run_attempt_and_init():
+    from parlay.runtime import store_prefix
+
+    a0 = store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}, 0)
+    a1 = store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "1"}, 0)
+    other = store_prefix({"TORCHELASTIC_RUN_ID": "job2", "TORCHELASTIC_RESTART_COUNT": "0"}, 0)
+    again = store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}, 1)
+    assert len({a0, a1, other, again}) == 4
+    assert store_prefix({}, 0) != store_prefix({}, 1)
