@@ -1,5 +1,7 @@
 """Test harness: run a function on real gloo ranks spawned on loopback.
 
+(:mod:`parlay.testing.cluster` goes further: hosts in network namespaces joined by shaped links.)
+
 ``run_world(fn, world_size)`` starts ``world_size`` processes, each with a real process group
 (``parlay.init()`` over gloo on 127.0.0.1 and a free port), calls ``fn(*args, **kwargs)`` on
 every rank and returns the per-rank results. Exceptions are propagated with the failing rank
@@ -71,12 +73,16 @@ def _context() -> Any:
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, q: Any,
                release: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-               env: Mapping[str, str], timeout: float, threads: int) -> None:
+               env: Mapping[str, str], timeout: float, threads: int, local: int) -> None:
     os.environ.update({
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
+        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % local),
+        "LOCAL_WORLD_SIZE": str(local),
     })
+    if local != world_size:
+        # What torchrun sets on each of several nodes: the runtime then sees a multi-node world.
+        os.environ.update({"GROUP_RANK": str(rank // local),
+                           "GROUP_WORLD_SIZE": str(world_size // local)})
     os.environ.update(env)
     import torch
 
@@ -109,7 +115,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, q:
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               comm_timeout: float = 30.0, env: Mapping[str, str] | None = None,
-              threads: int = 1, return_exceptions: bool = False, **kwargs: Any) -> list[Any]:
+              threads: int = 1, return_exceptions: bool = False,
+              local_world_size: int | None = None, **kwargs: Any) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` real gloo ranks and return their results.
 
     Args:
@@ -120,6 +127,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         env: Extra environment variables for every rank (e.g. ``{"PARLAY_NUM_PS": "1"}``).
         threads: ``torch.set_num_threads`` on each rank (1 keeps 2-core machines responsive).
         return_exceptions: Return each failed rank's exception in its slot instead of raising.
+        local_world_size: Pretend the ranks sit on ``world_size // local_world_size`` nodes of
+            this many ranks each (``LOCAL_RANK``, ``GROUP_RANK``... as torchrun sets them), so
+            topology-aware code sees several hosts. Default: one node holding every rank.
 
     Returns:
         The list of per-rank return values, indexed by rank.
@@ -127,13 +137,16 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     Raises:
         WorldError: A rank raised, died or hung; the message names each rank and its traceback.
     """
+    local = world_size if local_world_size is None else int(local_world_size)
+    if local < 1 or world_size % local:
+        raise ValueError(f"local_world_size must divide world_size={world_size}, got {local}")
     ctx = _context()
     q = ctx.Queue()
     release = ctx.Event()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, name=f"parlay-rank{r}",
                          args=(fn, r, world_size, port, q, release, args, kwargs, dict(env or {}),
-                               comm_timeout, threads), daemon=True)
+                               comm_timeout, threads, local), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
