@@ -21,6 +21,7 @@ import torch.distributed as dist
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_compressor, reduce_async
 from parlay.dp.buckets import BucketPlan, ParamInfo
+from parlay.dp.hierarchical import make_reducer
 from parlay.dp.ops import ReduceOp
 from parlay.errors import ConfigError
 
@@ -81,6 +82,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             default). ``False`` starts them all in ``synchronize()``: on machines where
             communication and computation compete for the same few cores, overlapping can
             cost more than it hides (measure with ``benchmarks/dp_throughput.py``).
+        hierarchical: ``True`` reduces inside each host first, then across hosts among one
+            shard per local rank, then gathers inside the host: each host link carries
+            ``2(n-1)/n`` of the model per step instead of a flat ring's share (see
+            :mod:`parlay.dp.hierarchical`). ``"auto"`` does so when the group spans several
+            hosts with several ranks on each (and the compressor is summable). Same sums.
 
     Raises:
         ConfigError: Bad arguments, or ranks disagree on parameter names, shapes or dtypes.
@@ -94,7 +100,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  average_aggregated_gradients: bool = True,
                  check_consistency: bool = True,
                  gradient_as_bucket_view: bool = True,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, hierarchical: bool | str = False) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                               f"{type(optimizer).__name__}. Hint: build the optimizer first, "
@@ -148,6 +154,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self._world = comm.group_size(process_group)
         self.compression: Compressor = get_compressor(compression)
+        self._hier = make_reducer(hierarchical, process_group, self.compression, self._world)
+        #: Whether buckets are reduced host-first (decided at construction).
+        self.hierarchical = self._hier is not None
         self._stats = CommStats()
         self._steps = 0
         named = _named(optimizer, named_parameters)
@@ -285,7 +294,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, b: int) -> None:
         buf = self._buffers[b]
-        if self._world == 1 and isinstance(self.compression, NoneCompressor):
+        if self._hier is not None:
+            self._handles[b] = self._hier.reduce_async(buf, self.compression, key=f"bucket{b}",
+                                                       stats=self._stats)
+        elif self._world == 1 and isinstance(self.compression, NoneCompressor):
             self._handles[b] = comm.Handle(None, "allreduce", lambda: buf)
         else:
             self._handles[b] = reduce_async(buf, self.compression, key=f"bucket{b}",
@@ -411,6 +423,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         d["steps"] = self._steps
         d["dense_bytes_per_step"] = d["dense_bytes"] / steps
         d["wire_bytes_per_step"] = d["wire_bytes"] / steps
+        if self._hier is not None:  # what crossed host links (the rest stayed inside hosts)
+            d["cross_host_bytes_per_step"] = self._hier.cross_bytes / steps
         return d
 
     def state_dict(self) -> dict[str, Any]:
