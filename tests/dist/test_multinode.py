@@ -7,7 +7,6 @@ would on two machines, and the ranks talk over the bridge (gloo on the hosts' ``
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +26,9 @@ TOL = dict(rtol=1e-10, atol=1e-10)
 def launch(cluster: Cluster, target: list[str], flags: tuple[str, ...] = (),
            timeout: float = 75) -> list[str]:
     """``parlay run`` on every host of ``cluster``; returns each host's stdout."""
-    port = 29400
-    procs = [cluster.run(k, [sys.executable, "-m", "parlay.cli", "run", "-n", "2",
-                             "--nnodes", str(cluster.hosts), "--node-rank", str(k),
-                             "--rdzv-endpoint", f"{cluster.addr(0)}:{port}", *flags, *target],
-                         env={"PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=-1, stderr=-1, text=True)
-             for k in range(cluster.hosts)]
+    procs = cluster.parlay_run(target, nproc_per_host=2, flags=flags,
+                               env={"PYTHONPATH": str(ROOT)}, cwd=ROOT, stdout=-1, stderr=-1,
+                               text=True)
     outs = []
     for k, p in enumerate(procs):
         out, err = p.communicate(timeout=timeout)

@@ -13,6 +13,7 @@ machine's hostname, which names an address that does not exist inside the namesp
 ``TP_SOCKET_IFNAME=eth0`` (the same for tensorpipe). For ``torchrun``/``parlay run``, pass
 ``--local-addr <cluster.addr(host)>`` as on a real multi-homed node: torchrun advertises the
 hostname by default, and every namespace shares this machine's hostname.
+:meth:`Cluster.parlay_run` starts ``parlay run --nnodes H --node-rank K`` on every host.
 
 Everything made is removed on exit, on an exception, on ``KeyboardInterrupt`` and on
 ``SIGTERM`` (the handler is installed while the cluster is open in the main thread). If the
@@ -348,6 +349,26 @@ class Cluster:
             p.communicate()
             raise
         return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+    def parlay_run(self, target: Sequence[str], nproc_per_host: int = 1,
+                   flags: Sequence[str] = (), port: int = 29400,
+                   env: Mapping[str, str] | None = None, **popen: Any) -> list[Any]:
+        """Start ``parlay run`` on every host, as a user would on each node of a cluster.
+
+        Host ``k`` runs ``parlay run -n nproc_per_host --nnodes H --node-rank k
+        --rdzv-endpoint <host 0>:port *flags *target`` (torchrun's static rendezvous: global
+        ranks are numbered host by host).
+
+        Returns:
+            One ``Popen`` per host, in host order.
+        """
+        import sys
+
+        return [self.run(k, [sys.executable, "-m", "parlay.cli", "run", "-n", str(nproc_per_host),
+                             "--nnodes", str(self.hosts), "--node-rank", str(k),
+                             "--rdzv-endpoint", f"{self.addr(0)}:{port}", *flags, *target],
+                         env=env, **popen)
+                for k in range(self.hosts)]
 
     def counters(self) -> dict[int, dict[str, int]]:
         """Bytes each host has sent (``tx``) and received (``rx``) on its link so far."""
