@@ -155,7 +155,9 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
             # No launcher: a world of one still gets a real group so every op works unchanged.
             dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
-            _rendezvous(be, cluster, td)
+            _rendezvous(be, cluster, td, os.environ if environ is None else environ)
+    except CommError:
+        raise
     except (RuntimeError, TimeoutError, OSError) as e:
         raise CommError(
             f"rendezvous failed on rank {cluster.rank} of {cluster.world_size} "
@@ -184,23 +186,60 @@ def store_prefix(environ: Mapping[str, str] | None = None, generation: int | Non
         f"parlay/attempt{attempt}/init{gen}"
 
 
-def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta) -> None:
-    """Connect to the store and create the default group, each step bounded by ``td``.
+def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
+                environ: Mapping[str, str]) -> None:
+    """Connect to the store, wait for every rank, then create the default group.
 
-    ``dist.rendezvous`` gives the TCPStore (client and, without torchrun's agent store, the
-    server on rank 0) the timeout for its connect retries and every blocking get; gloo's full
-    mesh connect waits on the store and on its peers under the group timeout. Nothing in between
-    may fall back to torch's own defaults (30 min for the group, 5 min for the store).
+    Each phase is bounded by ``td``. The store connect and its waits get ``td`` (torch's
+    TCPStore client retries a refused connect once, so a master that never comes up is reported
+    after at most about twice that). The check-in waits ``td`` for every rank and names the
+    absent ones. Only then does gloo build its full mesh: every peer is alive and past the
+    check-in, so the mesh gets a short budget; gloo retries a refused connect several times, each
+    try waiting the group timeout, which made a peer that died mid-rendezvous cost ~5x the
+    timeout. The group's collective timeout is set to ``td`` right after.
     """
     global _generation
     url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
            f"{cluster.master_port}?rank={cluster.rank}&world_size={cluster.world_size}")
     store, _, _ = next(dist.rendezvous(url, timeout=td))
     store.set_timeout(td)
-    prefix = store_prefix()
+    prefix = store_prefix(environ)
     _generation += 1
-    dist.init_process_group(be, store=dist.PrefixStore(prefix, store), rank=cluster.rank,
-                            world_size=cluster.world_size, timeout=td)
+    store = dist.PrefixStore(prefix, store)
+    _check_in(store, cluster, td, prefix)
+    mesh = min(td, max(td / 5, _dt.timedelta(seconds=_MESH_MIN_S)))
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    dist.init_process_group(be, store=store, rank=cluster.rank, world_size=cluster.world_size,
+                            timeout=mesh if set_timeout is not None else td)
+    if set_timeout is not None and mesh != td:
+        set_timeout(td)
+
+
+#: Floor of the full-mesh connect budget once every rank has checked in.
+_MESH_MIN_S = 10.0
+
+
+def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta, prefix: str) -> None:
+    """Block until every rank of this rendezvous checked in; name the absent ones otherwise."""
+    world = cluster.world_size
+    store.set(f"arrived/{cluster.rank}", "1")
+    if store.add("arrived", 1) == world:
+        store.set("all-arrived", "1")
+    try:
+        store.wait(["all-arrived"], td)
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError on timeout
+        try:
+            missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
+        except (RuntimeError, TimeoutError, OSError):
+            missing = []
+        who = (f"rank(s) {missing} never arrived" if missing
+               else "the store stopped answering")
+        raise CommError(
+            f"rendezvous timed out on rank {cluster.rank} of {world} after "
+            f"{td.total_seconds():g} s: {who} (store {cluster.master_addr}:{cluster.master_port}, "
+            f"{prefix}). Hint: check those ranks' logs (crashed, or started late); raise "
+            "PARLAY_TIMEOUT if they need longer to start.", op="init", rank=cluster.rank,
+            peer=missing[0] if len(missing) == 1 else None) from e
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:

@@ -120,3 +120,31 @@ def test_store_prefix_is_unique_per_run_attempt_and_init():
     again = store_prefix({"TORCHELASTIC_RUN_ID": "job", "TORCHELASTIC_RESTART_COUNT": "0"}, 1)
     assert len({a0, a1, other, again}) == 4
     assert store_prefix({}, 0) != store_prefix({}, 1)
+
+
+def test_rendezvous_with_an_absent_rank_fails_within_the_timeout_naming_it(monkeypatch):
+    # torchrun's layout: the agent hosts the store, every worker is a client. Rank 0 never comes.
+    import torch.distributed as dist
+
+    from parlay.testing import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, multi_tenant=True,
+                           wait_for_workers=False)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    t0 = time.monotonic()
+    with pytest.raises(parlay.CommError, match=r"rank\(s\) \[0\] never arrived") as ei:
+        parlay.init(timeout=3, environ=env)
+    assert 2.5 <= time.monotonic() - t0 < 3 + 5
+    assert ei.value.op == "init" and ei.value.peer == 0
+    assert "PARLAY_TIMEOUT" in str(ei.value)
+    del server
+
+
+def test_group_timeout_is_the_configured_one_not_the_mesh_budget():
+    # The full mesh is built under a shorter budget (10 s floor); collectives must wait 12 s.
+    out = run_world(_stall_then_allreduce, 2, 16.0, comm_timeout=12.0, timeout=80)
+    kind, op, elapsed, msg = out[0]
+    assert kind == "CommError" and op == "allreduce", msg
+    assert 11.5 <= elapsed < 12.0 + 6.0, elapsed
