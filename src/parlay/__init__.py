@@ -9,7 +9,7 @@ from parlay.dp import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgat
                        broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
 from parlay.taskspec import TaskSpecDef, create_task_spec_def
-from parlay.errors import CheckpointError, CommError, ConfigError, ParlayError
+from parlay.errors import CheckpointError, CommError, ConfigError, NonFiniteError, ParlayError
 from parlay.runtime import (backend, cluster, cross_rank, cross_size, device, init,
                             is_chief, is_initialized, local_rank, local_size, rank, role,
                             shutdown, size)
@@ -54,7 +54,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "TaskSpecDef", "create_task_spec_def", "detect",
-    "ParlayError", "ConfigError", "CommError", "CheckpointError",
+    "ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "cluster",
     "DistributedOptimizer", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",

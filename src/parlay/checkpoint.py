@@ -5,27 +5,37 @@ different state (compression residuals, parameter-server versions, pipeline stag
 written to a temporary name, flushed and ``fsync``-ed, then ``os.replace``-d into place, so a
 crash leaves either the old file or the new one, never half of one. A checkpoint counts only
 when every rank wrote its file (the ranks agree with one small allreduce), and older ones are
-pruned only after that, so a failed save never leaves the run without a usable checkpoint.
+pruned only after that, so a failed save never leaves the run without a usable checkpoint. A
+state holding a NaN or an infinity is never written.
 
-Resuming picks the newest step that every rank holds and can read; an unreadable (e.g.
-truncated) file makes all ranks fall back to the previous checkpoint together. Files are read
-with ``torch.load(weights_only=True)``: a checkpoint cannot execute code.
+Resuming picks the newest step that every rank holds and can read; an unreadable (empty,
+truncated, corrupt) file makes all ranks fall back to the previous checkpoint together. Each
+checkpoint records the identity of its run (layout, batch size, model fingerprint, run id; see
+:mod:`parlay.runinfo`) and a resume that could not continue it exactly is refused with the
+reason. The ranks agree using integer tensors only (no pickled objects cross the network), and
+files are read with ``torch.load(weights_only=True)``: a checkpoint cannot execute code.
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import os
 import random
 import re
+import secrets
 import warnings
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from parlay import comm
 from parlay.errors import CheckpointError, ConfigError
+from parlay.nonfinite import first_nonfinite_entry
+from parlay.runinfo import DirLock, describe_mismatch
 
 __all__ = ["save_atomic", "load", "CheckpointManager", "FORMAT_VERSION", "rng_state", "set_rng_state"]
 
@@ -85,11 +95,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
-        kind = "refused by weights_only loading" if "weights_only" in str(e) else "unreadable"
-        raise CheckpointError(
-            f"checkpoint {path} is {kind} ({type(e).__name__}: {str(e).splitlines()[0]}). "
-            "Hint: the file is truncated or corrupt (e.g. the disk filled up, or the copy was "
-            "cut short); delete it and the previous checkpoint is used.") from e
+        raise CheckpointError(_unreadable(path, e)) from e
     if not isinstance(obj, dict) or _KEY not in obj:
         raise CheckpointError(f"{path} is not a parlay checkpoint (expected a dict with "
                               f"{_KEY!r}, got {type(obj).__name__}).")
@@ -97,6 +103,28 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} has checkpoint format {obj[_KEY]}, this parlay reads "
                               f"format {FORMAT_VERSION}.")
     return obj
+
+
+def _unreadable(path: Path, err: BaseException) -> str:
+    """Why ``torch.load`` failed on ``path``, told apart by what the file is (torch's own
+    message for a non-archive speaks of weights_only, which would mislead)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
+    cause = f" ({type(err).__name__}: {text.splitlines()[0]})" if text else ""
+    size = path.stat().st_size if path.exists() else 0
+    if size == 0:
+        what = "empty (0 bytes): it is truncated or corrupt"
+    elif not zipfile.is_zipfile(path):
+        what = (f"not a valid checkpoint file ({size} bytes that are not a torch.save "
+                "archive): it is truncated or corrupt")
+    elif "weights_only" in text or "Unsupported global" in text:
+        return (f"checkpoint {path} holds objects that weights_only loading refuses{cause}. "
+                "Hint: parlay writes only tensors and plain values; a file holding other "
+                "objects was not written by parlay (unpickling it could run code), so it is "
+                "not loaded.")
+    else:
+        what = f"unreadable: it is truncated or corrupt{cause}"
+    return (f"checkpoint {path} is {what}. Hint: e.g. the disk filled up or a copy was cut "
+            "short; delete it and the previous checkpoint is used.")
 
 
 class CheckpointManager:
@@ -109,26 +137,54 @@ class CheckpointManager:
         keep_last: Checkpoints to keep (older ones are deleted after a successful save).
         rank: This rank's id in file names (default: its global rank).
         group: Process group of the ranks that checkpoint together (default: the world).
+        identity: What a resume must match exactly (layout, batch size, mode, model
+            fingerprint; see :mod:`parlay.runinfo`); recorded in every checkpoint together with
+            the run id. ``None``: nothing is checked.
+        lock: Hold an exclusive lock on ``<directory>/.lock`` (taken by the group's first
+            rank) until :meth:`close`, so a second run cannot share the directory.
 
     Raises:
         ConfigError: ``keep_last`` < 1.
+        CheckpointError: The directory cannot be created, or another run holds its lock.
     """
 
     def __init__(self, directory: str | os.PathLike[str], keep_last: int = 3,
-                 rank: int | None = None, group: Any = None) -> None:
+                 rank: int | None = None, group: Any = None, *,
+                 identity: dict[str, Any] | None = None, lock: bool = False) -> None:
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise ConfigError(f"keep_last must be an int >= 1, got {keep_last!r}.")
         self.directory = Path(directory).expanduser()
         self.keep_last = keep_last
         self.group = group
+        self.identity = dict(identity) if identity is not None else None
+        self.run_id: str | None = None
         self.rank = int(rank) if rank is not None else (
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+        self._lock = DirLock(self.directory)
+        if lock:
+            self._take_lock()
         for stale in self.directory.glob(f".ckpt-*.rank{self.rank}.pt.tmp*"):
             stale.unlink(missing_ok=True)  # left by a crash in the middle of a save
+
+    def _take_lock(self) -> None:
+        chief = not torch.distributed.is_initialized() or comm.group_rank(self.group) == 0
+        holder = self._lock.acquire({"world_size": self._world()}) if chief else None
+        if self._all(holder is None):
+            return
+        self._lock.release()
+        holder = holder or self._lock.holder()
+        raise CheckpointError(
+            f"checkpoint_dir {self.directory} is in use by {holder}: two runs sharing one "
+            "directory would resume from and prune each other's checkpoints. Fix: give this "
+            "run its own checkpoint_dir, or wait for (or stop) the other run.")
+
+    def close(self) -> None:
+        """Release the directory lock (the process's exit releases it too)."""
+        self._lock.release()
 
     # ------------------------------------------------------------------ helpers
     def path(self, step: int, rank: int | None = None) -> Path:
@@ -157,42 +213,125 @@ class CheckpointManager:
         return bool(t.item())
 
     # ------------------------------------------------------------------ save / load
-    def save(self, step: int, state: dict[str, Any]) -> Path:
+    def save(self, step: int, state: dict[str, Any], *,
+             allow_inf: Callable[[torch.Tensor], bool] | None = None) -> Path:
         """Write this rank's ``state`` for ``step``; prune old checkpoints once all ranks did.
 
+        A state holding a NaN, or an infinity outside tensors ``allow_inf`` accepts (e.g. a
+        model's ``-inf`` attention-mask buffers), is refused on every rank: it would replace
+        the good checkpoints it is meant to protect. Pruning keeps the ``keep_last - 1``
+        newest older steps besides this one, so the newest good checkpoint always stays.
+
         Raises:
-            CheckpointError: Any rank failed to write (raised on every rank; older
-                checkpoints are kept).
+            CheckpointError: Any rank failed to write or held a non-finite value (raised on
+                every rank; older checkpoints are kept).
         """
         payload = dict(state)
         payload[_KEY] = FORMAT_VERSION
         payload["step"] = int(step)
+        if self.identity is not None:
+            payload["identity"] = {**self.identity, "run_id": self.run_id or self._new_run_id()}
         path = self.path(step)
         err: CheckpointError | None = None
-        try:
-            save_atomic(payload, path)
-        except CheckpointError as e:
-            err = e
+        bad = first_nonfinite_entry(state, allow_inf)
+        if bad is not None:
+            err = CheckpointError(f"refusing to write the checkpoint of step {step}: {bad} "
+                                  "holds a NaN or an infinity. The previous checkpoints are "
+                                  "kept. Hint: Trainer(nonfinite='raise') stops before such "
+                                  "an update; lower the learning rate or clip gradients.")
+        else:
+            try:
+                save_atomic(payload, path)
+            except CheckpointError as e:
+                err = e
         if not self._all(err is None):
-            path.unlink(missing_ok=True)
-            raise err or CheckpointError(f"checkpoint at step {step} failed on another rank; "
-                                         "previous checkpoints are kept (see that rank's log).")
-        for old in self.steps()[:-self.keep_last]:
+            if bad is None:
+                path.unlink(missing_ok=True)
+            raise err or CheckpointError(f"checkpoint at step {step} failed on another rank "
+                                         "(see that rank's error); previous checkpoints are kept.")
+        older = [s for s in self.steps() if s < step]
+        for old in older[:max(0, len(older) - (self.keep_last - 1))]:
             self.path(old).unlink(missing_ok=True)
         return path
+
+    def _common_steps(self, mine: list[int]) -> tuple[list[int], int]:
+        """Steps every rank holds (tensors only: no pickles cross the network), and the most
+        files any rank holds."""
+        if self._world() == 1:
+            return mine, len(mine)
+        counts = torch.tensor([len(mine)], dtype=torch.int64)
+        comm.allreduce(counts, "max", group=self.group)
+        everyone = comm.allgather(torch.tensor(mine, dtype=torch.int64), group=self.group)
+        held = collections.Counter(everyone.tolist())
+        return sorted(s for s, n in held.items() if n == self._world()), int(counts.item())
+
+    def _new_run_id(self) -> str:
+        """A fresh run id, drawn by the group's first rank and sent to the others as a tensor."""
+        t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        if self._world() > 1:
+            comm.broadcast(t, src=0, group=self.group)
+        return f"{int(t.item()):016x}"
+
+    def _check_identity(self, step: int, state: dict[str, Any]) -> None:
+        """Refuse (on every rank) a checkpoint this run cannot continue exactly."""
+        saved = state.get("identity") if isinstance(state.get("identity"), dict) else None
+        problem = (describe_mismatch(saved, self.identity)
+                   if saved is not None and self.identity is not None else None)
+        rid = saved.get("run_id") if saved is not None else None
+        h = int(hashlib.sha256(str(rid).encode()).hexdigest()[:15], 16)
+        t = torch.tensor([0 if problem else 1, h, -h], dtype=torch.int64)
+        if self._world() > 1:
+            comm.allreduce(t, "min", group=self.group)
+        mixed = int(t[1]) != -int(t[2])
+        if problem or int(t[0]) == 0 or mixed:
+            why = problem or ("its files were written by different runs (each rank's file of "
+                              "one step must come from one run)" if mixed else
+                              "another rank found its file incompatible (see that rank's error)")
+            raise CheckpointError(
+                f"cannot resume from checkpoint step {step} in {self.directory} (rank "
+                f"{self.rank}): {why.rstrip('.')}. Nothing was deleted.")
+        self.run_id = rid if isinstance(rid, str) else self._new_run_id()
+        self._lock.update({"run_id": self.run_id, "world_size": self._world()})
+
+    def _layout_message(self) -> str:
+        """Some ranks hold checkpoints and others none: say what the directory holds."""
+        newest: dict[int, set[int]] = collections.defaultdict(set)
+        for p in self.directory.iterdir():
+            m = _NAME.match(p.name)
+            if m:
+                newest[int(m.group(1))].add(int(m.group(2)))
+        step = max(newest, default=-1)
+        had = len(newest.get(step, ()))
+        return (f"cannot resume from {self.directory}: some ranks of this run hold checkpoint "
+                f"files and others none (its newest checkpoint, step {step}, was written by "
+                f"{had} rank(s); this run has {self._world()} that checkpoint). A run with a "
+                "different number of ranks cannot continue it exactly (each rank's data "
+                "shard, compression residuals and RNG are its own). Fix: relaunch with the "
+                f"layout that wrote it (e.g. {had} training ranks), or start afresh with a new "
+                "(or emptied) checkpoint_dir. Nothing was deleted.")
 
     def load_latest(self) -> dict[str, Any] | None:
         """The newest checkpoint every rank can read, or ``None`` when there is none.
 
         Unreadable files are skipped with a warning on every rank (all ranks fall back to the
-        same older step).
+        same older step). With an ``identity``, the checkpoint must match it.
+
+        Raises:
+            CheckpointError: Some ranks hold checkpoints and others none (a different number
+                of ranks wrote them), the files of one step come from different runs, or the
+                checkpoint's identity differs from this run's (the message says why and how
+                to fix it). Raised on every rank; nothing is deleted and the lock is released.
         """
-        mine = self.steps()
-        if self._world() > 1:
-            everyone = comm.allgather_object(mine, group=self.group)
-            common = set(everyone[0]).intersection(*map(set, everyone[1:]))
-        else:
-            common = set(mine)
+        try:
+            return self._load_latest()
+        except CheckpointError:
+            self.close()
+            raise
+
+    def _load_latest(self) -> dict[str, Any] | None:
+        common, most = self._common_steps(self.steps())
+        if not common and most:
+            raise CheckpointError(self._layout_message())
         for step in sorted(common, reverse=True):
             state: dict[str, Any] | None = None
             problem = ""
@@ -204,15 +343,16 @@ class CheckpointManager:
             except CheckpointError as e:
                 problem = str(e)
             if self._all(state is not None):
+                self._check_identity(step, state)  # type: ignore[arg-type]
                 return state
             msg = (f"checkpoint step {step} is not usable on every rank"
                    + (f" (rank {self.rank}: {problem})" if problem else "")
                    + "; falling back to the previous one.")
             warnings.warn(msg, stacklevel=2)
             log.warning(msg)
+        self.run_id = self._new_run_id()
+        self._lock.update({"run_id": self.run_id, "world_size": self._world()})
         return None
-
-
 def rng_state() -> dict[str, Any]:
     """This process's torch, CUDA, NumPy and Python RNG states, as tensors and plain values
     (so ``weights_only`` loading accepts them)."""

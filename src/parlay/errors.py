@@ -5,7 +5,7 @@ catches all of them. Messages follow one shape: what was expected, what was got,
 """
 from __future__ import annotations
 
-__all__ = ["ParlayError", "ConfigError", "CommError", "CheckpointError"]
+__all__ = ["ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError"]
 
 
 class ParlayError(Exception):
@@ -43,5 +43,31 @@ class CheckpointError(ParlayError):
     """A checkpoint could not be written, read or validated."""
 
 
+class NonFiniteError(ParlayError, FloatingPointError):
+    """A training step produced a NaN or infinite loss or gradient; the update was not applied.
+
+    Attributes:
+        step: The step (1-based: the first step is step 1) that went non-finite, when known.
+        rank: Lowest global rank whose own loss was non-finite, or ``None`` when every loss
+            was finite (the gradient itself overflowed in backward).
+        parameter: First parameter (in model order) whose averaged gradient is non-finite.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, rank: int | None = None,
+                 parameter: str | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.rank = rank
+        self.parameter = parameter
+
+    def __reduce__(self):  # keep the fields when the error crosses a process boundary
+        return (_make_nonfinite_error, (str(self), self.step, self.rank, self.parameter))
+
+
 def _make_comm_error(message: str, op: str | None, rank: int | None, peer: int | None) -> CommError:
     return CommError(message, op=op, rank=rank, peer=peer)
+
+
+def _make_nonfinite_error(message: str, step: int | None, rank: int | None,
+                          parameter: str | None) -> NonFiniteError:
+    return NonFiniteError(message, step=step, rank=rank, parameter=parameter)

@@ -22,8 +22,10 @@ from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.loader import build_loader
 from parlay.data.sampler import ShardedSampler
-from parlay.errors import CheckpointError, ConfigError
+from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, default_metrics
+from parlay.nonfinite import NonFiniteGuard, check_policy, with_step
+from parlay.runinfo import trainer_identity
 from parlay.strategies import StepResult, Strategy, get_strategy
 
 __all__ = ["Trainer", "TrainerState", "TrainerSession"]
@@ -108,6 +110,10 @@ class Trainer:
         lr_schedule: After the warm-up, ``"constant"`` or ``"cosine"`` (decay to 0 at the
             last step, Loshchilov & Hutter 2017).
         strategy_options: Extra keyword options for the mode (e.g. ``{"consistency": "async"}``).
+        nonfinite: A step whose loss or averaged gradient holds a NaN or an infinity:
+            ``"raise"`` a :class:`~parlay.errors.NonFiniteError` on every rank before the
+            update (naming the step, rank and parameter), or ``"skip"`` it identically on
+            every rank (counted in ``skipped_steps``). fp16 keeps GradScaler's overflow skips.
 
     Raises:
         ConfigError: Bad arguments (with the expected value and a hint).
@@ -127,7 +133,7 @@ class Trainer:
                  metrics_path: str | None = None, num_workers: int = 0, seed: int | None = 0,
                  grad_clip: float | None = None, progress: bool = True, shuffle: bool = True,
                  drop_last: bool = False, validation_batch_size: int | None = None,
-                 lr_schedule: str = "constant",
+                 lr_schedule: str = "constant", nonfinite: str = "raise",
                  strategy_options: dict[str, Any] | None = None) -> None:
         if not callable(build_training_func):
             raise ConfigError("build_training_func must be a function returning (model, loss_fn).")
@@ -144,6 +150,7 @@ class Trainer:
             raise ConfigError(f"warmup_epochs must be a number >= 0, got {warmup_epochs!r}.")
         if lr_schedule not in _SCHEDULES:
             raise ConfigError(f"lr_schedule must be one of {_SCHEDULES}, got {lr_schedule!r}.")
+        check_policy(nonfinite)
         if seed is not None and (not isinstance(seed, int) or seed < 0):
             raise ConfigError(f"seed must be an int >= 0 or None, got {seed!r}.")
         if not runtime.is_initialized():
@@ -160,6 +167,9 @@ class Trainer:
         self.strategy: Strategy = get_strategy(mode, compression=compression, precision=precision,
                                                grad_clip=grad_clip, **(strategy_options or {}))
         s = self.strategy
+        if hasattr(s, "guard"):  # strategies that check for NaN/inf steps
+            s.guard = NonFiniteGuard(nonfinite)
+        self.skipped_steps = 0
         if seed is not None:
             torch.manual_seed(seed)
         built = build_training_func()
@@ -198,18 +208,20 @@ class Trainer:
         self._stopped = False
         self._last_ckpt_step = -1
         self._ckpt = (CheckpointManager(checkpoint_dir, keep_last, rank=runtime.rank(),
-                                        group=s.train_group)
+                                        group=s.train_group, lock=True,
+                                        identity=trainer_identity(s, mode, batch_size, model))
                       if checkpoint_dir is not None and s.consumes_data else None)
         if self._ckpt is not None:
             resumed = self._ckpt.load_latest()
             if resumed is not None:
                 self._load(resumed)
         printer = False
-        if s.consumes_data:
-            everyone = (comm.allgather_object((runtime.rank(), s.reports_loss), group=s.train_group)
-                        if comm.group_size(s.train_group) > 1 else [(runtime.rank(), s.reports_loss)])
-            printer = runtime.rank() == min((r for r, rep in everyone if rep),
-                                            default=everyone[0][0])
+        if s.consumes_data:  # the lowest rank that reports a loss (else the lowest one)
+            me = runtime.rank()
+            low = torch.tensor([me if s.reports_loss else 2 ** 62, me], dtype=torch.int64)
+            if comm.group_size(s.train_group) > 1:
+                comm.allreduce(low, "min", group=s.train_group)
+            printer = me == (int(low[0]) if int(low[0]) != 2 ** 62 else int(low[1]))
         full, rest = divmod(self.total_steps, self.steps_per_epoch)
         total = full * self.sampler.total_size + rest * batch_size * s.dp_size
         if metrics_path is None and checkpoint_dir is not None:
@@ -290,14 +302,20 @@ class Trainer:
         x, y = batch
         factor = self.lr_factor()
         s.set_lr_factor(factor)
-        res = self.last_step = s.train_step(x, y)
+        try:
+            res = self.last_step = s.train_step(x, y)
+        except NonFiniteError as e:
+            raise with_step(e, self.state.step + 1) from None
+        if res.skipped:
+            self._note_skip()
         n = len(y)
         st = self.state
         st.step += 1
         st.samples_seen += n * s.dp_size
         st.batch_in_epoch += 1
         self.sampler.advance(n)
-        self.metrics.step(res.loss, n, n * s.dp_size)
+        self.metrics.step(res.loss if res.loss is None or math.isfinite(res.loss) else None,
+                          n, n * s.dp_size)
         if st.step % self.log_step_size == 0:
             self.metrics.log(st.step, st.epoch, factor, console=True)
         epoch_done = st.batch_in_epoch >= self.steps_per_epoch
@@ -427,8 +445,19 @@ class Trainer:
         state = {"trainer": asdict(self.state), "mode": self.mode,
                  "strategy": self.strategy.state_dict(), "sampler": self.sampler.state_dict(),
                  "rng": rng_state()}
-        self._ckpt.save(self.state.step, state)
+        inf_ok = {b.data_ptr() for b in self.model.buffers()} if self.model is not None else set()
+        self._ckpt.save(self.state.step, state,  # -inf masks are fine
+                        allow_inf=lambda t: t.data_ptr() in inf_ok)
         self._last_ckpt_step = self.state.step
+
+    def _note_skip(self) -> None:
+        self.skipped_steps += 1
+        msg = (f"step {self.state.step + 1} was skipped on every rank: its loss or gradient was "
+               f"not finite ({self.skipped_steps} skipped so far; under fp16 a loss-scale "
+               "overflow, which GradScaler expects now and then)")
+        log.warning(msg)
+        self.metrics.write("skipped_step", step=self.state.step + 1,
+                           skipped_steps=self.skipped_steps)
 
     def _load(self, ck: dict[str, Any]) -> None:
         if ck.get("mode") != self.mode:
@@ -436,7 +465,13 @@ class Trainer:
                                   f"{ck.get('mode')!r}, this Trainer runs mode {self.mode!r}. "
                                   "Hint: use a fresh checkpoint_dir for a different mode.")
         self.sampler.load_state_dict(ck["sampler"])
-        self.strategy.load_state_dict(ck["strategy"])
+        try:
+            self.strategy.load_state_dict(ck["strategy"])
+        except (RuntimeError, KeyError, ValueError) as e:  # torch's shape errors, ConfigError
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            raise CheckpointError(f"the checkpoint does not fit this model ({type(e).__name__}: "
+                                  f"{first}). Hint: build the same model (and mode, pp, balance) "
+                                  "as the run that wrote it, or use a fresh checkpoint_dir.") from e
         self.state = TrainerState(**ck["trainer"])
         set_rng_state(ck["rng"])
         self._last_ckpt_step = self.state.step
@@ -453,6 +488,8 @@ class Trainer:
         if self._val_loader is not None:
             self._val_loader.close()
         self.metrics.close()
+        if self._ckpt is not None:
+            self._ckpt.close()  # release the checkpoint_dir lock
 
     @property
     def session(self) -> "TrainerSession":

@@ -81,3 +81,75 @@ def test_files_of_other_ranks_are_left_alone(tmp_path):
     a.save(1, _state(1.0))
     a.save(2, _state(2.0))
     assert a.steps() == [2] and b.steps() == [1]
+
+
+def test_zero_byte_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=3, rank=0)
+    m.save(1, _state(1.0))
+    m.save(2, _state(2.0))
+    m.path(2).write_bytes(b"")                  # e.g. the disk filled up before the write
+    with pytest.raises(CheckpointError, match=r"empty \(0 bytes\)"):
+        load(m.path(2))
+    with pytest.warns(UserWarning, match="step 2 is not usable"):
+        latest = m.load_latest()
+    assert latest["step"] == 1
+
+
+def test_random_bytes_are_reported_as_corrupt_not_as_a_weights_only_refusal(tmp_path):
+    path = tmp_path / "noise.pt"
+    path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1),
+                                   dtype=torch.uint8).numpy().tobytes())
+    with pytest.raises(CheckpointError, match="not a valid checkpoint file") as info:
+        load(path)
+    assert "weights_only" not in str(info.value)
+
+
+def test_pruning_never_removes_the_newest_good_checkpoint(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=1, rank=0)
+    m.save(9, _state(9.0))                      # left over from a later, abandoned timeline
+    m.save(3, _state(3.0))                      # e.g. after falling back past step 9
+    assert m.steps() == [3, 9], "the step just written is never pruned"
+    m.save(4, _state(4.0))
+    assert m.steps() == [4, 9]
+
+
+def test_identity_mismatches_say_why_and_how_to_fix():
+    from parlay.runinfo import describe_mismatch, fingerprint, model_layout
+
+    small = model_layout(torch.nn.Linear(3, 4))
+    big = model_layout(torch.nn.Linear(3, 5))
+    base = {"mode": "allreduce", "world_size": 2, "dp_size": 2, "pp": 1, "batch_size": 4,
+            "dp_rank": 0, "model_fingerprint": fingerprint(small), "model_layout": small}
+    assert describe_mismatch(base, dict(base)) is None
+    assert fingerprint(small) == fingerprint(model_layout(torch.nn.Linear(3, 4))), "no values"
+    cases = {"world_size": (3, "this run has 3 rank(s)"), "batch_size": (8, "batch_size=4"),
+             "mode": ("ps", "mode='allreduce'")}
+    for key, (value, words) in cases.items():
+        msg = describe_mismatch(base, {**base, key: value})
+        assert msg is not None and words in msg and "Fix:" in msg
+    msg = describe_mismatch(base, {**base, "model_fingerprint": fingerprint(big), "model_layout": big})
+    assert "'weight' (4, 3) float32 in the checkpoint but 'weight' (5, 3) float32" in msg
+    assert describe_mismatch({"mode": "allreduce"}, base) is None, "older checkpoints still load"
+
+
+def test_directory_lock_refuses_another_process(tmp_path):
+    import subprocess
+    import sys
+
+    from parlay.runinfo import DirLock
+
+    mine = DirLock(tmp_path)
+    assert mine.acquire({"run_id": "abc"}) is None
+    again = DirLock(tmp_path)
+    assert again.acquire({"run_id": "abc"}) is None, "the same process may lock again"
+    # Another process (without torch, to stay quick): can it take the same POSIX lock?
+    probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
+             "try: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
+             "except OSError: print('held by', open(sys.argv[1]).read())")
+    run = lambda: subprocess.run([sys.executable, "-c", probe, str(tmp_path / ".lock")],  # noqa: E731
+                                 capture_output=True, text=True, timeout=30).stdout.strip()
+    assert run().startswith('held by {"pid": ') and '"run_id": "abc"' in run()
+    again.release()
+    assert run().startswith("held by"), "held until the last user releases it"
+    mine.release()
+    assert run() == "free"

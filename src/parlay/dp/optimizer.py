@@ -11,6 +11,7 @@ optimizer. This is Horovod's hook -> async allreduce -> wait-in-step design, wit
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterable, Iterator
@@ -52,6 +53,21 @@ def _named(optimizer: torch.optim.Optimizer,
             "not named in it. Hint: pass model.named_parameters() of the model whose "
             "parameters the optimizer holds.")
     return [(by_id[id(p)], p) for p in params]
+
+
+def _hash(entry: Any) -> int:
+    """A 60-bit hash of ``repr(entry)`` that is the same in every process (``hash`` is not)."""
+    return int(hashlib.sha256(repr(entry).encode()).hexdigest()[:15], 16)
+
+
+def _text(text: str, src: int, group: Any, size: int = 512) -> str:
+    """Broadcast a short text from group rank ``src`` as UTF-8 bytes in a tensor (decoded as
+    text, never unpickled)."""
+    raw = text.encode()[:size]
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    comm.broadcast(buf, src=src, group=group)
+    return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -217,22 +233,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._next = 0
 
     def _check_consistency(self) -> None:
+        # Integer tensors only (no pickled objects cross the network): one allreduce of hashes
+        # when the ranks agree; on a mismatch a few more find and describe the first difference.
+        g = self.process_group
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(self._names, self._params)]
-        everyone = comm.allgather_object(mine, group=self.process_group)
-        ref = everyone[0]
-        for r, theirs in enumerate(everyone[1:], start=1):
-            if theirs == ref:
-                continue
-            for k in range(max(len(ref), len(theirs))):
-                a = ref[k] if k < len(ref) else None
-                b = theirs[k] if k < len(theirs) else None
-                if a != b:
-                    raise ConfigError(
-                        f"ranks hold different models: parameter #{k} is {a} on rank 0 but {b} "
-                        f"on rank {comm.to_global_rank(self.process_group, r)} "
-                        f"(rank 0 has {len(ref)} trainable parameters, rank {r} {len(theirs)}). "
-                        "Hint: build the same model on every rank, with the same requires_grad "
-                        "flags, before wrapping the optimizer.")
+        hs = [_hash(e) for e in mine]
+        total = _hash(tuple(hs))
+        t = torch.tensor([len(mine), total, -len(mine), -total], dtype=torch.int64)
+        comm.allreduce(t, "min", group=g)
+        if int(t[0]) == -int(t[2]) and int(t[1]) == -int(t[3]):
+            return
+        longest = -int(t[2])
+        own = torch.full((longest,), -1, dtype=torch.int64)
+        own[:len(hs)] = torch.tensor(hs, dtype=torch.int64)
+        ref = own.clone()
+        comm.broadcast(ref, src=0, group=g)
+        differs = (own != ref).nonzero()
+        world, me = self._world, comm.group_rank(g)
+        none = longest * world + world
+        key = torch.tensor([int(differs[0]) * world + me if len(differs) else none])
+        comm.allreduce(key, "min", group=g)
+        k, r = divmod(int(key), world)
+        entry = f"{mine[k] if k < len(mine) else None}|{len(mine)}"
+        a, n0 = _text(entry, 0, g).rsplit("|", 1)
+        b, nr = _text(entry, r, g).rsplit("|", 1)
+        raise ConfigError(
+            f"ranks hold different models: parameter #{k} is {a} on rank 0 but {b} on rank "
+            f"{comm.to_global_rank(g, r)} (rank 0 has {n0} trainable parameters, rank {r} {nr}). "
+            "Hint: build the same model on every rank, with the same requires_grad flags, "
+            "before wrapping the optimizer.")
 
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:

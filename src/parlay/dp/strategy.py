@@ -26,6 +26,7 @@ from parlay import comm, runtime
 from parlay.dp.functions import broadcast_optimizer_state, broadcast_parameters
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
+from parlay.nonfinite import NonFiniteGuard
 from parlay.strategies import StepResult, Strategy, register_strategy
 
 __all__ = ["AllreduceStrategy", "PRECISIONS", "autocast_context"]
@@ -97,6 +98,9 @@ class AllreduceStrategy(Strategy):
         self._loss_fn: Callable[..., torch.Tensor] | None = None
         self._base_lrs: list[float] = []
         self._device = torch.device("cpu")
+        #: The non-finite policy (the Trainer sets it from ``Trainer(nonfinite=...)``); fp16
+        #: steps keep GradScaler's own overflow skipping.
+        self.guard = NonFiniteGuard("raise")
 
     # ------------------------------------------------------------------ topology
     @property
@@ -170,17 +174,30 @@ class AllreduceStrategy(Strategy):
                 self.scaler.step(opt)
             self.scaler.update()
             skipped = self.scaler.get_scale() < before
-        elif self.grad_clip is not None:
+        else:
+            saved = self.guard.snapshot(opt.compression)
             loss.backward()
             opt.synchronize()
-            self._clip(model)
-            with opt.skip_synchronize():
-                opt.step()
-        else:
-            loss.backward()
-            opt.step()
+            if self._nonfinite(model, opt, loss, saved):
+                skipped = True
+            else:
+                self._clip(model)
+                with opt.skip_synchronize():
+                    opt.step()
         n = len(y) if hasattr(y, "__len__") else 1
         return StepResult(loss=float(loss.detach().float().item()), samples=n, skipped=skipped)
+
+    def _nonfinite(self, model: nn.Module, opt: DistributedOptimizer, loss: torch.Tensor,
+                   saved: dict[str, Any] | None) -> bool:
+        """Agree with every rank whether this step went non-finite; raise or undo it."""
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        if not self.guard.must_skip(float(loss.detach().float().item()), named,
+                                    self.process_group):
+            return False
+        if saved is not None:  # the residuals took in this step's NaNs: put them back
+            opt.compression.load_state_dict(saved)
+        opt.zero_grad(set_to_none=True)
+        return True
 
     def _clip(self, model: nn.Module) -> None:
         if self.grad_clip is not None:

@@ -17,6 +17,7 @@ import torch.nn as nn
 
 from parlay import comm, runtime
 from parlay.errors import ConfigError
+from parlay.nonfinite import NonFiniteGuard
 from parlay.pipeline.pipe import Pipeline
 from parlay.strategies import StepResult, Strategy, register_strategy
 
@@ -116,6 +117,9 @@ class HybridStrategy(Strategy):
         self.pipe: Pipeline | None = None
         self.optimizer: Any = None
         self._base_lrs: list[float] = []
+        #: The non-finite policy (set by ``Trainer(nonfinite=...)``); fp16 keeps its own
+        #: agreed overflow skipping.
+        self.guard = NonFiniteGuard("raise")
         self._bytes = {"fwd_bytes": 0, "bwd_bytes": 0, "fwd_dense_bytes": 0,
                        "bwd_dense_bytes": 0, "steps": 0}
 
@@ -195,15 +199,16 @@ class HybridStrategy(Strategy):
                 with opt.skip_synchronize():
                     opt.step()
             self.scaler.update(skipped)
-        elif self.grad_clip is not None:
-            out = pipe.step(self._to(x), self._to(y))
-            opt.synchronize()
-            pipe.clip_grad_norm_(float(self.grad_clip))
-            with opt.skip_synchronize():
-                opt.step()
         else:
+            saved = self.guard.snapshot(opt.compression)
             out = pipe.step(self._to(x), self._to(y))
-            opt.step()
+            opt.synchronize()                       # average over replicas first
+            skipped = self._nonfinite(out, saved)
+            if not skipped:
+                if self.grad_clip is not None:
+                    pipe.clip_grad_norm_(float(self.grad_clip))
+                with opt.skip_synchronize():
+                    opt.step()
         b = self._bytes
         for k in ("fwd_bytes", "bwd_bytes", "fwd_dense_bytes", "bwd_dense_bytes"):
             b[k] += getattr(out, k)
@@ -211,6 +216,19 @@ class HybridStrategy(Strategy):
         n = len(y) if hasattr(y, "__len__") else 1
         loss = float(out.loss.item()) if out.loss is not None else None
         return StepResult(loss=loss, samples=n, skipped=skipped)
+
+    def _nonfinite(self, out: Any, saved: dict[str, Any] | None) -> bool:
+        """Agree over every stage of every replica (the world) whether the step went
+        non-finite; raise, or undo it (compression state back, gradients zeroed)."""
+        pipe, opt = self._ready(), self.optimizer
+        named = [(n, p.grad) for n, p in pipe.named_parameters() if p.grad is not None]
+        loss = float(out.loss.detach().float().item()) if out.loss is not None else None
+        if not self.guard.must_skip(loss, named):
+            return False
+        if saved is not None:
+            opt.compression.load_state_dict(saved)
+        opt.zero_grad(set_to_none=True)
+        return True
 
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor | None:

@@ -1,0 +1,160 @@
+"""Non-finite policy: stop (``"raise"``) or drop (``"skip"``) a step whose loss or averaged
+gradient holds a NaN or an infinity, on every rank alike and before the update is applied.
+
+One NaN on one rank becomes a NaN in every replica's averaged gradient and, one update later,
+in every replica's weights; keep-last-N checkpointing would then replace the last good
+checkpoint with poisoned ones. The guard looks at what every rank already has after the
+gradient reduction: its own loss and the averaged gradients. The cheap test is one sum per
+gradient (a NaN or an infinity anywhere makes the sum non-finite); only when a sum is
+non-finite does an element-wise test confirm it (a sum of huge but finite values may overflow).
+Then one allreduce (MIN) of two integers makes every rank take the same decision and names the
+lowest rank whose own loss was non-finite, so a data-parallel job never splits into ranks that
+stepped and ranks that did not.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from parlay import comm
+from parlay.errors import ConfigError, NonFiniteError
+
+__all__ = ["POLICIES", "check_policy", "NonFiniteGuard", "first_nonfinite", "all_finite",
+           "with_step", "first_nonfinite_entry"]
+
+#: Accepted values of ``Trainer(nonfinite=...)``.
+POLICIES = ("raise", "skip")
+_NONE = 2 ** 62  # "no rank" in the MIN reduction
+
+
+def check_policy(policy: Any) -> str:
+    """Validate a non-finite policy name.
+
+    Raises:
+        ConfigError: Not one of :data:`POLICIES`.
+    """
+    if policy not in POLICIES:
+        raise ConfigError(f"nonfinite must be one of {POLICIES}, got {policy!r}. Hint: 'raise' "
+                          "stops at the first NaN/inf step with the weights intact; 'skip' drops "
+                          "such steps (identically on every rank) and counts them.")
+    return policy
+
+
+def _values(g: torch.Tensor) -> torch.Tensor:
+    return g._values() if g.is_sparse else g
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (a sum per tensor, then a confirmation
+    element by element only when a sum is not finite)."""
+    if not tensors:
+        return True
+    sums = torch.stack([_values(t).sum().float() for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(_values(t)).all()) for t in tensors)
+
+
+def first_nonfinite(named: Sequence[tuple[str, torch.Tensor]]) -> str | None:
+    """Name of the first tensor holding a NaN or an infinity, or ``None``."""
+    for name, t in named:
+        if not bool(torch.isfinite(_values(t)).all()):
+            return name
+    return None
+
+
+class NonFiniteGuard:
+    """The per-step non-finite check of a data-parallel strategy.
+
+    Args:
+        policy: ``"raise"`` or ``"skip"``.
+
+    Raises:
+        ConfigError: Unknown policy.
+    """
+
+    def __init__(self, policy: str = "raise") -> None:
+        self.policy = check_policy(policy)
+        self.skipped = 0
+
+    def snapshot(self, compressor: Any) -> dict[str, Any] | None:
+        """Under ``"skip"``, a copy of ``compressor``'s state (error-feedback residuals,
+        PowerSGD's Q) taken before the step, so a skipped step leaves it as it was."""
+        if self.policy != "skip" or compressor is None:
+            return None
+        return compressor.state_dict() or None
+
+    def must_skip(self, loss: float | None, named_grads: Sequence[tuple[str, torch.Tensor]],
+                  group: Any = None) -> bool:
+        """Decide, identically on every rank of ``group``, whether this step is non-finite.
+
+        Every rank of ``group`` must call it at the same point of every step (one small
+        allreduce). ``named_grads`` are the gradients after averaging; ``loss`` this rank's
+        loss (``None`` where the rank computes none, e.g. an early pipeline stage).
+
+        Returns:
+            True when the step must be skipped (policy ``"skip"``); False when all is finite.
+
+        Raises:
+            NonFiniteError: Policy ``"raise"`` and the step is non-finite (on every rank).
+        """
+        local_bad = loss is not None and not math.isfinite(loss)
+        grads_bad = not all_finite([g for _, g in named_grads])
+        me = comm.group_rank(group) if torch.distributed.is_initialized() else 0
+        flags = torch.tensor([me if local_bad else _NONE, -1 if grads_bad else 0], dtype=torch.int64)
+        if torch.distributed.is_initialized() and comm.group_size(group) > 1:
+            comm.allreduce(flags, "min", group=group)
+        first, bad = int(flags[0]), int(flags[1]) < 0 or int(flags[0]) != _NONE
+        if not bad:
+            return False
+        rank = None
+        if first != _NONE:
+            rank = comm.to_global_rank(group, first) if torch.distributed.is_initialized() else first
+        param = first_nonfinite(named_grads)
+        if self.policy == "skip":
+            self.skipped += 1
+            return True
+        raise NonFiniteError(_message(rank, param), rank=rank, parameter=param)
+
+
+def _message(rank: int | None, param: str | None, step: int | None = None) -> str:
+    where = (f"the loss was first non-finite on rank {rank}" if rank is not None else
+             "every rank's loss was finite, so a gradient overflowed in backward")
+    grad = (f"the first parameter with a non-finite averaged gradient is {param!r}" if param
+            else "no averaged gradient on this rank is non-finite")
+    at = f"at step {step} " if step is not None else ""
+    return (f"non-finite loss or gradient {at}({where}; {grad}). The update was not applied, "
+            "so the weights and the last checkpoint are intact. Hint: check that rank's input "
+            "batch and the learning rate (or use precision='fp32', grad_clip=..., or "
+            "Trainer(nonfinite='skip') to drop such steps).")
+
+
+def with_step(err: NonFiniteError, step: int) -> NonFiniteError:
+    """``err`` again, with the step it happened at in its message and ``step`` attribute."""
+    return NonFiniteError(_message(err.rank, err.parameter, step), step=step, rank=err.rank,
+                          parameter=err.parameter)
+
+
+def first_nonfinite_entry(state: Any, allow_inf: Callable[[torch.Tensor], bool] | None = None,
+                          where: str = "state") -> str | None:
+    """Where (e.g. ``state['strategy']['model']['0.weight']``) the first floating-point tensor
+    holding a NaN, or an infinity that ``allow_inf`` does not accept, sits; ``None`` if none."""
+    if isinstance(state, torch.Tensor):
+        if not (state.is_floating_point() or state.is_complex()) or bool(torch.isfinite(state).all()):
+            return None
+        if allow_inf is not None and allow_inf(state) and not bool(torch.isnan(state).any()):
+            return None
+        return where
+    if isinstance(state, dict):
+        items: Any = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return None
+    for k, v in items:
+        found = first_nonfinite_entry(v, allow_inf, f"{where}[{k!r}]")
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,167 @@
+"""What a checkpoint says about the run that wrote it, and the lock on a checkpoint directory.
+
+A checkpoint can only be continued *exactly* by a run with the same layout (ranks, data-parallel
+replicas, pipeline stages), the same per-replica batch size, mode and model architecture. Each
+checkpoint records that *identity*; a resume compares it with its own and refuses with the
+reason and the fix instead of silently starting over, loading a model into the wrong shapes or
+continuing with another batch size. The model fingerprint hashes parameter and buffer names,
+shapes and dtypes (never values), so it is the same on every rank and every restart.
+
+Two runs writing one directory at the same time would prune each other's checkpoints, so the
+chief holds an exclusive POSIX lock (``fcntl.lockf``) on ``<dir>/.lock`` for the run's life. The
+kernel drops it when the process ends, even on SIGKILL, so a restarted run is never locked out
+by the run it replaces, and forked children (DataLoader workers) do not inherit it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.nn as nn
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows: no lock there
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["model_layout", "fingerprint", "describe_mismatch", "DirLock", "trainer_identity"]
+
+#: Identity fields a resume must match exactly, with how to tell the user about each.
+_LAYOUT = ("world_size", "dp_size", "pp")
+
+
+def model_layout(model: nn.Module) -> list[list[Any]]:
+    """``[[name, shape, dtype], ...]`` of the model's parameters and buffers (no values)."""
+    return [[name, list(t.shape), str(t.dtype).replace("torch.", "")]
+            for name, t in model.state_dict().items()]
+
+
+def fingerprint(layout: list[list[Any]]) -> str:
+    """A short hash of :func:`model_layout`: equal iff names, shapes and dtypes are equal."""
+    return hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
+
+
+def _first_difference(saved: list[list[Any]], now: list[list[Any]]) -> str:
+    for k in range(max(len(saved), len(now))):
+        a = saved[k] if k < len(saved) else None
+        b = now[k] if k < len(now) else None
+        if a != b:
+            fmt = (lambda e: "absent" if e is None else f"{e[0]!r} {tuple(e[1])} {e[2]}")
+            return f"entry #{k} is {fmt(a)} in the checkpoint but {fmt(b)} in this model"
+    return "the fingerprints differ"
+
+
+def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
+    """Why a checkpoint written with identity ``saved`` cannot be continued exactly by a run
+    with identity ``now``, with the fix; ``None`` when it can (fields either lacks are skipped,
+    so older checkpoints stay loadable)."""
+    def has(k: str) -> bool:
+        return k in saved and k in now
+    fresh = " or start afresh with a new (or emptied) checkpoint_dir."
+    if has("mode") and saved["mode"] != now["mode"]:
+        return (f"it was written in mode {saved['mode']!r}, this run uses mode {now['mode']!r}. "
+                f"Fix: resume with mode={saved['mode']!r},{fresh}")
+    if any(has(k) and saved[k] != now[k] for k in _LAYOUT):
+        lay = (lambda d: f"{d.get('world_size')} rank(s): {d.get('dp_size')} data-parallel "
+               f"replica(s) x {d.get('pp', 1)} pipeline stage(s)")
+        return (f"it was written by {lay(saved)}; this run has {lay(now)}. Resuming on another "
+                "layout cannot continue exactly (each replica's data shard, compression "
+                "residuals and RNG belong to its rank). Fix: relaunch with the same layout "
+                f"(e.g. parlay run -n {saved.get('world_size')}),{fresh}")
+    if has("batch_size") and saved["batch_size"] != now["batch_size"]:
+        return (f"it was written with batch_size={saved['batch_size']} per replica, this run "
+                f"uses batch_size={now['batch_size']} (the epoch position and learning-rate "
+                f"schedule depend on it). Fix: pass batch_size={saved['batch_size']},{fresh}")
+    if has("model_fingerprint") and saved["model_fingerprint"] != now["model_fingerprint"]:
+        diff = _first_difference(saved.get("model_layout", []), now.get("model_layout", []))
+        return (f"it was written for a different model architecture ({diff}). Fix: build the "
+                f"same model as the run that wrote it,{fresh}")
+    if has("dp_rank") and saved["dp_rank"] != now["dp_rank"]:
+        return (f"this rank's file was written by data-parallel replica {saved['dp_rank']}, "
+                f"this rank is replica {now['dp_rank']}. Fix: keep the rank order of the run "
+                f"that wrote it,{fresh}")
+    return None
+
+
+class DirLock:
+    """Exclusive lock on ``<directory>/.lock`` held for a run's life (see module docstring).
+
+    Re-locking a directory this process already holds succeeds (a script may build a second
+    Trainer on the same directory after the first one stopped).
+    """
+
+    _held: dict[str, list[int]] = {}  # realpath -> [fd, users], per process
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.path = Path(directory) / ".lock"
+        self._key = os.path.realpath(self.path)
+        self.locked = False
+
+    def acquire(self, info: dict[str, Any]) -> str | None:
+        """Take the lock and record ``info`` in it; returns ``None`` on success, else a
+        description of the run that holds it."""
+        if fcntl is None:
+            return None
+        held = self._held.get(self._key)
+        if held is None:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)  # this process holds no lock on the file: closing drops nothing
+                return self.holder()
+            held = self._held[self._key] = [fd, 0]
+        held[1] += 1
+        self.locked = True
+        self.update(info)
+        return None
+
+    def update(self, info: dict[str, Any]) -> None:
+        """Rewrite the recorded run description (only while holding the lock)."""
+        held = self._held.get(self._key)
+        if not self.locked or held is None:
+            return
+        rec = {"pid": os.getpid(), "host": socket.gethostname(),
+               "since": time.strftime("%Y-%m-%d %H:%M:%S"), **info}
+        data = json.dumps(rec).encode()
+        os.ftruncate(held[0], 0)
+        os.pwrite(held[0], data, 0)
+
+    def holder(self) -> str:
+        """Who holds the lock, as recorded in the lock file (read by a non-holder only:
+        closing any descriptor of the file would drop a POSIX lock this process holds)."""
+        try:
+            rec = json.loads(self.path.read_text() or "{}")
+        except (OSError, ValueError):
+            rec = {}
+        if not rec:
+            return "another run (it recorded no details)"
+        return (f"run {rec.get('run_id', '?')} (pid {rec.get('pid', '?')} on "
+                f"{rec.get('host', '?')}, since {rec.get('since', '?')})")
+
+    def release(self) -> None:
+        """Drop this user's hold; the lock goes when the last user in the process drops it."""
+        held = self._held.get(self._key)
+        if not self.locked or held is None:
+            return
+        self.locked = False
+        held[1] -= 1
+        if held[1] <= 0:
+            del self._held[self._key]
+            os.close(held[0])
+
+
+def trainer_identity(strategy: Any, mode: str, batch_size: int, model: nn.Module) -> dict[str, Any]:
+    """The identity a Trainer's checkpoints record and a resume must match."""
+    from parlay import comm
+
+    layout = model_layout(model)
+    return {"mode": mode, "world_size": comm.group_size(strategy.train_group),
+            "dp_size": int(strategy.dp_size), "dp_rank": int(strategy.dp_rank),
+            "pp": int(getattr(strategy, "pp", 1) or 1), "batch_size": int(batch_size),
+            "model_fingerprint": fingerprint(layout), "model_layout": layout}

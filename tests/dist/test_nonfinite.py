@@ -1,0 +1,182 @@
+"""Non-finite policy on real gloo ranks: one NaN input on one rank at step 3.
+
+``nonfinite="raise"`` must stop every rank before the update with an error naming the step,
+the rank and the first parameter, leaving the weights and the last checkpoint intact;
+``"skip"`` must drop that step identically on every rank, so the weights equal a run (computed
+here by hand) that took every other step.
+"""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import parlay
+from parlay.checkpoint import CheckpointManager, load
+from parlay.data.sampler import ShardedSampler
+from parlay.errors import CheckpointError, NonFiniteError
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+N, BATCH, STEPS, BAD_STEP, BAD_RANK, LR = 40, 4, 5, 3, 1, 0.1   # 5 steps per epoch on 2 ranks
+
+
+def _indices(rank: int, world: int = 2, shuffle: bool = True) -> list[int]:
+    return ShardedSampler(N, world, rank, shuffle=shuffle, seed=0).epoch_indices()
+
+
+def _dataset(world: int = 2, shuffle: bool = True) -> TensorDataset:
+    """Finite data except one sample of BAD_RANK's batch at BAD_STEP."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(N, 6, generator=g)
+    y = (x[:, :3].sum(1) > 0).long()
+    x[_indices(BAD_RANK % world, world, shuffle)[(BAD_STEP - 1) * BATCH], 2] = math.nan
+    return TensorDataset(x, y)
+
+
+def _build():
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)), nn.CrossEntropyLoss()
+
+
+def _trainer(ckpt, nonfinite, **kw):
+    return parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                          optimizer_args={"lr": LR}, batch_size=BATCH, max_iteration=STEPS,
+                          scaling_learning_rate=False, checkpoint_dir=ckpt, checkpoint_every=1,
+                          keep_last=2, nonfinite=nonfinite, progress=False, **kw)
+
+
+def _raise_run(ckpt):
+    t = _trainer(ckpt, "raise")
+    err = None
+    try:
+        while not t.should_stop():
+            t.train_on_batch()
+    except NonFiniteError as e:
+        err = e
+    return err, t.state.step, [p.detach().clone() for p in t.model.parameters()]
+
+
+def test_raise_stops_every_rank_before_the_update(tmp_path):
+    out = run_world(_raise_run, 2, str(tmp_path))
+    saved = load(tmp_path / f"ckpt-{BAD_STEP - 1:010d}.rank0.pt")["strategy"]["model"]
+    for err, step, params in out:
+        assert isinstance(err, NonFiniteError), "both ranks raise, not only the NaN one"
+        assert (err.step, err.rank, err.parameter) == (BAD_STEP, BAD_RANK, "0.weight")
+        assert f"step {BAD_STEP}" in str(err) and f"rank {BAD_RANK}" in str(err)
+        assert "'0.weight'" in str(err) and "not applied" in str(err)
+        assert step == BAD_STEP - 1
+        for p, q in zip(params, saved.values()):
+            assert torch.isfinite(p).all()
+            assert torch.equal(p, q), "the weights are those of the last good step"
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
+    assert names == [f"ckpt-{s:010d}.rank{r}.pt" for s in (BAD_STEP - 2, BAD_STEP - 1)
+                     for r in range(2)], "the last good checkpoints are kept, none added"
+
+
+def _skip_run(ckpt, compression):
+    t = _trainer(ckpt, "skip", compression=compression)
+    init = [p.detach().clone() for p in t.model.parameters()]
+    skipped = []
+    while not t.should_stop():
+        t.train_on_batch()
+        skipped.append(t.last_step.skipped)
+    residuals = t.strategy.optimizer.compression.state_dict()
+    return init, [p.detach().clone() for p in t.model.parameters()], skipped, t.skipped_steps, \
+        residuals
+
+
+def _by_hand(init):
+    """Data-parallel SGD over both ranks' batches, without the update of BAD_STEP."""
+    model, loss_fn = _build()
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), init):
+            p.copy_(v)
+    ds = _dataset()
+    for step in range(1, STEPS + 1):
+        grads = []
+        for r in range(2):
+            idx = _indices(r)[(step - 1) * BATCH: step * BATCH]
+            model.zero_grad()
+            loss_fn(model(ds.tensors[0][idx]), ds.tensors[1][idx]).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        if step == BAD_STEP:
+            continue
+        with torch.no_grad():
+            for p, g0, g1 in zip(model.parameters(), *grads):
+                p -= LR * (g0 + g1) / 2
+    return [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compression", [None, "topk:0.5"])
+def test_skip_drops_the_step_on_every_rank(tmp_path, compression):
+    if compression is not None and compression.split(":")[0] not in parlay.compress.available():
+        pytest.skip(f"compressor {compression} not registered")
+    out = run_world(_skip_run, 2, str(tmp_path), compression)
+    (init, final0, skipped, count, res), (_, final1, _, count1, _) = out
+    assert skipped == [s == BAD_STEP for s in range(1, STEPS + 1)]
+    assert count == count1 == 1
+    for p, q in zip(final0, final1):
+        assert torch.isfinite(p).all() and torch.equal(p, q), "replicas stay identical"
+    assert all(torch.isfinite(v).all() for v in _tensors(res)), "residuals were not polluted"
+    if compression is None:
+        for p, q in zip(final0, _by_hand(init)):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["skipped_steps"]) for e in events if e["event"] == "skipped_step"] \
+        == [(BAD_STEP, 1)]
+    assert len(list(tmp_path.glob("ckpt-*.rank0.pt"))) == 2
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+def _hybrid_raise():
+    t = parlay.Trainer(_build_seq, _dataset(world=1, shuffle=False), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": LR}, batch_size=BATCH, max_iteration=STEPS,
+                       mode="hybrid", strategy_options={"pp": 2, "chunks": 2}, shuffle=False,
+                       progress=False)
+    try:
+        while not t.should_stop():
+            t.train_on_batch()
+    except NonFiniteError as e:
+        return e, all(bool(torch.isfinite(p).all()) for p in t.model.parameters())
+    return None, None
+
+
+def _build_seq():
+    return (nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                          nn.Linear(8, 2)), nn.CrossEntropyLoss())
+
+
+def test_hybrid_raises_on_every_stage():
+    out = run_world(_hybrid_raise, 2)
+    for rank, (err, finite) in enumerate(out):
+        assert isinstance(err, NonFiniteError) and finite
+        # One replica of two stages: the loss is computed (and goes NaN) on the last stage.
+        assert err.step == BAD_STEP and err.rank == 1
+    assert out[0][0].parameter == "0.weight"
+
+
+def test_a_non_finite_state_is_never_written(tmp_path):
+    m = CheckpointManager(tmp_path, keep_last=1, rank=0)
+    m.save(1, {"w": torch.ones(2)})
+    with pytest.raises(CheckpointError, match=r"step 2: state\['w'\] holds a NaN"):
+        m.save(2, {"w": torch.tensor([1.0, math.nan])})
+    with pytest.raises(CheckpointError, match="infinity"):
+        m.save(3, {"opt": [torch.tensor([math.inf])]})
+    mask = torch.tensor([0.0, -math.inf])    # e.g. an attention-mask buffer
+    m.save(4, {"mask": mask, "ids": torch.tensor([1, 2])}, allow_inf=lambda t: t is mask)
+    assert m.steps() == [4], "only written checkpoints count; the newest good one stays"
