@@ -1,0 +1,12 @@
+"""In-memory snapshots of the training state, for restarts that lose at most one step.
+
+:class:`SnapshotStore` keeps one rank's newest snapshots in host shared memory
+(:mod:`parlay.snapshot.store`); :func:`agree` makes the ranks resume from the same step
+(:mod:`parlay.snapshot.resume`).
+"""
+from parlay.snapshot.resume import agree, open_for_trainer, resume_trainer, run_key
+from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore, default_root
+
+__all__ = ["SnapshotStore", "agree", "run_key", "open_for_trainer", "resume_trainer",
+           "default_root",
+           "FORMAT_VERSION"]

@@ -1,0 +1,196 @@
+"""Resuming from in-memory snapshots: which step, agreed by every rank, and the Trainer's glue.
+
+On start-up every training rank reports the steps it holds (an ``int64`` allgather: tensors, no
+pickled objects), the newest step that all of them hold is loaded (each rank its own state:
+residuals, RNG and sampler position differ between replicas) and training continues from there.
+It wins over a disk checkpoint only when it is newer, and a snapshot of another run (key) is
+never read.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+
+import torch
+
+from parlay import comm, runtime
+from parlay.errors import CheckpointError, ConfigError
+from parlay.snapshot.share import share_newest
+from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
+
+__all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "SUPPORTED_MODES"]
+
+log = logging.getLogger("parlay")
+
+#: Modes whose whole training state lives in the Trainer's state dict on the training ranks. A
+#: strategy may say otherwise with a ``supports_snapshots`` attribute (parameter servers keep
+#: state on serving ranks, so they must snapshot consistently with the workers first).
+SUPPORTED_MODES = ("allreduce", "hybrid")
+
+
+def run_key(identity: str) -> str | None:
+    """Snapshot key for this job: its run id plus a digest of ``identity`` (what must match for
+    a snapshot to continue this run exactly), or ``None`` when the job has no run id.
+
+    The run id is ``$PARLAY_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID`` (a fresh id per
+    ``parlay run`` job, kept across its restarts), else ``$SLURM_JOB_ID``. torchrun's default
+    multi-node id ``"none"`` does not count: two jobs would share it.
+    """
+    for var in ("PARLAY_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        run = os.environ.get(var, "")
+        if run and run != "none":
+            break
+    else:
+        return None
+    digest = hashlib.sha1(f"{FORMAT_VERSION}|{identity}".encode()).hexdigest()[:12]
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', run)[:100]}-{digest}"
+
+
+_REPORT = 16  # newest steps each rank reports when the ranks agree where to resume
+
+
+def _gather_steps(steps: list[int], group: Any) -> list[set[int]]:
+    world = comm.group_size(group)
+    row = torch.full((_REPORT,), -1, dtype=torch.int64)
+    newest = steps[-_REPORT:]
+    if newest:
+        row[: len(newest)] = torch.tensor(newest, dtype=torch.int64)
+    out = torch.empty(world * _REPORT, dtype=torch.int64)
+    comm.allgather_into(out, row, group=group)
+    return [{v for v in r if v >= 0} for r in out.view(world, _REPORT).tolist()]
+
+
+def _everyone(ok: bool, group: Any) -> bool:
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    comm.allreduce(t, "min", group=group)
+    return bool(t.item())
+
+
+def agree(store: SnapshotStore, group: Any = None,
+          after: int = -1) -> tuple[int, dict[str, Any]] | None:
+    """The newest snapshot step above ``after`` that every rank of ``group`` holds and can read,
+    with this rank's state for it; ``None`` when there is none (every rank gets the same answer).
+
+    The ranks exchange only tensors (their committed steps, then one ok flag per candidate),
+    never pickled objects. A rank killed while writing step t still holds t-1 (``keep`` >= 2),
+    so after a single failure the common step is at most one behind the newest.
+    """
+    mine = [s for s in store.steps() if s > after]
+    held = _gather_steps(mine, group) if comm.group_size(group) > 1 else [set(mine)]
+    common = set.intersection(*held)
+    for step in sorted(common, reverse=True):
+        state: dict[str, Any] | None = None
+        try:
+            state = store.load(step)
+        except CheckpointError as e:
+            log.warning("rank %d: %s", store.rank, e)
+        if _everyone(state is not None, group):
+            return step, state  # type: ignore[return-value]
+        log.warning("snapshot of step %d is not readable on every rank; trying an older one",
+                    step)
+    return None
+
+
+def _identity(trainer: Any) -> str:
+    """What must match for a snapshot to continue this run exactly."""
+    s, smp = trainer.strategy, trainer.sampler
+    model = s.state_dict().get("model", {})
+    shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.items()
+              if isinstance(v, torch.Tensor)]
+    return repr((trainer.mode, runtime.size(), s.dp_size, s.dp_rank, trainer.batch_size, smp.n,
+                 smp.seed, smp.shuffle, smp.drop_last, shapes))
+
+
+def open_for_trainer(trainer: Any, every: int | None) -> SnapshotStore | None:
+    """The snapshot store of ``trainer``'s rank, or ``None`` when snapshots are off: ``every``
+    is 0/None, the rank does not train, the mode does not support them, or the job has no run
+    id (see :func:`run_key`).
+
+    Raises:
+        ConfigError: ``every`` is not a non-negative int or None.
+    """
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+        raise ConfigError(f"snapshot_every must be an int >= 0 or None (0/None: no in-memory "
+                          f"snapshots), got {every!r}.")
+    s = trainer.strategy
+    if not every or not s.consumes_data:
+        return None
+    if not getattr(s, "supports_snapshots", s.name in SUPPORTED_MODES):
+        log.info("in-memory snapshots are not available in mode %r", trainer.mode)
+        return None
+    key = run_key(_identity(trainer))
+    if key is None:
+        log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
+                 "PARLAY_RUN_ID to an id that stays the same across restarts of this job)")
+        return None
+    return SnapshotStore(key, runtime.rank())
+
+
+def replicated_part(state: dict[str, Any]) -> dict[str, Any]:
+    """The part of a Trainer state that data-parallel replicas share: all but the RNG, the
+    sampler position and the optimizer's compression state (error-feedback residuals)."""
+    out = {k: v for k, v in state.items() if k not in ("rng", "sampler")}
+    strategy = dict(out.get("strategy", {}))
+    if isinstance(strategy.get("optimizer"), dict):
+        strategy["optimizer"] = {k: v for k, v in strategy["optimizer"].items()
+                                 if k != "parlay_compression"}
+    out["strategy"] = strategy
+    return out
+
+
+def _complete(trainer: Any, shared: dict[str, Any]) -> dict[str, Any]:
+    """A full Trainer state from a replica's shared part: the sampler position follows from the
+    step, the RNG is re-seeded from (seed, rank, step), the residuals restart at zero."""
+    from parlay.checkpoint import rng_state
+
+    st = shared["trainer"]
+    seed = int(hashlib.sha1(f"{trainer.sampler.seed}|{runtime.rank()}|{st['step']}".encode())
+               .hexdigest()[:8], 16)
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    sampler = {"epoch": int(st["epoch"]),
+               "position": int(st["batch_in_epoch"]) * trainer.batch_size}
+    return {**shared, "sampler": sampler, "rng": rng_state()}
+
+
+def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
+    """Load the newest snapshot the ranks agree on into ``trainer`` when it is newer than the
+    step the trainer is at (its disk checkpoint); returns that step or ``None``.
+
+    First choice: the newest step every training rank holds (exact: each rank its own state).
+    Otherwise the newest step every replica group holds somewhere: ranks without it receive the
+    model and optimizer from a replica (:func:`~parlay.snapshot.share.share_newest`), while
+    their RNG is re-seeded and compression residuals restart at zero; the run then continues
+    correctly but not bit for bit like an uninterrupted one (other dropout masks; the gradient
+    mass those residuals still owed is lost), and a warning says so.
+    """
+    s = trainer.strategy
+    after = trainer.state.step
+    found = agree(store, s.train_group, after=after)
+    exact = True
+    if found is not None:
+        step, state = found
+    else:
+        shared = share_newest(store, s.train_group, getattr(s, "replica_group", s.dp_group),
+                              after, replicated_part)
+        if shared is None:
+            return None
+        step, state, exact = shared
+        if not exact:
+            state = _complete(trainer, state)
+    last_ckpt = trainer._last_ckpt_step  # noqa: SLF001 - the disk still lacks this step
+    trainer._load(state)  # noqa: SLF001
+    trainer._last_ckpt_step = last_ckpt  # noqa: SLF001
+    if not exact:
+        warnings.warn(f"rank {runtime.rank()} had no snapshot of step {step}: it resumed with a "
+                      "replica's model and optimizer, a re-seeded RNG and zero compression "
+                      "residuals (not bit-exact).", stacklevel=3)
+    return step

@@ -1,0 +1,189 @@
+"""SnapshotStore: round trip, atomic commits, keep-N rotation, corruption, run keys."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from parlay.errors import CheckpointError, ConfigError
+from parlay.snapshot import SnapshotStore, run_key
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _state(step: int, adam: bool = True) -> dict:
+    g = torch.Generator().manual_seed(step)
+    w = torch.randn(64, 80, generator=g)                    # 20 KB: in the mapped data slot
+    opt: dict = {"state": {}, "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0],
+                                                "foreach": None, "amsgrad": False}]}
+    if adam:
+        opt["state"][0] = {"step": torch.tensor(float(step)), "exp_avg": w * 0.5,
+                           "exp_avg_sq": w * w}
+    return {"trainer": {"step": step, "epoch": 1}, "mode": "allreduce",
+            "strategy": {"model": OrderedDict(w=w, b=torch.arange(3.0)), "optimizer": opt},
+            "rng": {"torch": g.get_state(), "gauss": None, "pos": 7},
+            "nan": float("inf")}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b and type(a) is type(b)
+
+
+def test_round_trip_and_independence_from_live_tensors(tmp_path):
+    store = SnapshotStore("run-1", 0, root=tmp_path)
+    live = _state(3)
+    store.save(3, live)
+    want = _state(3)
+    live["strategy"]["model"]["w"].add_(1.0)               # training goes on right after save()
+    live["strategy"]["model"]["b"].add_(1.0)
+    got = store.load(3)
+    assert _equal(got, want)
+    assert isinstance(got["strategy"]["optimizer"]["state"], dict) and 0 in got["strategy"][
+        "optimizer"]["state"], "int keys and tuples survive"
+    assert store.latest()[0] == 3
+    store.close()
+
+
+def test_keeps_the_newest_two_in_two_slots(tmp_path):
+    store = SnapshotStore("run-1", 1, root=tmp_path)
+    for step in range(1, 6):
+        store.save(step, _state(step, adam=step > 1))       # the layout changes after step 1
+    store.wait()
+    assert store.steps() == [4, 5]
+    assert sorted(p.name for p in store.directory.iterdir()) == [
+        "data-0.pt", "data-1.pt", "snap-0000000004.s1.pt", "snap-0000000005.s0.pt"]
+    assert _equal(store.load(4), _state(4)) and _equal(store.load(5), _state(5))
+    # A restarted process reopens the folder: the newest snapshot's slot is never reused next.
+    store.close()
+    again = SnapshotStore("run-1", 1, root=tmp_path)
+    again.save(6, _state(6))
+    again.wait()
+    assert again.steps() == [5, 6] and _equal(again.load(5), _state(5))
+    again.clear()
+    assert not (tmp_path / "run-1").exists()
+
+
+def test_leftover_temp_file_is_ignored_and_removed(tmp_path):
+    store = SnapshotStore("run-1", 0, root=tmp_path)
+    store.save(1, _state(1))
+    store.close()
+    tmp = store.directory / f".snap-{2:010d}.s1.pt.tmp999"
+    tmp.write_bytes(b"half a commit record")
+    assert store.steps() == [1]
+    SnapshotStore("run-1", 0, root=tmp_path)
+    assert not tmp.exists()
+
+
+@pytest.mark.parametrize("victim", ["snap-0000000002.s1.pt", "data-1.pt"])
+def test_truncated_files_raise_and_latest_falls_back(tmp_path, victim):
+    store = SnapshotStore("run-1", 0, root=tmp_path)
+    store.save(1, _state(1))
+    store.save(2, _state(2))
+    store.wait()
+    path = store.directory / victim
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="snapshot"):
+        store.load(2)
+    step, state = store.latest()
+    assert step == 1 and _equal(state, _state(1))
+    store.close()
+
+
+_KILL_MID_COPY = textwrap.dedent('''
+    import os, signal, sys, torch
+    sys.path.insert(0, sys.argv[2])
+    from test_snapshot_store import _state
+    from parlay.snapshot import SnapshotStore
+
+    class KillOnCopy(torch.Tensor):
+        """Dies (SIGKILL) when the store copies it: the slot is then half overwritten."""
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    store = SnapshotStore("run-1", 0, root=sys.argv[1])
+    store.save(1, _state(1))
+    store.save(2, _state(2))
+    third = _state(3)
+    opt = third["strategy"]["optimizer"]["state"][0]
+    opt["exp_avg_sq"] = opt["exp_avg_sq"].as_subclass(KillOnCopy)   # copied after "w", "exp_avg"
+    store.save(3, third)
+''')
+
+
+def test_process_killed_mid_copy_keeps_the_previous_snapshot(tmp_path):
+    script = tmp_path / "kill_mid_copy.py"
+    script.write_text(_KILL_MID_COPY)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "shm"),
+                        os.path.dirname(__file__)], capture_output=True, text=True, timeout=50)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    store = SnapshotStore("run-1", 0, root=tmp_path / "shm")
+    assert store.steps() == [2], "step 1's slot was being overwritten: its record went first"
+    assert _equal(store.load(2), _state(2))
+
+
+def test_save_returns_before_the_commit_is_written(tmp_path, monkeypatch):
+    release, started = threading.Event(), threading.Event()
+    real = SnapshotStore._commit
+
+    def slow_commit(meta, path):
+        started.set()
+        assert release.wait(30)
+        real(meta, path)
+
+    monkeypatch.setattr(SnapshotStore, "_commit", staticmethod(slow_commit))
+    store = SnapshotStore("run-1", 0, root=tmp_path)
+    store.save(1, _state(1))                               # returns with the commit blocked
+    assert started.wait(30)
+    assert store.steps() == []
+    release.set()
+    store.wait()
+    assert store.steps() == [1]
+    store.close()
+
+
+def test_other_runs_and_bad_input(tmp_path):
+    a = SnapshotStore("run-a", 0, root=tmp_path)
+    a.save(1, _state(1))
+    a.close()
+    b = SnapshotStore("run-b", 0, root=tmp_path)
+    assert b.steps() == [] and b.latest() is None
+    for f in a.directory.iterdir():                        # another run's files copied over
+        (b.directory / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointError, match="run 'run-b'"):
+        b.load(1)
+    with pytest.raises(CheckpointError, match="holds no snapshot of step 9"):
+        b.load(9)
+    with pytest.raises(CheckpointError, match="has a device"):
+        b.save(2, {"x": torch.device("cpu")})
+    with pytest.raises(ConfigError, match="key"):
+        SnapshotStore("../escape", 0, root=tmp_path)
+    with pytest.raises(ConfigError, match="keep"):
+        SnapshotStore("run-c", 0, root=tmp_path, keep=0)
+
+
+def test_run_key_needs_a_run_id_and_separates_identities(monkeypatch):
+    for var in ("PARLAY_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+    assert run_key("x") is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")      # torchrun's shared default
+    assert run_key("x") is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "3f2a/job")
+    k = run_key("x")
+    assert k is not None and k.startswith("3f2a_job-") and k == run_key("x")
+    assert run_key("y") != k
