@@ -11,6 +11,7 @@ import inspect
 import logging
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -26,6 +27,7 @@ from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, default_metrics
 from parlay.nonfinite import NonFiniteGuard, check_policy, with_step
 from parlay.runinfo import trainer_identity
+from parlay.snapshot import open_for_trainer, resume_trainer
 from parlay.strategies import StepResult, Strategy, get_strategy
 
 __all__ = ["Trainer", "TrainerState", "TrainerSession"]
@@ -114,6 +116,11 @@ class Trainer:
             ``"raise"`` a :class:`~parlay.errors.NonFiniteError` on every rank before the
             update (naming the step, rank and parameter), or ``"skip"`` it identically on
             every rank (counted in ``skipped_steps``). fp16 keeps GradScaler's overflow skips.
+        snapshot_every: Steps between in-memory snapshots of every rank's training state (host
+            shared memory, written off the critical path; 0/None: off). A job restarted by
+            ``parlay run --max-restarts`` resumes from the newest one every rank holds when
+            it is newer than the disk checkpoint, so it loses at most one step (see
+            :mod:`parlay.snapshot`).
 
     Raises:
         ConfigError: Bad arguments (with the expected value and a hint).
@@ -134,7 +141,8 @@ class Trainer:
                  grad_clip: float | None = None, progress: bool = True, shuffle: bool = True,
                  drop_last: bool = False, validation_batch_size: int | None = None,
                  lr_schedule: str = "constant", nonfinite: str = "raise",
-                 strategy_options: dict[str, Any] | None = None) -> None:
+                 strategy_options: dict[str, Any] | None = None,
+                 snapshot_every: int | None = 1) -> None:
         if not callable(build_training_func):
             raise ConfigError("build_training_func must be a function returning (model, loss_fn).")
         if not (isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer)):
@@ -215,6 +223,7 @@ class Trainer:
             resumed = self._ckpt.load_latest()
             if resumed is not None:
                 self._load(resumed)
+        self._resume_from_snapshot(snapshot_every)
         printer = False
         if s.consumes_data:  # the lowest rank that reports a loss (else the lowest one)
             me = runtime.rank()
@@ -329,6 +338,7 @@ class Trainer:
                 (self.checkpoint_every is not None and st.step % self.checkpoint_every == 0)
                 or (self.checkpoint_every is None and epoch_done)):
             self.save_checkpoint()
+        self._snapshot_after_step()
         return res.loss
 
     def _reached_end(self) -> bool:
@@ -351,6 +361,8 @@ class Trainer:
             if self._ckpt is not None and self._last_ckpt_step != self.state.step:
                 self.save_checkpoint()
             self.strategy.finish()
+            if self._snap is not None:
+                self._snap.clear()  # the run is over: give the memory back
             self.close()
             return True
         return False
@@ -442,13 +454,16 @@ class Trainer:
         """Write a checkpoint of everything stateful now (every training rank must call it)."""
         if self._ckpt is None:
             raise ConfigError("save_checkpoint() needs checkpoint_dir=... on the Trainer.")
-        state = {"trainer": asdict(self.state), "mode": self.mode,
-                 "strategy": self.strategy.state_dict(), "sampler": self.sampler.state_dict(),
-                 "rng": rng_state()}
         inf_ok = {b.data_ptr() for b in self.model.buffers()} if self.model is not None else set()
-        self._ckpt.save(self.state.step, state,  # -inf masks are fine
+        self._ckpt.save(self.state.step, self._training_state(),  # -inf masks are fine
                         allow_inf=lambda t: t.data_ptr() in inf_ok)
         self._last_ckpt_step = self.state.step
+
+    def _training_state(self) -> dict[str, Any]:
+        """Everything stateful on this rank, as checkpoints and snapshots store it."""
+        return {"trainer": asdict(self.state), "mode": self.mode,
+                "strategy": self.strategy.state_dict(), "sampler": self.sampler.state_dict(),
+                "rng": rng_state()}
 
     def _note_skip(self) -> None:
         self.skipped_steps += 1
@@ -475,6 +490,29 @@ class Trainer:
         self.state = TrainerState(**ck["trainer"])
         set_rng_state(ck["rng"])
         self._last_ckpt_step = self.state.step
+
+    # ------------------------------------------------------------------ in-memory snapshots
+    def _resume_from_snapshot(self, every: int | None) -> None:
+        """Open this rank's snapshot store and continue from the newest step every training
+        rank holds, when it is newer than the disk checkpoint already loaded."""
+        self.snapshot_every = every or 0
+        self.resumed_from_snapshot: int | None = None
+        self._snap = open_for_trainer(self, every)
+        if self._snap is None:
+            return
+        self.resumed_from_snapshot = resume_trainer(self, self._snap)
+        if self.resumed_from_snapshot is not None:
+            log.info("resumed from the in-memory snapshot of step %d", self.resumed_from_snapshot)
+
+    def _snapshot_after_step(self) -> None:
+        if self._snap is None or self.state.step % self.snapshot_every:
+            return
+        try:
+            self._snap.save(self.state.step, self._training_state())
+        except CheckpointError as e:  # snapshots are a speed-up: training goes on without
+            self._snap = None
+            warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {e}",
+                          stacklevel=3)
 
     # ------------------------------------------------------------------ teardown
     def _close_iter(self) -> None:
