@@ -7,6 +7,8 @@ knows how c10d reports a lost peer or a timeout is here. Each function takes ``g
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
+import hashlib
 import re
 from typing import Any, Callable, Iterator
 
@@ -30,38 +32,117 @@ REDUCE_OPS = {
 # torch 2.13 renamed all_gather_into_tensor; keep working on torch>=2.4.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-_PEER_RE = re.compile(r"(?:rank|peer)\s*[:=]?\s*(\d+)", re.IGNORECASE)
+_PEER_RE = re.compile(r"\b(?:rank|peer)\s*[:=]?\s*(\d+)\b", re.IGNORECASE)
+
+# Marks a comm_errors block whose peers are unknown (neither a collective nor point-to-point).
+_UNKNOWN: Any = object()
+
+#: How long survivors of a failed collective wait for each other's answer on the store before
+#: naming the members that did not answer. Only paid on the error path.
+LIVENESS_WAIT_S = 3.0
+_liveness_checks: dict[str, int] = {}
 
 
 def _my_rank() -> int | None:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else None
 
 
-def _as_comm_error(op: str, err: BaseException) -> CommError:
+def _silent_members(group: Any) -> list[int] | None:
+    """Global ranks of ``group`` that gave no sign of life after a failed collective.
+
+    Every member that saw the failure writes its rank under a key naming the group and this
+    process's count of such checks (the survivors of one fault agree on both) and waits a
+    moment for the others'. Returns ``None`` when the check cannot run (no store, the store
+    itself is gone); ``[]`` when everyone answered.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - c10d's own store
+        members = dist.get_process_group_ranks(group or dist.GroupMember.WORLD)
+        me = dist.get_rank()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    gid = hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:12]
+    n = _liveness_checks.get(gid, 0)
+    _liveness_checks[gid] = n + 1
+    base = f"parlay/liveness/{gid}/{n}"
+    others = [r for r in members if r != me]
+    wait = min(LIVENESS_WAIT_S, _group_timeout_s())
+    try:
+        store.set(f"{base}/{me}", "1")
+        try:
+            store.wait([f"{base}/{r}" for r in others], _dt.timedelta(seconds=wait))
+            return []
+        except (RuntimeError, TimeoutError):  # DistStoreError: someone did not answer
+            return [r for r in others if not store.check([f"{base}/{r}"])]
+    except (RuntimeError, TimeoutError, OSError, ValueError):
+        return None
+
+
+def _group_timeout_s() -> float:
+    from parlay import runtime  # runtime imports comm's users; import lazily
+
+    return runtime.timeout().total_seconds() if runtime.is_initialized() else LIVENESS_WAIT_S
+
+
+def _who(group: Any, peer: int | None, err: BaseException) -> tuple[str, int | None]:
+    """A phrase naming the lost rank(s) when they can be known, and the single one if any."""
+    if peer is not None:
+        return f"rank {peer} was lost or did not answer", peer
+    if group is not _UNKNOWN:
+        try:
+            members = dist.get_process_group_ranks(group or dist.GroupMember.WORLD)
+        except (RuntimeError, ValueError):
+            members = []
+        others = [r for r in members if r != _my_rank()]
+        if len(others) == 1:
+            return f"rank {others[0]} (its only peer) was lost or did not answer", others[0]
+        silent = _silent_members(group) if others else None
+        if silent:
+            names = ", ".join(map(str, silent))
+            return (f"rank{'s' if len(silent) > 1 else ''} {names} did not answer a liveness "
+                    "check (lost, stalled, or already past this collective)",
+                    silent[0] if len(silent) == 1 else None)
+    m = _PEER_RE.search(str(err))
+    if m:
+        return f"peer rank {m.group(1)} was lost or the operation failed", int(m.group(1))
+    return "a peer was lost or the operation failed", None
+
+
+def _as_comm_error(op: str, err: BaseException, *, group: Any = _UNKNOWN,
+                   peer: int | None = None) -> CommError:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     lowered = str(err).lower()
+    who, lost = _who(group, peer, err)
+    named = who.startswith("rank")
     if "timed out" in lowered or "timeout" in lowered:
-        why = "a peer did not answer within the collective timeout"
+        why = f"{who}, within the collective timeout" if named else \
+            "a peer did not answer within the collective timeout"
         hint = ("Hint: a rank is stalled or died; check the other ranks' logs, or raise "
                 "the timeout with parlay.init(timeout=...) / PARLAY_TIMEOUT.")
     else:
-        why = "a peer was lost or the operation failed"
-        hint = "Hint: check the other ranks' logs for the first error."
-    m = _PEER_RE.search(str(err))
-    peer = int(m.group(1)) if m else None
+        why = who
+        hint = ("Hint: check the log of the rank named for the first error." if named
+                else "Hint: check the other ranks' logs for the first error.")
     return CommError(f"{op} failed on rank {_my_rank()}: {why} ({text}). {hint}",
-                     op=op, rank=_my_rank(), peer=peer)
+                     op=op, rank=_my_rank(), peer=lost)
 
 
 @contextlib.contextmanager
-def comm_errors(op: str) -> Iterator[None]:
-    """Translate c10d failures raised inside the block into :class:`CommError` naming ``op``."""
+def comm_errors(op: str, *, group: Any = _UNKNOWN, peer: int | None = None) -> Iterator[None]:
+    """Translate c10d failures raised inside the block into :class:`CommError` naming ``op``.
+
+    Args:
+        op: Name of the operation, for the message.
+        group: For a collective, its group (``None``: the world): on failure the members that
+            did not answer are found through the store and named.
+        peer: For point-to-point, the global rank on the other end; named on failure.
+    """
     try:
         yield
     except CommError:
         raise
     except (RuntimeError, TimeoutError, ConnectionError) as e:  # DistBackendError is a RuntimeError
-        raise _as_comm_error(op, e) from e
+        raise _as_comm_error(op, e, group=group, peer=peer) from e
 
 
 class Handle:
@@ -71,11 +152,16 @@ class Handle:
         work: The c10d work object (``None`` for an operation that completed synchronously).
         op: Name used in error messages.
         finish: Called once after the wait; its return value is the handle's result.
+        group: The collective's group, to name silent members on failure (see
+            :func:`comm_errors`).
+        peer: The point-to-point peer's global rank, named on failure.
     """
 
-    def __init__(self, work: Any, op: str, finish: Callable[[], Any]) -> None:
+    def __init__(self, work: Any, op: str, finish: Callable[[], Any], *, group: Any = _UNKNOWN,
+                 peer: int | None = None) -> None:
         self._work = work
         self._op = op
+        self._where = {"group": group, "peer": peer}
         self._finish = finish
         self._done = False
         self._result: Any = None
@@ -91,7 +177,7 @@ class Handle:
             CommError: A peer was lost or the operation timed out.
         """
         if not self._done:
-            with comm_errors(self._op):
+            with comm_errors(self._op, **self._where):
                 if self._work is not None:
                     self._work.wait()
                 self._result = self._finish()
@@ -132,7 +218,7 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", group: Any = None,
     """
     rop = _reduce_op(op)
     avg = op.lower() in ("avg", "average")
-    with comm_errors("allreduce"):
+    with comm_errors("allreduce", group=group):
         work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -140,16 +226,16 @@ def allreduce(tensor: torch.Tensor, op: str = "sum", group: Any = None,
             tensor.div_(group_size(group))
         return tensor
 
-    h = Handle(work, "allreduce", finish)
+    h = Handle(work, "allreduce", group=group, finish=finish)
     return h if async_op else h.wait()
 
 
 def allgather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                    async_op: bool = False) -> Any:
     """Gather equally sized ``tensor`` from every rank into ``output`` (first dim = world * n)."""
-    with comm_errors("allgather"):
+    with comm_errors("allgather", group=group):
         work = _all_gather_single(output, tensor.contiguous(), group=group, async_op=True)
-    h = Handle(work, "allgather", lambda: output)
+    h = Handle(work, "allgather", group=group, finish=lambda: output)
     return h if async_op else h.wait()
 
 
@@ -163,7 +249,7 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
     t = tensor if tensor.dim() > 0 else tensor.reshape(1)
     meta = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     sizes = [torch.zeros_like(meta) for _ in range(world)]
-    with comm_errors("allgather"):
+    with comm_errors("allgather", group=group):
         dist.all_gather(sizes, meta, group=group)
     counts = [int(s.item()) for s in sizes]
     biggest = max(counts)
@@ -172,7 +258,7 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
         pad = t.new_zeros((biggest - t.shape[0],) + tuple(t.shape[1:]))
         padded = torch.cat([t, pad])
     out = t.new_empty((biggest * world,) + tuple(t.shape[1:]))
-    with comm_errors("allgather"):
+    with comm_errors("allgather", group=group):
         work = _all_gather_single(out, padded.contiguous(), group=group, async_op=True)
 
     def finish() -> torch.Tensor:
@@ -181,22 +267,22 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
         chunks = out.split(biggest)
         return torch.cat([chunks[i][: counts[i]] for i in range(world)])
 
-    h = Handle(work, "allgather", finish)
+    h = Handle(work, "allgather", group=group, finish=finish)
     return h if async_op else h.wait()
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False) -> Any:
     """In-place broadcast from group rank ``src``."""
-    with comm_errors("broadcast"):
+    with comm_errors("broadcast", group=group):
         work = dist.broadcast(tensor, src=to_global_rank(group, src), group=group, async_op=True)
-    h = Handle(work, "broadcast", lambda: tensor)
+    h = Handle(work, "broadcast", group=group, finish=lambda: tensor)
     return h if async_op else h.wait()
 
 
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
     box = [obj]
-    with comm_errors("broadcast_object"):
+    with comm_errors("broadcast_object", group=group):
         dist.broadcast_object_list(box, src=to_global_rank(group, src), group=group)
     return box[0]
 
@@ -204,14 +290,14 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 def allgather_object(obj: Any, group: Any = None) -> list[Any]:
     """Gather a picklable object from every rank; returns the list ordered by rank."""
     out: list[Any] = [None] * group_size(group)
-    with comm_errors("allgather_object"):
+    with comm_errors("allgather_object", group=group):
         dist.all_gather_object(out, obj, group=group)
     return out
 
 
 def barrier(group: Any = None) -> None:
     """Block until every rank of ``group`` reached the barrier (within the timeout)."""
-    with comm_errors("barrier"):
+    with comm_errors("barrier", group=group):
         # all_reduce instead of dist.barrier: the latter may pick a device on NCCL.
         t = torch.zeros(1)
         dist.all_reduce(t, group=group)
@@ -220,9 +306,9 @@ def barrier(group: Any = None) -> None:
 def send(tensor: torch.Tensor, dst: int, tag: int = 0, group: Any = None,
          async_op: bool = False) -> Any:
     """Send ``tensor`` to global rank ``dst``."""
-    with comm_errors("send"):
+    with comm_errors("send", peer=dst):
         work = dist.isend(tensor, dst=dst, group=group, tag=tag)
-    h = Handle(work, "send", lambda: tensor)
+    h = Handle(work, "send", lambda: tensor, peer=dst)
     return h if async_op else h.wait()
 
 
@@ -233,7 +319,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: Any 
     Returns:
         The sender's global rank, or a :class:`Handle` whose ``wait()`` returns it.
     """
-    with comm_errors("recv"):
+    with comm_errors("recv", peer=src):
         work = dist.irecv(tensor, src=src, group=group, tag=tag)
     def finish() -> int:
         if src is not None:
@@ -241,7 +327,7 @@ def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: Any 
         assert work is not None  # irecv always returns a work object
         return int(work.source_rank())
 
-    h = Handle(work, "recv", finish)
+    h = Handle(work, "recv", finish, peer=src)
     return h if async_op else h.wait()
 
 

@@ -148,3 +148,28 @@ def test_group_timeout_is_the_configured_one_not_the_mesh_budget():
     kind, op, elapsed, msg = out[0]
     assert kind == "CommError" and op == "allreduce", msg
     assert 11.5 <= elapsed < 12.0 + 6.0, elapsed
+
+
+def _lost_rank_two(op):
+    if parlay.rank() == 2:
+        os._exit(3)
+    try:
+        if op == "allreduce":
+            parlay.comm.allreduce(torch.ones(4), "sum")
+        else:
+            parlay.comm.recv(torch.ones(4), src=2)
+    except parlay.CommError as e:
+        return e.op, e.peer, str(e)
+    return None, None, "no error"
+
+
+@pytest.mark.parametrize("op", ["allreduce", "recv"])
+def test_lost_peer_error_names_the_lost_rank(op):
+    # Collective: the survivors find through the store which member did not answer.
+    # Point-to-point: the peer is known.
+    out = run_world(_lost_rank_two, 3, op, comm_timeout=10.0, return_exceptions=True)
+    for rank in (0, 1):
+        got_op, peer, msg = out[rank]
+        assert (got_op, peer) == (op, 2), msg
+        assert "rank 2" in msg and f"failed on rank {rank}" in msg and "Hint" in msg
+    assert isinstance(out[2], WorldError)
