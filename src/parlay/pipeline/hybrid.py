@@ -115,6 +115,14 @@ def choose_placement(pp: int, dp: int, local: int, placement: str = "auto",
     return "pp-local", f"neither {pp} stages nor {dp} replicas fit in a host of {local} ranks"
 
 
+def _log_choice(dp: int, pp: int, local: int, where: str, why: str) -> None:
+    log.info("hybrid mesh: %d replicas x %d stages on %d host(s) of %d ranks: %s (%s)",
+             dp, pp, max(1, dp * pp // local), local,
+             "pipeline stages of a replica share a host, data-parallel peers across hosts"
+             if where == "pp-local" else
+             "replicas of a stage share a host, pipeline neighbours across hosts", why)
+
+
 def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *,
                placement: str = "auto", dp_bytes: float | None = None,
                pp_bytes: float | None = None) -> HybridMesh:
@@ -166,12 +174,7 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
     local = runtime.local_size() if runtime.is_initialized() else world
     where, why = choose_placement(pp, dp, local, placement, dp_bytes, pp_bytes)
     if rank == 0:
-        hosts = max(1, world // local)
-        log.info("hybrid mesh: %d replicas x %d stages on %d host(s) of %d ranks: %s (%s)",
-                 dp, pp, hosts, local,
-                 "pipeline stages of a replica share a host, data-parallel peers across hosts"
-                 if where == "pp-local" else
-                 "replicas of a stage share a host, pipeline neighbours across hosts", why)
+        _log_choice(dp, pp, local, where, why)
     shape, names = ((dp, pp), ("dp", "pp")) if where == "pp-local" else ((pp, dp), ("pp", "dp"))
     with comm.comm_errors("init_device_mesh"):
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
