@@ -4,12 +4,14 @@ gradient holds a NaN or an infinity, on every rank alike and before the update i
 One NaN on one rank becomes a NaN in every replica's averaged gradient and, one update later,
 in every replica's weights; keep-last-N checkpointing would then replace the last good
 checkpoint with poisoned ones. The guard looks at what every rank already has after the
-gradient reduction: its own loss and the averaged gradients. The cheap test is one sum per
-gradient (a NaN or an infinity anywhere makes the sum non-finite); only when a sum is
-non-finite does an element-wise test confirm it (a sum of huge but finite values may overflow).
-Then one allreduce (MIN) of two integers makes every rank take the same decision and names the
-lowest rank whose own loss was non-finite, so a data-parallel job never splits into ranks that
-stepped and ranks that did not.
+gradient reduction: its own loss and the averaged gradients. The test is one sum per gradient
+(a NaN or an infinity anywhere makes the sum non-finite; an element-wise test, ~30x slower on
+CPU, only confirms a non-finite sum, since huge finite values may overflow). Where backward ran
+on :meth:`NonFiniteGuard.mark`'s loss, a rank's non-finite loss turns every averaged gradient
+NaN, and the averaged gradients are bit-identical on every rank, so all ranks reach the same
+decision without communicating; otherwise one allreduce (MIN) of two integers agrees on it. A
+non-finite step then costs one allreduce that names the lowest rank whose own loss was
+non-finite, so a data-parallel job never splits into ranks that stepped and ranks that did not.
 """
 from __future__ import annotations
 
@@ -86,13 +88,25 @@ class NonFiniteGuard:
             return None
         return compressor.state_dict() or None
 
+    @staticmethod
+    def mark(loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` to call ``backward()`` on: itself (times exactly 1) when finite, else times
+        NaN, so every gradient it reaches is NaN and, after averaging, every rank's is too.
+        Then the averaged gradients alone tell every rank, identically, whether any rank went
+        non-finite: the decision needs no communication (and no host sync here)."""
+        d = loss.detach()
+        return loss * torch.where(torch.isfinite(d), torch.ones_like(d), torch.full_like(d, math.nan))
+
     def must_skip(self, loss: float | None, named_grads: Sequence[tuple[str, torch.Tensor]],
-                  group: Any = None) -> bool:
+                  group: Any = None, *, marked: bool = False) -> bool:
         """Decide, identically on every rank of ``group``, whether this step is non-finite.
 
-        Every rank of ``group`` must call it at the same point of every step (one small
-        allreduce). ``named_grads`` are the gradients after averaging; ``loss`` this rank's
-        loss (``None`` where the rank computes none, e.g. an early pipeline stage).
+        Every rank of ``group`` must call it at the same point of every step. ``named_grads``
+        are the gradients after averaging; ``loss`` this rank's loss (``None`` where the rank
+        computes none, e.g. an early pipeline stage). With ``marked`` (backward ran on
+        :meth:`mark`'s loss and the gradients were averaged over ``group``), a finite step
+        costs no communication; otherwise one allreduce of two integers agrees on it. A
+        non-finite step costs one allreduce more, to find the rank.
 
         Returns:
             True when the step must be skipped (policy ``"skip"``); False when all is finite.
@@ -102,16 +116,19 @@ class NonFiniteGuard:
         """
         local_bad = loss is not None and not math.isfinite(loss)
         grads_bad = not all_finite([g for _, g in named_grads])
-        me = comm.group_rank(group) if torch.distributed.is_initialized() else 0
+        dist = torch.distributed.is_initialized() and comm.group_size(group) > 1
+        if marked and not grads_bad:
+            return False
+        me = comm.group_rank(group) if dist else 0
         flags = torch.tensor([me if local_bad else _NONE, -1 if grads_bad else 0], dtype=torch.int64)
-        if torch.distributed.is_initialized() and comm.group_size(group) > 1:
+        if dist:
             comm.allreduce(flags, "min", group=group)
         first, bad = int(flags[0]), int(flags[1]) < 0 or int(flags[0]) != _NONE
         if not bad:
             return False
         rank = None
         if first != _NONE:
-            rank = comm.to_global_rank(group, first) if torch.distributed.is_initialized() else first
+            rank = comm.to_global_rank(group, first) if dist else first
         param = first_nonfinite(named_grads)
         if self.policy == "skip":
             self.skipped += 1

@@ -176,7 +176,7 @@ class AllreduceStrategy(Strategy):
             skipped = self.scaler.get_scale() < before
         else:
             saved = self.guard.snapshot(opt.compression)
-            loss.backward()
+            self.guard.mark(loss).backward()
             opt.synchronize()
             if self._nonfinite(model, opt, loss, saved):
                 skipped = True
@@ -192,7 +192,7 @@ class AllreduceStrategy(Strategy):
         """Agree with every rank whether this step went non-finite; raise or undo it."""
         named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
         if not self.guard.must_skip(float(loss.detach().float().item()), named,
-                                    self.process_group):
+                                    self.process_group, marked=True):
             return False
         if saved is not None:  # the residuals took in this step's NaNs: put them back
             opt.compression.load_state_dict(saved)
