@@ -4,9 +4,9 @@ Three communication modes behind one :class:`Trainer`: data parallel (``allreduc
 parameter server (``ps``) and hybrid pipeline x data parallel (``hybrid``).
 """
 from parlay import comm, compress
-from parlay.dp import (Adasum, Average, Max, Min, Product, ReduceOp, Sum, allgather, allgather_async, allgather_object, allreduce, allreduce_async,
-                       broadcast, broadcast_async, broadcast_object, broadcast_optimizer_state,
-                       broadcast_parameters)
+from parlay.comm import ReduceOp
+from parlay.dp import (Adasum, Average, Max, Min, Product, Sum, allgather_object,
+                       broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
 from parlay.taskspec import TaskSpecDef, create_task_spec_def
 from parlay.errors import CheckpointError, CommError, ConfigError, NonFiniteError, ParlayError
@@ -23,9 +23,18 @@ _LAZY = {
     "DistributedSession": "parlay.ps",
     "ShardPlan": "parlay.ps",
     "compression": "parlay.compression",
-    # Horovod's names (the same objects as parlay.horovod.<name>, issue 8).
+    "Compression": "parlay.compression",
+    # Horovod's names: the very objects of parlay.horovod (parlay.allreduce is
+    # parlay.horovod.allreduce), with Horovod's semantics (matched by name on a background
+    # engine). Resolved here, on first use, so that only scripts using them load
+    # parlay.horovod; the core never does (its collectives are parlay.comm's, on c10d).
     "DistributedOptimizer": "parlay.horovod",
-    "Compression": "parlay.horovod",
+    "allreduce": "parlay.horovod",
+    "allreduce_async": "parlay.horovod",
+    "allgather": "parlay.horovod",
+    "allgather_async": "parlay.horovod",
+    "broadcast": "parlay.horovod",
+    "broadcast_async": "parlay.horovod",
     "join": "parlay.horovod",
     "barrier": "parlay.horovod",
     "poll": "parlay.horovod",
@@ -45,6 +54,8 @@ def __getattr__(name: str) -> object:
     import importlib
 
     if name in _LAZY:
+        # The one place outside parlay/horovod/ that may load parlay.horovod (the import
+        # contract "horovod is a leaf" sees no import here: the module name is data).
         mod = importlib.import_module(_LAZY[name])
         value = mod if mod.__name__ == f"parlay.{name}" else getattr(mod, name)
         globals()[name] = value
@@ -57,8 +68,6 @@ __all__ = [
     "ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "cluster",
-    "DistributedOptimizer", "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_async",
-    "broadcast", "broadcast_async", "broadcast_object", "broadcast_optimizer_state",
-    "broadcast_parameters", *_LAZY,
+    "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allgather_object",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", *_LAZY,
 ]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import enum
 import hashlib
 import re
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -20,17 +22,38 @@ from parlay.errors import CommError, ConfigError
 __all__ = [
     "Handle", "comm_errors", "allreduce", "allgather", "allgather_into", "broadcast",
     "broadcast_object", "allgather_object", "barrier", "send", "recv", "group_rank",
-    "group_size", "to_global_rank", "REDUCE_OPS",
+    "group_size", "to_global_rank", "ReduceOp", "REDUCE_OPS", "reduce_op", "c10d_op",
+    "all_gather_single", "reduce_scatter_single",
 ]
 
-#: Names accepted for reductions. ``"avg"`` divides the sum by the group size.
-REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "average": dist.ReduceOp.SUM,
-    "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT,
-}
 
-# torch 2.13 renamed all_gather_into_tensor; keep working on torch>=2.4.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+class ReduceOp(enum.IntEnum):
+    """How contributions of the ranks combine (numbered as Horovod numbers them, so ported
+    scripts that pass ``hvd.Average`` or a bare ``0`` keep working)."""
+
+    Average = 0
+    Sum = 1
+    Adasum = 2
+    Min = 3
+    Max = 4
+    Product = 5
+
+
+#: The one reduce-op table: every name parlay accepts for a reduction. ``"avg"`` divides the
+#: sum by the group size; Adasum has no c10d op (parlay.horovod computes it from an allgather).
+REDUCE_OPS: dict[str, ReduceOp] = {
+    "sum": ReduceOp.Sum, "avg": ReduceOp.Average, "average": ReduceOp.Average,
+    "min": ReduceOp.Min, "max": ReduceOp.Max, "product": ReduceOp.Product,
+    "adasum": ReduceOp.Adasum,
+}
+_C10D_OPS = {ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SUM,
+             ReduceOp.Min: dist.ReduceOp.MIN, ReduceOp.Max: dist.ReduceOp.MAX,
+             ReduceOp.Product: dist.ReduceOp.PRODUCT}
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep working on
+# torch>=2.4. Every single-tensor all-gather and reduce-scatter in parlay goes through these.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _PEER_RE = re.compile(r"\b(?:rank|peer)\s*[:=]?\s*(\d+)\b", re.IGNORECASE)
 
@@ -145,8 +168,26 @@ def comm_errors(op: str, *, group: Any = _UNKNOWN, peer: int | None = None) -> I
         raise _as_comm_error(op, e, group=group, peer=peer) from e
 
 
+class _Pending:
+    """Completion of an operation that another thread runs (see :meth:`Handle.pending`)."""
+
+    __slots__ = ("event", "result", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def is_completed(self) -> bool:
+        return self.event.is_set()
+
+
 class Handle:
     """An in-flight operation. :meth:`wait` blocks and returns the result.
+
+    The one handle type of parlay: c10d work objects, operations that completed synchronously
+    and operations run by another thread (:meth:`pending`, e.g. parlay.horovod's negotiation
+    engine) all answer ``is_completed()`` and ``wait()`` alike.
 
     Args:
         work: The c10d work object (``None`` for an operation that completed synchronously).
@@ -166,6 +207,26 @@ class Handle:
         self._done = False
         self._result: Any = None
 
+    @classmethod
+    def pending(cls, op: str) -> "Handle":
+        """A handle that another thread completes with :meth:`resolve`."""
+        box = _Pending()
+        return cls(box, op, lambda: box.result)
+
+    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
+        """Complete a :meth:`pending` handle: ``wait()`` returns ``result`` or raises ``error``
+        (raised as given: the completing thread already chose the error type)."""
+        box = self._work
+        if not isinstance(box, _Pending):
+            raise TypeError("resolve() completes handles made by Handle.pending().")
+        box.result, box.error = result, error
+        box.event.set()
+
+    @property
+    def name(self) -> str:
+        """The operation's name."""
+        return self._op
+
     def is_completed(self) -> bool:
         """Whether the operation finished (never blocks)."""
         return self._done or self._work is None or bool(self._work.is_completed())
@@ -177,12 +238,21 @@ class Handle:
             CommError: A peer was lost or the operation timed out.
         """
         if not self._done:
-            with comm_errors(self._op, **self._where):
-                if self._work is not None:
-                    self._work.wait()
-                self._result = self._finish()
+            if isinstance(self._work, _Pending):
+                self._work.event.wait()
+                if self._work.error is not None:
+                    raise self._work.error
+                self._result = self._work.result
+            else:
+                with comm_errors(self._op, **self._where):
+                    if self._work is not None:
+                        self._work.wait()
+                    self._result = self._finish()
             self._done = True
         return self._result
+
+    def __repr__(self) -> str:
+        return f"Handle({self._op!r}, done={self.is_completed()})"
 
 
 def group_size(group: Any = None) -> int:
@@ -202,24 +272,48 @@ def to_global_rank(group: Any, group_rank_: int) -> int:
     return dist.get_global_rank(group, group_rank_)
 
 
-def _reduce_op(op: str) -> Any:
-    try:
-        return REDUCE_OPS[op.lower()]
-    except (KeyError, AttributeError):
-        raise ConfigError(f"reduction op must be one of {sorted(REDUCE_OPS)}, got {op!r}.") from None
+def reduce_op(op: str | int) -> ReduceOp:
+    """The :class:`ReduceOp` named by ``op``: a name of :data:`REDUCE_OPS` (any case), a
+    ``ReduceOp`` or its number.
+
+    Raises:
+        ConfigError: Anything else.
+    """
+    if isinstance(op, str):
+        found = REDUCE_OPS.get(op.lower())
+        if found is not None:
+            return found
+    elif isinstance(op, int) and not isinstance(op, bool) and op in ReduceOp._value2member_map_:
+        return ReduceOp(op)
+    raise ConfigError(f"reduction op must be one of {sorted(REDUCE_OPS)} or a ReduceOp "
+                      f"(e.g. parlay.Average), got {op!r}.")
 
 
-def allreduce(tensor: torch.Tensor, op: str = "sum", group: Any = None,
+def c10d_op(op: str | int) -> Any:
+    """The ``torch.distributed.ReduceOp`` that carries ``op`` (Average travels as SUM).
+
+    Raises:
+        ConfigError: An unknown op, or Adasum (no c10d equivalent).
+    """
+    rop = reduce_op(op)
+    if rop not in _C10D_OPS:
+        raise ConfigError(f"{rop.name} has no torch.distributed reduction. Hint: Adasum runs "
+                          "through parlay.horovod (hvd.allreduce(op=hvd.Adasum)).")
+    return _C10D_OPS[rop]
+
+
+def allreduce(tensor: torch.Tensor, op: str | int = "sum", group: Any = None,
               async_op: bool = False) -> Any:
-    """In-place allreduce of ``tensor``; ``op="avg"`` divides by the group size.
+    """In-place allreduce of ``tensor``; ``op="avg"`` (or ``ReduceOp.Average``) divides by
+    the group size.
 
     Returns:
         The reduced tensor, or a :class:`Handle` whose ``wait()`` returns it.
     """
-    rop = _reduce_op(op)
-    avg = op.lower() in ("avg", "average")
+    rop = reduce_op(op)
+    avg = rop == ReduceOp.Average
     with comm_errors("allreduce", group=group):
-        work = dist.all_reduce(tensor, op=rop, group=group, async_op=True)
+        work = dist.all_reduce(tensor, op=c10d_op(rop), group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         if avg:
@@ -234,7 +328,7 @@ def allgather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None
                    async_op: bool = False) -> Any:
     """Gather equally sized ``tensor`` from every rank into ``output`` (first dim = world * n)."""
     with comm_errors("allgather", group=group):
-        work = _all_gather_single(output, tensor.contiguous(), group=group, async_op=True)
+        work = all_gather_single(output, tensor.contiguous(), group=group, async_op=True)
     h = Handle(work, "allgather", group=group, finish=lambda: output)
     return h if async_op else h.wait()
 
@@ -259,7 +353,7 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
         padded = torch.cat([t, pad])
     out = t.new_empty((biggest * world,) + tuple(t.shape[1:]))
     with comm_errors("allgather", group=group):
-        work = _all_gather_single(out, padded.contiguous(), group=group, async_op=True)
+        work = all_gather_single(out, padded.contiguous(), group=group, async_op=True)
 
     def finish() -> torch.Tensor:
         if all(c == biggest for c in counts):

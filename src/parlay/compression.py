@@ -40,22 +40,9 @@ from __future__ import annotations
 from parlay.compress import (BF16, FP16, CommStats, Compressor, ErrorFeedback, NoneCompressor,
                              PowerSGD, RandomK, TopK, available, get_compressor, reduce_async,
                              register)
+from parlay.compress.namespace import Compression
 
 __all__ = ["Compressor", "NoneCompressor", "FP16", "BF16", "TopK", "RandomK", "PowerSGD",
            "ErrorFeedback", "Compression", "get_compressor", "available", "register",
            "reduce_async", "CommStats"]
 
-
-class Compression:
-    """Horovod-style namespace: ``compression=parlay.Compression.fp16``.
-
-    Each attribute is a compressor class; the optimizer instantiates it, so two optimizers
-    never share per-bucket state.
-    """
-
-    none = NoneCompressor
-    fp16 = FP16
-    bf16 = BF16
-    topk = TopK
-    randomk = RandomK
-    powersgd = PowerSGD

@@ -344,7 +344,8 @@ def _one_rank_imports_horovod():
     if parlay.rank() == 0:
         # A parameter server never touches parlay.horovod; a worker may, after init. That
         # must not start anything collective (nothing connects before a Horovod-style op).
-        assert parlay.Compression.fp16.compress(torch.ones(1))[0].dtype == torch.float16
+        # (parlay.Compression is the core's namespace now: the Horovod name loads it.)
+        assert parlay.horovod.Compression.fp16.compress(torch.ones(1))[0].dtype == torch.float16
     comm.barrier()
     return "parlay.horovod" in sys.modules
 

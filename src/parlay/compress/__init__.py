@@ -8,9 +8,10 @@ from parlay.compress.base import (CommStats, Compressor, NoneCompressor, availab
                                   get_compressor, reduce_async, register)
 from parlay.compress.cast import BF16, FP16
 from parlay.compress.feedback import ErrorFeedback, Residuals
+from parlay.compress.namespace import Compression
 from parlay.compress.powersgd import PowerSGD
 from parlay.compress.sparse import RandomK, TopK
 
 __all__ = ["CommStats", "Compressor", "NoneCompressor", "available", "get_compressor",
            "reduce_async", "register", "FP16", "BF16", "TopK", "RandomK", "PowerSGD",
-           "ErrorFeedback", "Residuals"]
+           "ErrorFeedback", "Residuals", "Compression"]

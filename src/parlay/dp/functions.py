@@ -1,24 +1,25 @@
-"""Collectives for data-parallel scripts, with Horovod's semantics; shared by ``parlay`` and
-``parlay.horovod`` (``parlay.allreduce is parlay.horovod.allreduce``).
+"""Broadcast and gather of model and optimizer state, straight on c10d (through
+:mod:`parlay.comm`), in the calling thread.
 
-Tensor collectives (``allreduce``, ``allgather``, ``broadcast`` and their ``_async`` forms)
-follow ``horovod.torch``: same argument names and order, defaults (``op=Average``), autograd
-rules and asynchronous handles (``hvd.poll`` / ``hvd.synchronize``, or ``handle.wait()``).
-They run on a *process set* (default: every rank), matched across ranks by name, on a
-background negotiation engine (:mod:`parlay.horovod.engine`); ranks that disagree on shape,
-dtype or root get :class:`~parlay.horovod.HorovodInternalError` instead of a hang.
+``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object`` and
+``allgather_object`` are what the core (the Trainer's strategies, the pipeline) and scripts use
+to start every rank from the same state. They run directly on the world, on a torch
+``process_group=``, or on a ``process_set=``: any object with ``group()`` (its torch group,
+``None`` for the world) and ``global_ranks()`` (its members, in set-rank order), such as a
+``parlay.horovod.ProcessSet``. This module never imports :mod:`parlay.horovod`; Horovod
+exports these very functions (``parlay.broadcast_parameters is
+parlay.horovod.broadcast_parameters``). With a ``process_group``, ``root_rank`` counts within
+that group; everywhere else it is a global rank.
 
-Every function also takes ``process_group=``: a plain torch group, on which the operation runs
-inline in the calling thread, matched by call order as c10d does (no names, no join). There,
-as before, ``root_rank`` counts within that group; everywhere else it is a global rank.
-
-State helpers (``broadcast_parameters``, ``broadcast_optimizer_state``, ``broadcast_object``,
-``allgather_object``) run directly on the set's (or the given) group in the calling thread.
+The Horovod-named tensor collectives (``parlay.allreduce``, ``allgather``, ``broadcast`` and
+their ``_async`` forms) keep Horovod's semantics (matched by name, join-aware, on a background
+engine) and so live in :mod:`parlay.horovod.functions`; ``parlay`` re-exports them lazily. The
+core's own tensor collectives are :mod:`parlay.comm`'s.
 """
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,15 +28,17 @@ from parlay import comm
 from parlay.errors import ConfigError
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
-           "allgather_object", "allreduce", "allreduce_async", "allgather", "allgather_async",
-           "broadcast", "broadcast_async", "coalesced_broadcast"]
+           "allgather_object", "coalesced_broadcast", "RankSet"]
 
 
-def _c() -> Any:
-    # Deferred: parlay.horovod re-exports this module's functions, so it imports it first.
-    from parlay.horovod import collectives
+class RankSet(Protocol):
+    """A set of ranks that runs collectives on one torch group (e.g. ``hvd.ProcessSet``)."""
 
-    return collectives
+    def group(self) -> Any:
+        """The set's torch process group (``None`` for the world)."""
+
+    def global_ranks(self) -> list[int]:
+        """The members' global ranks, in set-rank order."""
 
 
 def _check_group_root(root_rank: int, group: Any) -> None:
@@ -44,140 +47,34 @@ def _check_group_root(root_rank: int, group: Any) -> None:
         raise ConfigError(f"root_rank must be an int in [0, {world}), got {root_rank!r}.")
 
 
+def _set_group(process_set: Any) -> tuple[Any, list[int]]:
+    """The torch group and members of ``process_set`` (``None``: the world)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ConfigError("no process group: parlay is not initialised. Hint: call "
+                          "parlay.init() (or hvd.init()) first.")
+    if process_set is None:
+        return None, list(range(dist.get_world_size()))
+    if not (callable(getattr(process_set, "group", None))
+            and callable(getattr(process_set, "global_ranks", None))):
+        raise ConfigError(f"process_set must be a process set such as hvd.ProcessSet, got "
+                          f"{type(process_set).__name__}. Hint: process_group= takes a torch "
+                          "group.")
+    return process_set.group(), list(process_set.global_ranks())
+
+
 def _group_and_root(root_rank: int, process_set: Any, process_group: Any) -> tuple[Any, int]:
     """The torch group to use directly and the root's rank within it."""
     if process_group is not None:
-        if process_set is not None and process_set.process_set_id != 0:
+        if process_set is not None and getattr(process_set, "process_set_id", None) != 0:
             raise ConfigError("pass either process_set= (Horovod) or process_group= (a torch "
                               "group), not both.")
         _check_group_root(root_rank, process_group)
         return process_group, root_rank
-    from parlay.horovod.process_sets import global_process_set
-
-    ps = global_process_set if process_set is None else process_set
-    group = ps.group()
-    members = ps.global_ranks()
-    if root_rank not in members:
+    group, members = _set_group(process_set)
+    if isinstance(root_rank, bool) or root_rank not in members:
         raise ConfigError(f"root_rank must be a global rank in the process set {members}, "
                           f"got {root_rank!r}.")
     return group, members.index(root_rank)
-
-
-def _global_root(root_rank: int, process_group: Any) -> int:
-    if process_group is None:
-        return root_rank
-    _check_group_root(root_rank, process_group)
-    return dist.get_global_rank(process_group, root_rank)
-
-
-def _compressor(compression: Any) -> Any:
-    if compression is None:
-        return None
-    from parlay.compress.base import Compressor
-
-    parlay_style = isinstance(compression, Compressor) or (
-        isinstance(compression, type) and issubclass(compression, Compressor))
-    if (parlay_style and not getattr(compression, "_horovod_style", False)) or not (
-            callable(getattr(compression, "compress", None))
-            and callable(getattr(compression, "decompress", None))):
-        raise ConfigError("compression must be a Horovod-style compressor with "
-                          "compress(tensor) -> (tensor, ctx) and decompress(tensor, ctx), e.g. "
-                          f"hvd.Compression.fp16; got {compression!r}.")
-    return compression
-
-
-# ------------------------------------------------------------------------------ tensors
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: Any = None, *, process_group: Any = None) -> Any:
-    """Start averaging (or summing, ...) ``tensor`` over the process set; not modified.
-
-    Args:
-        tensor: Tensor to reduce.
-        average: Deprecated Horovod flag; prefer ``op``.
-        name: Name matching this operation across ranks (default: auto-numbered).
-        op: ``Average`` (default), ``Sum``, ``Adasum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor: Multiply by this before the reduction.
-        postscale_factor: Multiply by this after it.
-        process_set: Ranks to reduce over (default: the global process set).
-        process_group: A torch group instead (inline, matched by call order).
-
-    Returns:
-        A handle: ``hvd.synchronize(handle)`` or ``handle.wait()`` returns the result.
-    """
-    c = _c()
-    return c.allreduce_async([tensor], False, name, c.resolve_op(average, op), prescale_factor,
-                             postscale_factor, process_set, process_group, True)
-
-
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: Any = None, op: Any = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, process_set: Any = None, *,
-              process_group: Any = None) -> torch.Tensor:
-    """Reduce ``tensor`` over the process set and return the result (input unchanged).
-
-    Differentiable: the gradient is the same reduction of the output's gradient.
-
-    Args:
-        tensor: Tensor to reduce.
-        average: Deprecated Horovod flag; prefer ``op``.
-        name: Name matching this operation across ranks.
-        compression: A Horovod-style compressor (``hvd.Compression.fp16``); default none.
-        op: ``Average`` (default), ``Sum``, ``Adasum``, ``Min``, ``Max`` or ``Product``.
-        prescale_factor: Multiply by this before the reduction.
-        postscale_factor: Multiply by this after it.
-        process_set: Ranks to reduce over (default: all).
-        process_group: A torch group instead (inline, matched by call order).
-
-    Raises:
-        HorovodInternalError: Ranks disagree on shape, dtype or op, or a peer was lost.
-    """
-    c = _c()
-    rop = c.resolve_op(average, op)
-    comp = _compressor(compression)
-    sent, ctx = comp.compress(tensor) if comp is not None else (tensor, None)
-    out = c.AllreduceFn.apply(sent, name, rop, float(prescale_factor), float(postscale_factor),
-                              process_set, process_group)
-    return comp.decompress(out, ctx) if comp is not None else out
-
-
-def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None, *,
-                    process_group: Any = None) -> Any:
-    """Start concatenating every rank's ``tensor`` along dim 0 (first dims may differ)."""
-    return _c().submit("allgather", [tensor], name, process_set, process_group,
-                       finish=lambda res: res[0][0])
-
-
-def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = None, *,
-              process_group: Any = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0; only the first dimension may differ.
-
-    Differentiable: the gradient is this rank's slice of the averaged output gradient.
-
-    Raises:
-        HorovodInternalError: Ranks disagree on dtype or trailing shape, or a peer was lost.
-    """
-    return _c().AllgatherFn.apply(tensor, name, process_set, process_group)
-
-
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: Any = None, *, process_group: Any = None) -> Any:
-    """Start broadcasting root's ``tensor`` into a new tensor (the input is not modified)."""
-    return _c().broadcast_async(tensor, _global_root(root_rank, process_group), False, name,
-                                process_set, process_group)
-
-
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: Any = None, *, process_group: Any = None) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank (input unchanged).
-
-    Differentiable: the root gets the averaged gradient, other ranks zero.
-
-    Raises:
-        HorovodInternalError: Ranks disagree on shape, dtype or root, or a peer was lost.
-    """
-    return _c().BroadcastFn.apply(tensor, _global_root(root_rank, process_group), name,
-                                  process_set, process_group)
 
 
 # ------------------------------------------------------------------------------ state
@@ -323,7 +220,5 @@ def allgather_object(obj: Any, name: str | None = None, process_set: Any = None,
                      process_group: Any = None) -> list[Any]:
     """Gather a picklable object from every rank of the set, ordered by rank."""
     if process_group is None:
-        from parlay.horovod.process_sets import global_process_set
-
-        process_group = (global_process_set if process_set is None else process_set).group()
+        process_group, _ = _set_group(process_set)
     return comm.allgather_object(obj, group=process_group)

@@ -1,21 +1,10 @@
-"""Reduction operations, numbered as Horovod numbers them so ported scripts keep working."""
+"""Reduction operations: the one table lives in :mod:`parlay.comm`; these are its names as
+``parlay.dp`` (and ``parlay``) export them, numbered as Horovod numbers them."""
 from __future__ import annotations
 
-import enum
+from parlay.comm import ReduceOp
 
 __all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"]
-
-
-class ReduceOp(enum.IntEnum):
-    """How contributions of the ranks combine."""
-
-    Average = 0
-    Sum = 1
-    Adasum = 2
-    Min = 3
-    Max = 4
-    Product = 5
-
 
 Average = ReduceOp.Average
 Sum = ReduceOp.Sum

@@ -8,17 +8,25 @@ operations are matched across ranks by name on a background negotiation engine, 
 and ranks that disagree on shapes, dtypes or roots get :class:`HorovodInternalError` rather
 than a hang. The names parlay also exports (``init``, ``rank``, ``DistributedOptimizer``,
 ``allreduce``, ``Compression``, ...) are the very same objects as ``parlay.<name>``.
+
+This package is a leaf: it builds on parlay's core (runtime, comm, dp, compress) and nothing in
+the core imports it (an import contract in ``pyproject.toml`` holds that). ``parlay`` re-exports
+its Horovod-only names (``parlay.allreduce``, ``parlay.DistributedOptimizer``, ``parlay.join``,
+...) lazily, so only a script that uses one of them loads this package; a ``Trainer`` never
+does, and so never starts a negotiation engine or exports ``HOROVOD_*`` variables.
 """
-from parlay.dp.functions import (allgather, allgather_async, allgather_object, allreduce,
-                                 allreduce_async, broadcast, broadcast_async, broadcast_object,
-                                 broadcast_optimizer_state, broadcast_parameters)
-from parlay.dp.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from parlay.comm import ReduceOp
+from parlay.dp.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+                                 broadcast_parameters)
+from parlay.dp.ops import Adasum, Average, Max, Min, Product, Sum
 from parlay.horovod import elastic
 from parlay.horovod.basics import (HorovodInternalError, HorovodUnsupportedError, ccl_built,
                                    cuda_built, ddl_built, gloo_built, gloo_enabled,
                                    is_homogeneous, mpi_built, mpi_enabled,
                                    mpi_threads_supported, nccl_built, rocm_built)
 from parlay.horovod.compression import Compression
+from parlay.horovod.functions import (allgather, allgather_async, allreduce, allreduce_async,
+                                      broadcast, broadcast_async)
 from parlay.horovod.ops import (allreduce_, allreduce_async_, alltoall, alltoall_async, barrier,
                                 broadcast_, broadcast_async_, grouped_allgather,
                                 grouped_allgather_async, grouped_allreduce, grouped_allreduce_,

@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from parlay import runtime
 from parlay.errors import CommError, ConfigError
+from parlay.horovod import process_sets, timeline
 
 __all__ = ["HorovodInternalError", "HorovodUnsupportedError", "mpi_built", "mpi_enabled",
            "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
-           "rocm_built", "mpi_threads_supported", "is_homogeneous", "generation"]
+           "rocm_built", "mpi_threads_supported", "is_homogeneous"]
 
 
 class HorovodInternalError(CommError):
@@ -100,18 +101,11 @@ def is_homogeneous() -> bool:
 
 
 # ---------------------------------------------------------------- per-init state
-_gen = 0
 _exported: dict[str, str] = {}
 
 
-def generation() -> int:
-    """Counts parlay inits in this process; groups of an older generation are dead."""
-    return _gen
-
-
 def _on_init() -> None:
-    global _gen
-    _gen += 1
+    process_sets.new_generation()
     c = runtime.cluster()
     if c.source != "single":
         # horovodrun exports these to every rank; scripts (and Horovod's own tests) read them.
@@ -123,21 +117,14 @@ def _on_init() -> None:
                 os.environ[k] = _exported[k] = str(v)
     path = os.environ.get("HOROVOD_TIMELINE", "")
     if path and path.upper() != "DYNAMIC":
-        from parlay.horovod import timeline
-
         timeline.start_timeline(path, mark_cycles=os.environ.get(
             "HOROVOD_TIMELINE_MARK_CYCLES", "0") not in ("", "0"))
 
 
 def _on_shutdown() -> None:
-    from parlay.horovod import process_sets, timeline
-
     try:
-        for ps in process_sets.live_sets():
-            engine, ps._engine = ps._engine, None
-            engine.stop()
+        process_sets.stop_all()
     finally:
-        process_sets.forget_all()
         timeline.stop_timeline()
     # The HOROVOD_* variables stay, as horovodrun's do for the life of the process.
 

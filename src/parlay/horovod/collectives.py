@@ -17,21 +17,41 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from parlay.dp.ops import ReduceOp
+from parlay import comm
+from parlay.comm import Handle, ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod import execute
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
-from parlay.horovod.engine import Engine, Handle, Meta, Request, exchange
+from parlay.horovod.engine import Engine, Meta, Request, exchange
 from parlay.horovod.groups import TorchGroup
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn",
            "AllgatherFn", "GroupedAllgatherFn", "BroadcastFn", "AlltoallFn",
-           "ReducescatterFn", "GroupedReducescatterFn", "set_size", "set_rank_of"]
+           "ReducescatterFn", "GroupedReducescatterFn", "set_size", "set_rank_of",
+           "fusion_bytes"]
 
-#: Largest fused allreduce buffer (``HOROVOD_FUSION_THRESHOLD`` bytes, default 64 MiB).
 _engine_lock = threading.Lock()
-FUSION_BYTES = int(os.environ.get("HOROVOD_FUSION_THRESHOLD", str(64 * 1024 * 1024))) or 1
+_DEFAULT_FUSION = 64 * 1024 * 1024
+
+
+def fusion_bytes() -> int:
+    """Largest fused allreduce buffer: ``HOROVOD_FUSION_THRESHOLD`` bytes (default 64 MiB),
+    read when an engine starts (once per process set and init), so a script may set it after
+    import, as with Horovod.
+
+    Raises:
+        ConfigError: The variable is not a non-negative integer.
+    """
+    raw = os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip()
+    try:
+        value = int(raw) if raw else _DEFAULT_FUSION
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"HOROVOD_FUSION_THRESHOLD must be a byte count >= 0, got {raw!r}. "
+                          "Hint: e.g. 67108864 for 64 MiB; 0 disables fusion.")
+    return value or 1
 
 
 class _Inline:
@@ -48,10 +68,10 @@ class _Inline:
         metas = {r: items[0][1] for r, items in enumerate(msgs)}
         with torch.no_grad():
             [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
-                                                  FUSION_BYTES)
+                                                  fusion_bytes())
         if err is None and req.finish is not None:
             res = req.finish(res)
-        req.handle._finish(res, err)
+        req.handle.resolve(res, err)
         return req.handle
 
 
@@ -67,34 +87,34 @@ def target(process_set: ProcessSet | None, process_group: Any = None) -> Any:
             raise ConfigError("pass either process_set= (Horovod) or process_group= (a torch "
                               "group), not both.")
         return _Inline(process_group)
-    ps = global_process_set if process_set is None else process_set
-    if not isinstance(ps, ProcessSet):
-        raise ConfigError(f"process_set must be a hvd.ProcessSet, got {type(ps).__name__}. "
+    pset = global_process_set if process_set is None else process_set
+    if not isinstance(pset, ProcessSet):
+        raise ConfigError(f"process_set must be a hvd.ProcessSet, got {type(pset).__name__}. "
                           "Hint: hvd.add_process_set([ranks]), or process_group= for a torch "
                           "group.")
-    ps._check_member()
+    pset._check_member()
     with _engine_lock:
-        if ps._engine is None:
-            ps._engine = Engine(ps.engine_prefix(), ps.global_ranks(), FUSION_BYTES)
-    return ps._engine
+        if pset._engine is None:
+            pset._engine = Engine(pset.engine_prefix(), pset.global_ranks(), fusion_bytes())
+    return pset._engine
 
 
 def set_size(process_set: ProcessSet | None, process_group: Any = None) -> int:
     """Number of ranks an operation runs over."""
     if process_group is not None:
         return dist.get_world_size(process_group)
-    ps = global_process_set if process_set is None else process_set
-    ps._check_member()
-    return len(ps.global_ranks())
+    pset = global_process_set if process_set is None else process_set
+    pset._check_member()
+    return len(pset.global_ranks())
 
 
 def set_rank_of(process_set: ProcessSet | None, process_group: Any = None) -> int:
     """This process's rank within the set/group."""
     if process_group is not None:
         return dist.get_rank(process_group)
-    ps = global_process_set if process_set is None else process_set
-    ps._check_member()
-    return ps.global_ranks().index(dist.get_rank())
+    pset = global_process_set if process_set is None else process_set
+    pset._check_member()
+    return pset.global_ranks().index(dist.get_rank())
 
 
 def resolve_op(average: bool | None, op: Any, default: ReduceOp = ReduceOp.Average) -> ReduceOp:
@@ -107,6 +127,8 @@ def resolve_op(average: bool | None, op: Any, default: ReduceOp = ReduceOp.Avera
         raise ConfigError("pass either average= (deprecated) or op=, not both.")
     if op is None:
         return default if average is None else (ReduceOp.Average if average else ReduceOp.Sum)
+    if isinstance(op, str):
+        return comm.reduce_op(op)       # parlay's names ("sum", "avg", ...) map the same way
     try:
         return ReduceOp(int(op))
     except (ValueError, TypeError):
@@ -167,15 +189,16 @@ class AllreduceFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
-                post: float, ps: Any, pg: Any) -> torch.Tensor:
-        ctx.args = (op, pre, post, ps, pg)
-        return allreduce_async([tensor.detach()], False, name, op, pre, post, ps, pg,
+                post: float, pset: Any, pg: Any) -> torch.Tensor:
+        ctx.args = (op, pre, post, pset, pg)
+        return allreduce_async([tensor.detach()], False, name, op, pre, post, pset, pg,
                                True).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, pre, post, ps, pg = ctx.args
-        g = allreduce_async([grad.contiguous()], False, None, op, pre, post, ps, pg, True).wait()
+        op, pre, post, pset, pg = ctx.args
+        g = allreduce_async([grad.contiguous()], False, None, op, pre, post, pset, pg,
+                            True).wait()
         return g, None, None, None, None, None, None
 
 
@@ -183,25 +206,25 @@ class GroupedAllreduceFn(torch.autograd.Function):
     """Grouped allreduce (one fused operation) with the allreduce gradient rule."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, ps: Any,
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, pset: Any,
                 pg: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.args = (op, pre, post, ps, pg)
+        ctx.args = (op, pre, post, pset, pg)
         return tuple(allreduce_async([t.detach() for t in tensors], False, name, op, pre, post,
-                                     ps, pg, False).wait())
+                                     pset, pg, False).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        op, pre, post, ps, pg = ctx.args
-        gs = allreduce_async([g.contiguous() for g in grads], False, None, op, pre, post, ps,
+        op, pre, post, pset, pg = ctx.args
+        gs = allreduce_async([g.contiguous() for g in grads], False, None, op, pre, post, pset,
                              pg, False).wait()
         return (None,) * 6 + tuple(gs)
 
 
 # ------------------------------------------------------------------------------ allgather
-def _average_slices(grads: Sequence[torch.Tensor], dims: list[int], ps: Any, pg: Any,
+def _average_slices(grads: Sequence[torch.Tensor], dims: list[int], pset: Any, pg: Any,
                     me: int) -> list[torch.Tensor]:
     reduced = allreduce_async([g.contiguous() for g in grads], False, None, ReduceOp.Average,
-                              1.0, 1.0, ps, pg, False).wait()
+                              1.0, 1.0, pset, pg, False).wait()
     start = sum(dims[:me])
     return [r.narrow(0, start, dims[me]) for r in reduced]
 
@@ -210,16 +233,16 @@ class AllgatherFn(torch.autograd.Function):
     """Allgather whose gradient is this rank's slice of the averaged gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, ps: Any,
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, pset: Any,
                 pg: Any) -> torch.Tensor:
-        out, dims = submit("allgather", [tensor.detach()], name, ps, pg).wait()
-        ctx.save = (dims, ps, pg, set_rank_of(ps, pg), tensor.dim() == 0)
+        out, dims = submit("allgather", [tensor.detach()], name, pset, pg).wait()
+        ctx.save = (dims, pset, pg, set_rank_of(pset, pg), tensor.dim() == 0)
         return out[0]
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        dims, ps, pg, me, scalar = ctx.save
-        [g] = _average_slices([grad], [d[0] for d in dims], ps, pg, me)
+        dims, pset, pg, me, scalar = ctx.save
+        [g] = _average_slices([grad], [d[0] for d in dims], pset, pg, me)
         return (g.reshape(()) if scalar else g), None, None, None
 
 
@@ -227,18 +250,18 @@ class GroupedAllgatherFn(torch.autograd.Function):
     """Grouped allgather (one message) with the allgather gradient rule."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, ps: Any, pg: Any,
+    def forward(ctx: Any, name: str | None, pset: Any, pg: Any,
                 *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out, dims = submit("allgather", [t.detach() for t in tensors], name, ps, pg).wait()
-        ctx.save = (dims, ps, pg, set_rank_of(ps, pg))
+        out, dims = submit("allgather", [t.detach() for t in tensors], name, pset, pg).wait()
+        ctx.save = (dims, pset, pg, set_rank_of(pset, pg))
         return tuple(out)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        dims, ps, pg, me = ctx.save
+        dims, pset, pg, me = ctx.save
         res = []
         for i, g in enumerate(grads):
-            [s] = _average_slices([g], [d[i] for d in dims], ps, pg, me)
+            [s] = _average_slices([g], [d[i] for d in dims], pset, pg, me)
             res.append(s)
         return (None, None, None, *res)
 
@@ -258,15 +281,15 @@ class BroadcastFn(torch.autograd.Function):
     """Broadcast whose gradient is the averaged gradient on the root and zero elsewhere."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, ps: Any,
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, pset: Any,
                 pg: Any) -> torch.Tensor:
-        ctx.save = (root_rank, ps, pg)
-        return broadcast_async(tensor.detach(), root_rank, False, name, ps, pg).wait()
+        ctx.save = (root_rank, pset, pg)
+        return broadcast_async(tensor.detach(), root_rank, False, name, pset, pg).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        root, ps, pg = ctx.save
-        g = allreduce_async([grad.contiguous()], False, None, ReduceOp.Average, 1.0, 1.0, ps,
+        root, pset, pg = ctx.save
+        g = allreduce_async([grad.contiguous()], False, None, ReduceOp.Average, 1.0, 1.0, pset,
                             pg, True).wait()
         if dist.get_rank() != root:
             g.zero_()
@@ -309,17 +332,17 @@ class AlltoallFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, splits: tuple[int, ...] | None,
-                name: str | None, ps: Any, pg: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        out, recv = submit("alltoall", [tensor.detach()], name, ps, pg, splits=splits).wait()
-        ctx.save = (tuple(recv), ps, pg)
+                name: str | None, pset: Any, pg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        out, recv = submit("alltoall", [tensor.detach()], name, pset, pg, splits=splits).wait()
+        ctx.save = (tuple(recv), pset, pg)
         recv_t = torch.tensor(recv, dtype=torch.int32)
         ctx.mark_non_differentiable(recv_t)
         return out, recv_t
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
-        recv, ps, pg = ctx.save
-        g, _r = submit("alltoall", [grad.contiguous()], None, ps, pg, splits=recv).wait()
+        recv, pset, pg = ctx.save
+        g, _r = submit("alltoall", [grad.contiguous()], None, pset, pg, splits=recv).wait()
         return g, None, None, None, None
 
 
@@ -351,16 +374,16 @@ class ReducescatterFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, pre: float,
-                post: float, ps: Any, pg: Any) -> torch.Tensor:
-        ctx.save = (op, pre, post, ps, pg)
-        return submit("reducescatter", [tensor.detach()], name, ps, pg, op=op, prescale=pre,
+                post: float, pset: Any, pg: Any) -> torch.Tensor:
+        ctx.save = (op, pre, post, pset, pg)
+        return submit("reducescatter", [tensor.detach()], name, pset, pg, op=op, prescale=pre,
                       postscale=post, finish=_first).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        op, pre, post, ps, pg = ctx.save
-        g = _rs_grad(grad, op, pre, post, set_size(ps, pg))
-        out, _ = submit("allgather", [g], None, ps, pg).wait()
+        op, pre, post, pset, pg = ctx.save
+        g = _rs_grad(grad, op, pre, post, set_size(pset, pg))
+        out, _ = submit("allgather", [g], None, pset, pg).wait()
         return out[0], None, None, None, None, None, None
 
 
@@ -368,16 +391,16 @@ class GroupedReducescatterFn(torch.autograd.Function):
     """Grouped reducescatter with the reducescatter gradient rule."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, ps: Any,
+    def forward(ctx: Any, name: str | None, op: ReduceOp, pre: float, post: float, pset: Any,
                 pg: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.save = (op, pre, post, ps, pg)
-        return tuple(submit("reducescatter", [t.detach() for t in tensors], name, ps, pg, op=op,
-                            prescale=pre, postscale=post).wait())
+        ctx.save = (op, pre, post, pset, pg)
+        return tuple(submit("reducescatter", [t.detach() for t in tensors], name, pset, pg,
+                            op=op, prescale=pre, postscale=post).wait())
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        op, pre, post, ps, pg = ctx.save
-        n = set_size(ps, pg)
-        out, _ = submit("allgather", [_rs_grad(g, op, pre, post, n) for g in grads], None, ps,
-                        pg).wait()
+        op, pre, post, pset, pg = ctx.save
+        n = set_size(pset, pg)
+        out, _ = submit("allgather", [_rs_grad(g, op, pre, post, n) for g in grads], None,
+                        pset, pg).wait()
         return (None,) * 6 + tuple(out)

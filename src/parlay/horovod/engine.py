@@ -29,11 +29,12 @@ import torch
 import torch.distributed as dist
 
 from parlay import runtime
+from parlay.comm import Handle
 from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group, PrivateGroup
 
-__all__ = ["Meta", "Request", "Handle", "Engine", "exchange", "STOP", "JOIN"]
+__all__ = ["Meta", "Request", "Engine", "exchange", "STOP", "JOIN"]
 
 STOP = "stop.__parlay__"
 JOIN = "join.__parlay__"
@@ -55,44 +56,6 @@ class Meta:
     extra: Any = None
 
 
-class Handle:
-    """An in-flight operation: ``poll``-able, and ``wait()`` returns its result.
-
-    Args:
-        name: The operation's name (for messages).
-    """
-
-    __slots__ = ("name", "_event", "_result", "_error")
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._event = threading.Event()
-        self._result: Any = None
-        self._error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        """Whether the operation finished (never blocks)."""
-        return self._event.is_set()
-
-    def wait(self) -> Any:
-        """Block until the operation finished and return its result.
-
-        Raises:
-            HorovodInternalError: Ranks disagreed, a peer was lost, or the group timed out.
-        """
-        self._event.wait()
-        if self._error is not None:
-            raise self._error
-        return self._result
-
-    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
-        self._result, self._error = result, error
-        self._event.set()
-
-    def __repr__(self) -> str:
-        return f"Handle({self.name!r}, done={self.is_completed()})"
-
-
 @dataclass
 class Request:
     """A local request: its descriptor, the tensors it sends and where its result goes."""
@@ -106,7 +69,8 @@ class Request:
     t_submit: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
-        self.handle = Handle(self.key)
+        # parlay's one handle type; this engine's thread completes it with resolve().
+        self.handle = Handle.pending(self.key)
 
 
 _engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
@@ -231,7 +195,7 @@ class Engine:
                 waiting = list(self._local.values())
                 self._local.clear()
             for r in waiting:
-                r.handle._finish(error=err)
+                r.handle.resolve(error=err)
 
     def _exchange(self, items: list[tuple[str, Meta]]) -> list[list[tuple[str, Meta]]]:
         assert self.group is not None
@@ -313,7 +277,7 @@ class Engine:
             err = HorovodInternalError("Horovod was shut down before every rank submitted this "
                                        "operation", op="shutdown")
             for req in left:
-                req.handle._finish(error=err)
+                req.handle.resolve(error=err)
             return True
         return False
 
@@ -328,7 +292,7 @@ class Engine:
                     result = req.finish(result)
                 except Exception as e:  # noqa: BLE001 - reported through the handle
                     error = e
-            req.handle._finish(result, error)
+            req.handle.resolve(result, error)
 
     def _finish_join(self) -> None:
         # The last rank to join is the one that joined in the latest cycle (highest on ties).
@@ -344,7 +308,7 @@ class Engine:
                 self._counters[k] = max(self._counters.get(k, 0), v)
             req = self._local.pop(JOIN, None)
         if req is not None:
-            req.handle._finish(self.global_ranks[last])
+            req.handle.resolve(self.global_ranks[last])
 
     def join_request(self) -> Request:
         """A join request carrying this rank's auto-name counters."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from parlay.dp.ops import ReduceOp
+from parlay.comm import ReduceOp
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group
 

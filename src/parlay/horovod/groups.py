@@ -17,18 +17,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from parlay import comm, runtime
-from parlay.dp.ops import ReduceOp
 
-__all__ = ["Group", "TorchGroup", "PrivateGroup", "C10D_OP"]
-
-C10D_OP: dict[ReduceOp, Any] = {
-    ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SUM,
-    ReduceOp.Min: dist.ReduceOp.MIN, ReduceOp.Max: dist.ReduceOp.MAX,
-    ReduceOp.Product: dist.ReduceOp.PRODUCT}
-
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = (getattr(dist, "reduce_scatter_single", None)
-                          or dist.reduce_scatter_tensor)
+__all__ = ["Group", "TorchGroup", "PrivateGroup"]
 
 
 class Group:
@@ -76,11 +66,11 @@ class TorchGroup(Group):
 
     def all_reduce(self, t: torch.Tensor, op: int) -> None:
         with comm.comm_errors("allreduce"):
-            dist.all_reduce(t, op=C10D_OP[ReduceOp(op)], group=self.group)
+            dist.all_reduce(t, op=comm.c10d_op(op), group=self.group)
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
         with comm.comm_errors("allgather"):
-            _all_gather_single(out, t, group=self.group)
+            comm.all_gather_single(out, t, group=self.group)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         with comm.comm_errors("broadcast"):
@@ -93,7 +83,7 @@ class TorchGroup(Group):
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: int) -> None:
         with comm.comm_errors("reducescatter"):
-            _reduce_scatter_single(out, t, op=C10D_OP[ReduceOp(op)], group=self.group)
+            comm.reduce_scatter_single(out, t, op=comm.c10d_op(op), group=self.group)
 
 
 class PrivateGroup(Group):
@@ -134,7 +124,7 @@ class PrivateGroup(Group):
 
     def all_reduce(self, t: torch.Tensor, op: int) -> None:
         o = dist.AllreduceOptions()
-        o.reduceOp = C10D_OP[ReduceOp(op)]
+        o.reduceOp = comm.c10d_op(op)
         self._run("allreduce", t, lambda be: be.allreduce([t], o))
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
@@ -152,5 +142,5 @@ class PrivateGroup(Group):
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: int) -> None:
         o = dist.ReduceScatterOptions()
-        o.reduceOp = C10D_OP[ReduceOp(op)]
+        o.reduceOp = comm.c10d_op(op)
         self._run("reducescatter", t, lambda be: be._reduce_scatter_base(out, t, o))

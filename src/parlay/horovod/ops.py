@@ -2,8 +2,9 @@
 reducescatter, sparse allreduce, barrier, join, poll and synchronize.
 
 Argument names, order and defaults are Horovod's; every operation also takes ``process_set``
-and (keyword-only) ``process_group`` for a plain torch group. See :mod:`parlay.dp.functions`
-for the common ones (``allreduce``, ``allgather``, ``broadcast``, ...).
+and (keyword-only) ``process_group`` for a plain torch group. See
+:mod:`parlay.horovod.functions` for the common ones (``allreduce``, ``allgather``,
+``broadcast``, ...).
 """
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from parlay.dp.ops import ReduceOp
+from parlay.comm import Handle, ReduceOp
 from parlay.horovod import collectives as c
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
-from parlay.horovod.engine import Handle, Meta, Request
+from parlay.horovod.engine import Meta, Request
+from parlay.horovod.functions import allgather_async, global_root, horovod_compressor
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
@@ -28,9 +30,7 @@ _GLOBAL = global_process_set
 
 
 def _compressed(compression: Any, tensors: Sequence[torch.Tensor]) -> tuple[list[Any], list[Any]]:
-    from parlay.dp.functions import _compressor
-
-    comp = _compressor(compression)
+    comp = horovod_compressor(compression)
     if comp is None:
         return list(tensors), [None] * len(tensors)
     pairs = [comp.compress(t) for t in tensors]
@@ -110,8 +110,6 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     Returns:
         A function returning the reduced sparse tensor (uncoalesced: duplicates add up).
     """
-    from parlay.dp.functions import allgather_async
-
     rop = c.resolve_op(None, op)
     if rop not in (ReduceOp.Average, ReduceOp.Sum):
         raise HorovodUnsupportedError("sparse_allreduce_async supports op=Average or Sum.")
@@ -153,9 +151,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: ProcessSet = _GLOBAL, *, process_group: Any = None) -> Handle:
     """Start broadcasting root's ``tensor`` into ``tensor`` on every rank."""
-    from parlay.dp.functions import _global_root
-
-    return c.broadcast_async(tensor, _global_root(root_rank, process_group), True, name,
+    return c.broadcast_async(tensor, global_root(root_rank, process_group), True, name,
                              process_set, process_group)
 
 

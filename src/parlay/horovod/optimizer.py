@@ -10,12 +10,13 @@ and reduces gradients with :class:`parlay.dp.optimizer.DistributedOptimizer`'s f
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any, Iterable
 
 import torch
 
 from parlay.compress.base import Compressor, NoneCompressor
-from parlay.dp.ops import ReduceOp
+from parlay.comm import ReduceOp
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
 
@@ -93,6 +94,17 @@ def _check_groups(groups: Any, num_groups: Any) -> Any:
     return groups
 
 
+def _bucket_cap_mb(given: float | None) -> float:
+    # Horovod fuses the optimizer's allreduces in its fusion buffer: the bucket is its analogue.
+    if given is not None:
+        return given
+    if os.environ.get("HOROVOD_FUSION_THRESHOLD", "").strip():
+        from parlay.horovod.collectives import fusion_bytes
+
+        return fusion_bytes() / 2 ** 20
+    return 25
+
+
 def _is_adasum(op: Any) -> bool:
     try:
         return ReduceOp(int(op)) == ReduceOp.Adasum
@@ -134,6 +146,8 @@ class DistributedOptimizer(_BucketedOptimizer):
             buckets (the result is the same) and handed back sparse.
         process_set: Reduce over this process set; non-members step on local gradients.
         bucket_cap_mb: Bucket size in MiB (keyword, or 6th positional in parlay's order).
+            Default: ``HOROVOD_FUSION_THRESHOLD`` (bytes, Horovod's fusion buffer) when set, read
+            here at construction, else 25.
         process_group: A torch group instead of ``process_set`` (keyword, or 8th positional
             in parlay's order).
         **options: Further keywords of :class:`parlay.dp.optimizer.DistributedOptimizer`, e.g.
@@ -168,7 +182,7 @@ class DistributedOptimizer(_BucketedOptimizer):
               compression: Any = None, backward_passes_per_step: int = 1,
               op: Any = ReduceOp.Average, gradient_predivide_factor: float = 1.0,
               num_groups: int = 0, groups: Any = None, sparse_as_dense: bool = False,
-              process_set: Any = None, *, bucket_cap_mb: float = 25,
+              process_set: Any = None, *, bucket_cap_mb: float | None = None,
               process_group: Any = None, **options: Any) -> None:
         named = list(named_parameters) if named_parameters is not None else None
         self.groups = _check_groups(groups, num_groups)
@@ -197,7 +211,7 @@ class DistributedOptimizer(_BucketedOptimizer):
             op = ReduceOp.Average
         super().__init__(optimizer, named, op=op, compression=comp,
                          backward_passes_per_step=backward_passes_per_step,
-                         bucket_cap_mb=bucket_cap_mb,
+                         bucket_cap_mb=_bucket_cap_mb(bucket_cap_mb),
                          gradient_predivide_factor=gradient_predivide_factor,
                          process_group=process_group, **options)
         if local_only or self._adasum:
@@ -228,10 +242,10 @@ class DistributedOptimizer(_BucketedOptimizer):
         starts = [p.detach().clone() for p in params]
         loss = self._opt.step(closure) if closure is not None else self._opt.step()
         if params:
-            ps, pg = self._adasum_group
+            pset, pg = self._adasum_group
             deltas = [p.detach() - s for p, s in zip(params, starts)]
             reduced = collectives.allreduce_async(deltas, True, None, ReduceOp.Adasum, 1.0, 1.0,
-                                                  ps, pg, False).wait()
+                                                  pset, pg, False).wait()
             with torch.no_grad():
                 for p, s, d in zip(params, starts, reduced):
                     p.copy_(s + d)

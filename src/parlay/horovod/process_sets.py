@@ -18,11 +18,13 @@ import torch.distributed as dist
 from parlay import runtime
 from parlay.errors import ConfigError
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+           "generation", "new_generation", "stop_all"]
 
 _lock = threading.Lock()
 _sets: dict[int, "ProcessSet"] = {}     # id -> set, for the current process group generation
 _next_id = 1
+_generation = 0                         # parlay inits seen by parlay.horovod in this process
 
 
 class ProcessSet:
@@ -83,7 +85,7 @@ class ProcessSet:
 
     # ------------------------------------------------------------------ parlay internals
     def _valid(self) -> bool:
-        return self.process_set_id is not None and self._generation == _generation()
+        return self.process_set_id is not None and self._generation == _generation
 
     def group(self) -> Any:
         """The torch process group of this set for direct use (``None`` means the world).
@@ -97,7 +99,7 @@ class ProcessSet:
     def engine_prefix(self) -> str:
         """Store prefix of this set's engine group: unique per set id and init generation."""
         self._check_member()
-        return f"parlay.horovod/init{_generation()}/set{self.process_set_id}"
+        return f"parlay.horovod/init{_generation}/set{self.process_set_id}"
 
     def global_ranks(self) -> list[int]:
         """Global ranks of the members, in set-rank order."""
@@ -107,9 +109,9 @@ class ProcessSet:
         if not runtime.is_initialized():
             raise ConfigError("parlay is not initialised. Hint: call hvd.init() first.")
         if self is global_process_set:
-            if self._generation != _generation():
+            if self._generation != _generation:
                 self._reset()
-                self._generation = _generation()
+                self._generation = _generation
             return
         if not self._valid():
             raise ConfigError(f"{self!r} is not registered (never added, removed, or added "
@@ -129,11 +131,16 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-def _generation() -> int:
-    # Groups die with the default group: a set from before the last shutdown/init is stale.
-    from parlay.horovod import basics
+def generation() -> int:
+    """Counts parlay inits in this process; groups of an older generation are dead."""
+    return _generation
 
-    return basics.generation()
+
+def new_generation() -> None:
+    """Start a new generation (called after every init): groups die with the default group,
+    so a set from before the last shutdown/init is stale."""
+    global _generation
+    _generation += 1
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -150,24 +157,25 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             (a ``ValueError``, as in Horovod).
     """
     global _next_id
-    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    pset = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     world = runtime.size()
-    if not ps.ranks or ps.ranks[0] < 0 or ps.ranks[-1] >= world:
+    if not pset.ranks or pset.ranks[0] < 0 or pset.ranks[-1] >= world:
         raise ConfigError(f"process set ranks must be non-empty and in [0, {world}), "
-                          f"got {ps.ranks}.")
-    gen = _generation()
+                          f"got {pset.ranks}.")
+    gen = _generation
     with _lock:
         _purge(gen)
-        if ps.ranks == list(range(world)) or any(s.ranks == ps.ranks for s in _sets.values()):
-            raise ConfigError(f"Attempted to add a duplicate process set: {ps.ranks} is already "
-                              "registered (the world is global_process_set).")
-        ps.process_set_id, _next_id = _next_id, _next_id + 1
-        _sets[ps.process_set_id] = ps
+        if pset.ranks == list(range(world)) or any(s.ranks == pset.ranks
+                                                   for s in _sets.values()):
+            raise ConfigError(f"Attempted to add a duplicate process set: {pset.ranks} is "
+                              "already registered (the world is global_process_set).")
+        pset.process_set_id, _next_id = _next_id, _next_id + 1
+        _sets[pset.process_set_id] = pset
     # Collective over the whole world, in the same order on every rank.
-    ps._group = dist.new_group(ps.ranks)
-    ps._engine = None
-    ps._generation = gen
-    return ps
+    pset._group = dist.new_group(pset.ranks)
+    pset._engine = None
+    pset._generation = gen
+    return pset
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
@@ -205,6 +213,16 @@ def live_sets() -> list[ProcessSet]:
     with _lock:
         added = sorted(_sets.values(), key=lambda s: s.process_set_id or 0)
     return [s for s in [global_process_set, *added] if s._engine is not None]
+
+
+def stop_all() -> None:
+    """At shutdown: stop every set's engine (a negotiated stop), then forget the sets."""
+    try:
+        for pset in live_sets():
+            engine, pset._engine = pset._engine, None
+            engine.stop()
+    finally:
+        forget_all()
 
 
 def forget_all() -> None:

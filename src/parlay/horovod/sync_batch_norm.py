@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from parlay.dp.ops import ReduceOp
+from parlay.comm import ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod import collectives as c
 
@@ -25,14 +25,14 @@ __all__ = ["SyncBatchNorm"]
 class _SyncBN(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: Any, bias: Any, running_mean: Any,
-                running_var: Any, eps: float, momentum: float, ps: Any) -> torch.Tensor:
+                running_var: Any, eps: float, momentum: float, pset: Any) -> torch.Tensor:
         ch = x.shape[1]
         xc = x.transpose(0, 1).reshape(ch, -1)
         work = xc.double()
         n = torch.tensor([float(xc.shape[1])], dtype=torch.float64, device=x.device)
         mean = work.mean(1) if xc.shape[1] else work.new_zeros(ch)
         m2 = ((work - mean[:, None]) ** 2).sum(1)
-        out, _ = c.submit("allgather", [torch.cat([n, mean, m2]).reshape(1, -1)], None, ps,
+        out, _ = c.submit("allgather", [torch.cat([n, mean, m2]).reshape(1, -1)], None, pset,
                           None).wait()
         rows = out[0]
         counts, means, m2s = rows[:, 0], rows[:, 1: 1 + ch], rows[:, 1 + ch:]
@@ -52,17 +52,17 @@ class _SyncBN(torch.autograd.Function):
         xhat = (work - gmean[:, None]) * invstd[:, None]
         y = xhat if weight is None else xhat * weight.double()[:, None] + bias.double()[:, None]
         ctx.save_for_backward(xhat.to(x.dtype), invstd.to(x.dtype), weight)
-        ctx.meta = (total.item(), ps, x.shape)
+        ctx.meta = (total.item(), pset, x.shape)
         return y.to(x.dtype).reshape(ch, x.shape[0], *x.shape[2:]).transpose(0, 1).contiguous()
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> Any:
         xhat, invstd, weight = ctx.saved_tensors
-        total, ps, shape = ctx.meta
+        total, pset, shape = ctx.meta
         ch = shape[1]
         dyc = dy.transpose(0, 1).reshape(ch, -1)
         local = torch.cat([dyc.sum(1), (dyc * xhat).sum(1)])
-        summed = c.allreduce_async([local], False, None, ReduceOp.Sum, 1.0, 1.0, ps, None,
+        summed = c.allreduce_async([local], False, None, ReduceOp.Sum, 1.0, 1.0, pset, None,
                                    True).wait()
         sum_dy, sum_dy_xhat = summed[:ch], summed[ch:]
         w = weight if weight is not None else torch.ones_like(invstd)
