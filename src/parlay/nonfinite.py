@@ -19,6 +19,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+import torch.nn as nn
 
 from parlay import comm
 from parlay.errors import ConfigError, NonFiniteError
@@ -136,11 +137,28 @@ class NonFiniteGuard:
         raise NonFiniteError(_message(rank, param), rank=rank, parameter=param)
 
 
+    def check_local(self, loss: torch.Tensor, model: nn.Module) -> None:
+        """Before a parameter-server push: raise if this worker's loss or gradients are not
+        finite (workers do not step together, so this check is local and needs no
+        communication; the push, and so the servers' weights, stay clean).
+
+        Raises:
+            NonFiniteError: A NaN or an infinity in the loss or a gradient.
+        """
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        loss_bad = not bool(torch.isfinite(loss.detach()).all())
+        if loss_bad or not all_finite([g for _, g in named]):
+            me = comm.group_rank() if torch.distributed.is_initialized() else 0
+            param = first_nonfinite(named)
+            raise NonFiniteError(_message(me if loss_bad else None, param), rank=me,
+                                 parameter=param)
+
+
 def _message(rank: int | None, param: str | None, step: int | None = None) -> str:
     where = (f"the loss was first non-finite on rank {rank}" if rank is not None else
              "every rank's loss was finite, so a gradient overflowed in backward")
-    grad = (f"the first parameter with a non-finite averaged gradient is {param!r}" if param
-            else "no averaged gradient on this rank is non-finite")
+    grad = (f"the first parameter with a non-finite gradient is {param!r}" if param
+            else "no gradient on this rank is non-finite")
     at = f"at step {step} " if step is not None else ""
     return (f"non-finite loss or gradient {at}({where}; {grad}). The update was not applied, "
             "so the weights and the last checkpoint are intact. Hint: check that rank's input "

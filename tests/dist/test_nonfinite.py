@@ -180,3 +180,24 @@ def test_a_non_finite_state_is_never_written(tmp_path):
     mask = torch.tensor([0.0, -math.inf])    # e.g. an attention-mask buffer
     m.save(4, {"mask": mask, "ids": torch.tensor([1, 2])}, allow_inf=lambda t: t is mask)
     assert m.steps() == [4], "only written checkpoints count; the newest good one stays"
+
+
+def _ps_raise():
+    t = parlay.Trainer(_build, _dataset(world=1), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": LR}, batch_size=BATCH, max_iteration=STEPS,
+                       mode="ps", strategy_options={"consistency": "async", "timeout": 20},
+                       progress=False)
+    try:
+        while not t.should_stop():
+            t.train_on_batch()
+    except NonFiniteError as e:
+        t.strategy.session.worker.fail()        # tell the server, as a dying worker does
+        return e
+    server = t.strategy.session.server
+    return [v.clone() for v in server.params] if server is not None else None
+
+
+def test_ps_worker_raises_before_pushing():
+    err, = [o for o in run_world(_ps_raise, 2, env={"PARLAY_NUM_PS": "1"}, return_exceptions=True)
+            if isinstance(o, NonFiniteError)]
+    assert (err.step, err.rank, err.parameter) == (BAD_STEP, 1, "0.weight")

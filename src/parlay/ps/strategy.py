@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from parlay import runtime
 from parlay.errors import ConfigError
+from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
 from parlay.ps.session import DistributedSession
 from parlay.strategies import StepResult, Strategy, register_strategy
@@ -65,6 +66,8 @@ class ParameterServerStrategy(Strategy):
                             checkpoint_dir=checkpoint_dir, max_steps=max_steps,
                             placement=placement, split_bytes=split_bytes, timeout=timeout,
                             checkpoint_every=checkpoint_every)
+        #: Non-finite policy (set by ``Trainer(nonfinite=...)``): workers check before pushing.
+        self.guard = NonFiniteGuard("raise")
         self.session: DistributedSession | None = None
         self.model: nn.Module | None = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
@@ -116,7 +119,13 @@ class ParameterServerStrategy(Strategy):
         self.model, self._loss_fn = model, loss_fn
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
                                           **self.options)
+        if self.guard.policy != "raise":
+            raise ConfigError("mode 'ps' supports nonfinite='raise' only: workers do not step "
+                              "together, so no step can be skipped on every worker alike. "
+                              "Hint: use mode='allreduce' for nonfinite='skip'.")
         self.session.start()
+        if self.session.worker is not None:  # raise before a NaN reaches the servers
+            self.session.worker.before_push = self.guard.check_local
         if self.session.worker is not None and self.precision == "bf16":
             from parlay.dp.strategy import autocast_context
 

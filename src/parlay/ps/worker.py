@@ -75,6 +75,8 @@ class Worker:
         #: Context of the forward pass and loss (e.g. bf16 autocast, set by the "ps" strategy).
         self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = \
             contextlib.nullcontext
+        #: Called with (loss, model) after backward, before the push (the non-finite check).
+        self.before_push: Callable[[torch.Tensor, Any], None] | None = None
 
     @property
     def global_step(self) -> int:
@@ -154,6 +156,8 @@ class Worker:
         with self.forward_context():
             loss = loss_fn(self.model(*x), y)
         loss.backward()
+        if self.before_push is not None:
+            self.before_push(loss, self.model)
         payloads = []
         for s in range(self.plan.num_servers):
             g = self.grads[s]
