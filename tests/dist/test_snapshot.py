@@ -233,3 +233,51 @@ def test_replica_sends_the_shared_state_to_a_rank_without_snapshots(tmp_path):
     out = run_world(_held_world, 4, str(tmp_path), {0: [4], 1: [], 2: [], 3: []}, {}, 0,
                     [[0, 2], [1, 3]], timeout=60)
     assert out == [None] * 4
+
+
+# ---------------------------------------------------------------------- snapshots vs disk checkpoints
+def _phase(ckpt_dir, steps, checkpoint_every, snapshot_every, finish):
+    import torch.nn as nn
+    from torch.utils.data import TensorDataset
+
+    import parlay
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(44, 6, generator=g)
+    t = parlay.Trainer(lambda: (nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.3),
+                                              nn.Linear(16, 2)), nn.CrossEntropyLoss()),
+                       TensorDataset(x, (x[:, :3].sum(1) > 0).long()),
+                       optimizer_args={"lr": 1e-2}, batch_size=4, max_iteration=12,
+                       checkpoint_dir=ckpt_dir, checkpoint_every=checkpoint_every,
+                       snapshot_every=snapshot_every, compression="topk:0.3", progress=False)
+    start = (t.state.step, t.resumed_from_snapshot)
+    while t.state.step < steps:
+        t.train_on_batch()
+    if finish:
+        t.should_stop()
+    params = [p.detach().clone() for p in t.model.parameters()]
+    t.close()  # without should_stop(): like a crash, the snapshots stay
+    return start, params
+
+
+@pytest.mark.parametrize("checkpoint_every, snapshot_every, run_id, want", [
+    (3, 1, "job-a", (7, 7)),         # snapshot of step 7 is newer than the checkpoint of 6
+    (2, 5, "job-a", (8, None)),      # checkpoint of step 8 is newer than the snapshot of 5
+    (3, 1, "job-b", (6, None))])     # another job's snapshots are never read
+def test_newer_of_snapshot_and_disk_checkpoint_wins(tmp_path, checkpoint_every, snapshot_every,
+                                                    run_id, want):
+    from parlay.testing import run_world
+
+    env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "job-a"}
+    ck = str(tmp_path / "ckpt")
+    run_world(_phase, 2, ck, 7 if snapshot_every == 1 else 8, checkpoint_every, snapshot_every,
+              False, env=env, timeout=90)
+    env["PARLAY_RUN_ID"] = run_id
+    second = run_world(_phase, 2, ck, 12, checkpoint_every, snapshot_every, True, env=env,
+                       timeout=90)
+    full = run_world(_phase, 2, None, 12, None, 0, True, env=env, timeout=90)
+    for (start, params), (_, want_params) in zip(second, full):
+        assert start == want
+        assert all(torch.equal(p, q) for p, q in zip(params, want_params))
+    if run_id == "job-a":
+        assert not [f for f in (tmp_path / "shm").rglob("*") if f.is_file()], "cleared at the end"

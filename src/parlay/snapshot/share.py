@@ -59,13 +59,12 @@ def _dtype(name: str) -> torch.dtype:
 
 def _broadcast(payload: dict[str, Any] | None, src: int, group: Any) -> dict[str, Any]:
     """Send ``payload`` (on group rank ``src``) to every member of ``group``: tensors only."""
-    big: list[torch.Tensor] = []
-    small: list[torch.Tensor] = []
+    tensors: list[torch.Tensor] = []
     desc = b""
     if payload is not None:
-        skeleton = _encode(payload, big, small)
-        desc = json.dumps({"skeleton": skeleton, "big": len(big), "tensors": [
-            [str(t.dtype), list(t.shape)] for t in big + small]}).encode()
+        skeleton = _encode(payload, tensors)
+        desc = json.dumps({"skeleton": skeleton, "tensors": [
+            [str(t.dtype), list(t.shape)] for t in tensors]}).encode()
     size = torch.tensor([len(desc)], dtype=torch.int64)
     comm.broadcast(size, src, group)
     buf = (torch.frombuffer(bytearray(desc), dtype=torch.uint8) if payload is not None
@@ -73,14 +72,13 @@ def _broadcast(payload: dict[str, Any] | None, src: int, group: Any) -> dict[str
     comm.broadcast(buf, src, group)
     meta = json.loads(bytes(buf.tolist()).decode())
     if payload is not None:
-        tensors = [t.detach().to("cpu").contiguous() for t in big + small]
+        tensors = [t.to("cpu").contiguous() for t in tensors]
     else:
         tensors = [torch.empty(shape, dtype=_dtype(name)) for name, shape in meta["tensors"]]
     for t in tensors:
         if t.numel():
             comm.broadcast(t, src, group)
-    nb = int(meta["big"])
-    return _decode(meta["skeleton"], tensors[:nb], tensors[nb:])
+    return _decode(meta["skeleton"], tensors)
 
 
 def _load_newest(store: SnapshotStore, rows: list[list[int]], me: int,

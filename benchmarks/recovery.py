@@ -1,0 +1,223 @@
+"""Recovery from a killed rank, and what in-memory snapshots cost while nothing fails.
+
+The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, or
+``$PARLAY_DATA_DIR``) trains on 2 processes under ``parlay run -n 2 --max-restarts 1``.
+
+* recovery: rank 1 SIGKILLs itself after ``--kill-step`` steps on the first attempt; torchrun's
+  agent restarts every worker and the Trainer resumes. Measured: seconds from the kill to the
+  first step completed after it (and the stages in between: new process started, Trainer built
+  and resumed), and the steps lost (computed before the kill, computed again after it). Side by
+  side: in-memory snapshots (``snapshot_every=1``) vs the anchor, disk checkpoints alone
+  (``snapshot_every=0, checkpoint_every=--ckpt-every``), i.e. what torchrun gives by itself.
+* overhead: one run of the same Trainer with snapshots switched on and off in alternating
+  chunks of ``--chunk`` steps (so load from other processes hits both alike); the ratio of the
+  median step times. Also the time ``SnapshotStore.save`` takes on the caller's thread for this
+  model's state vs a plain ``torch.save`` of it to /dev/shm.
+
+    python benchmarks/recovery.py [--quick] [--json out.json]
+"""
+from __future__ import annotations
+
+import time
+
+T_PROCESS = time.time()  # noqa: E402 - before the imports: the restarted process's birth
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, table, write_json  # noqa: E402
+
+
+def _data() -> Any:
+    from parlay.data.mnist import mnist
+
+    try:
+        return mnist(train=True)
+    except Exception:  # noqa: BLE001 - no MNIST: a synthetic set of the same shape
+        import torch
+        from torch.utils.data import TensorDataset
+
+        g = torch.Generator().manual_seed(0)
+        return TensorDataset(torch.randn(60000, 1, 28, 28, generator=g),
+                             torch.randint(0, 10, (60000,), generator=g))
+
+
+def _trainer(a: argparse.Namespace, steps: int, snapshot_every: int, ckpt: str | None,
+             data: Any = None) -> Any:
+    import parlay
+    from parlay.demos.mnist import build_mlp
+
+    return parlay.Trainer(build_mlp, data or _data(), optimizer_args={"lr": 1e-3}, batch_size=128,
+                          max_iteration=steps, checkpoint_dir=ckpt,
+                          checkpoint_every=a.ckpt_every if ckpt else None,
+                          snapshot_every=snapshot_every, progress=False, log_step_size=10**9)
+
+
+# ---------------------------------------------------------------------- workers (under parlay run)
+def worker_recovery(a: argparse.Namespace) -> None:
+    import parlay
+
+    from parlay.demos.mnist import build_mlp  # noqa: F401 - counted with the imports
+
+    t_imported = time.time()
+    data = _data()
+    t_data = time.time()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    t = _trainer(a, a.kill_step + 5, a.snapshot_every, a.ckpt or None, data)
+    rank = parlay.rank()
+    rec: dict[str, Any] = {"attempt": attempt, "rank": rank, "start_step": t.state.step,
+                           "snapshot": t.resumed_from_snapshot, "t_process": T_PROCESS,
+                           "t_imported": t_imported, "t_data": t_data, "t_built": time.time()}
+    while not t.should_stop():
+        if attempt == 0 and rank == 1 and t.state.step == a.kill_step:
+            Path(a.out, "kill").write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        t.train_on_batch()
+        rec.setdefault("t_first_step", time.time())
+    Path(a.out, f"rec-a{attempt}-r{rank}.json").write_text(json.dumps(rec))
+
+
+def worker_overhead(a: argparse.Namespace) -> None:
+    import parlay
+
+    t = _trainer(a, 2 * a.chunk * (a.pairs + 1), 1, None)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    order = ["on", "off"]
+    for pair in range(a.pairs + 1):  # pair 0 warms up (first slot files, allocator)
+        for mode in order:
+            t.snapshot_every = 1 if mode == "on" else 10**9
+            for _ in range(a.chunk):
+                t0 = time.perf_counter()
+                t.train_on_batch()
+                if pair:
+                    times[mode].append(time.perf_counter() - t0)
+        order.reverse()
+    t.should_stop()
+    Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps(times))
+
+
+# ---------------------------------------------------------------------- driver
+def _launch(a: argparse.Namespace, out: Path, *worker: str) -> None:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("PARLAY_TIMEOUT", "60")
+    cmd = [sys.executable, "-m", "parlay.cli", "run", "-n", "2", "--max-restarts", "1",
+           __file__, *worker, "--out", str(out), "--chunk", str(a.chunk), "--pairs",
+           str(a.pairs), "--kill-step", str(a.kill_step), "--ckpt-every", str(a.ckpt_every)]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise SystemExit(f"recovery benchmark: {' '.join(worker)} failed:\n{p.stderr[-3000:]}")
+
+
+def recovery(a: argparse.Namespace, tmp: Path, snapshots: bool) -> dict[str, Any]:
+    out = tmp / ("snap" if snapshots else "ckpt")
+    out.mkdir()
+    worker = ["--worker", "recovery", "--snapshot-every", "1" if snapshots else "0"]
+    if not snapshots:
+        worker += ["--ckpt", str(out / "ckpt")]
+    _launch(a, out, *worker)
+    kill = float((out / "kill").read_text())
+    recs = [json.loads((out / f"rec-a1-r{r}.json").read_text()) for r in range(2)]
+    return {"recovery": "snapshots" if snapshots else "disk checkpoints (anchor)",
+            "kill_step": a.kill_step, "resumed_at": recs[0]["start_step"],
+            "steps_lost": a.kill_step - recs[0]["start_step"],
+            "restarted_s": max(r["t_process"] for r in recs) - kill,
+            "imported_s": max(r["t_imported"] for r in recs) - kill,
+            "data_s": max(r["t_data"] for r in recs) - kill,
+            "built_s": max(r["t_built"] for r in recs) - kill,
+            "recovery_s": max(r["t_first_step"] for r in recs) - kill}
+
+
+def save_cost(repeats: int) -> dict[str, Any]:
+    """Time of SnapshotStore.save (on the training thread) vs torch.save for the MLP + Adam
+    state, and of SnapshotStore.load (what a restart reads)."""
+    import torch
+
+    from parlay.demos.mnist import build_mlp
+    from parlay.snapshot import SnapshotStore
+
+    torch.set_num_threads(1)
+    model, _ = build_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 784)).sum().backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
+        store = SnapshotStore("bench", 0, root=d)
+        ours, plain, load = [], [], []
+        for i in range(repeats + 2):
+            t0 = time.perf_counter()
+            store.save(i, state)
+            t1 = time.perf_counter()
+            torch.save(state, f"{d}/plain.pt")
+            t2 = time.perf_counter()
+            store.load(i)
+            t3 = time.perf_counter()
+            if i >= 2:  # the first two map (create) the two slot files
+                ours.append(t1 - t0)
+                plain.append(t2 - t1)
+                load.append(t3 - t2)
+        store.clear()
+    mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3 / 2**20
+    return {"state_mb": mb, "save_ms": 1e3 * median(ours), "torch_save_ms": 1e3 * median(plain),
+            "load_ms": 1e3 * median(load)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer steps (under two minutes)")
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--kill-step", type=int, default=None)
+    p.add_argument("--ckpt-every", type=int, default=None, help="anchor's checkpoint interval")
+    p.add_argument("--chunk", type=int, default=None, help="steps per on/off chunk")
+    p.add_argument("--pairs", type=int, default=None, help="on/off chunk pairs measured")
+    p.add_argument("--worker", choices=["recovery", "overhead"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--snapshot-every", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", default="", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    a.kill_step = a.kill_step or (24 if a.quick else 60)
+    a.ckpt_every = a.ckpt_every or (16 if a.quick else 50)
+    a.chunk = a.chunk or (10 if a.quick else 20)
+    a.pairs = a.pairs or (3 if a.quick else 8)
+    if a.worker:
+        (worker_recovery if a.worker == "recovery" else worker_overhead)(a)
+        return
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        rows = [recovery(a, tmp, True), recovery(a, tmp, False)]
+        print(table(rows, ["recovery", "kill_step", "resumed_at", "steps_lost", "restarted_s",
+                           "imported_s", "data_s", "built_s", "recovery_s"]))
+        (tmp / "ovh").mkdir()
+        _launch(a, tmp / "ovh", "--worker", "overhead")
+        times = json.loads((tmp / "ovh" / "overhead-r0.json").read_text())
+    on, off = median(times["on"]), median(times["off"])
+    cost = save_cost(5 if a.quick else 20)
+    over = {"overhead": "snapshot_every=1 vs off", "step_ms_on": 1e3 * on,
+            "step_ms_off": 1e3 * off, "ratio": on / off, "steps_each": len(times["on"]), **cost}
+    print()
+    print(table([over], ["overhead", "step_ms_on", "step_ms_off", "ratio", "steps_each",
+                         "state_mb", "save_ms", "torch_save_ms", "load_ms"]))
+    ratios = {"recovery_s_snapshot_vs_checkpoint": rows[0]["recovery_s"] / rows[1]["recovery_s"],
+              "steps_lost_snapshot_vs_checkpoint":
+                  rows[0]["steps_lost"] / max(1, rows[1]["steps_lost"]),
+              "step_time_snapshots_on_vs_off": on / off,
+              "save_vs_torch_save": cost["save_ms"] / cost["torch_save_ms"]}
+    print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
+    write_json(a.json, "recovery", ratios, rows + [over],
+               step_times_ms={k: [1e3 * v for v in vs] for k, vs in times.items()},
+               spread={k: statistics.pstdev(vs) / max(median(vs), 1e-12) for k, vs in times.items()})
+
+
+if __name__ == "__main__":
+    main()
