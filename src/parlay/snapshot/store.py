@@ -86,9 +86,13 @@ def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
         return node
     (tag, value), = node.items()
     if tag == "T":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"tensor index {value!r}")
         return tensors[value]
     if tag == "D":
         return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
+    if tag not in ("L", "U") or not isinstance(value, list):
+        raise ValueError(f"node {tag!r}")
     items = [_decode(v, tensors) for v in value]
     return items if tag == "L" else tuple(items)
 
@@ -256,23 +260,24 @@ class SnapshotStore:
         path = self._meta_path(step, slots[0])
         try:
             meta = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise CheckpointError(f"snapshot record {path} is unreadable ({e}). Hint: it is "
                                   "truncated or corrupt; the previous snapshot or the disk "
                                   "checkpoint is used instead.") from e
         if not (isinstance(meta, dict) and meta.get("parlay_snapshot") == FORMAT_VERSION
-                and meta.get("key") == self.key and meta.get("step") == step):
+                and meta.get("key") == self.key and meta.get("step") == step
+                and meta.get("slot") == slots[0]):
             raise CheckpointError(f"{path} is not a format-{FORMAT_VERSION} snapshot of run "
                                   f"{self.key!r} at step {step}. Hint: delete it.")
         data = _read(self._data_path(slots[0]))
         tensors = data.get("tensors") if isinstance(data, dict) else None
-        if not isinstance(tensors, list) or data.get("layout") != meta.get("layout") \
-                or _layout(tensors) != meta.get("layout"):
+        if not (isinstance(tensors, list) and all(isinstance(t, torch.Tensor) for t in tensors)
+                and data.get("layout") == meta.get("layout") == _layout(tensors)):
             raise CheckpointError(f"snapshot data of step {step} in {self.directory} does not "
                                   "match its commit record (corrupt). Hint: delete the folder.")
         try:
             state = _decode(meta["skeleton"], tensors)
-        except (ValueError, KeyError, IndexError, TypeError) as e:
+        except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
             raise CheckpointError(f"snapshot {path} has a corrupt structure ({e}).") from e
         if not isinstance(state, dict):
             raise CheckpointError(f"snapshot {path} does not hold a dict.")
