@@ -162,8 +162,8 @@ def _message(rank: int | None, param: str | None, step: int | None = None) -> st
     at = f"at step {step} " if step is not None else ""
     return (f"non-finite loss or gradient {at}({where}; {grad}). The update was not applied, "
             "so the weights and the last checkpoint are intact. Hint: check that rank's input "
-            "batch and the learning rate (or use precision='fp32', grad_clip=..., or "
-            "Trainer(nonfinite='skip') to drop such steps).")
+            "batch and the learning rate (or use precision='fp32', grad_clip=..., or, in "
+            "modes allreduce and hybrid, Trainer(nonfinite='skip') to drop such steps).")
 
 
 def with_step(err: NonFiniteError, step: int) -> NonFiniteError:

@@ -143,17 +143,19 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def _hybrid_raise():
+def _hybrid(nonfinite):
     t = parlay.Trainer(_build_seq, _dataset(world=1, shuffle=False), optimizer=torch.optim.SGD,
                        optimizer_args={"lr": LR}, batch_size=BATCH, max_iteration=STEPS,
                        mode="hybrid", strategy_options={"pp": 2, "chunks": 2}, shuffle=False,
-                       progress=False)
+                       progress=False, nonfinite=nonfinite)
+    err = None
     try:
         while not t.should_stop():
             t.train_on_batch()
     except NonFiniteError as e:
-        return e, all(bool(torch.isfinite(p).all()) for p in t.model.parameters())
-    return None, None
+        err = e
+    return err, all(bool(torch.isfinite(p).all()) for p in t.model.parameters()), \
+        t.state.step, t.skipped_steps
 
 
 def _build_seq():
@@ -161,13 +163,15 @@ def _build_seq():
                           nn.Linear(8, 2)), nn.CrossEntropyLoss())
 
 
-def test_hybrid_raises_on_every_stage():
-    out = run_world(_hybrid_raise, 2)
-    for rank, (err, finite) in enumerate(out):
-        assert isinstance(err, NonFiniteError) and finite
+def test_hybrid_raises_or_skips_on_every_stage():
+    out = run_world(_hybrid, 2, "raise")
+    for err, finite, step, _ in out:
+        assert isinstance(err, NonFiniteError) and finite and step == BAD_STEP - 1
         # One replica of two stages: the loss is computed (and goes NaN) on the last stage.
         assert err.step == BAD_STEP and err.rank == 1
     assert out[0][0].parameter == "0.weight"
+    for err, finite, step, skipped in run_world(_hybrid, 2, "skip"):
+        assert err is None and finite and (step, skipped) == (STEPS, 1)
 
 
 def test_a_non_finite_state_is_never_written(tmp_path):
