@@ -14,13 +14,15 @@ split over ``l`` parallel rings. This is the scheme of Horovod's hierarchical al
 NCCL's tree/ring split, built from c10d collectives on subgroups. The sum is the same as the
 flat one up to floating-point summation order.
 
-Steps 1 and 3 use two different local groups, so each group sees its collectives in one fixed
-order on every rank (bucket order), whatever the interleaving of buckets.
+Step 2 of a bucket starts as soon as its step 1 has finished (checked without blocking each time
+another bucket becomes ready), so the host link works during backward, as the flat path's
+overlap does. Steps 1 and 3 use two different local groups, so each group sees its collectives
+in one fixed order on every rank (bucket order), whatever the interleaving of buckets.
 """
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -130,23 +132,62 @@ class HierarchicalReducer:
         self._gather_group = _new_group(group, local)
         self._cross_group = _new_group(group, topology.cross_group(me))
         self.cross_bytes = 0
+        self._pending: list[_Bucket] = []
 
-    def _allreduce(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over the whole group, host first; returns a new tensor of ``t``'s shape."""
-        flat = t.reshape(-1)
-        n, ls = flat.numel(), self.local_size
-        shard = -(-n // ls)
-        padded = flat.new_zeros(shard * ls)
-        padded[:n] = flat
-        part = flat.new_empty(shard)
-        with comm.comm_errors("allreduce"):
-            _reduce_scatter(part, padded, group=self._scatter_group)
-            dist.all_reduce(part, group=self._cross_group)
-        comm.allgather_into(padded, part, group=self._gather_group)
-        # What this rank's ring across hosts sends over the host link.
+    def _cross_sent(self, part: torch.Tensor) -> None:
+        # What this rank's ring across hosts sends over the host link for one shard.
         self.cross_bytes += int(2 * (self.num_hosts - 1) / self.num_hosts
-                                * shard * part.element_size())
-        return padded[:n].view_as(t)
+                                * part.numel() * part.element_size())
+
+    def _scatter(self, payload: list[torch.Tensor]) -> "_Bucket":
+        """Step 1 for every tensor of ``payload``, started asynchronously."""
+        ls = self.local_size
+        bk = _Bucket([p.numel() for p in payload], [p.shape for p in payload])
+        for p, k in zip(payload, bk.numels):
+            pad = p.reshape(-1).new_zeros(-(-k // ls) * ls)
+            pad[:k] = p.reshape(-1)
+            part = pad.new_empty(pad.numel() // ls)
+            with comm.comm_errors("allreduce"):
+                bk.scatter.append(_reduce_scatter(part, pad, group=self._scatter_group,
+                                                  async_op=True))
+            bk.padded.append(pad)
+            bk.parts.append(part)
+        return bk
+
+    def _cross(self, bk: "_Bucket") -> None:
+        """Step 2, started asynchronously once step 1 is done (waits for it)."""
+        for w in bk.scatter:
+            w.wait()
+        with comm.comm_errors("allreduce"):
+            bk.cross = [dist.all_reduce(part, group=self._cross_group, async_op=True)
+                        for part in bk.parts]
+        for part in bk.parts:
+            self._cross_sent(part)
+
+    def _gather(self, bk: "_Bucket") -> list[torch.Tensor]:
+        """Step 3 (waits for step 2); returns the summed tensors."""
+        assert bk.cross is not None
+        for w in bk.cross:
+            w.wait()
+        for pad, part in zip(bk.padded, bk.parts):
+            comm.allgather_into(pad, part, group=self._gather_group)
+        return [pad[:k].view(shape) for pad, k, shape in zip(bk.padded, bk.numels, bk.shapes)]
+
+    def _advance(self) -> None:
+        """Start step 2 of pending buckets whose step 1 finished, in bucket order, without
+        blocking: the host link then works while backward still runs."""
+        for bk in self._pending:
+            if bk.cross is not None:
+                continue
+            if not all(w.is_completed() for w in bk.scatter):
+                break
+            self._cross(bk)
+
+    def _allreduce(self, payload: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All three steps for a further round of a compressor (blocking)."""
+        bk = self._scatter(payload)
+        self._cross(bk)
+        return self._gather(bk)
 
     def reduce_async(self, flat: torch.Tensor, compressor: Compressor, key: str,
                      stats: CommStats | None = None) -> comm.Handle:
@@ -158,40 +199,47 @@ class HierarchicalReducer:
         payload, ctx = compressor.compress(flat, key)
         if stats is not None:
             stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
-        # The first (host-local) step starts now; the host-crossing steps run in wait().
-        n, ls = [p.numel() for p in payload], self.local_size
-        padded = [p.reshape(-1).new_zeros(-(-k // ls) * ls) for p, k in zip(payload, n)]
-        parts = []
-        works = []
-        for p, pad, k in zip(payload, padded, n):
-            pad[:k] = p.reshape(-1)
-            part = pad.new_empty(pad.numel() // ls)
-            with comm.comm_errors("allreduce"):
-                works.append(_reduce_scatter(part, pad, group=self._scatter_group, async_op=True))
-            parts.append(part)
         more = getattr(compressor, "next_round", None)
+        # Further rounds (PowerSGD's Q, fp16's overflow retry) run inside wait() and use the
+        # same groups, so buckets may only run ahead when there can be none.
+        eager = more is None or type(compressor).next_round is Compressor.next_round
+        bk = self._scatter(payload)
+        if eager:
+            self._pending.append(bk)
+            self._advance()
 
         def finish() -> torch.Tensor:
-            for w in works:
-                w.wait()
-            with comm.comm_errors("allreduce"):
-                for part in parts:
-                    dist.all_reduce(part, group=self._cross_group)
-                    self.cross_bytes += int(2 * (self.num_hosts - 1) / self.num_hosts
-                                            * part.numel() * part.element_size())
-            for pad, part in zip(padded, parts):
-                comm.allgather_into(pad, part, group=self._gather_group)
-            reduced = [pad[:k].view_as(p) for pad, k, p in zip(padded, n, payload)]
+            if eager:
+                while bk.cross is None:  # start step 2 of every earlier bucket, in order
+                    self._cross(next(b for b in self._pending if b.cross is None))
+                self._pending.remove(bk)
+            else:
+                self._cross(bk)
+            reduced = self._gather(bk)
+            if eager:
+                self._advance()
             while more is not None:
                 nxt = more(reduced, ctx)
                 if nxt is None:
                     break
                 if stats is not None:
                     stats.add_wire(_nbytes(nxt))
-                reduced = [self._allreduce(p) for p in nxt]
+                reduced = self._allreduce(nxt)
             return compressor.decompress(reduced, ctx)
 
         return comm.Handle(None, "allreduce", finish)
+
+
+@dataclass
+class _Bucket:
+    """One bucket's payload on its way through the three steps."""
+
+    numels: list[int]
+    shapes: list[Any]
+    padded: list[torch.Tensor] = field(default_factory=list)
+    parts: list[torch.Tensor] = field(default_factory=list)
+    scatter: list[Any] = field(default_factory=list)
+    cross: list[Any] | None = None
 
 
 def make_reducer(hierarchical: Any, group: Any, compressor: Compressor,
