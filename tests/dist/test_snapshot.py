@@ -110,14 +110,34 @@ def _finals(out: Path, nproc: int) -> list[dict]:
     return [torch.load(out / f"final-r{r}.pt", weights_only=True) for r in range(nproc)]
 
 
+def _run_script(script: str, *argv: str) -> None:
+    import runpy
+
+    old = sys.argv
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.argv = old
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """(final weights, per-rank samples of each step) of uninterrupted runs, per case."""
+    """(final weights, per-rank samples of each step) of uninterrupted runs, per case: the
+    same script on real gloo ranks of run_world (no launcher start-up to pay)."""
+    from parlay.testing import run_world
+
     cache: dict[tuple[str, int], tuple[list[dict], list[dict[int, list[int]]]]] = {}
 
     def get(case: str, nproc: int = 2):
         if (case, nproc) not in cache:
-            _, out = _launch(tmp_path_factory.mktemp(f"ref-{case}"), case, nproc=nproc)
+            tmp = tmp_path_factory.mktemp(f"ref-{case}")
+            (tmp / "out").mkdir()
+            (tmp / "train_snapshot.py").write_text(SCRIPT)
+            run_world(_run_script, nproc, str(tmp / "train_snapshot.py"), str(tmp / "out"), case,
+                      "-1", "-1", "keep", timeout=90,
+                      env={"PARLAY_PP": "2"} if case.startswith("hybrid") else None)
+            out = tmp / "out"
             cache[case, nproc] = (_finals(out, nproc), [_steps(out, 0, r) for r in range(nproc)])
         return cache[case, nproc]
     return get
