@@ -261,9 +261,11 @@ class CheckpointManager:
             return mine, len(mine)
         counts = torch.tensor([len(mine)], dtype=torch.int64)
         comm.allreduce(counts, "max", group=self.group)
-        everyone = comm.allgather(torch.tensor(mine, dtype=torch.int64), group=self.group)
+        # -1 pads an empty list: no rank sends a zero-size tensor.
+        everyone = comm.allgather(torch.tensor(mine or [-1], dtype=torch.int64), group=self.group)
         held = collections.Counter(everyone.tolist())
-        return sorted(s for s, n in held.items() if n == self._world()), int(counts.item())
+        return (sorted(s for s, n in held.items() if n == self._world() and s >= 0),
+                int(counts.item()))
 
     def _new_run_id(self) -> str:
         """A fresh run id, drawn by the group's first rank and sent to the others as a tensor."""
