@@ -1,24 +1,38 @@
 """Command line: ``parlay run | env | demo | bench``.
 
 ``parlay run -n N [--ps K] script.py ARGS`` hands the launch to ``torch.distributed.run``
-(torchrun's elastic agent): parlay adds only the role assignment (the first K ranks are
-parameter servers, passed as ``PARLAY_NUM_PS``) and a standalone rendezvous when no multi-node
-flags are given.
+(torchrun's elastic agent): parlay adds the role assignment (the first K ranks are parameter
+servers, passed as ``PARLAY_NUM_PS``), a loopback-only rendezvous on one node, a policy for
+droppable parameter-server workers and legible launcher errors (see :mod:`parlay.launch`).
+Input that can be checked before any process starts is checked first (:func:`check_launch`,
+:func:`check_demo`), so a typo costs a message, not a launch.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import socket
 import sys
+import tempfile
+import uuid
 from typing import Sequence
 
-__all__ = ["main", "build_parser", "torchrun_argv"]
+__all__ = ["main", "build_parser", "torchrun_argv", "check_launch", "check_demo"]
 
 # torchrun flags passed through unchanged (value-taking).
 _PASSTHROUGH = ["--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
                 "--rdzv-conf", "--max-restarts", "--master-addr", "--master-port",
                 "--monitor-interval", "--log-dir", "--redirects", "--tee", "--local-addr"]
+# Flags that make the launch multi-node (or otherwise not parlay's loopback rendezvous).
+_MULTI_NODE = ("--nnodes", "--rdzv-endpoint", "--master-addr", "--rdzv-backend")
+# Flags only the loopback rendezvous consumes itself (never forwarded on one node).
+_LOCAL_ONLY = ("--master-port", "--local-addr", "--rdzv-id")
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _add_launch_args(p: argparse.ArgumentParser) -> None:
@@ -29,12 +43,69 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=None,
                    help="pipeline stages per replica for mode='hybrid' (sets PARLAY_PP)")
     for flag in _PASSTHROUGH:
-        p.add_argument(flag, dest=flag.lstrip("-").replace("-", "_"), default=None,
-                       help="passed to torchrun")
+        p.add_argument(flag, dest=_dest(flag), default=None, help="passed to torchrun")
+
+
+def _fail(msg: str) -> SystemExit:
+    return SystemExit(f"parlay: {msg}")
+
+
+def _int_flag(ns: argparse.Namespace, flag: str, low: int, high: int | None = None) -> None:
+    raw = getattr(ns, _dest(flag))
+    if raw is None:
+        return
+    try:
+        v = int(raw)
+    except ValueError:
+        raise _fail(f"{flag} must be an integer, got {raw!r}.") from None
+    if v < low or (high is not None and v > high):
+        bounds = f">= {low}" if high is None else f"in {low}..{high}"
+        raise _fail(f"{flag} must be {bounds}, got {v}.")
+
+
+def check_launch(ns: argparse.Namespace) -> None:
+    """Check the launch options before any process starts.
+
+    Raises:
+        SystemExit: A message naming the bad option, what was expected and the fix.
+    """
+    nproc = ns.nproc if ns.nproc is not None else 1
+    if nproc < 1:
+        raise _fail(f"-n must be >= 1, got {nproc}. Hint: -n 2 starts two processes.")
+    if ns.ps < 0:
+        raise _fail(f"--ps must be >= 0, got {ns.ps}.")
+    _int_flag(ns, "--max-restarts", 0)
+    _int_flag(ns, "--master-port", 0, 65535)
+    single = ns.nnodes is None or str(ns.nnodes) in ("1", "1:1")
+    if ns.ps and single and ns.ps >= nproc:
+        raise _fail(f"--ps {ns.ps} leaves no worker among {nproc} processes; use -n "
+                    f"{ns.ps + 1} or more (parameter servers plus at least one worker).")
+    if ns.pp is not None:
+        if ns.pp < 1:
+            raise _fail(f"--pp must be >= 1, got {ns.pp}.")
+        nodes = str(ns.nnodes or 1)
+        world = nproc * int(nodes) if nodes.isdigit() else None  # "1:4": elastic, unknown
+        if world is not None and (world < ns.pp or world % ns.pp):
+            fix = max(ns.pp, -(-world // ns.pp) * ns.pp)
+            raise _fail(f"--pp {ns.pp} needs a world size that is a multiple of {ns.pp} and at "
+                        f"least {ns.pp} (stages x replicas), got {world}. Hint: -n {fix}.")
+    raw = os.environ.get("PARLAY_TIMEOUT")
+    if raw is not None:
+        try:
+            ok = float(raw) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise _fail(f"PARLAY_TIMEOUT must be a positive number of seconds, got {raw!r}. "
+                        "Hint: export PARLAY_TIMEOUT=300")
 
 
 def torchrun_argv(ns: argparse.Namespace, target: list[str]) -> list[str]:
     """The ``torch.distributed.run`` argument list for parsed launch options.
+
+    On one node (none of ``--nnodes``, ``--rdzv-endpoint``, ``--rdzv-backend``,
+    ``--master-addr``) the rendezvous is parlay's loopback backend on ``127.0.0.1``, at
+    ``--master-port`` when given, else on a free port.
 
     Args:
         ns: Parsed options of :func:`_add_launch_args`.
@@ -43,49 +114,58 @@ def torchrun_argv(ns: argparse.Namespace, target: list[str]) -> list[str]:
     Returns:
         Arguments for ``torch.distributed.run.main``.
     """
+    from parlay.launch import LOOPBACK_BACKEND
+
+    check_launch(ns)
     nproc = ns.nproc if ns.nproc is not None else 1
-    if nproc < 1:
-        raise SystemExit(f"parlay run: -n must be >= 1, got {nproc}")
     argv = ["--nproc-per-node", str(nproc)]
-    multi_node = any(getattr(ns, f.lstrip("-").replace("-", "_")) is not None
-                     for f in ("--nnodes", "--rdzv-endpoint", "--master-addr"))
+    multi_node = any(getattr(ns, _dest(f)) is not None for f in _MULTI_NODE)
     if not multi_node:
-        argv.append("--standalone")
+        argv += ["--nnodes", "1", "--rdzv-backend", LOOPBACK_BACKEND,
+                 "--rdzv-endpoint", f"127.0.0.1:{ns.master_port or 0}",
+                 "--rdzv-id", ns.rdzv_id or uuid.uuid4().hex, "--local-addr", "127.0.0.1"]
     for flag in _PASSTHROUGH:
-        v = getattr(ns, flag.lstrip("-").replace("-", "_"))
-        if v is not None:
+        v = getattr(ns, _dest(flag))
+        if v is not None and (multi_node or flag not in _LOCAL_ONLY):
             argv += [flag, str(v)]
-    if ns.ps < 0:
-        raise SystemExit(f"parlay run: --ps must be >= 0, got {ns.ps}")
-    if ns.ps and ns.nnodes is None and ns.ps >= nproc:
-        raise SystemExit(f"parlay run: --ps {ns.ps} leaves no worker among {nproc} processes; "
-                         f"use -n {ns.ps + 1} or more")
     return argv + target
 
 
 def _cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
     if not rest:
-        raise SystemExit("parlay run: missing the script to run, e.g. parlay run -n 2 train.py")
+        raise _fail("run: missing the script to run, e.g. parlay run -n 2 train.py")
     return _launch(ns, rest)
 
 
-def _launch(ns: argparse.Namespace, target: list[str]) -> int:
-    from torch.distributed import run as torchrun
-
-    os.environ["PARLAY_NUM_PS"] = str(ns.ps)
+def _launch_env(ns: argparse.Namespace, single_node: bool, run_dir: str) -> dict[str, str]:
+    env = {"PARLAY_NUM_PS": str(ns.ps), "PARLAY_RUN_DIR": run_dir}
     if ns.pp is not None:
-        if ns.pp < 1:
-            raise SystemExit(f"parlay run: --pp must be >= 1, got {ns.pp}")
-        os.environ["PARLAY_PP"] = str(ns.pp)
+        env["PARLAY_PP"] = str(ns.pp)
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") \
+        else set()
+    if single_node and "GLOO_SOCKET_IFNAME" not in os.environ and "lo" in names:
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own listening sockets stay on loopback too
+    return env
+
+
+def _launch(ns: argparse.Namespace, target: list[str]) -> int:
+    from parlay.launch import run_torchrun
+
     argv = torchrun_argv(ns, target)
+    single_node = "--local-addr" in argv and "127.0.0.1" in argv
+    run_dir = tempfile.mkdtemp(prefix="parlay-run-")
+    env = _launch_env(ns, single_node, run_dir)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
-        torchrun.main(argv)
-    except SystemExit as e:  # torchrun exits through SystemExit on failure
-        return int(e.code or 0) if not isinstance(e.code, str) else 1
-    except Exception as e:  # ChildFailedError: torchrun already printed the rank's traceback
-        print(f"parlay run: {type(e).__name__}: a rank failed (see above)", file=sys.stderr)
-        return 1
-    return 0
+        return run_torchrun(argv, run_dir)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -116,10 +196,76 @@ def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
 
 def _cmd_demo(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.name != "mnist":
-        raise SystemExit(f"parlay demo: unknown demo {ns.name!r}; available: mnist")
+        raise _fail(f"demo: unknown demo {ns.name!r}; available: mnist")
+    from parlay.demos import mnist
+
+    if ns.help:
+        print("parlay demo mnist [launch options] [demo options]\n\nlaunch options: -n N, "
+              "--ps K, --pp P, --max-restarts R, --master-port PORT and the other torchrun "
+              "flags of `parlay run --help`.\n")
+        mnist.parse_args(["--help"])  # prints the demo's own options and exits 0
     if ns.nproc is None:
         ns.nproc = 2
+    check_demo(ns, mnist.parse_args(rest))  # the demo's own parser: bad options exit here
     return _launch(ns, ["-m", "parlay.demos.mnist", *rest])
+
+
+def check_demo(ns: argparse.Namespace, demo: argparse.Namespace) -> None:
+    """Check the demo's options against the registries and the launch layout, pre-launch.
+
+    Raises:
+        SystemExit: A message naming the bad option and the fix.
+    """
+    check_launch(ns)
+    try:
+        _check_trainer_options(demo, nproc=ns.nproc or 1, ps=ns.ps, pp=ns.pp,
+                               multi_node=ns.nnodes not in (None, "1", "1:1"))
+    except ValueError as e:  # ConfigError is a ValueError
+        raise _fail(f"demo mnist: {e}") from None
+
+
+def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp: int | None,
+                           multi_node: bool) -> None:
+    """Names against parlay's registries, numbers against their ranges, layout against mode."""
+    from parlay.compress import get_compressor
+    from parlay.demos.mnist import _options
+    from parlay.errors import ConfigError
+    from parlay.pipeline.schedule import get_schedule
+    from parlay.ps.consistency import get_consistency
+    from parlay.strategies import available_strategies
+
+    modes = available_strategies()
+    if demo.mode not in modes:
+        raise ConfigError(f"--mode must be one of {', '.join(modes)}, got {demo.mode!r}.")
+    for flag, v, low in (("--batch-size", demo.batch_size, 1), ("--epochs", demo.epochs, 1),
+                         ("--workers", demo.workers, 0), ("--warmup-epochs", demo.warmup_epochs, 0)):
+        if v < low:
+            raise ConfigError(f"{flag} must be >= {low}, got {v}.")
+    if not demo.lr > 0:
+        raise ConfigError(f"--lr must be > 0, got {demo.lr}. Hint: --lr 1e-3")
+    if demo.compression is not None:
+        get_compressor(demo.compression)  # unknown names and bad options raise ConfigError
+    opts = _options(demo.option)
+    if "consistency" in opts:
+        get_consistency(str(opts["consistency"]))
+    if "schedule" in opts:
+        get_schedule(str(opts["schedule"]))
+    if demo.mode == "ps" and ps < 1:
+        raise ConfigError("--mode ps needs parameter-server ranks. Hint: add --ps 1 "
+                          f"(with -n {max(nproc, 2)}: 1 server and {max(nproc, 2) - 1} worker(s)).")
+    if demo.mode != "ps" and ps:
+        raise ConfigError(f"--ps {ps} starts parameter servers, which only --mode ps uses. "
+                          "Hint: drop --ps, or add --mode ps.")
+    if demo.mode != "hybrid" and (pp is not None or "pp" in opts):
+        raise ConfigError("--pp (pipeline stages) only applies to --mode hybrid. "
+                          "Hint: drop --pp, or add --mode hybrid.")
+    if demo.mode == "hybrid" and not multi_node:
+        stages = int(pp or opts.get("pp") or os.environ.get("PARLAY_PP", 2))  # type: ignore[arg-type]
+        if nproc < stages or nproc % stages:
+            fix = max(stages, -(-nproc // stages) * stages)
+            raise ConfigError(f"--mode hybrid with {stages} pipeline stages needs -n to be a "
+                              f"multiple of {stages} (stages x replicas), got -n {nproc}. "
+                              f"Hint: -n {fix}, or --pp to change the stage count.")
 
 
 def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
@@ -127,7 +273,7 @@ def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
 
     path = os.path.join("benchmarks", f"{ns.name}.py")
     if not os.path.exists(path):
-        raise SystemExit(f"parlay bench: no benchmark {path}; run it from the repository root")
+        raise _fail(f"bench: no benchmark {path}; run it from the repository root")
     sys.argv = [path, *rest]
     runpy.run_path(path, run_name="__main__")
     return 0
@@ -141,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_launch_args(p_run)
     p_env = sub.add_parser("env", help="print the cluster parlay detects here")
     p_env.add_argument("--json", action="store_true")
-    p_demo = sub.add_parser("demo", help="run a demo, e.g. parlay demo mnist -n 2")
+    # The demo's own --help is its options, so this parser does not take -h itself.
+    p_demo = sub.add_parser("demo", help="run a demo, e.g. parlay demo mnist -n 2",
+                            add_help=False)
+    p_demo.add_argument("-h", "--help", action="store_true", help="the demo's options")
     p_demo.add_argument("name")
     _add_launch_args(p_demo)
     p_bench = sub.add_parser("bench", help="run benchmarks/NAME.py")

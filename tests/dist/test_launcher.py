@@ -4,24 +4,32 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import socket
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 
 from parlay.cli import _split_parse, build_parser, main, torchrun_argv
+from parlay.testing import free_port
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _clean_env(env: dict[str, str] | None = None) -> dict[str, str]:
     full = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "parlay.cli", *args], cwd=ROOT, env=full,
-                          capture_output=True, text=True, timeout=100)
+    return full
+
+
+def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "parlay.cli", *args], cwd=ROOT,
+                          env=_clean_env(env), capture_output=True, text=True, timeout=100)
 
 
 def test_parlay_run_two_ranks_hello_and_allreduce():
@@ -59,16 +67,26 @@ def test_parlay_env_reports_config_errors_clearly():
     assert "WORLD_SIZE" in p.stderr
 
 
-def test_torchrun_argv_standalone_and_passthrough():
+def test_torchrun_argv_single_node_loopback_and_passthrough():
     parser_ns, rest = _split_parse(build_parser(), ["run", "-n", "4", "--ps", "1", "train.py", "--lr", "1"])
     assert rest == ["train.py", "--lr", "1"]
-    assert torchrun_argv(parser_ns, rest) == ["--nproc-per-node", "4", "--standalone",
-                                              "train.py", "--lr", "1"]
+    argv = torchrun_argv(parser_ns, rest)
+    assert "--standalone" not in argv
+    assert argv[-3:] == ["train.py", "--lr", "1"]
+    for flag, val in [("--nproc-per-node", "4"), ("--nnodes", "1"),
+                      ("--rdzv-backend", "parlay-local"), ("--rdzv-endpoint", "127.0.0.1:0"),
+                      ("--local-addr", "127.0.0.1")]:
+        assert argv[argv.index(flag) + 1] == val
+    # --master-port is honoured on one node: the loopback store listens there.
+    ns, rest = _split_parse(build_parser(), ["run", "-n", "2", "--master-port", "29555", "t.py"])
+    argv = torchrun_argv(ns, rest)
+    assert argv[argv.index("--rdzv-endpoint") + 1] == "127.0.0.1:29555"
+    assert "--master-port" not in argv
     ns, rest = _split_parse(build_parser(), ["run", "-n", "2", "--nnodes", "2", "--node-rank", "1",
                                         "--rdzv-endpoint", "h0:29400", "--max-restarts", "3",
                                         "-m", "pkg.mod", "x"])
     argv = torchrun_argv(ns, rest)
-    assert "--standalone" not in argv
+    assert "--standalone" not in argv and "parlay-local" not in argv
     assert argv[-3:] == ["-m", "pkg.mod", "x"]
     for flag, val in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-endpoint", "h0:29400"),
                       ("--max-restarts", "3")]:
@@ -84,3 +102,141 @@ def test_ps_leaving_no_worker_is_rejected():
 def test_missing_script_is_a_clear_error():
     with pytest.raises(SystemExit, match="missing the script"):
         main(["run", "-n", "2"])
+
+
+# -- through the real CLI: loopback binding, launcher errors, signals, droppable workers -------
+
+LISTEN_SCRIPT = textwrap.dedent("""
+    import os, socket
+    import torch, parlay
+
+    def listening(pid):
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        out = []
+        for table, fam in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+            with open(f"/proc/{pid}/net/{table}") as f:
+                for line in f.readlines()[1:]:
+                    parts = line.split()
+                    if parts[3] != "0A" or parts[9] not in inodes:   # 0A: LISTEN
+                        continue
+                    addr, port = parts[1].split(":")
+                    raw = bytes.fromhex(addr)
+                    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                    out.append(f"{socket.inet_ntop(fam, words)}:{int(port, 16)}")
+        return out
+
+    parlay.init()
+    parlay.comm.allreduce(torch.ones(1))      # gloo's sockets are up
+    print("LISTEN", parlay.rank(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],
+          ",".join(listening(os.getpid())), ",".join(listening(os.getppid())), flush=True)
+    parlay.comm.barrier()
+    parlay.shutdown()
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
+def test_single_node_run_listens_on_loopback_only_at_master_port(tmp_path):
+    script = tmp_path / "listen.py"
+    script.write_text(LISTEN_SCRIPT)
+    port = free_port()
+    p = _run("run", "-n", "2", "--master-port", str(port), str(script))
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("LISTEN")]
+    assert len(rows) == 2
+    for _, rank, addr, mport, worker, agent in rows:
+        assert (addr, mport) == ("127.0.0.1", str(port))       # --master-port honoured
+        sockets = worker.split(",") + agent.split(",")
+        assert f"127.0.0.1:{port}" in agent.split(","), agent   # the store, at that port
+        assert all(s.startswith("127.0.0.1:") for s in sockets), sockets
+
+
+def test_port_in_use_shows_the_real_reason(tmp_path):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = _run("run", "-n", "2", "--master-port", str(port), "examples/hello.py")
+    assert p.returncode == 1
+    assert "address already in use" in p.stderr.lower(), p.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in p.stderr and "--master-port" in p.stderr
+    assert "a rank failed" not in p.stderr and "hello from" not in p.stdout
+
+
+WAIT_SCRIPT = textwrap.dedent("""
+    import os, sys, threading
+    print("ready", os.environ["RANK"], flush=True)
+    threading.Event().wait(90)      # until the launcher stops us
+""")
+
+
+@pytest.mark.parametrize("sig, code, group", [(signal.SIGINT, 130, True),
+                                              (signal.SIGTERM, 143, False)])
+def test_interrupt_says_interrupted_not_failed(tmp_path, sig, code, group):
+    script = tmp_path / "wait.py"
+    script.write_text(WAIT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, "-m", "parlay.cli", "run", "-n", "2", str(script)],
+                            cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        ready = [proc.stdout.readline() for _ in range(2)]      # both ranks are running
+        assert all(line.startswith("ready") for line in ready), ready
+        # Ctrl-C reaches the whole process group; `kill` / a scheduler reaches the launcher.
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == code, err[-3000:]
+    assert f"interrupted by {sig.name}" in err
+    assert "failed" not in err.split("interrupted by")[-1]
+
+
+DROP_SCRIPT = textwrap.dedent("""
+    import os, select, signal, sys
+    from datetime import timedelta
+    import torch.distributed as dist
+    from parlay.launch import mark_droppable
+
+    rank, mark = int(os.environ["RANK"]), sys.argv[1] == "mark"
+    store = dist.PrefixStore("drop-test", dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+        timeout=timedelta(seconds=30)))
+    if rank == 1:
+        if mark:
+            mark_droppable(rank)
+        store.set("pid1", str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    # Rank 0 outlives rank 1: it waits for that process to be gone, then finishes normally.
+    try:
+        fd = os.pidfd_open(int(store.get("pid1")))
+        assert select.select([fd], [], [], 30)[0], "rank 1 did not die"
+    except ProcessLookupError:
+        pass                        # already gone and reaped
+    print("rank 0 finished after rank 1 was lost", flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs os.pidfd_open (Linux)")
+@pytest.mark.parametrize("mark", [True, False])
+def test_droppable_worker_is_dropped_and_others_finish(tmp_path, mark):
+    script = tmp_path / "drop.py"
+    script.write_text(DROP_SCRIPT)
+    p = _run("run", "-n", "2", str(script), "mark" if mark else "no-mark")
+    if mark:
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert ("parlay run: rank 1 (droppable parameter-server worker) was lost; "
+                "the other ranks go on") in p.stderr
+        assert "1 droppable rank(s) lost (1)" in p.stderr
+        assert "rank 0 finished after rank 1 was lost" in p.stdout
+    else:   # no marker: torchrun's policy, the job fails and names the rank
+        assert p.returncode == 1
+        assert "rank 1 failed (killed by SIGKILL" in p.stderr, p.stderr[-3000:]
+        assert "droppable" not in p.stderr
