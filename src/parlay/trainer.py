@@ -483,7 +483,7 @@ class Trainer:
         try:
             self.strategy.load_state_dict(ck["strategy"])
         except (RuntimeError, KeyError, ValueError) as e:  # torch's shape errors, ConfigError
-            first = (str(e).strip().splitlines() or [""])[0][:300]
+            first = " ".join(str(e).split())[:300]  # torch's first line alone says little
             raise CheckpointError(f"the checkpoint does not fit this model ({type(e).__name__}: "
                                   f"{first}). Hint: build the same model (and mode, pp, balance) "
                                   "as the run that wrote it, or use a fresh checkpoint_dir.") from e

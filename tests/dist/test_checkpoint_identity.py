@@ -112,3 +112,17 @@ def test_a_second_run_cannot_share_the_directory(tmp_path):
     finally:
         holder.release()
     assert run_world(_train, 2, str(tmp_path), 2) == [2, 2], "free again once released"
+
+
+def test_other_architecture_without_identity_is_a_checkpoint_error(two_rank_dir):
+    # Checkpoints written before identities were recorded: the load itself must not surface
+    # torch's raw RuntimeError.
+    from parlay.checkpoint import save_atomic
+
+    for path in two_rank_dir.glob("ckpt-*.pt"):
+        state = load(path)
+        del state["identity"]
+        save_atomic(state, path)
+    for e in run_world(_train, 2, str(two_rank_dir), 8, 4, _build_wide):
+        assert isinstance(e, CheckpointError) and "does not fit this model" in str(e)
+        assert "size mismatch" in str(e) and "same model" in str(e)
