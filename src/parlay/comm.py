@@ -2,13 +2,13 @@
 
 Everything that crosses the wire in parlay goes through these functions, so the one place that
 knows how c10d reports a lost peer or a timeout is here. Each function takes ``group=None``
-(the default group) and returns a :class:`Handle` when ``async_op=True``.
+(the default group) and returns a :class:`Handle` when ``async_op=True``. Reductions are named
+by the one reduce-op table, :mod:`parlay.reduce_ops` (re-exported here: ``comm.ReduceOp``).
 """
 from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import enum
 import hashlib
 import re
 import threading
@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from parlay.errors import CommError, ConfigError
+from parlay.errors import CommError
+from parlay.reduce_ops import REDUCE_OPS, ReduceOp, c10d_op, reduce_op
 
 __all__ = [
     "Handle", "comm_errors", "allreduce", "allgather", "allgather_into", "broadcast",
@@ -26,29 +27,6 @@ __all__ = [
     "all_gather_single", "reduce_scatter_single",
 ]
 
-
-class ReduceOp(enum.IntEnum):
-    """How contributions of the ranks combine (numbered as Horovod numbers them, so ported
-    scripts that pass ``hvd.Average`` or a bare ``0`` keep working)."""
-
-    Average = 0
-    Sum = 1
-    Adasum = 2
-    Min = 3
-    Max = 4
-    Product = 5
-
-
-#: The one reduce-op table: every name parlay accepts for a reduction. ``"avg"`` divides the
-#: sum by the group size; Adasum has no c10d op (parlay.horovod computes it from an allgather).
-REDUCE_OPS: dict[str, ReduceOp] = {
-    "sum": ReduceOp.Sum, "avg": ReduceOp.Average, "average": ReduceOp.Average,
-    "min": ReduceOp.Min, "max": ReduceOp.Max, "product": ReduceOp.Product,
-    "adasum": ReduceOp.Adasum,
-}
-_C10D_OPS = {ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SUM,
-             ReduceOp.Min: dist.ReduceOp.MIN, ReduceOp.Max: dist.ReduceOp.MAX,
-             ReduceOp.Product: dist.ReduceOp.PRODUCT}
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor; keep working on
 # torch>=2.4. Every single-tensor all-gather and reduce-scatter in parlay goes through these.
@@ -270,36 +248,6 @@ def to_global_rank(group: Any, group_rank_: int) -> int:
     if group is None or group is dist.GroupMember.WORLD:
         return group_rank_
     return dist.get_global_rank(group, group_rank_)
-
-
-def reduce_op(op: str | int) -> ReduceOp:
-    """The :class:`ReduceOp` named by ``op``: a name of :data:`REDUCE_OPS` (any case), a
-    ``ReduceOp`` or its number.
-
-    Raises:
-        ConfigError: Anything else.
-    """
-    if isinstance(op, str):
-        found = REDUCE_OPS.get(op.lower())
-        if found is not None:
-            return found
-    elif isinstance(op, int) and not isinstance(op, bool) and op in ReduceOp._value2member_map_:
-        return ReduceOp(op)
-    raise ConfigError(f"reduction op must be one of {sorted(REDUCE_OPS)} or a ReduceOp "
-                      f"(e.g. parlay.Average), got {op!r}.")
-
-
-def c10d_op(op: str | int) -> Any:
-    """The ``torch.distributed.ReduceOp`` that carries ``op`` (Average travels as SUM).
-
-    Raises:
-        ConfigError: An unknown op, or Adasum (no c10d equivalent).
-    """
-    rop = reduce_op(op)
-    if rop not in _C10D_OPS:
-        raise ConfigError(f"{rop.name} has no torch.distributed reduction. Hint: Adasum runs "
-                          "through parlay.horovod (hvd.allreduce(op=hvd.Adasum)).")
-    return _C10D_OPS[rop]
 
 
 def allreduce(tensor: torch.Tensor, op: str | int = "sum", group: Any = None,

@@ -14,6 +14,7 @@ import torch
 
 from parlay.comm import Handle, ReduceOp
 from parlay.horovod import collectives as c
+from parlay.horovod import scatter
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
 from parlay.horovod.engine import Meta, Request
 from parlay.horovod.functions import allgather_async, global_root, horovod_compressor
@@ -166,7 +167,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: ProcessSet = _GLOBAL, *, process_group: Any = None) -> Handle:
     """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``."""
-    sp = c.alltoall_splits(tensor, splits, c.set_size(process_set, process_group))
+    sp = scatter.alltoall_splits(tensor, splits, c.set_size(process_set, process_group))
 
     def finish(res: Any) -> tuple[torch.Tensor, torch.Tensor]:
         out, recv = res
@@ -196,8 +197,8 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
         ValueError: Bad ``splits``, or no splits and a first dimension that does not divide.
         HorovodInternalError: Ranks disagree on dtype or trailing shape.
     """
-    sp = c.alltoall_splits(tensor, splits, c.set_size(process_set, process_group))
-    out, recv = c.AlltoallFn.apply(tensor, sp, name, process_set, process_group)
+    sp = scatter.alltoall_splits(tensor, splits, c.set_size(process_set, process_group))
+    out, recv = scatter.AlltoallFn.apply(tensor, sp, name, process_set, process_group)
     if splits is None:
         return out
     if isinstance(splits, torch.Tensor):
@@ -211,7 +212,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
                         postscale_factor: float = 1.0, *, process_group: Any = None) -> Handle:
     """Start reducing ``tensor`` over the set and keeping this rank's rows of the result."""
     rop = c.resolve_op(None, op)
-    c.reducescatter_check([tensor], rop)
+    scatter.reducescatter_check([tensor], rop)
     return c.submit("reducescatter", [tensor], name, process_set, process_group, op=rop,
                     prescale=prescale_factor, postscale=postscale_factor,
                     finish=lambda res: res[0])
@@ -230,9 +231,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: An
         HorovodInternalError: Ranks disagree on shape or dtype.
     """
     rop = c.resolve_op(None, op)
-    c.reducescatter_check([tensor], rop)
+    scatter.reducescatter_check([tensor], rop)
     [sent], [ctx] = _compressed(compression, [tensor])
-    out = c.ReducescatterFn.apply(sent, name, rop, float(prescale_factor),
+    out = scatter.ReducescatterFn.apply(sent, name, rop, float(prescale_factor),
                                   float(postscale_factor), process_set, process_group)
     return _decompressed(compression, [out], [ctx])[0]
 
@@ -243,7 +244,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_group: Any = None) -> Handle:
     """Start a reducescatter of a list of tensors as one operation."""
     rop = c.resolve_op(None, op)
-    c.reducescatter_check(tensors, rop)
+    scatter.reducescatter_check(tensors, rop)
     return c.submit("reducescatter", list(tensors), name, process_set, process_group, op=rop,
                     prescale=prescale_factor, postscale=postscale_factor)
 
@@ -255,9 +256,9 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_group: Any = None) -> list[torch.Tensor]:
     """Reducescatter a list of tensors as one operation (differentiable)."""
     rop = c.resolve_op(None, op)
-    c.reducescatter_check(tensors, rop)
+    scatter.reducescatter_check(tensors, rop)
     sent, ctxs = _compressed(compression, tensors)
-    outs = c.GroupedReducescatterFn.apply(name, rop, float(prescale_factor),
+    outs = scatter.GroupedReducescatterFn.apply(name, rop, float(prescale_factor),
                                           float(postscale_factor), process_set, process_group,
                                           *sent)
     return _decompressed(compression, outs, ctxs)
