@@ -71,6 +71,38 @@ def _positive(name: str, value: Any, allow_none: bool = True, kind: type = int) 
                           f"{' or None' if allow_none else ''}, got {value!r}.")
 
 
+def _reduce_metrics(sums: dict[str, float], count: int, group: Any) -> dict[str, float]:
+    """Sample-weighted means of ``sums`` over ``group``, in tensors only (no peer's bytes are
+    unpickled). Ranks without samples take the others' metric names; ranks with samples must
+    agree on them (checked with one max over the UTF-8 codes and one over their negation)."""
+    names = sorted(sums) if count else []
+    if comm.group_size(group) > 1:
+        code = torch.tensor(list("\0".join(names).encode()), dtype=torch.int64)
+        width = comm.allreduce(torch.tensor([code.numel()]), "max", group=group)
+        both = torch.full((2, max(1, int(width.item()))), -1, dtype=torch.int64)
+        if names:
+            both[0].fill_(256)  # padding differs from every byte: lengths must agree too
+            both[0, : code.numel()] = code
+            both[1] = -both[0]
+        else:
+            both[1].fill_(-1000)  # below any -code: ranks without samples do not vote
+        comm.allreduce(both, "max", group=group)
+        hi, lo = both[0], -both[1]
+        if not torch.equal(hi, lo) and bool((hi >= 0).any()):
+            raise ConfigError(f"the replicas computed different validation metrics (this rank: "
+                              f"{names}). Hint: build_validation_func must return the same "
+                              "keys on every rank.")
+        raw = bytes(int(b) for b in hi.tolist() if 0 <= b < 256)
+        names = raw.decode().split("\0") if raw else []
+    vec = torch.tensor([float(count)] + [sums.get(n, 0.0) for n in names], dtype=torch.float64)
+    if comm.group_size(group) > 1:
+        comm.allreduce(vec, "sum", group=group)
+    total = vec[0].item()
+    result = {n: vec[i + 1].item() / max(total, 1.0) for i, n in enumerate(names)}
+    result["samples"] = float(total)
+    return result
+
+
 class Trainer:
     """Train ``build_training_func()``'s model on ``training_dataset`` across all processes.
 
@@ -398,8 +430,11 @@ class Trainer:
         """Evaluate on ``dataset`` (default: ``validation_dataset``) across all replicas.
 
         Each replica evaluates its own shard (no sample twice); metrics are batch means
-        weighted by sample counts and reduced over the strategy's ``dp_group``, so every
-        reporting rank returns the mean over the whole dataset.
+        weighted by sample counts and reduced over the strategy's ``dp_group`` (as tensors),
+        so every reporting rank returns the mean over the whole dataset. A replica whose
+        ``dp_group`` holds only itself while there are several replicas (asynchronous
+        parameter-server workers, whose models differ) evaluates the whole dataset alone.
+        Servers return ``{}`` at once, also after :meth:`should_stop`.
 
         Returns:
             ``{name: value}`` plus ``"samples"``; empty on ranks without metrics.
@@ -418,7 +453,9 @@ class Trainer:
         if dataset is None and self._val_loader is not None:
             loader = self._val_loader
         else:
-            sampler = ShardedSampler(len(ds), s.dp_size, s.dp_rank, shuffle=False, even=False)  # type: ignore[arg-type]
+            alone = s.reports_loss and s.dp_size > 1 and comm.group_size(s.dp_group) == 1
+            shards, index = (1, 0) if alone else (s.dp_size, s.dp_rank)
+            sampler = ShardedSampler(len(ds), shards, index, shuffle=False, even=False)  # type: ignore[arg-type]
             loader = build_loader(ds, sampler, self._val_batch, num_workers=self._num_workers,
                                   prefetch=self._prefetch, pin_memory=self._pin)
             if dataset is None:
@@ -439,12 +476,7 @@ class Trainer:
             loader.close()
         if not s.reports_loss:
             return {}
-        parts = (comm.allgather_object((sums, count), group=s.dp_group)
-                 if comm.group_size(s.dp_group) > 1 else [(sums, count)])
-        total = sum(c for _, c in parts)
-        names = sorted({name for p, _ in parts for name in p})
-        result = {name: sum(p.get(name, 0.0) for p, _ in parts) / max(total, 1) for name in names}
-        result["samples"] = float(total)
+        result = _reduce_metrics(sums, count, s.dp_group)
         self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch, result,
                                 seconds=time.perf_counter() - t0)
         return result

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 from parlay.errors import ConfigError
 
 __all__ = ["Consistency", "register_consistency", "get_consistency", "available_consistency",
-           "Update", "Reply", "ServerCore", "max_lead", "RUN", "HELD", "DONE", "LOST"]
+           "Update", "Reply", "ServerCore", "max_lead", "RUN", "HELD", "SAVING", "DONE", "LOST"]
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class Update(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """What the server must send: ``kind`` in ``("params", "bye", "error")``."""
+    """What the server must send: ``kind`` in ``("params", "bye", "saved", "error")``."""
 
     kind: str
     worker: int
@@ -131,7 +131,7 @@ class Reply(NamedTuple):
     peer: int = -1  # error: worker index the error is about
 
 
-RUN, HELD, DONE, LOST = "run", "held", "done", "lost"
+RUN, HELD, SAVING, DONE, LOST = "run", "held", "saving", "done", "lost"
 
 
 class ServerCore:
@@ -143,6 +143,8 @@ class ServerCore:
         timeout: Seconds a released worker may stay silent before it is declared lost.
         apply: ``apply(grads, lr_factor)`` performs one update from a list of gradients (one
             per worker, in worker order, averaged by the caller) and returns nothing.
+        snapshot: ``snapshot(tag)`` saves the server's state as checkpoint ``tag``; called once
+            every live worker asked for ``tag`` (see :meth:`save`).
         now: Start time (deadlines of workers that have not said hello count from it).
         version: Starting parameter version (from a checkpoint).
         clocks: Starting worker clocks (from a checkpoint).
@@ -152,8 +154,11 @@ class ServerCore:
 
     def __init__(self, policy: Consistency, num_workers: int, timeout: float,
                  apply: Callable[[list[Any], float], None], now: float, version: int = 0,
-                 clocks: Iterable[int] | None = None, log_limit: int = 1_000_000) -> None:
+                 clocks: Iterable[int] | None = None, log_limit: int = 1_000_000,
+                 snapshot: Callable[[int], None] | None = None) -> None:
         self.policy = policy
+        self._snapshot = snapshot or (lambda tag: None)
+        self.saving: dict[int, int] = {}  # worker -> checkpoint tag it waits for
         self.num_workers = num_workers
         self.timeout = timeout
         self._apply = apply
@@ -173,7 +178,7 @@ class ServerCore:
     # -- queries ------------------------------------------------------------------------------
     def active(self) -> list[int]:
         """Workers that may still push (neither done nor lost)."""
-        return [w for w in range(self.num_workers) if self.state[w] in (RUN, HELD)]
+        return [w for w in range(self.num_workers) if self.state[w] in (RUN, HELD, SAVING)]
 
     def finished(self) -> bool:
         """True when no worker can send anything more."""
@@ -228,7 +233,7 @@ class ServerCore:
         out = [Reply("bye", w)]
         if self.failure is None and self.policy.aggregate:
             self._maybe_apply_round()
-        return out + self._release(now)
+        return out + self._release(now) + self._maybe_save(now)
 
     def lose(self, w: int, kind: int, now: float) -> list[Reply]:
         """Worker ``w`` is gone (silent past the timeout: ``Err.LOST``; raised: ``Err.FAILED``).
@@ -243,15 +248,33 @@ class ServerCore:
         self.lost.append(w)
         self.lost_kind[w] = kind
         self.pending.pop(w, None)
+        self.saving.pop(w, None)
         if self.policy.aggregate and self.failure is None:
             self.failure = (kind, w)
             self.pending.clear()
             out: list[Reply] = []
             for v in range(self.num_workers):
-                if self.state[v] == HELD:
+                if self.state[v] in (HELD, SAVING):
                     out += self._tell_failure(v)
             return out
-        return self._release(now)
+        return self._release(now) + self._maybe_save(now)
+
+    def save(self, w: int, tag: int, now: float) -> list[Reply]:
+        """Worker ``w`` asks for checkpoint ``tag`` (its step) and waits for it.
+
+        The snapshot is taken once every live worker waits for the same ``tag``: no worker can
+        push past its checkpoint step meanwhile, so the saved state holds exactly the first
+        ``tag`` gradients of every live worker (``sync``: version ``tag``). Workers that
+        disagree on ``tag`` are all told ``Err.SAVE_MISMATCH``.
+        """
+        if self.state[w] == LOST:
+            return [Reply("error", w, _EVICTED, w)]
+        if self.failure is not None:
+            return self._tell_failure(w)
+        self.state[w] = SAVING
+        self.deadline[w] = None
+        self.saving[w] = tag
+        return self._maybe_save(now)
 
     def expire(self, now: float) -> list[Reply]:
         """Declare lost every released worker silent past its deadline."""
@@ -266,6 +289,7 @@ class ServerCore:
     def _tell_failure(self, w: int) -> list[Reply]:
         assert self.failure is not None
         kind, peer = self.failure
+        self.saving.pop(w, None)
         self.state[w] = DONE  # told; it will not send again
         self.deadline[w] = None
         return [Reply("error", w, kind, peer)]
@@ -291,6 +315,24 @@ class ServerCore:
         self._apply(grads, lr)
         self.version += 1
 
+    def _maybe_save(self, now: float) -> list[Reply]:
+        act = self.active()
+        if not act or self.failure is not None or any(self.state[v] != SAVING for v in act):
+            return []
+        tags = {self.saving[v] for v in act}
+        out = []
+        if len(tags) == 1:
+            self._snapshot(tags.pop())
+        for v in act:
+            self.saving.pop(v, None)
+            if len(tags) > 1:  # no consistent cut exists; every waiter is told
+                self.state[v], self.deadline[v] = DONE, None
+                out.append(Reply("error", v, _SAVE_MISMATCH, v))
+            else:
+                self.state[v], self.deadline[v] = RUN, now + self.timeout
+                out.append(Reply("saved", v))
+        return out
+
     def _release(self, now: float) -> list[Reply]:
         act = self.active()
         if not act or self.failure is not None:
@@ -307,7 +349,7 @@ class ServerCore:
 
 
 # Err kinds, duplicated from wire.Err to keep this module free of transport imports.
-_LOST, _FAILED, _EVICTED = 1, 2, 3
+_LOST, _FAILED, _EVICTED, _SAVE_MISMATCH = 1, 2, 3, 5
 
 
 def max_lead(log: Iterable[Update], totals: dict[int, int] | None = None) -> int:

@@ -1,12 +1,14 @@
 """A parameter server: holds one shard, applies a torch optimizer to it, answers workers.
 
 Transport (DESIGN.md "PS traffic runs over a gloo group on CPU tensors"): one gloo group of all
-ranks; pushes arrive through an any-source receive (``recv(src=None)``), so they are served in
-arrival order. A receiver thread does the blocking receives and queues whole messages; the
-main thread owns all state, applies updates and sends replies. The queue lets the main thread
-wake up at a deadline: a worker silent for ``timeout`` seconds after being answered is declared
-lost (a timed-out gloo wait would close every connection of the group, so the receive itself
-never times out).
+ranks. One receiver thread per worker does that worker's blocking receives and queues whole
+messages, so messages are served in arrival order; the main thread owns all state, applies
+updates and sends replies. A receive from one peer fails as soon as that peer's connection
+closes (its process died), so a killed worker is dropped at once, and every receiver thread has
+ended when serving ends (a thread still blocked in gloo while the group is destroyed can abort
+the process at exit). The queue lets the main thread wake up at a deadline: a worker silent for
+``timeout`` seconds after being answered is declared lost (a timed-out gloo wait would close
+every connection of the group, so the receive itself never times out).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import datetime as _dt
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from typing import Any
@@ -42,11 +45,25 @@ from parlay.ps.wire import (
     unpack,
 )
 
-__all__ = ["Server", "lost_message"]
+__all__ = ["Server", "lost_message", "snapshot_steps", "SNAPSHOTS_KEPT"]
 
 log = logging.getLogger("parlay.ps")
 
 _FOREVER = _dt.timedelta(days=365)
+
+#: Worker-requested checkpoints a server keeps (the Trainer's default ``keep_last``).
+SNAPSHOTS_KEPT = 3
+_SNAPSHOT = re.compile(r"^ps-(\d+)\.step-(\d+)\.pt$")
+
+
+def snapshot_steps(checkpoint_dir: str, index: int) -> list[int]:
+    """Steps of the worker-requested checkpoints server ``index`` holds, ascending."""
+    try:
+        names = os.listdir(checkpoint_dir)
+    except FileNotFoundError:
+        return []
+    found = (_SNAPSHOT.match(n) for n in names)
+    return sorted(int(m.group(2)) for m in found if m and int(m.group(1)) == index)
 
 
 def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, where: str) -> str:
@@ -55,8 +72,10 @@ def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, whe
         return (f"{where}: this worker (rank {peer_rank}) was declared lost by the parameter "
                 f"server after {timeout:g} s of silence and may not rejoin. Hint: raise the "
                 "timeout (parlay.init(timeout=...) / PARLAY_TIMEOUT) if steps can be this slow.")
-    what = ("was lost (the parameter server heard nothing from it for "
-            f"{timeout:g} s)" if kind == Err.LOST else "failed (it raised an error)")
+    what = {Err.LOST: "was lost (the parameter server heard nothing from it for "
+                      f"{timeout:g} s)",
+            Err.GONE: "was lost (its connection closed: the process died)"}.get(
+                kind, "failed (it raised an error)")
     return (f"{where}: worker {peer_index} (rank {peer_rank}) {what}; synchronous training "
             "needs every worker's gradient for each step, so it cannot continue. Hint: check "
             f"rank {peer_rank}'s log, or train with consistency='async' or 'stale:s' to "
@@ -80,19 +99,25 @@ class Server:
         timeout: Seconds a worker may stay silent before it is declared lost.
         checkpoint_dir: Where ``ps-<index>.pt`` is written (``None``: no checkpoints).
         checkpoint_every: Save every this many versions (and at the end).
+        tagged: Checkpoints are taken when the workers ask (:meth:`snapshot`, files
+            ``ps-<index>.step-<tag>.pt``) instead of every ``checkpoint_every`` versions.
+        resume_step: With ``tagged``, the checkpoint to resume (agreed by every rank).
     """
 
     def __init__(self, index: int, plan: ShardPlan, model: nn.Module,
                  optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any],
                  policy: Consistency, compressor: Compressor, worker_ranks: list[int],
                  group: Any, timeout: float, checkpoint_dir: str | None = None,
-                 checkpoint_every: int | None = 100) -> None:
+                 checkpoint_every: int | None = 100, *, tagged: bool = False,
+                 resume_step: int | None = None) -> None:
         self.index, self.plan, self.policy = index, plan, policy
         self.compressor = compressor
         self.worker_ranks = worker_ranks
         self.group, self.timeout = group, timeout
-        self.checkpoint_every = checkpoint_every
-        self.path = (os.path.join(checkpoint_dir, f"ps-{index}.pt") if checkpoint_dir else None)
+        self.checkpoint_every = None if tagged else checkpoint_every
+        self.dir = checkpoint_dir
+        self.path = (os.path.join(checkpoint_dir, f"ps-{index}.pt")
+                     if checkpoint_dir and not tagged else None)
         self.pieces = plan.pieces(index)
         self.model = model
         named = dict(model.named_parameters())
@@ -123,17 +148,22 @@ class Server:
         self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
         self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
         version, clocks = 0, None
-        if self.path and os.path.exists(self.path):
-            version, clocks = self._load()
+        if tagged and resume_step is not None:
+            version, clocks = self._load(self.snapshot_path(resume_step))
+        elif self.path and os.path.exists(self.path):
+            version, clocks = self._load(self.path)
+        if tagged and checkpoint_dir:  # later steps than the resumed one belong to a lost future
+            for t in snapshot_steps(checkpoint_dir, index):
+                if resume_step is None or t > resume_step:
+                    os.remove(self.snapshot_path(t))
         self.core = ServerCore(policy, len(worker_ranks), timeout, self._apply, time.monotonic(),
-                               version=version, clocks=clocks)
+                               version=version, clocks=clocks, snapshot=self.snapshot)
         self.served = False
         self.fingerprint = plan.fingerprint()
         self._q: queue.Queue = queue.Queue()
         self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
                             for _ in worker_ranks]
         self._sends: dict[int, comm.Handle] = {}
-        self._finished_senders: set[int] = set()
 
     # -- optimisation -------------------------------------------------------------------------
     def _apply(self, grads: list[torch.Tensor], lr_factor: float) -> None:
@@ -172,63 +202,83 @@ class Server:
         if self.path:
             save_atomic(self.state_dict(), self.path)
 
-    def _load(self) -> tuple[int, list[int]]:
-        assert self.path is not None
+    def snapshot_path(self, tag: int) -> str:
+        """File of checkpoint ``tag`` (a worker step) of this server."""
+        assert self.dir is not None
+        return os.path.join(self.dir, f"ps-{self.index}.step-{int(tag):010d}.pt")
+
+    def snapshot(self, tag: int) -> None:
+        """Save checkpoint ``tag`` (every live worker waits at its step ``tag``) and keep the
+        newest :data:`SNAPSHOTS_KEPT`. No-op without a checkpoint directory."""
+        if not self.dir:
+            return
+        save_atomic({**self.state_dict(), "tag": int(tag)}, self.snapshot_path(tag))
+        for old in snapshot_steps(self.dir, self.index)[:-SNAPSHOTS_KEPT]:
+            try:
+                os.remove(self.snapshot_path(old))
+            except FileNotFoundError:
+                pass
+
+    def _load(self, path: str) -> tuple[int, list[int]]:
         try:
-            sd = torch.load(self.path, weights_only=True)
+            sd = torch.load(path, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
-            raise CheckpointError(f"could not read checkpoint {self.path!r}: {e}") from e
+            raise CheckpointError(f"could not read checkpoint {path!r}: {e}. Hint: the file is "
+                                  "truncated or corrupt; delete it (and the workers' files of "
+                                  "the same step) to resume from the previous one.") from e
         n = len(self.worker_ranks)
         if sd.get("plan") != self.plan.rows() or len(sd.get("clocks", [])) != n:
             raise CheckpointError(
-                f"checkpoint {self.path!r} was written for a different placement or number of "
-                f"workers (expected {len(self.worker_ranks)} workers and the current ShardPlan). "
+                f"checkpoint {path!r} was written for a different placement or number of "
+                f"workers (expected {n} workers and the current ShardPlan). "
                 "Hint: resume with the same model, --ps count and worker count, or use a new "
                 "checkpoint_dir.")
         self.flat.copy_(sd["flat"])
         self.optimizer.load_state_dict(sd["optimizer"])
-        log.info("ps%d resumed from %s at version %d", self.index, self.path, sd["version"])
+        log.info("ps%d resumed from %s at version %d", self.index, path, sd["version"])
         return int(sd["version"]), [int(c) for c in sd["clocks"]]
 
     # -- serving ------------------------------------------------------------------------------
-    def _receive(self) -> None:
+    def _receive(self, w: int) -> None:
         buf = torch.empty(self.push_capacity, dtype=torch.uint8)
-        everyone = set(range(len(self.worker_ranks)))
-        rank_to_worker = {r: i for i, r in enumerate(self.worker_ranks)}
         while True:
             try:
-                work = dist.irecv(buf, src=None, group=self.group, tag=TAG_PUSH)
+                work = dist.irecv(buf, src=self.worker_ranks[w], group=self.group, tag=TAG_PUSH)
                 assert work is not None
                 work.wait(timeout=_FOREVER)
-                src = int(work._source_rank())  # group rank == global rank here
-            except Exception as e:  # noqa: BLE001 - handed to the main thread
-                self._q.put(("error", e))
+            except Exception as e:  # noqa: BLE001 - the worker's connection closed
+                self._q.put(("gone", w, e))
                 return
             msg = unpack(buf, clone=True)
-            w = rank_to_worker.get(src, -1)
             self._q.put(("msg", w, msg))
-            if msg.op in (Op.DONE, Op.FAIL):
-                self._finished_senders.add(w)
-            if everyone <= self._finished_senders | set(self.core.lost):
+            if msg.op in (Op.DONE, Op.FAIL):  # its last message
                 return
 
     def _send(self, r: Reply) -> None:
         w = r.worker
         prev = self._sends.pop(w, None)
         if prev is not None:
-            prev.wait()  # the worker got it: it has since sent us another message
+            self._wait_sent(w, prev)  # the worker got it: it has since sent us another message
         c = self.core
         if r.kind == "params":
             msg = Message(Op.PARAMS, self.index, c.clocks[w], c.version, float(r.code),
                           tensors=[self.flat])
         elif r.kind == "bye":
             msg = Message(Op.BYE, self.index, c.clocks[w], c.version)
+        elif r.kind == "saved":
+            msg = Message(Op.SAVED, self.index, c.clocks[w], c.version)
         else:
             msg = Message(Op.ERROR, self.index, c.clocks[w], c.version, float(r.code),
                           extra=self.worker_ranks[r.peer])
         out = pack(msg, self._reply_bufs[w])
         self._sends[w] = comm.send(out, self.worker_ranks[w], tag=TAG_REPLY, group=self.group,
                                    async_op=True)
+
+    def _wait_sent(self, w: int, h: comm.Handle) -> None:
+        try:
+            h.wait()
+        except CommError as e:  # that worker died; its receiver thread reports it
+            log.debug("ps%d: reply to worker %d not delivered: %s", self.index, w, e)
 
     def _handle(self, w: int, msg: Message, now: float) -> list[Reply]:
         c = self.core
@@ -249,6 +299,8 @@ class Server:
             return c.push(w, msg.step, msg.version, grad.to(self.flat.dtype), msg.scalar, now)
         if msg.op == Op.DONE:
             return c.done(w, now)
+        if msg.op == Op.SAVE:
+            return c.save(w, msg.extra, now)
         if msg.op == Op.FAIL:
             return c.lose(w, Err.FAILED, now)
         raise CommError(f"parameter server {self.index} got an unknown message op {msg.op} from "
@@ -266,13 +318,14 @@ class Server:
         if self.served:
             return
         self.served = True
-        thread = threading.Thread(target=self._receive, name=f"parlay-ps{self.index}-recv",
-                                  daemon=True)
-        thread.start()
+        threads = [threading.Thread(target=self._receive, args=(w,), daemon=True,
+                                    name=f"parlay-ps{self.index}-recv{w}")
+                   for w in range(len(self.worker_ranks))]
+        for t in threads:
+            t.start()
         c = self.core
         c.start(time.monotonic())
-        n_lost = 0
-        saved = c.version
+        n_lost, saved = 0, c.version
         while not c.finished():
             dl = c.next_deadline()
             wait = 5.0 if dl is None else min(5.0, max(0.0, dl - time.monotonic()))
@@ -282,30 +335,41 @@ class Server:
                 item = None
             now = time.monotonic()
             replies: list[Reply] = []
-            if item is not None:
-                if item[0] == "error":
-                    raise comm._as_comm_error("ps serve", item[1])  # noqa: SLF001
+            if item is not None and item[0] == "gone":
+                log.debug("ps%d: worker %d's connection closed: %s", self.index, item[1], item[2])
+                replies += c.lose(item[1], Err.GONE, now)
+            elif item is not None:
                 replies += self._handle(item[1], item[2], now)
             replies += c.expire(now)
             for r in replies:
                 self._send(r)
-            while n_lost < len(c.lost):
-                w = c.lost[n_lost]
-                n_lost += 1
-                why = ("raised an error" if c.lost_kind.get(w) == Err.FAILED
-                       else f"lost after {self.timeout:g} s of silence")
-                log.warning("ps%d: worker %d (rank %d) %s; %s", self.index, w,
-                            self.worker_ranks[w], why, "sync training stops"
-                            if self.policy.aggregate else
-                            f"continuing with {len(c.active())} workers")
+            for w in c.lost[n_lost:]:
+                self._log_lost(w)
+            n_lost = len(c.lost)
             every = self.checkpoint_every
             if self.path and every and c.version // every > saved // every:
                 saved = c.version
                 self.save()
+        self._finish(threads)
+
+    def _log_lost(self, w: int) -> None:
+        c = self.core
+        why = {Err.FAILED: "raised an error", Err.GONE: "died (its connection closed)"}.get(
+            c.lost_kind.get(w, Err.LOST), f"lost after {self.timeout:g} s of silence")
+        log.warning("ps%d: worker %d (rank %d) %s; %s", self.index, w, self.worker_ranks[w], why,
+                    "sync training stops" if self.policy.aggregate
+                    else f"continuing with {len(c.active())} workers")
+
+    def _finish(self, threads: list[threading.Thread]) -> None:
+        c = self.core
         for w, h in list(self._sends.items()):
             if w not in c.lost:
-                h.wait()
+                self._wait_sent(w, h)
         self._sends.clear()
+        # Workers told of a failure leave, which ends their receivers; wait a little for that.
+        end = time.monotonic() + min(5.0, self.timeout)
+        for t in threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
         self.save()
         self.copy_to_model()
         log.info("ps%d: done at version %d; staleness histogram %s; lost workers %s",
@@ -316,3 +380,9 @@ class Server:
             raise CommError(lost_message(kind, peer, self.worker_ranks[peer], self.timeout,
                                          f"parameter server {self.index}"),
                             op="ps serve", rank=self.index, peer=self.worker_ranks[peer])
+        if c.lost and len(c.lost) == c.num_workers:
+            w = c.lost[-1]
+            raise CommError(f"parameter server {self.index}: every worker was lost or failed "
+                            f"(ranks {[self.worker_ranks[v] for v in c.lost]}), none finished. "
+                            "Hint: see the workers' logs for the first error.",
+                            op="ps serve", rank=self.index, peer=self.worker_ranks[w])

@@ -13,11 +13,12 @@ serves until every worker finished, then returns True: no PS-specific user code 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import inspect
 import logging
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,13 +31,13 @@ from parlay.env import TaskSpec, detect
 from parlay.errors import CheckpointError, ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
-from parlay.ps.server import Server
+from parlay.ps.recovery import agree_resume, mark_droppable
+from parlay.ps.server import Server, snapshot_steps
 from parlay.ps.worker import Worker
 
 __all__ = ["DistributedSession"]
 
 log = logging.getLogger("parlay.ps")
-
 
 class DistributedSession:
     """Parameter-server training session: servers hold sharded parameters and optimizer state,
@@ -68,6 +69,10 @@ class DistributedSession:
             process group's timeout). Workers wait up to ``2 * timeout + 5`` s for a reply,
             because a server may itself be waiting out a lost peer.
         checkpoint_every: Server checkpoint interval in updates (``None``: only at the end).
+        resume_steps: Workers that keep their own checkpoints (as the Trainer does) pass the
+            steps they hold. Servers then checkpoint when the workers ask (:meth:`save_shards`)
+            instead of every ``checkpoint_every`` updates, and every rank resumes the newest
+            step all servers and workers hold (:attr:`resumed_step`): never mixed steps.
 
     Raises:
         ConfigError: Bad arguments (at construction) or a world without parameter servers.
@@ -86,7 +91,8 @@ class DistributedSession:
                  compression: str | Compressor | None = None, checkpoint_dir: str | None = None,
                  max_steps: int | None = None, *, placement: str = "balanced",
                  split_bytes: int | None = DEFAULT_SPLIT_BYTES, timeout: float | None = None,
-                 checkpoint_every: int | None = 100) -> None:
+                 checkpoint_every: int | None = 100,
+                 resume_steps: Sequence[int] | None = None) -> None:
         if task_spec is not None and not isinstance(task_spec, TaskSpec):
             raise ConfigError(f"task_spec must be a parlay.TaskSpec or None, got "
                               f"{type(task_spec).__name__}. Hint: parlay.TaskSpec.from_env().")
@@ -144,6 +150,9 @@ class DistributedSession:
         self.worker: Worker | None = None
         self.ps_group: Any = None
         self.dp_group: Any = None
+        self.resume_steps = None if resume_steps is None else [int(t) for t in resume_steps]
+        self.resumed_step: int | None = None  # agreed at start (None: fresh or untagged)
+        self.tagged = False
         self._owns_runtime = False
         self._started = self._closed = False
 
@@ -213,20 +222,31 @@ class DistributedSession:
                 p.data = p.data.contiguous()
         if self.checkpoint_dir:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
+        self._agree_resume(c.world_size)
         if self.is_ps:
             self.server = Server(c.rank, self.plan, self.model, self.optimizer_cls,
                                  self.optimizer_args, self.consistency, self.compressor, workers,
                                  self.ps_group, self.timeout, self.checkpoint_dir,
-                                 self.checkpoint_every)
+                                 self.checkpoint_every, tagged=self.tagged,
+                                 resume_step=self.resumed_step)
         else:
             self._load_worker_state()
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
                                  world[: c.num_ps], self.ps_group, self.timeout)
             self.worker.hello()
+            if not self.consistency.aggregate:
+                mark_droppable(c.rank)
+
+    def _agree_resume(self, world: int) -> None:
+        if self.is_ps:
+            held = snapshot_steps(self.checkpoint_dir, self.rank) if self.checkpoint_dir else []
+        else:
+            held = self.resume_steps or []
+        self.tagged, self.resumed_step = agree_resume(
+            held, not self.is_ps and self.resume_steps is not None, world, self.ps_group)
 
     def close(self, exc: BaseException | None = None) -> None:
-        """Finish: workers say goodbye (or report their error), servers serve to the end and
-        save; the session's process groups are destroyed. Idempotent."""
+        """Workers say goodbye (or report an error), servers serve to the end; idempotent."""
         if self._closed or not self._started:
             return
         self._closed = True
@@ -242,10 +262,8 @@ class DistributedSession:
         finally:
             for g in (self.ps_group, self.dp_group):
                 if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
-                    try:
+                    with contextlib.suppress(Exception):  # gone with the default group
                         dist.destroy_process_group(g)
-                    except Exception:  # noqa: BLE001 - already gone with the default group
-                        pass
             self.ps_group = self.dp_group = None
             if self._owns_runtime:
                 runtime.shutdown()
@@ -301,6 +319,20 @@ class DistributedSession:
         if self.worker is not None:
             self.worker.lr_factor = float(factor)
 
+    def save_shards(self, step: int) -> None:
+        """Workers: ask every server to checkpoint its shard as ``step`` and wait until it is
+        written. Servers write once every live worker asked for the same step, so the files
+        hold exactly the first ``step`` gradients of every live worker (``sync``: version
+        ``step``). Needs ``resume_steps`` and ``checkpoint_dir``; a no-op on servers.
+
+        Raises:
+            CommError: A server or (``sync``) a worker was lost meanwhile.
+            CheckpointError: The live workers asked for different steps.
+        """
+        self._need_started("save_shards")
+        if self.worker is not None:
+            self.worker.save_shards(step)
+
     # -- introspection ------------------------------------------------------------------------
     @property
     def is_worker(self) -> bool:
@@ -349,7 +381,7 @@ class DistributedSession:
 
     # -- worker-side state (compressor residuals) ---------------------------------------------
     def _worker_path(self) -> str | None:
-        if not self.checkpoint_dir:
+        if not self.checkpoint_dir or self.tagged:  # tagged: the caller keeps worker state
             return None
         return os.path.join(self.checkpoint_dir, f"worker-{self.rank - self.num_servers}.pt")
 

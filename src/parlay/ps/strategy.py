@@ -14,8 +14,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from parlay import runtime
-from parlay.errors import ConfigError
+import torch.distributed as dist
+
+from parlay import comm, runtime
+from parlay.checkpoint import CheckpointManager
+from parlay.errors import CheckpointError, ConfigError
 from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
 from parlay.ps.session import DistributedSession
@@ -69,6 +72,9 @@ class ParameterServerStrategy(Strategy):
         #: Non-finite policy (set by ``Trainer(nonfinite=...)``): workers check before pushing.
         self.guard = NonFiniteGuard("raise")
         self.session: DistributedSession | None = None
+        self._ckpt_dir: str | None = None
+        self._metrics_group: Any = None
+        self._train_group: Any = None
         self.model: nn.Module | None = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
         self._device = torch.device("cpu")
@@ -98,27 +104,35 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def dp_group(self) -> Any:
-        return self.session.dp_group if self.session is not None else None
+        """The workers in ``sync``; in ``async``/``stale`` each worker alone, so losing a
+        worker never breaks the others' metrics (they are per worker there)."""
+        return self._metrics_group
 
     @property
     def train_group(self) -> Any:
-        return self.dp_group
+        """Every worker (checkpoint agreement). Kept after the servers left, for validation."""
+        return self._train_group
 
     # ------------------------------------------------------------------ life cycle
     def use_checkpoint_dir(self, path: str) -> None:
         """Servers save and resume their shards under ``<path>/ps`` unless the strategy was
         given its own ``checkpoint_dir``."""
+        self._ckpt_dir = path
         if self.options.get("checkpoint_dir") is None:
             self.options["checkpoint_dir"] = os.path.join(path, "ps")
 
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
+        resume = None
         if self.consumes_data:
             self._device = runtime.device()
             model = model.to(self._device)
+            if self._ckpt_dir is not None:  # the Trainer's checkpoints of this worker
+                mgr = CheckpointManager(self._ckpt_dir, rank=runtime.rank())
+                resume = [t for t in mgr.steps() if mgr.path(t).stat().st_size > 0]
         self.model, self._loss_fn = model, loss_fn
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
-                                          **self.options)
+                                          resume_steps=resume, **self.options)
         if self.guard.policy != "raise":
             raise ConfigError("mode 'ps' supports nonfinite='raise' only: workers do not step "
                               "together, so no step can be skipped on every worker alike. "
@@ -126,11 +140,26 @@ class ParameterServerStrategy(Strategy):
         self.session.start()
         if self.session.worker is not None:  # raise before a NaN reaches the servers
             self.session.worker.before_push = self.guard.check_local
+        self._make_groups()
         if self.session.worker is not None and self.precision == "bf16":
             from parlay.dp.strategy import autocast_context
 
             dev = self._device
             self.session.worker.forward_context = lambda: autocast_context("bf16", dev)
+
+    def _make_groups(self) -> None:
+        # Owned here, not by the session: validate() still reduces over the workers after the
+        # session closed (the servers have left by then). Every rank creates them, in order.
+        c = self._cluster()
+        workers = list(range(c.num_ps, c.world_size))
+        with comm.comm_errors("ps strategy groups"):
+            self._train_group = dist.new_group(workers)
+            self._metrics_group = self._train_group
+            if not self._ready().consistency.aggregate:
+                for r in workers:
+                    g = dist.new_group([r])
+                    if r == c.rank:
+                        self._metrics_group = g
 
     def _ready(self) -> DistributedSession:
         if self.session is None:
@@ -175,18 +204,37 @@ class ParameterServerStrategy(Strategy):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Worker-side state only (the servers checkpoint their shards in ``checkpoint_dir``)."""
+        """Worker-side state. With the Trainer's ``checkpoint_dir`` this first has every server
+        checkpoint its shard at this worker's step (and waits for it), so the Trainer's file
+        and the servers' files always describe the same step."""
         s = self._ready()
         if not s.is_worker or self.model is None:
             return {}
+        if s.tagged:
+            s.save_shards(s.step)
         return {"model": self.model.state_dict(), "compressor": s.compressor.state_dict(),
-                "global_step": s.global_step}
+                "global_step": s.global_step, "ps_step": s.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore worker-side state (compressor residuals). Parameters come from the servers
-        on the next pull; to resume them too, give the strategy a ``checkpoint_dir``."""
+        """Restore worker-side state (compressor residuals). Parameters, optimizer state and
+        versions come from the servers, which resumed the same step (checked).
+
+        Raises:
+            CheckpointError: The servers resumed a different step (or none).
+        """
         s = self._ready()
-        if s.is_worker and "compressor" in state:
+        if not s.is_worker:
+            return
+        if s.tagged and (state.get("ps_step") is None or state["ps_step"] != s.resumed_step):
+            held = (f"step {s.resumed_step}" if s.resumed_step is not None
+                    else "no checkpoint every rank holds")
+            raise CheckpointError(
+                f"this worker (rank {s.rank}) resumed the Trainer's checkpoint of step "
+                f"{state.get('ps_step')}, but the parameter servers resumed {held}: their "
+                f"files in {self.options.get('checkpoint_dir')!r} are missing or older. Hint: "
+                "keep the servers' ps-*.step-*.pt files with the workers' checkpoints, or "
+                "start with a fresh checkpoint_dir.")
+        if "compressor" in state:
             s.compressor.load_state_dict(state["compressor"])
 
     def finish(self) -> None:

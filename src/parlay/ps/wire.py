@@ -48,9 +48,11 @@ class Op:
     PUSH = 2   #: worker -> server: a gradient; the reply carries fresh parameters
     DONE = 3   #: worker -> server: I finished; the reply is BYE
     FAIL = 4   #: worker -> server: I raised an error and stop
+    SAVE = 5   #: worker -> server: checkpoint at my step (``extra``); the reply is SAVED
     PARAMS = 10  #: server -> worker: parameters (version, staleness of the last push)
     BYE = 11     #: server -> worker: acknowledged DONE
     ERROR = 12   #: server -> worker: training cannot go on (field ``extra`` = lost rank)
+    SAVED = 13   #: server -> worker: checkpoint ``extra`` is written (every live worker asked)
 
 
 class Err:
@@ -60,6 +62,8 @@ class Err:
     FAILED = 2    #: a peer worker raised an error (sync cannot continue)
     EVICTED = 3   #: this worker was declared lost earlier (it was silent past the timeout)
     MISMATCH = 4  #: this worker's model (its ShardPlan) differs from the server's
+    SAVE_MISMATCH = 5  #: the live workers asked for checkpoints of different steps
+    GONE = 6      #: a peer worker's connection closed (its process died; sync cannot continue)
 
 
 @dataclass

@@ -85,13 +85,13 @@ class Worker:
 
     # -- protocol -----------------------------------------------------------------------------
     def _exchange(self, op: int, payloads: list[list[torch.Tensor]] | None,
-                  what: str) -> list[Message]:
+                  what: str, extra: int = 0) -> list[Message]:
         recvs = [comm.recv(self.reply_bufs[s], src=r, tag=TAG_REPLY, group=self.group,
                            async_op=True) for s, r in enumerate(self.server_ranks)]
         sends = []
         for s, r in enumerate(self.server_ranks):
             msg = Message(op, self.index, self.step, self.versions[s], self.lr_factor,
-                          extra=self.plan.fingerprint() if op == Op.HELLO else 0,
+                          extra=self.plan.fingerprint() if op == Op.HELLO else extra,
                           tensors=payloads[s] if payloads is not None else [])
             out = pack(msg, self.push_bufs[s])
             sends.append(comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True))
@@ -115,6 +115,13 @@ class Worker:
                                   f"parameters differ from parameter server {s}'s (names, shapes, "
                                   "dtypes or placement options). Hint: build the same model with "
                                   "the same DistributedSession options on every rank.")
+            if m.op == Op.ERROR and int(m.scalar) == Err.SAVE_MISMATCH:
+                self.told_error = True
+                raise CheckpointError(f"checkpoint at step {self.step} on worker {self.index} "
+                                      f"(rank {self.rank}): the live workers asked parameter "
+                                      f"server {s} for checkpoints of different steps, so no "
+                                      "consistent checkpoint exists. Hint: every worker must "
+                                      "checkpoint at the same steps (same Trainer options).")
             if m.op == Op.ERROR:
                 self.told_error = True
                 raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
@@ -185,6 +192,16 @@ class Worker:
             payload = nxt
             nxt = more(payload, ctx)
         return [*payload, encode_ctx(ctx)]
+
+    def save_shards(self, tag: int) -> None:
+        """Ask every server to checkpoint its shard as ``tag`` (this worker's step) and wait
+        until it is written; servers write once every live worker asked for ``tag``."""
+        for s, m in enumerate(self._exchange(Op.SAVE, None, "checkpoint", extra=int(tag))):
+            if m.op != Op.SAVED:
+                raise CommError(f"checkpoint on worker {self.index} (rank {self.rank}): "
+                                f"parameter server {s} answered op {m.op}, expected SAVED. "
+                                "Hint: every rank must run the same parlay version.",
+                                op="ps checkpoint", rank=self.rank, peer=self.server_ranks[s])
 
     def finish(self) -> None:
         """Tell every server this worker is done and wait for their acknowledgement."""
