@@ -230,7 +230,9 @@ class CheckpointManager:
         payload[_KEY] = FORMAT_VERSION
         payload["step"] = int(step)
         if self.identity is not None:
-            payload["identity"] = {**self.identity, "run_id": self.run_id or self._new_run_id()}
+            if self.run_id is None:  # saving without a load_latest() first: a new run
+                self.run_id = self._new_run_id()
+            payload["identity"] = {**self.identity, "run_id": self.run_id}
         path = self.path(step)
         err: CheckpointError | None = None
         bad = first_nonfinite_entry(state, allow_inf)

@@ -153,3 +153,18 @@ def test_directory_lock_refuses_another_process(tmp_path):
     assert run().startswith("held by"), "held until the last user releases it"
     mine.release()
     assert run() == "free"
+
+
+def test_identity_and_run_id_are_recorded_and_checked(tmp_path):
+    ident = {"mode": "allreduce", "world_size": 1, "batch_size": 4}
+    m = CheckpointManager(tmp_path, rank=0, identity=ident)
+    m.save(1, _state(1.0))
+    m.save(2, _state(2.0))
+    ids = {load(m.path(s))["identity"]["run_id"] for s in (1, 2)}
+    assert len(ids) == 1, "one run id for the whole run"
+    again = CheckpointManager(tmp_path, rank=0, identity=ident)
+    assert again.load_latest()["step"] == 2 and again.run_id == ids.pop()
+    other = CheckpointManager(tmp_path, rank=0, identity={**ident, "batch_size": 8})
+    with pytest.raises(CheckpointError, match="batch_size=4 per replica.*Nothing was deleted"):
+        other.load_latest()
+    assert m.steps() == [1, 2]
