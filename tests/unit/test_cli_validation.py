@@ -1,0 +1,102 @@
+"""`parlay run` / `parlay demo` reject bad input before any process starts, naming the fix."""
+from __future__ import annotations
+
+import pytest
+
+import parlay.launch
+from parlay.cli import main
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Record launches instead of starting processes; a rejected input must never get here."""
+    calls: list[list[str]] = []
+
+    def fake(argv, run_dir):
+        calls.append(argv)
+        return 0
+
+    monkeypatch.setattr(parlay.launch, "run_torchrun", fake)
+    return calls
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "-n", "0", "t.py"], r"-n must be >= 1"),
+    (["run", "-n", "2", "--ps", "2", "t.py"], r"--ps 2 leaves no worker .* use -n 3"),
+    (["run", "-n", "2", "--ps", "-1", "t.py"], r"--ps must be >= 0"),
+    (["run", "-n", "3", "--pp", "2", "t.py"], r"multiple of 2 .* got 3\. Hint: -n 4"),
+    (["run", "-n", "1", "--pp", "2", "t.py"], r"at least 2 .* got 1\. Hint: -n 2"),
+    (["run", "-n", "2", "--pp", "0", "t.py"], r"--pp must be >= 1"),
+    (["run", "-n", "2", "--nnodes", "2", "--pp", "3", "--rdzv-endpoint", "h:1", "t.py"],
+     r"multiple of 3 .* got 4"),
+    (["run", "-n", "2", "--max-restarts", "x", "t.py"], r"--max-restarts must be an integer"),
+    (["run", "-n", "2", "--master-port", "70000", "t.py"], r"--master-port must be in 0\.\.65535"),
+])
+def test_run_rejects_bad_launch_options(launches, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(args)
+    assert launches == []
+
+
+def test_run_rejects_a_bad_parlay_timeout(launches, monkeypatch):
+    monkeypatch.setenv("PARLAY_TIMEOUT", "soon")
+    with pytest.raises(SystemExit, match=r"PARLAY_TIMEOUT must be a positive number .* 'soon'"):
+        main(["run", "-n", "2", "t.py"])
+    assert launches == []
+
+
+def test_good_run_reaches_the_launcher(launches):
+    assert main(["run", "-n", "4", "--pp", "2", "--max-restarts", "1", "t.py", "--x"]) == 0
+    (argv,) = launches
+    assert argv[-2:] == ["t.py", "--x"]
+    assert argv[argv.index("--max-restarts") + 1] == "1"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--mode", "bogus"], r"--mode must be one of allreduce, hybrid, ps, got 'bogus'"),
+    (["--compression", "zip"], r"zip"),
+    (["--compression", "topk:lots"], r"topk"),
+    (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),
+    (["--epochs", "0"], r"--epochs must be >= 1"),
+    (["--lr", "0"], r"--lr must be > 0"),
+    (["--mode", "ps"], r"--mode ps needs parameter-server ranks\. Hint: add --ps 1"),
+    (["--ps", "1", "-n", "3"], r"--ps 1 starts parameter servers, which only --mode ps uses"),
+    (["--pp", "2"], r"--pp .* only applies to --mode hybrid"),
+    (["--mode", "hybrid", "-n", "3"], r"multiple of 2 .* got -n 3\. Hint: -n 4"),
+    (["--mode", "hybrid", "-n", "4", "--pp", "3"], r"multiple of 3"),
+    (["--mode", "hybrid", "-n", "4", "--option", "schedule=zigzag"], r"zigzag"),
+    (["--mode", "ps", "--ps", "1", "-n", "3", "--option", "consistency=eventually"],
+     r"eventually"),
+])
+def test_demo_rejects_bad_options_before_launch(launches, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["demo", "mnist", *args])
+    assert launches == []
+
+
+def test_demo_argument_errors_come_from_the_demo_parser(launches, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["demo", "mnist", "--epochs", "many"])
+    assert ei.value.code == 2
+    assert "parlay demo mnist: error: argument --epochs" in capsys.readouterr().err
+    assert launches == []
+
+
+def test_demo_help_shows_the_demos_own_options(launches, capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["demo", "mnist", "--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    for option in ("--batch-size", "--compression", "--mode", "--option", "launch options"):
+        assert option in out
+    assert launches == []
+
+
+@pytest.mark.parametrize("args", [[], ["--mode", "ps", "--ps", "1", "-n", "3",
+                                       "--option", "consistency=stale:2"],
+                                  ["--mode", "hybrid", "-n", "4", "--compression", "fp16"]])
+def test_good_demo_reaches_the_launcher(launches, args):
+    assert main(["demo", "mnist", *args]) == 0
+    (argv,) = launches
+    i = argv.index("-m")
+    assert argv[i + 1] == "parlay.demos.mnist"
