@@ -83,7 +83,7 @@ if hvd.rank() == 0:
 def _launch(tmp: Path, out: Path, *argv: str) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(PARLAY_SNAPSHOT_DIR=str(tmp / "snapshots"), PARLAY_TIMEOUT="30")
+    env["PARLAY_SNAPSHOT_DIR"] = str(tmp / "snapshots")
     return subprocess.Popen([sys.executable, "-m", "parlay.cli", "run", "-n", "2",
                              "--max-restarts", "1", str(tmp / "train.py"), str(out), *argv],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -106,7 +106,7 @@ def _log(out: Path, rank: int) -> list[tuple[str, int, int]]:
     return rows
 
 
-@pytest.mark.timeout(100)
+@pytest.mark.timeout(150)
 def test_failed_collective_retries_and_killed_rank_resumes_bit_identical(tmp_path):
     (tmp_path / "train.py").write_text(SCRIPT)
     fail_at, kill_at = 3, 7
@@ -115,7 +115,7 @@ def test_failed_collective_retries_and_killed_rank_resumes_bit_identical(tmp_pat
     p = _launch(tmp_path, faulty, str(fail_at), str(kill_at))
     # Meanwhile the same script uninterrupted, on run_world's ranks (same gloo sums).
     run_world(_run_script, 2, str(tmp_path / "train.py"), str(plain), "-1", "-1")
-    text, _ = p.communicate(timeout=90)
+    text, _ = p.communicate(timeout=140)
     assert p.returncode == 0, f"parlay run failed:\n{text[-4000:]}"
 
     ref = torch.load(plain / "final.pt", weights_only=True)
@@ -125,6 +125,7 @@ def test_failed_collective_retries_and_killed_rank_resumes_bit_identical(tmp_pat
 
     for rank in (0, 1):
         rows = _log(faulty, rank)
+        assert rows[0] == ("step", 0, 0), f"attempt 0 did not train:\n{text[-4000:]}"
         first = [s for kind, s, a in rows if kind == "step" and a == 0]
         second = [s for kind, s, a in rows if kind == "step" and a == 1]
         # The in-process retry after the failed collective at step 3 recomputes nothing.

@@ -47,6 +47,18 @@ def _check_plain(value: Any, where: str) -> None:
                       "state.")
 
 
+def _host_copy(value: Any) -> Any:
+    """A copy of ``value`` whose tensors live in host memory: a commit never doubles the
+    accelerator memory the model takes (restoring copies back to each tensor's device)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return type(value)((k, _host_copy(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        return type(value)(_host_copy(v) for v in value)
+    return value  # None, numbers, strings and torch.Size are immutable
+
+
 def _stateful(value: Any) -> bool:
     return isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
         callable(getattr(value, "state_dict", None))
@@ -148,7 +160,7 @@ class State:
 
     def _apply(self, saved: dict[str, Any]) -> None:
         if "rng" in saved:
-            checkpoint.set_rng_state(copy.deepcopy(saved["rng"]))
+            checkpoint.set_rng_state(_host_copy(saved["rng"]))
 
     def _open_store(self, fresh: bool) -> None:
         """Open this rank's snapshot store when the launcher can restart (collective when
@@ -273,14 +285,15 @@ class TorchState(ObjectState):
 
     def _capture(self) -> dict[str, Any]:
         sds = {name: obj.state_dict() for name, obj in self._objects.items()}
-        _check_plain(sds, "state_dict()")
-        return {**super()._capture(), "objects": copy.deepcopy(sds)}
+        for name, sd in sds.items():
+            _check_plain(sd, f"{name}.state_dict()")
+        return {**super()._capture(), "objects": _host_copy(sds)}
 
     def _apply(self, saved: dict[str, Any]) -> None:
         super()._apply(saved)
         for name, sd in saved.get("objects", {}).items():
             # A copy: optimizers keep the loaded tensors, and later steps update them in place.
-            self._objects[name].load_state_dict(copy.deepcopy(sd))
+            self._objects[name].load_state_dict(_host_copy(sd))
 
     def _shared(self) -> dict[str, Any]:
         sds = {name: obj.state_dict() for name, obj in self._objects.items()}
