@@ -191,6 +191,36 @@ def test_killed_worker_is_dropped_at_once_and_the_server_exits_cleanly(consisten
     assert out[0]["seconds"] < 20, out[0]
 
 
+DROP = '''
+    import os, signal, sys
+    import torch, torch.nn as nn
+    import parlay
+
+    parlay.init()
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    with parlay.DistributedSession(model=nn.Linear(4, 1), optimizer=torch.optim.SGD,
+                                   optimizer_args={"lr": 0.05}, consistency=sys.argv[1]) as sess:
+        if sess.is_worker:
+            for t in range(12):
+                if parlay.rank() == 2 and t == 5:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                sess.train_step((x, x.sum(1, keepdim=True)), nn.functional.mse_loss)
+        else:
+            sess.should_stop()
+    print(f"rank {parlay.rank()} done: step {sess.step}, lost {sess.lost_workers()}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("consistency", ["async", "stale:2"])
+def test_killed_worker_is_dropped_under_parlay_run(tmp_path, consistency):
+    p = _parlay_run(tmp_path, DROP, consistency)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 1 done: step 12, lost []" in p.stdout
+    assert "rank 0 done: step 0, lost [2]" in p.stdout
+    assert "rank 2 (droppable parameter-server worker) was lost" in p.stdout + p.stderr
+
+
 def _marker(consistency: str, run_dir: str) -> bool:
     with parlay.DistributedSession(model=nn.Linear(2, 1), optimizer=torch.optim.SGD,
                                    optimizer_args={"lr": 0.1}, consistency=consistency) as sess:
