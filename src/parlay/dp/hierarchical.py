@@ -144,8 +144,13 @@ class HierarchicalReducer:
         ls = self.local_size
         bk = _Bucket([p.numel() for p in payload], [p.shape for p in payload])
         for p, k in zip(payload, bk.numels):
-            pad = p.reshape(-1).new_zeros(-(-k // ls) * ls)
-            pad[:k] = p.reshape(-1)
+            if k % ls == 0 and p.is_contiguous():
+                # In place: the sum is gathered back into the payload (often the bucket itself),
+                # which step 1 has finished reading by then.
+                pad = p.view(-1)
+            else:
+                pad = p.reshape(-1).new_zeros(-(-k // ls) * ls)
+                pad[:k] = p.reshape(-1)
             part = pad.new_empty(pad.numel() // ls)
             with comm.comm_errors("allreduce"):
                 bk.scatter.append(_reduce_scatter(part, pad, group=self._scatter_group,
