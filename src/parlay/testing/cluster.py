@@ -9,10 +9,12 @@ routed to, the machine's own network namespace, so traffic never leaves the simu
 
 Inside each host the interface is called ``eth0`` and loopback is up. :meth:`Cluster.run`
 starts a command in a host with ``GLOO_SOCKET_IFNAME=eth0`` (gloo otherwise resolves the
-machine's hostname, which names an address that does not exist inside the namespace) and
-``TP_SOCKET_IFNAME=eth0`` (the same for tensorpipe). For ``torchrun``/``parlay run``, pass
-``--local-addr <cluster.addr(host)>`` as on a real multi-homed node: torchrun advertises the
-hostname by default, and every namespace shares this machine's hostname.
+machine's hostname, which resolves to 127.0.0.1 or to an address that does not exist inside
+the namespace: without it the ranks of different hosts never connect) and
+``TP_SOCKET_IFNAME=eth0`` (the same for tensorpipe). ``parlay run``'s default (static)
+rendezvous uses the ``--rdzv-endpoint`` address as the master, which needs nothing more; a
+rendezvous backend that advertises hostnames (``--rdzv-backend c10d``) also needs
+``--local-addr <cluster.addr(host)>``, since every namespace shares this machine's hostname.
 :meth:`Cluster.parlay_run` starts ``parlay run --nnodes H --node-rank K`` on every host.
 
 Everything made is removed on exit, on an exception, on ``KeyboardInterrupt`` and on
