@@ -16,7 +16,7 @@ non-finite, so a data-parallel job never splits into ranks that stepped and rank
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -96,7 +96,8 @@ class NonFiniteGuard:
         Then the averaged gradients alone tell every rank, identically, whether any rank went
         non-finite: the decision needs no communication (and no host sync here)."""
         d = loss.detach()
-        return loss * torch.where(torch.isfinite(d), torch.ones_like(d), torch.full_like(d, math.nan))
+        factor = torch.where(torch.isfinite(d), torch.ones_like(d), torch.full_like(d, math.nan))
+        return loss * factor
 
     def must_skip(self, loss: float | None, named_grads: Sequence[tuple[str, torch.Tensor]],
                   group: Any = None, *, marked: bool = False) -> bool:
@@ -121,7 +122,8 @@ class NonFiniteGuard:
         if marked and not grads_bad:
             return False
         me = comm.group_rank(group) if dist else 0
-        flags = torch.tensor([me if local_bad else _NONE, -1 if grads_bad else 0], dtype=torch.int64)
+        flags = torch.tensor([me if local_bad else _NONE, -1 if grads_bad else 0],
+                             dtype=torch.int64)
         if dist:
             comm.allreduce(flags, "min", group=group)
         first, bad = int(flags[0]), int(flags[1]) < 0 or int(flags[0]) != _NONE
@@ -177,7 +179,10 @@ def first_nonfinite_entry(state: Any, allow_inf: Callable[[torch.Tensor], bool] 
     """Where (e.g. ``state['strategy']['model']['0.weight']``) the first floating-point tensor
     holding a NaN, or an infinity that ``allow_inf`` does not accept, sits; ``None`` if none."""
     if isinstance(state, torch.Tensor):
-        if not (state.is_floating_point() or state.is_complex()) or bool(torch.isfinite(state).all()):
+        if not (state.is_floating_point() or state.is_complex()):
+            return None
+        # A sum first (all_finite): the element-wise test is ~30x slower on CPU.
+        if all_finite([state]) if not state.is_complex() else bool(torch.isfinite(state).all()):
             return None
         if allow_inf is not None and allow_inf(state) and not bool(torch.isnan(state).any()):
             return None

@@ -90,7 +90,8 @@ def test_same_config_resumes_and_keeps_the_run_id(two_rank_dir):
     assert (first["world_size"], first["dp_size"], first["pp"], first["batch_size"]) == (2, 2, 1, 4)
     assert run_world(_train, 2, str(two_rank_dir), 6) == [6, 6]
     again = load(two_rank_dir / f"ckpt-{6:010d}.rank1.pt")["identity"]
-    assert again["run_id"] == first["run_id"] and again["model_fingerprint"] == first["model_fingerprint"]
+    assert again["run_id"] == first["run_id"]
+    assert again["model_fingerprint"] == first["model_fingerprint"]
 
 
 def test_files_of_two_runs_in_one_step_are_refused(two_rank_dir, tmp_path_factory):

@@ -127,7 +127,8 @@ def test_identity_mismatches_say_why_and_how_to_fix():
     for key, (value, words) in cases.items():
         msg = describe_mismatch(base, {**base, key: value})
         assert msg is not None and words in msg and "Fix:" in msg
-    msg = describe_mismatch(base, {**base, "model_fingerprint": fingerprint(big), "model_layout": big})
+    msg = describe_mismatch(base, {**base, "model_fingerprint": fingerprint(big),
+                                   "model_layout": big})
     assert "'weight' (4, 3) float32 in the checkpoint but 'weight' (5, 3) float32" in msg
     assert describe_mismatch({"mode": "allreduce"}, base) is None, "older checkpoints still load"
 
@@ -146,8 +147,9 @@ def test_directory_lock_refuses_another_process(tmp_path):
     probe = ("import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR)\n"
              "try: fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB); print('free')\n"
              "except OSError: print('held by', open(sys.argv[1]).read())")
-    run = lambda: subprocess.run([sys.executable, "-c", probe, str(tmp_path / ".lock")],  # noqa: E731
-                                 capture_output=True, text=True, timeout=30).stdout.strip()
+    def run():
+        return subprocess.run([sys.executable, "-c", probe, str(tmp_path / ".lock")],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
     assert run().startswith('held by {"pid": ') and '"run_id": "abc"' in run()
     again.release()
     assert run().startswith("held by"), "held until the last user releases it"
