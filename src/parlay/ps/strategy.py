@@ -20,6 +20,7 @@ from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager
 from parlay.errors import CheckpointError, ConfigError
 from parlay.nonfinite import NonFiniteGuard
+from parlay.ps.consistency import get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
 from parlay.ps.session import DistributedSession
 from parlay.strategies import StepResult, Strategy, register_strategy
@@ -131,6 +132,7 @@ class ParameterServerStrategy(Strategy):
                 mgr = CheckpointManager(self._ckpt_dir, rank=runtime.rank())
                 resume = [t for t in mgr.steps() if mgr.path(t).stat().st_size > 0]
         self.model, self._loss_fn = model, loss_fn
+        self._make_groups()  # before the session: a worker's start waits for serving
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
                                           resume_steps=resume, **self.options)
         if self.guard.policy != "raise":
@@ -140,7 +142,6 @@ class ParameterServerStrategy(Strategy):
         self.session.start()
         if self.session.worker is not None:  # raise before a NaN reaches the servers
             self.session.worker.before_push = self.guard.check_local
-        self._make_groups()
         if self.session.worker is not None and self.precision == "bf16":
             from parlay.dp.strategy import autocast_context
 
@@ -155,7 +156,7 @@ class ParameterServerStrategy(Strategy):
         with comm.comm_errors("ps strategy groups"):
             self._train_group = dist.new_group(workers)
             self._metrics_group = self._train_group
-            if not self._ready().consistency.aggregate:
+            if not get_consistency(self.options["consistency"]).aggregate:
                 for r in workers:
                     g = dist.new_group([r])
                     if r == c.rank:
