@@ -27,7 +27,7 @@ from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, default_metrics
 from parlay.nonfinite import NonFiniteGuard, check_policy, with_step
 from parlay.runinfo import trainer_identity
-from parlay.snapshot import open_for_trainer, resume_trainer
+from parlay.snapshot import open_for_trainer, optimizer_tensors, resume_trainer
 from parlay.strategies import StepResult, Strategy, get_strategy
 
 __all__ = ["Trainer", "TrainerState", "TrainerSession"]
@@ -540,7 +540,8 @@ class Trainer:
         if self._snap is None or self.state.step % self.snapshot_every:
             return
         try:
-            self._snap.save(self.state.step, self._training_state())
+            self._snap.save(self.state.step, self._training_state(),
+                            defer=optimizer_tensors(self.strategy))
         except CheckpointError as e:  # snapshots are a speed-up: training goes on without
             self._snap = None
             warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {e}",

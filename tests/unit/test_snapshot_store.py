@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import OrderedDict
 
 import pytest
@@ -176,3 +177,40 @@ def test_run_key_needs_a_run_id_and_separates_identities(monkeypatch):
     k = run_key("x")
     assert k is not None and k.startswith("3f2a_job-") and k == run_key("x")
     assert run_key("y") != k
+
+
+def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    from parlay.snapshot import optimizer_tensors
+
+    model = torch.nn.Linear(64, 80)
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+
+    class Strategy:
+        optimizer = opt
+
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    entered = threading.Event()
+    real_finish, real_settle = SnapshotStore._finish, SnapshotStore._settle
+
+    def finish(self, later, record, path):
+        assert entered.wait(30)  # the copy starts only once an optimizer step is waiting
+        real_finish(self, later, record, path)
+
+    def settle(self):
+        entered.set()
+        real_settle(self)
+
+    monkeypatch.setattr(SnapshotStore, "_finish", finish)
+    monkeypatch.setattr(SnapshotStore, "_settle", settle)
+    store = SnapshotStore("run-1", 0, root=tmp_path)
+    defer = optimizer_tensors(Strategy())
+    assert {p.data_ptr() for p in model.parameters()} <= defer
+    store.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, defer=defer)
+    assert store.steps() == [], "committed in the background"
+    opt.step()                                             # waits for the copy, then changes
+    assert not torch.equal(model.weight, want["weight"])
+    got = store.load(1)["model"]
+    assert all(torch.equal(got[k], want[k]) for k in want), "the pre-step values were kept"
+    store.close()

@@ -4,9 +4,11 @@
 (:mod:`parlay.snapshot.store`); :func:`agree` makes the ranks resume from the same step
 (:mod:`parlay.snapshot.resume`).
 """
-from parlay.snapshot.resume import agree, open_for_trainer, resume_trainer, run_key
+from parlay.snapshot.resume import (agree, open_for_trainer, optimizer_tensors, resume_trainer,
+                                    run_key)
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore, default_root
 
 __all__ = ["SnapshotStore", "agree", "run_key", "open_for_trainer", "resume_trainer",
+           "optimizer_tensors",
            "default_root",
            "FORMAT_VERSION"]

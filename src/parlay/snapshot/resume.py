@@ -25,7 +25,8 @@ from parlay.errors import CheckpointError, ConfigError
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
-__all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "SUPPORTED_MODES"]
+__all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "optimizer_tensors",
+           "SUPPORTED_MODES"]
 
 log = logging.getLogger("parlay")
 
@@ -104,7 +105,7 @@ def _identity(trainer: Any) -> str:
     model = s.state_dict().get("model", {})
     shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.items()
               if isinstance(v, torch.Tensor)]
-    return repr((trainer.mode, runtime.size(), s.dp_size, s.dp_rank, trainer.batch_size, smp.n,
+    return repr((trainer.mode, runtime.size(), s.dp_size, trainer.batch_size, smp.n,
                  smp.seed, smp.shuffle, smp.drop_last, shapes))
 
 
@@ -194,3 +195,16 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
                       "replica's model and optimizer, a re-seeded RNG and zero compression "
                       "residuals (not bit-exact).", stacklevel=3)
     return step
+
+
+def optimizer_tensors(strategy: Any) -> set[int]:
+    """``data_ptr()`` of the tensors that change only in an optimizer step: the parameters and
+    the optimizer's state (the snapshot copies them in the background, see
+    :meth:`SnapshotStore.save`). Empty when the strategy exposes no ``optimizer``."""
+    opt = getattr(strategy, "optimizer", None)
+    if not isinstance(opt, torch.optim.Optimizer):
+        return set()
+    ptrs = {p.data_ptr() for g in opt.param_groups for p in g["params"]}
+    ptrs.update(v.data_ptr() for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return ptrs

@@ -16,12 +16,16 @@ a copy leaves the slot uncommitted and the previous snapshot intact. ``keep`` sl
 newest ``keep`` committed snapshots survive. Data is read back with
 ``torch.load(weights_only=True)`` and records with ``json``: a snapshot cannot execute code.
 
-Why no background writer: the copy is the write (the file lives in host memory), and the commit
-record is a few kilobytes. Measured here for the MNIST MLP with Adam (15 MB): a fresh
-``torch.save`` per step took ~10x the in-place copy, and even a background thread that only
-serialised the small part cost the training thread more (waiting for the GIL) than writing the
-record inline. Files survive the death of the process (the page cache is the file), not of the
-host: that is what disk checkpoints are for, so nothing here is ``fsync``-ed.
+Off the critical path: the copy is the write (the file lives in host memory), and the record is
+a few kilobytes; a fresh ``torch.save`` per step took ~10x the in-place copy here (15 MB MNIST
+MLP with Adam), and a background ``torch.save`` cost the training thread more in GIL waits than
+it saved. Tensors that training changes only inside an optimizer step (parameters, optimizer
+state: the bulk of the bytes; the caller names them with ``defer``) are copied by a background
+thread while the next forward and backward run (``copy_`` releases the GIL), then the record is
+committed; every optimizer step in the process first waits for that copy (a global step
+pre-hook). Everything else is copied before :meth:`SnapshotStore.save` returns. Files survive
+the death of the process (the page cache is the file), not of the host: that is what disk
+checkpoints are for, so nothing here is ``fsync``-ed.
 """
 from __future__ import annotations
 
@@ -33,6 +37,9 @@ import os
 import re
 import shutil
 import tempfile
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,27 @@ log = logging.getLogger("parlay")
 #: Bumped when the snapshot layout changes incompatibly.
 FORMAT_VERSION = 1
 _META = re.compile(r"^snap-(\d{10})\.s(\d+)\.json$")
+
+
+_LIVE: "weakref.WeakSet[SnapshotStore]" = weakref.WeakSet()
+_HOOK_LOCK = threading.Lock()
+_HOOKED = False
+
+
+def _before_optimizer_step(*_: Any) -> None:
+    for store in list(_LIVE):
+        store._settle()  # noqa: SLF001
+
+
+def _hook_optimizers() -> None:
+    """Make every optimizer step in this process wait for pending deferred copies."""
+    global _HOOKED
+    with _HOOK_LOCK:
+        if not _HOOKED:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+            register_optimizer_step_pre_hook(_before_optimizer_step)
+            _HOOKED = True
 
 
 def default_root() -> Path:
@@ -149,6 +177,9 @@ class SnapshotStore:
             if slot >= keep:  # written with a larger keep: its slot is never rotated again
                 self._meta_path(step, slot).unlink(missing_ok=True)
         self._maps: dict[int, tuple[str, list[torch.Tensor]]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._error: CheckpointError | None = None
 
     # ------------------------------------------------------------------ files
     def _meta_path(self, step: int, slot: int) -> Path:
@@ -205,17 +236,22 @@ class SnapshotStore:
         self._maps[slot] = (layout, data["tensors"])
         return data["tensors"]
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Snapshot ``state`` as of ``step``; training may change the state right after.
+    def save(self, step: int, state: dict[str, Any], *, defer: frozenset[int] | set[int] = frozenset()
+             ) -> None:
+        """Snapshot ``state`` as of ``step``.
 
-        Copies every tensor into a free slot's shared-memory file and renames the commit
-        record into place (the slot of the oldest kept snapshot is reused once ``keep`` are
-        held; its record is deleted before the copy starts).
+        Copies every tensor into a free slot's shared-memory file (the slot of the oldest kept
+        snapshot is reused once ``keep`` are held; its record is deleted first) and renames the
+        commit record into place. CPU tensors whose ``data_ptr()`` is in ``defer`` (those that
+        change only in an optimizer step) are copied, and the record committed, by a background
+        thread; everything else is copied before this returns.
 
         Raises:
-            CheckpointError: It could not be written (the other committed snapshots are
-                intact), or the state holds something other than tensors and plain values.
+            CheckpointError: This or the previous snapshot could not be written (the other
+                committed snapshots are intact), or the state holds something other than
+                tensors and plain values.
         """
+        self.wait()
         tensors: list[torch.Tensor] = []
         skeleton = _encode(state, tensors)
         layout = _layout(tensors)
@@ -224,13 +260,35 @@ class SnapshotStore:
             if old_slot == slot or old_step == step:
                 self._meta_path(old_step, old_slot).unlink(missing_ok=True)
         views = self._mapped(slot, tensors, layout)
+        later = []
         with torch.no_grad():
             for dst, src in zip(views, tensors):
-                dst.copy_(src)
-        path = self._meta_path(step, slot)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+                if defer and src.device.type == "cpu" and src.data_ptr() in defer:
+                    later.append((dst, src))
+                else:
+                    dst.copy_(src)
         record = {"parlay_snapshot": FORMAT_VERSION, "key": self.key, "step": int(step),
                   "slot": slot, "layout": layout, "skeleton": skeleton}
+        if not later:
+            self._commit(record, self._meta_path(step, slot))
+            return
+        _hook_optimizers()
+        _LIVE.add(self)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="parlay-snapshot")
+        self._pending = self._pool.submit(self._finish, later, record,
+                                          self._meta_path(step, slot))
+
+    def _finish(self, later: list[tuple[torch.Tensor, torch.Tensor]], record: dict[str, Any],
+                path: Path) -> None:
+        with torch.no_grad():
+            for dst, src in later:
+                dst.copy_(src)
+        self._commit(record, path)
+
+    @staticmethod
+    def _commit(record: dict[str, Any], path: Path) -> None:
+        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
             tmp.write_text(json.dumps(record))
             os.replace(tmp, path)
@@ -240,10 +298,26 @@ class SnapshotStore:
                                   "memory (/dev/shm) may be full; set PARLAY_SNAPSHOT_DIR or "
                                   "snapshot_every=0.") from e
 
+    def _settle(self) -> None:
+        """Wait for the pending copy; keep a failure for the next :meth:`wait` (an optimizer
+        step must not fail because a snapshot did)."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            self._error = e
+
     def wait(self) -> None:
-        """Return once every snapshot handed to :meth:`save` is committed. :meth:`save`
-        commits before it returns, so this returns at once; it exists for callers that
-        treat the store as asynchronous."""
+        """Block until the pending background copy and commit finished.
+
+        Raises:
+            CheckpointError: It failed.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
     # ------------------------------------------------------------------ reading
     def load(self, step: int) -> dict[str, Any]:
@@ -253,6 +327,7 @@ class SnapshotStore:
             CheckpointError: No committed snapshot of ``step``, or it is corrupt, or it
                 belongs to another run or format.
         """
+        self._settle()
         slots = [slot for s, slot in self._committed() if s == step]
         if not slots:
             raise CheckpointError(f"rank {self.rank} holds no snapshot of step {step} in "
@@ -294,8 +369,15 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Unmap the data files (snapshots stay; the next :meth:`save` maps them again)."""
-        self._maps.clear()
+        """Finish the pending copy, stop the writer thread and unmap the data files (snapshots
+        stay; the next :meth:`save` maps them again)."""
+        try:
+            self._settle()
+        finally:
+            self._maps.clear()
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
 
     def clear(self) -> None:
         """Delete this rank's snapshots (and the run's folder once no rank has one left)."""
