@@ -87,7 +87,7 @@ def parse_options(spec_args: Sequence[str], positional: Sequence[str],
                 out[k] = int(f)
             else:
                 out[k] = t(v)
-        except ValueError:
+        except (ValueError, OverflowError):  # int("1e309") overflows
             raise ConfigError(f"compression {name!r}: option {k}={v!r} is not a valid "
                               f"{t.__name__}.") from None
     return out
