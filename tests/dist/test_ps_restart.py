@@ -314,16 +314,19 @@ def _server_killed(consistency: str, kill_version: int):
 
 
 @pytest.mark.parametrize("consistency", ["sync", "async"])
-def test_killed_server_ends_every_worker_with_a_comm_error_naming_it(consistency):
+def test_killed_server_ends_every_worker_with_a_comm_error_naming_it(tmp_path, consistency):
     timeout = 30.0
-    out = run_world(_server_killed, 3, consistency, 3, env=PS1, comm_timeout=timeout,
-                    return_exceptions=True)
+    out = run_world(_server_killed, 3, consistency, 3, env={**PS1, "PARLAY_RUN_DIR": str(tmp_path)},
+                    comm_timeout=timeout, return_exceptions=True)
     assert isinstance(out[0], WorldError)
     for r in (1, 2):
         res = out[r]
         assert res["error"] and "parameter server 0 (rank 0)" in res["error"], res
         assert res["peer"] == 0
         assert res["seconds"] < timeout, res  # its connection closed: no wait for the timeout
+    # Losing a server is not a droppable loss: the launcher must stop (or restart) the job.
+    markers = tmp_path / "droppable"
+    assert not markers.exists() or list(markers.iterdir()) == []
 
 
 # -- validation reduces tensors only ------------------------------------------------------------

@@ -4,19 +4,23 @@
   shard files, workers the Trainer's files) and all resume the newest step held by every rank,
   so server shards and worker state never come from different steps. Tensors only.
 * :func:`mark_droppable`: an ``async``/``stale`` worker tells ``parlay run`` that losing it
-  need not stop the job (the other workers go on without it).
+  need not stop the job (the other workers go on without it); :func:`server_loss_is_fatal`
+  takes that back when the worker fails because it lost a server (the job must stop, and
+  ``--max-restarts`` restart it).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 
 from parlay import comm
+from parlay.errors import CommError
 
-__all__ = ["agree_resume", "mark_droppable", "HELD_SLOTS"]
+__all__ = ["agree_resume", "mark_droppable", "server_loss_is_fatal", "HELD_SLOTS"]
 
 log = logging.getLogger("parlay.ps")
 
@@ -52,13 +56,32 @@ def agree_resume(held: Iterable[int], tagged: bool, world: int,
 def mark_droppable(rank: int) -> None:
     """Write ``$PARLAY_RUN_DIR/droppable/<rank>``: ``parlay run`` keeps the other ranks running
     when a rank so marked fails. Nothing happens without ``PARLAY_RUN_DIR``."""
-    run_dir = os.environ.get("PARLAY_RUN_DIR")
-    if not run_dir:
+    path = _marker(rank)
+    if path is None:
         return
     try:
-        os.makedirs(os.path.join(run_dir, "droppable"), exist_ok=True)
-        with open(os.path.join(run_dir, "droppable", str(rank)), "w", encoding="utf-8"):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8"):
             pass
     except OSError as e:
-        log.warning("could not mark rank %d droppable in %s (%s): losing it will stop the "
-                    "job under parlay run", rank, run_dir, e)
+        log.warning("could not write %s (%s): losing this worker will stop the job under "
+                    "parlay run", path, e)
+
+
+def _marker(rank: int) -> str | None:
+    run_dir = os.environ.get("PARLAY_RUN_DIR")
+    return os.path.join(run_dir, "droppable", str(rank)) if run_dir else None
+
+
+@contextlib.contextmanager
+def server_loss_is_fatal(rank: int, num_servers: int) -> Iterator[None]:
+    """A worker whose error names a lost server (ranks ``0..num_servers-1``) removes its
+    droppable marker before the error propagates."""
+    try:
+        yield
+    except CommError as e:
+        path = _marker(rank)
+        if path and e.peer is not None and 0 <= e.peer < num_servers:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise

@@ -31,7 +31,7 @@ from parlay.env import TaskSpec, detect
 from parlay.errors import CheckpointError, ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
-from parlay.ps.recovery import agree_resume, mark_droppable
+from parlay.ps.recovery import agree_resume, mark_droppable, server_loss_is_fatal
 from parlay.ps.server import Server, snapshot_steps
 from parlay.ps.worker import Worker
 
@@ -56,9 +56,9 @@ class DistributedSession:
         compression: Gradient compression of pushes: a name (``"fp16"``, ``"topk:0.01"``) or a
             :class:`~parlay.compress.Compressor`. Its decode context must depend only on the
             bucket's size, dtype and key (true of parlay's built-in compressors).
-        checkpoint_dir: Servers write ``ps-<k>.pt`` here (atomically) every
-            ``checkpoint_every`` updates and at the end, workers ``worker-<i>.pt`` (compressor
-            residuals) at the end; a new session with the same directory resumes.
+        checkpoint_dir: Servers write ``ps-<k>.pt`` here every ``checkpoint_every`` updates
+            and at the end, workers ``worker-<i>.pt`` (residuals) at the end; a new session
+            with the same directory resumes. See also ``resume_steps``.
         max_steps: Stop when the parameters have been updated this many times (the global
             step, as TF's ``StopAtStepHook``): one update per round of all workers in ``sync``,
             one per applied push otherwise (in ``async`` up to ``workers - 1`` pushes already
@@ -152,7 +152,7 @@ class DistributedSession:
         self.dp_group: Any = None
         self.resume_steps = None if resume_steps is None else [int(t) for t in resume_steps]
         self.resumed_step: int | None = None  # agreed at start (None: fresh or untagged)
-        self.tagged = False
+        self.tagged = False  # servers checkpoint when the workers ask
         self._owns_runtime = False
         self._started = self._closed = False
 
@@ -238,10 +238,8 @@ class DistributedSession:
                 mark_droppable(c.rank)
 
     def _agree_resume(self, world: int) -> None:
-        if self.is_ps:
-            held = snapshot_steps(self.checkpoint_dir, self.rank) if self.checkpoint_dir else []
-        else:
-            held = self.resume_steps or []
+        held = ((snapshot_steps(self.checkpoint_dir, self.rank) if self.checkpoint_dir else [])
+                if self.is_ps else self.resume_steps or [])
         self.tagged, self.resumed_step = agree_resume(
             held, not self.is_ps and self.resume_steps is not None, world, self.ps_group)
 
@@ -300,7 +298,8 @@ class DistributedSession:
             self.server.serve()
             return None
         assert self.worker is not None
-        return self.worker.train_step(batch, loss_fn)
+        with server_loss_is_fatal(self.rank, self.num_servers):
+            return self.worker.train_step(batch, loss_fn)
 
     def serve(self) -> None:
         """Servers: serve until every worker finished (returns at once on workers and when
@@ -320,18 +319,18 @@ class DistributedSession:
             self.worker.lr_factor = float(factor)
 
     def save_shards(self, step: int) -> None:
-        """Workers: ask every server to checkpoint its shard as ``step`` and wait until it is
-        written. Servers write once every live worker asked for the same step, so the files
-        hold exactly the first ``step`` gradients of every live worker (``sync``: version
-        ``step``). Needs ``resume_steps`` and ``checkpoint_dir``; a no-op on servers.
+        """Workers: have every server checkpoint its shard as ``step`` (once every live worker
+        asked for that step: the files hold exactly the first ``step`` gradients of every live
+        worker; ``sync``: version ``step``) and wait for it. A no-op on servers.
 
         Raises:
             CommError: A server or (``sync``) a worker was lost meanwhile.
             CheckpointError: The live workers asked for different steps.
         """
         self._need_started("save_shards")
-        if self.worker is not None:
-            self.worker.save_shards(step)
+        with server_loss_is_fatal(self.rank, self.num_servers):
+            if self.worker is not None:
+                self.worker.save_shards(step)
 
     # -- introspection ------------------------------------------------------------------------
     @property
