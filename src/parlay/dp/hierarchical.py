@@ -215,8 +215,11 @@ class HierarchicalReducer:
 
         def finish() -> torch.Tensor:
             if eager:
-                while bk.cross is None:  # start step 2 of every earlier bucket, in order
-                    self._cross(next(b for b in self._pending if b.cross is None))
+                # Queue step 2 of every bucket launched so far (in order): the host link then
+                # never idles while this rank gathers inside its host.
+                for b in self._pending:
+                    if b.cross is None:
+                        self._cross(b)
                 self._pending.remove(bk)
             else:
                 self._cross(bk)
