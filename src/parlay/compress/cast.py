@@ -26,6 +26,7 @@ import torch
 
 from parlay.compress.base import Compressor, register
 from parlay.compress.feedback import parse_options
+from parlay.errors import ConfigError
 
 __all__ = ["FP16", "BF16"]
 
@@ -81,7 +82,11 @@ class FP16(Compressor):
     summable = True
 
     def __init__(self, init_scale: float = 1.0, dynamic: bool = True) -> None:
-        self.init_scale = float(init_scale)
+        scale = float(init_scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ConfigError(f"fp16 init_scale must be a finite number > 0, got {init_scale!r}. "
+                              "Hint: use a power of two such as fp16:1 (a plain cast) or fp16:1024.")
+        self.init_scale = scale
         self.dynamic = bool(dynamic)
         self._scale: dict[str, float] = {}
         self.retries = 0  # overflow retries so far (a full-precision second round each)
