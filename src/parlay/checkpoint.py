@@ -21,7 +21,6 @@ import collections
 import hashlib
 import logging
 import os
-import random
 import re
 import secrets
 import warnings
@@ -29,12 +28,12 @@ import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from parlay import comm
 from parlay.errors import CheckpointError, ConfigError
 from parlay.nonfinite import first_nonfinite_entry
+from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
 __all__ = ["save_atomic", "load", "CheckpointManager", "FORMAT_VERSION", "rng_state", "set_rng_state"]
@@ -99,10 +98,39 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(obj, dict) or _KEY not in obj:
         raise CheckpointError(f"{path} is not a parlay checkpoint (expected a dict with "
                               f"{_KEY!r}, got {type(obj).__name__}).")
-    if obj[_KEY] != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint format {obj[_KEY]}, this parlay reads "
+    version = obj[_KEY]
+    if not _is_int(version) or version != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {_show(version)}, this parlay reads "
                               f"format {FORMAT_VERSION}.")
+    if "step" in obj and not (_is_int(obj["step"]) and obj["step"] >= 0):
+        raise CheckpointError(f"{path} is corrupt: its step is {_show(obj['step'])}, expected an "
+                              "int >= 0. Hint: delete it and the previous checkpoint is used.")
+    identity = obj.get("identity")
+    if identity is not None and not (isinstance(identity, dict) and all(
+            isinstance(k, str) and _is_plain(v) for k, v in identity.items())):
+        raise CheckpointError(f"{path} is corrupt: its identity record is not a mapping of plain "
+                              "values. Hint: delete it and the previous checkpoint is used.")
     return obj
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_plain(v: Any, depth: int = 0) -> bool:
+    """Numbers, strings, None and (shallow) lists/tuples/dicts of them: what identities hold."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return True
+    if depth < 4 and isinstance(v, (list, tuple)):
+        return all(_is_plain(x, depth + 1) for x in v)
+    if depth < 4 and isinstance(v, dict):
+        return all(isinstance(k, str) and _is_plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def _show(v: Any) -> str:
+    text = repr(v) if not isinstance(v, torch.Tensor) else f"a tensor of shape {tuple(v.shape)}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unreadable(path: Path, err: BaseException) -> str:
@@ -357,30 +385,3 @@ class CheckpointManager:
         self.run_id = self._new_run_id()
         self._lock.update({"run_id": self.run_id, "world_size": self._world()})
         return None
-def rng_state() -> dict[str, Any]:
-    """This process's torch, CUDA, NumPy and Python RNG states, as tensors and plain values
-    (so ``weights_only`` loading accepts them)."""
-    np_state: Any = np.random.get_state()
-    py = random.getstate()
-    st: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
-                  "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
-        "python": {"version": py[0], "state": torch.tensor(py[1], dtype=torch.int64),
-                   "gauss": py[2]},
-    }
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    return st
-
-
-def set_rng_state(st: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned."""
-    torch.set_rng_state(st["torch"])
-    n = st["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["gauss"]))
-    p = st["python"]
-    random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])

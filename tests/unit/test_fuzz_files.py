@@ -118,11 +118,8 @@ def test_checkpoint_with_wrong_structure(obj: object) -> None:
         _load_file(_saved(obj))
 
 
-# Known bugs (parlay/checkpoint.py load / CheckpointManager._load_latest, and
-# parlay/runinfo.py describe_mismatch): a tensor of two elements where an int is expected makes
-# a comparison ambiguous, so torch's RuntimeError escapes instead of CheckpointError.
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="a tensor-valued field is compared with != (ambiguous truth value)")
+# A tensor where an int or a plain identity is expected used to make a comparison ambiguous
+# (torch's RuntimeError escaped); the loader now reports such a file as corrupt.
 @pytest.mark.parametrize("fields", [
     {"parlay_checkpoint": torch.ones(2)},                               # checkpoint.load
     {"parlay_checkpoint": 1, "step": torch.zeros(2)},                   # _load_latest
