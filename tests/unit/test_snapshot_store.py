@@ -202,6 +202,7 @@ def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, mo
         entered.set()
         real_settle(self)
 
+    monkeypatch.setenv("PARLAY_SNAPSHOT_BACKGROUND", "1")  # even with no core to spare
     monkeypatch.setattr(SnapshotStore, "_finish", finish)
     monkeypatch.setattr(SnapshotStore, "_settle", settle)
     store = SnapshotStore("run-1", 0, root=tmp_path)

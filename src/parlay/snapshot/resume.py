@@ -197,12 +197,32 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
     return step
 
 
+def background_copy() -> bool:
+    """Whether a core is free for the background copy: more cores in this process's affinity
+    than local ranks x torch threads (``$PARLAY_SNAPSHOT_BACKGROUND`` = 1/0 forces it). On
+    oversubscribed cores the copying thread waits for a time slice while the optimizer step
+    waits for it, which cost more here (2 cores, 2 ranks) than copying inline."""
+    forced = os.environ.get("PARLAY_SNAPSHOT_BACKGROUND", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:
+        local = 1
+    return cores > local * torch.get_num_threads()
+
+
 def optimizer_tensors(strategy: Any) -> set[int]:
     """``data_ptr()`` of the tensors that change only in an optimizer step: the parameters and
-    the optimizer's state (the snapshot copies them in the background, see
-    :meth:`SnapshotStore.save`). Empty when the strategy exposes no ``optimizer``."""
+    the optimizer's state, for :meth:`SnapshotStore.save`'s ``defer``. Empty when the strategy
+    exposes no ``optimizer`` or no core is free for a background copy
+    (:func:`background_copy`)."""
     opt = getattr(strategy, "optimizer", None)
-    if not isinstance(opt, torch.optim.Optimizer):
+    if not isinstance(opt, torch.optim.Optimizer) or not background_copy():
         return set()
     ptrs = {p.data_ptr() for g in opt.param_groups for p in g["params"]}
     ptrs.update(v.data_ptr() for st in opt.state.values() for v in st.values()
