@@ -12,7 +12,8 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
 * overhead: one run of the same Trainer with snapshots off, on with the parameters and optimizer
   state copied inline, and on with them copied by a background thread
   (``PARLAY_SNAPSHOT_BACKGROUND``), in rotating chunks of ``--chunk`` steps (so load from other
-  processes hits all alike); the ratios of the median step times. Also the time ``SnapshotStore.save`` takes on the caller's thread for this
+  processes hits all alike); the ratios of the median step times. Also the time
+  ``SnapshotStore.save`` takes on the caller's thread for this
   model's state (and the background copy that overlaps the next forward and backward) vs a
   plain ``torch.save`` of it to /dev/shm.
 
@@ -233,7 +234,8 @@ def main() -> None:
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
     write_json(a.json, "recovery", ratios, rows + over + [cost],
                step_times_ms={k: [1e3 * v for v in vs] for k, vs in times.items()},
-               spread={k: statistics.pstdev(vs) / max(median(vs), 1e-12) for k, vs in times.items()})
+               spread={k: statistics.pstdev(vs) / max(median(vs), 1e-12)
+                       for k, vs in times.items()})
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ SCRIPT = textwrap.dedent('''
 
 
 def _launch(tmp: Path, case: str, kill_rank: int = -1, kill_step: int = -1,
-            nproc: int = 2, lose: bool = False, background: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
+            nproc: int = 2, lose: bool = False,
+            background: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
     script = tmp / "train_snapshot.py"
     script.write_text(SCRIPT)
     out, shm = tmp / "out", tmp / "shm"
@@ -234,7 +235,7 @@ def _held_world(root, held, corrupt, after, groups=None):
 
 @pytest.mark.parametrize("held, corrupt, after, want", [
     ({0: [3, 4], 1: [4, 5]}, {}, 0, [(4, 0), (4, 1)]),        # killed while committing step 5
-    ({0: [3, 4], 1: [3, 4]}, {1: 4}, 0, [(3, 0), (3, 1)]),     # unreadable on one rank: all fall back
+    ({0: [3, 4], 1: [3, 4]}, {1: 4}, 0, [(3, 0), (3, 1)]),     # unreadable on rank 1: both go back
     ({0: [3, 4], 1: [4, 5]}, {}, 4, [None, None]),            # the disk checkpoint is as new
     ({0: [1, 2], 1: []}, {}, 0, [None, None])])               # nothing in common
 def test_ranks_agree_on_the_newest_common_readable_step(tmp_path, held, corrupt, after, want):
@@ -258,7 +259,7 @@ def test_replica_sends_the_shared_state_to_a_rank_without_snapshots(tmp_path):
     assert out == [None] * 4
 
 
-# ---------------------------------------------------------------------- snapshots vs disk checkpoints
+# ---------------------------------------------------------------------- snapshots vs checkpoints
 def _phase(ckpt_dir, steps, checkpoint_every, snapshot_every, finish):
     import torch.nn as nn
     from torch.utils.data import TensorDataset

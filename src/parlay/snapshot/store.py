@@ -236,8 +236,8 @@ class SnapshotStore:
         self._maps[slot] = (layout, data["tensors"])
         return data["tensors"]
 
-    def save(self, step: int, state: dict[str, Any], *, defer: frozenset[int] | set[int] = frozenset()
-             ) -> None:
+    def save(self, step: int, state: dict[str, Any], *,
+             defer: frozenset[int] | set[int] = frozenset()) -> None:
         """Snapshot ``state`` as of ``step``.
 
         Copies every tensor into a free slot's shared-memory file (the slot of the oldest kept
