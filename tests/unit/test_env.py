@@ -503,8 +503,13 @@ def test_env_modules_are_pure(module: str) -> None:
     import importlib
 
     source = open(importlib.import_module(module).__file__, encoding="utf-8").read()
-    assert "import torch" not in source and "from torch" not in source
-    imports = [line.strip() for line in source.splitlines()
-               if line.strip().startswith(("import", "from"))]
+    # Module level: parsing needs neither torch nor the runtime. Only TaskSpec.device_fn, which
+    # answers with a torch.device chosen the runtime's way, imports them when it is called.
+    imports = [line for line in source.splitlines() if line.startswith(("import", "from"))]
+    assert not [line for line in imports if "torch" in line]
     allowed = ("from parlay.errors ", "from parlay.taskspec ", "from parlay.env ")
     assert all(line.startswith(allowed) for line in imports if "parlay" in line)
+    lazy = [line.strip() for line in source.splitlines()
+            if line.startswith(" ") and line.strip().startswith(("import ", "from "))]
+    assert set(lazy) <= {"import torch", "from parlay import runtime",
+                         "from parlay.env import detect  # env builds on this module"}, lazy

@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from parlay import comm, runtime
-from parlay.dp.functions import broadcast_optimizer_state, broadcast_parameters
+from parlay.dp.functions import broadcast_parameters
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
 from parlay.nonfinite import NonFiniteGuard
@@ -65,6 +65,8 @@ class AllreduceStrategy(Strategy):
         grad_clip: Clip the global gradient norm to this value after averaging (None: off).
         backward_passes_per_step: Passed to :class:`DistributedOptimizer`.
         bucket_cap_mb: Passed to :class:`DistributedOptimizer`.
+        hierarchical: Passed to :class:`DistributedOptimizer`: ``True`` reduces inside each
+            host first (``"auto"``: when the ranks span hosts with several ranks each).
         process_group: Group to train over (default: the world).
         loss_scale: Initial fp16 loss scale (``GradScaler(init_scale=...)``; default 2**16).
 
@@ -77,12 +79,13 @@ class AllreduceStrategy(Strategy):
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, backward_passes_per_step: int = 1,
                  bucket_cap_mb: float = 25, process_group: Any = None,
-                 loss_scale: float | None = None, **unknown: Any) -> None:
+                 loss_scale: float | None = None, hierarchical: bool | str = False,
+                 **unknown: Any) -> None:
         if unknown:
             raise ConfigError(f"mode 'allreduce' got unknown option(s) {sorted(unknown)}; it "
                               "takes compression, precision, grad_clip, "
                               "backward_passes_per_step, bucket_cap_mb, process_group, "
-                              "loss_scale.")
+                              "loss_scale, hierarchical.")
         self.precision = check_precision(precision)
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise ConfigError(f"grad_clip must be a positive number or None, got {grad_clip!r}.")
@@ -92,6 +95,7 @@ class AllreduceStrategy(Strategy):
         self.bucket_cap_mb = bucket_cap_mb
         self.process_group = process_group
         self.loss_scale = loss_scale
+        self.hierarchical = hierarchical
         self.model: nn.Module | None = None
         self.optimizer: DistributedOptimizer | None = None
         self.scaler: torch.amp.GradScaler | None = None
@@ -131,12 +135,15 @@ class AllreduceStrategy(Strategy):
             raise ConfigError(f"could not build {getattr(optimizer_cls, '__name__', optimizer_cls)}"
                               f" with optimizer_args={optimizer_args}: {e}") from e
         # Identical start on every rank, even if the model was built with different seeds.
+        # The optimizer was just built from the same arguments on every rank and holds no state
+        # yet, so there is nothing of it to broadcast (broadcast_optimizer_state would also
+        # send a pickled skeleton, which the training path never unpickles).
         broadcast_parameters(self.model.state_dict(), root_rank=0, process_group=self.process_group)
-        broadcast_optimizer_state(opt, root_rank=0, process_group=self.process_group)
         self.optimizer = DistributedOptimizer(
             opt, named_parameters=self.model.named_parameters(), compression=self.compression,
             backward_passes_per_step=self.backward_passes_per_step,
-            bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group)
+            bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group,
+            hierarchical=self.hierarchical)
         self._base_lrs = [float(g["lr"]) for g in opt.param_groups]
         if self.precision == "fp16":
             scale = 2.0 ** 16 if self.loss_scale is None else float(self.loss_scale)

@@ -146,8 +146,9 @@ class Pipeline:
             split_points=split_points if not self.traced else None,
             sample=sample if by_time else None, by="time" if by_time else "params")
         if self.partition.method == "time" and dist.get_world_size() > 1:
-            # Profiles differ between ranks; everyone must cut the model the same way.
-            self.partition = comm.broadcast_object(self.partition, src=0)
+            # Profiles differ between ranks; everyone must cut the model the same way. Only
+            # numbers travel (tensors, never a pickle): the layer names are the same model's.
+            self.partition = _agree_on_partition(self.partition, self.device)
         self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
         self.modules: list[StageModule] = []
         for s in self.stage_ids:
@@ -367,3 +368,15 @@ class Pipeline:
         return (f"Pipeline(stages={self.mesh.pp}, dp={self.mesh.dp}, schedule={self.spec.name!r}, "
                 f"chunks={self.chunks}, balance={list(self.partition.balance)}, "
                 f"local_stages={self.stage_ids}, wire_dtype={self.wire_dtype})")
+
+
+def _agree_on_partition(part: Partition, device: torch.device) -> Partition:
+    """Rank 0's split and costs on every rank, sent as two tensors (no pickled objects)."""
+    import dataclasses
+
+    balance = torch.tensor(part.balance, dtype=torch.int64, device=device)
+    costs = torch.tensor(part.costs or [0.0] * len(part.names), dtype=torch.float64, device=device)
+    comm.broadcast(balance, src=0)
+    comm.broadcast(costs, src=0)
+    return dataclasses.replace(part, balance=tuple(int(b) for b in balance.tolist()),
+                               costs=tuple(float(c) for c in costs.tolist()))
