@@ -123,8 +123,8 @@ def _launch(a: argparse.Namespace, out: Path, *worker: str) -> None:
         raise SystemExit(f"recovery benchmark: {' '.join(worker)} failed:\n{p.stderr[-3000:]}")
 
 
-def recovery(a: argparse.Namespace, tmp: Path, snapshots: bool) -> dict[str, Any]:
-    out = tmp / ("snap" if snapshots else "ckpt")
+def recovery(a: argparse.Namespace, tmp: Path, snapshots: bool, repeat: int) -> dict[str, Any]:
+    out = tmp / f"{'snap' if snapshots else 'ckpt'}{repeat}"
     out.mkdir()
     worker = ["--worker", "recovery", "--snapshot-every", "1" if snapshots else "0"]
     if not snapshots:
@@ -194,7 +194,8 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--ckpt-every", type=int, default=None, help="anchor's checkpoint interval")
     p.add_argument("--chunk", type=int, default=None, help="steps per on/off chunk")
-    p.add_argument("--pairs", type=int, default=None, help="on/off chunk pairs measured")
+    p.add_argument("--pairs", type=int, default=None, help="rounds of on/off chunks measured")
+    p.add_argument("--repeats", type=int, default=None, help="recovery runs per side")
     p.add_argument("--worker", choices=["recovery", "overhead"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--snapshot-every", type=int, default=1, help=argparse.SUPPRESS)
@@ -204,14 +205,22 @@ def main() -> None:
     a.ckpt_every = a.ckpt_every or (16 if a.quick else 50)
     a.chunk = a.chunk or (10 if a.quick else 20)
     a.pairs = a.pairs or (3 if a.quick else 8)
+    a.repeats = a.repeats or (1 if a.quick else 3)
     if a.worker:
         (worker_recovery if a.worker == "recovery" else worker_overhead)(a)
         return
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        rows = [recovery(a, tmp, True), recovery(a, tmp, False)]
+        runs = [recovery(a, tmp, snap, i) for i in range(a.repeats) for snap in (True, False)]
+        rows = []
+        for snap in (True, False):  # the median run of each (by recovery time)
+            mine = sorted((r for r in runs if (r["recovery"] == "snapshots") == snap),
+                          key=lambda r: r["recovery_s"])
+            rows.append({**mine[len(mine) // 2], "runs": len(mine),
+                         "all_recovery_s": [round(r["recovery_s"], 2) for r in mine]})
         print(table(rows, ["recovery", "kill_step", "resumed_at", "steps_lost", "restarted_s",
-                           "imported_s", "data_s", "built_s", "recovery_s"]))
+                           "imported_s", "data_s", "built_s", "recovery_s", "runs"]))
+        print("recovery_s of every run:", {r["recovery"]: r["all_recovery_s"] for r in rows})
         (tmp / "ovh").mkdir()
         _launch(a, tmp / "ovh", "--worker", "overhead")
         times = json.loads((tmp / "ovh" / "overhead-r0.json").read_text())
@@ -232,7 +241,7 @@ def main() -> None:
               "step_time_background_snapshots_vs_off": over[1]["ratio"],
               "save_vs_torch_save": cost["save_ms"] / cost["torch_save_ms"]}
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
-    write_json(a.json, "recovery", ratios, rows + over + [cost],
+    write_json(a.json, "recovery", ratios, runs + over + [cost],
                step_times_ms={k: [1e3 * v for v in vs] for k, vs in times.items()},
                spread={k: statistics.pstdev(vs) / max(median(vs), 1e-12)
                        for k, vs in times.items()})
