@@ -7,6 +7,7 @@ A single process with no launcher and no environment works too: it gets a world 
 """
 from __future__ import annotations
 
+import atexit
 import datetime as _dt
 import logging
 import os
@@ -55,6 +56,7 @@ _generation = 0
 #: layers such as parlay.horovod can set up and tear down per-group state (background threads,
 #: subgroups) without this module knowing them. Append with :func:`on_init` / :func:`on_shutdown`.
 _init_hooks: list[Callable[[], None]] = []
+_exit_registered: list[bool] = []  # shutdown() is registered with atexit once
 _shutdown_hooks: list[Callable[[], None]] = []
 
 
@@ -165,6 +167,11 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
             "Hint: check that every rank was started, MASTER_ADDR is reachable from this host "
             "and MASTER_PORT is free on the master.", op="init", rank=cluster.rank) from e
     _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=True)
+    if not _exit_registered:
+        # Tear the group down before the interpreter finalises: gloo groups destroyed during
+        # finalisation aborted processes at exit now and then ("terminate called").
+        atexit.register(shutdown)
+        _exit_registered.append(True)
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
               cluster.rank, cluster.world_size, be, dev, cluster.source)
     _run_hooks(_init_hooks)

@@ -7,8 +7,6 @@ finished, closes the session and returns True. Workers form the data-parallel re
 """
 from __future__ import annotations
 
-import atexit
-import contextlib
 import os
 
 from typing import Any, Callable
@@ -163,17 +161,6 @@ class ParameterServerStrategy(Strategy):
                     g = dist.new_group([r])
                     if r == c.rank:
                         self._metrics_group = g
-        atexit.register(self._release_groups)
-
-    def _release_groups(self) -> None:
-        # Torn down here at exit, not by the interpreter's finalisation: a gloo group destroyed
-        # during finalisation (its servers already gone) aborted the process now and then.
-        mine = {id(g): g for g in (self._metrics_group, self._train_group)}
-        self._metrics_group = self._train_group = None
-        for g in mine.values():
-            if g not in (None, dist.GroupMember.NON_GROUP_MEMBER) and dist.is_initialized():
-                with contextlib.suppress(Exception):  # already gone with the default group
-                    dist.destroy_process_group(g)
 
     def _ready(self) -> DistributedSession:
         if self.session is None:
