@@ -56,6 +56,9 @@ class Compressor:
     summable: ClassVar[bool] = True
     #: False when decoding needs further collective rounds (PowerSGD): reduce_async only.
     point_to_point: ClassVar[bool] = True
+    #: True when ``decompress`` (summable) or ``aggregate`` (not) accept ``out=``: a tensor
+    #: shaped like the bucket to decode into instead of allocating (see reduce_async's into).
+    decodes_into: ClassVar[bool] = False
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
@@ -188,7 +191,8 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 
 
 def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: Any = None,
-                 average: bool = False, stats: CommStats | None = None) -> comm.Handle:
+                 average: bool = False, stats: CommStats | None = None,
+                 into: torch.Tensor | None = None) -> comm.Handle:
     """Start the compressed sum (or mean) of ``flat`` over ``group``.
 
     Args:
@@ -198,6 +202,10 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         group: Process group (default: world).
         average: Divide the sum by the group size.
         stats: Accumulates dense vs wire bytes.
+        into: A tensor like ``flat`` (``flat`` itself is allowed: the compressor is done with
+            it once the rounds finish) that compressors with ``decodes_into`` decode into,
+            sparing a bucket-sized allocation per step; ``wait()`` then returns ``into``.
+            Others ignore it (compare the result with ``into`` before copying).
 
     Returns:
         A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``). Further
@@ -224,7 +232,10 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
                 for p in nxt:
                     comm.allreduce(p, "sum", group=group)
                 reduced = nxt
-            out = compressor.decompress(reduced, ctx)
+            if into is not None and getattr(compressor, "decodes_into", False):
+                out = compressor.decompress(reduced, ctx, out=into)
+            else:
+                out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
     else:
         outs = [p.new_empty((world * p.numel(),)) for p in payload]
@@ -236,7 +247,10 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
                 w.wait()
             per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
                         for r in range(world)]
-            out = compressor.aggregate(per_rank, ctx)
+            if into is not None and getattr(compressor, "decodes_into", False):
+                out = compressor.aggregate(per_rank, ctx, out=into)
+            else:
+                out = compressor.aggregate(per_rank, ctx)
             return out.div_(world) if average else out
 
     return comm.Handle(None, "allreduce", finish)

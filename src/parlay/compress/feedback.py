@@ -112,6 +112,9 @@ class Residuals:
         self.masking = bool(masking)
         self.residual: dict[str, torch.Tensor] = {}
         self.velocity: dict[str, torch.Tensor] = {}
+        # The residual replaced by keep() is recycled as the next correct()'s output: a fresh
+        # bucket-sized tensor each step costs more (page faults on first touch) than the add.
+        self._spare: dict[str, torch.Tensor] = {}
 
     def _get(self, store: dict[str, torch.Tensor], key: str, like: torch.Tensor,
              what: str) -> torch.Tensor | None:
@@ -135,11 +138,25 @@ class Residuals:
             self.velocity[key] = u
             grad = u
         r = self._get(self.residual, key, grad, "residual")
-        return grad.clone() if r is None else r + grad
+        if r is None:
+            return grad.clone()
+        out = self._spare.pop(key, None)
+        if (out is None or out.shape != grad.shape or out.dtype != grad.dtype
+                or out.device != grad.device or out is grad or out is r):
+            return r + grad
+        return torch.add(r, grad, out=out)
 
     def keep(self, key: str, residual: torch.Tensor, sent_mask: torch.Tensor | None = None) -> None:
-        """Store ``residual`` (taken over, not copied); mask the velocity where it was sent."""
+        """Store ``residual`` (taken over, not copied); mask the velocity where it was sent.
+
+        The residual it replaces is reused as scratch by the next :meth:`correct` of ``key``
+        (``state_dict`` returns copies, so only a reference taken from ``residual`` directly
+        sees that buffer change).
+        """
+        old = self.residual.get(key)
         self.residual[key] = residual
+        if old is not None and old is not residual:
+            self._spare[key] = old
         if self.momentum and self.masking and sent_mask is not None and key in self.velocity:
             self.velocity[key].masked_fill_(sent_mask, 0)
 
@@ -164,6 +181,7 @@ class Residuals:
                 raise ConfigError(f"error-feedback state {name!r} should map bucket keys to "
                                   f"tensors, got {type(part).__name__}.")
             setattr(self, name, {k: v.detach().clone() for k, v in part.items()})
+        self._spare = {}
 
 
 @dataclass

@@ -31,7 +31,7 @@ from parlay.compress.base import Compressor, register
 from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
 from parlay.errors import ConfigError
 
-__all__ = ["TopK", "RandomK", "SparseCtx", "random_indices", "exact_topk"]
+__all__ = ["TopK", "RandomK", "SparseCtx", "random_indices", "exact_topk", "magnitude_topk"]
 
 _INT32_LIMIT = 2 ** 31
 
@@ -66,27 +66,73 @@ def random_indices(numel: int, k: int, seed: int) -> torch.Tensor:
 
 
 def exact_topk(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest entries of ``a`` (exact; order unspecified).
+    """Indices of the ``k`` largest entries of ``a`` (exact; order unspecified)."""
+    return _select(a, k, magnitude=False, sample=0.0)
+
+
+def magnitude_topk(x: torch.Tensor, k: int, sample: float = 0.0, seed: int = 0) -> torch.Tensor:
+    """Indices of the ``k`` largest ``|x|`` (exact), or DGC's sampled selection.
 
     A full ``torch.topk`` over a large bucket is the slowest part of top-k compression. Like
-    DGC (Lin et al. 2018) we first estimate the threshold from a sample, keep only the entries
-    above it, and run ``topk`` on those. Unlike DGC's estimate this stays exact: if at least
-    ``k`` entries pass the threshold, the k-th largest is >= the threshold, so every true top-k
-    entry is a candidate; if fewer pass, we fall back to the full ``topk``.
+    DGC (Lin et al. 2018) we first estimate the threshold from a random sample, keep only the
+    entries above it, and run ``topk`` on those. With ``sample == 0`` this stays exact: the
+    threshold aims at ~2k candidates, and if at least ``k`` entries pass it the k-th largest is
+    >= the threshold, so every true top-k entry is a candidate; if fewer pass, it falls back to
+    the full ``topk``. With ``sample > 0`` (a fraction of the coordinates to sample) it is DGC's
+    estimate: the threshold aims at ``k`` entries and those above it are returned, trimmed to
+    the ``k`` largest when more pass, and *fewer than k* when fewer pass (never a full topk).
+    ``seed`` varies which coordinates are sampled (top-k passes the step).
     """
-    n = a.numel()
+    return _select(x, k, magnitude=True, sample=float(sample), seed=seed)
+
+
+_CHUNK = 1 << 20  # elements per pass of the candidate scan: a few MB of scratch, reused
+
+
+def _above(x: torch.Tensor, thr: torch.Tensor, magnitude: bool) -> torch.Tensor:
+    """Indices ``i`` with ``|x[i]| >= thr`` (or ``x[i] >= thr``), ascending, scanned in
+    cache-sized chunks so no bucket-sized ``|x|`` or mask is ever allocated."""
+    n = x.numel()
+    scratch = x.new_empty(min(n, _CHUNK))
+    mask = torch.empty(scratch.shape, dtype=torch.bool, device=x.device)
+    found = []
+    for s in range(0, n, _CHUNK):
+        c = x[s: s + _CHUNK]
+        m = mask[: c.numel()]
+        if magnitude:
+            a = torch.abs(c, out=scratch[: c.numel()])
+            torch.ge(a, thr, out=m)
+        else:
+            torch.ge(c, thr, out=m)
+        found.append(m.nonzero().squeeze(1).add_(s))
+    return torch.cat(found)
+
+
+def _select(x: torch.Tensor, k: int, magnitude: bool, sample: float,
+            seed: int = 0) -> torch.Tensor:
+    n = x.numel()
     if n < 65536 or k * 32 > n:
-        return torch.topk(a, k, sorted=False).indices
-    m = 16384
-    g = torch.Generator(device=a.device).manual_seed(n * 31 + k)
-    sample = a[torch.randint(n, (m,), generator=g, device=a.device)]
-    # aim for ~2k candidates (+ slack for the sample's noise)
-    rank = max(1, m - int(m * min(1.0, 2.0 * k / n)) - 8)
-    thr = sample.kthvalue(rank).values
-    cand = (a >= thr).nonzero().squeeze(1)
-    if cand.numel() < k:
-        return torch.topk(a, k, sorted=False).indices
-    return cand[torch.topk(a[cand], k, sorted=False).indices]
+        return torch.topk(x.abs() if magnitude else x, k, sorted=False).indices
+    m = max(16384, min(n, int(sample * n))) if sample else 16384
+    g = torch.Generator(device=x.device).manual_seed(n * 31 + k + 1_000_003 * seed)
+    # index_select/index_fill_/scatter_add_ rather than x[idx]: 2-3x faster on CPU
+    sample_vals = x.index_select(0, torch.randint(n, (m,), generator=g, device=x.device))
+    if magnitude:
+        sample_vals = sample_vals.abs()
+    # exact: aim for ~2k candidates (+ slack for the sample's noise); sampled: aim for k
+    target = k / n if sample else min(1.0, 2.0 * k / n)
+    rank = max(1, m - int(m * target) - (0 if sample else 8))
+    thr = sample_vals.kthvalue(rank).values
+    cand = _above(x, thr, magnitude)
+    if cand.numel() < k and not sample:
+        full = x.abs() if magnitude else x
+        return torch.topk(full, k, sorted=False).indices
+    if cand.numel() <= k:
+        return cand
+    vals = x.index_select(0, cand)
+    if magnitude:
+        vals = vals.abs_()
+    return cand.index_select(0, torch.topk(vals, k, sorted=False).indices)
 
 
 class _Sparsifier(Compressor):
@@ -133,18 +179,19 @@ class _Sparsifier(Compressor):
         self._steps[key] = step + 1
         x = self.memory.correct(key, flat) if self.memory is not None else flat
         idx, seed = self._indices(x, k, key, step)
-        values = x[idx]
+        values = x.index_select(0, idx)
         if self.memory is not None:
             mask = None
             if self.memory.momentum and self.memory.masking:
                 mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-                mask[idx] = True
-            x[idx] = 0  # x is a fresh tensor: what was not sent is exactly the residual
+                mask.index_fill_(0, idx, True)
+            x.index_fill_(0, idx, 0)  # x is a fresh tensor: what was not sent is exactly the residual
             self.memory.keep(key, x, mask)
         ctx = SparseCtx(flat.numel(), flat.dtype, k, seed)
-        return self._payload(values, idx, flat.numel()), ctx
+        return self._payload(values, idx, flat.numel(), k), ctx
 
-    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
+    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
+                 k: int | None = None) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
@@ -175,24 +222,65 @@ class TopK(_Sparsifier):
     """Send the ``k`` largest-magnitude coordinates (exactly ``k``), as values + indices.
 
     Not summable: payloads are allgathered and every rank adds them into a dense bucket.
+
+    Args:
+        ratio: Fraction of coordinates sent.
+        sample: 0 (default): exact top-k. A fraction in (0, 1] (e.g. 0.01): DGC's sampled
+            threshold (:func:`magnitude_topk`): at most ``k`` coordinates, the largest among
+            those above a threshold estimated from that fraction of the bucket, so a step may
+            send a few fewer than ``k`` (the payload is padded with zeros to keep its size).
+            Unsent coordinates stay in the residual either way. Buckets under 65536 elements
+            (or denser than 1/32) are always exact.
+        **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``,
+            ``masking``.
+
+    Raises:
+        ConfigError: ``sample`` outside ``[0, 1]``.
     """
 
     name = "topk"
     summable = False
+    decodes_into = True
+
+    def __init__(self, ratio: float = 0.01, sample: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(ratio, **kwargs)
+        if isinstance(sample, bool) or not 0.0 <= float(sample) <= 1.0:
+            raise ConfigError(f"topk sample must be a fraction in [0, 1] (0: exact top-k), got "
+                              f"{sample!r}. Hint: 'topk:0.01,sample=0.01' as in DGC.")
+        self.sample = float(sample)
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
-        return exact_topk(x.abs(), k), -1
+        return magnitude_topk(x, k, self.sample, seed=step), -1
 
-    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
-        return [values, idx.to(torch.int32 if numel < _INT32_LIMIT else torch.int64)]
+    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
+                 k: int | None = None) -> list[torch.Tensor]:
+        idx = idx.to(torch.int32 if numel < _INT32_LIMIT else torch.int64)
+        if k is not None and values.numel() < k:  # sampled threshold: every rank's payload must have k slots
+            pad = k - values.numel()
+            values = torch.cat([values, values.new_zeros(pad)])
+            idx = torch.cat([idx, idx.new_zeros(pad)])  # adds 0 to coordinate 0: no change
+        return [values, idx]
+
+    def __repr__(self) -> str:
+        r = super().__repr__()
+        return r[:-1] + f", sample={self.sample})" if self.sample else r
 
     def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
         return self.aggregate([payload], ctx)
 
-    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any) -> torch.Tensor:
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=payloads[0][0].device)
+    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of every rank's payload; into ``out`` (returned) when it fits, see
+        :func:`~parlay.compress.reduce_async`."""
+        device = payloads[0][0].device
+        if (out is not None and out.dtype == ctx.dtype and out.device == device
+                and out.shape == (ctx.numel,)):
+            out.zero_()  # memory already touched: far cheaper than a fresh torch.zeros
+        else:
+            out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=device)
         for values, idx in payloads:  # rank order: the same summation order on every rank
-            out.index_add_(0, idx, values.to(ctx.dtype))
+            # indices are distinct within a payload (padding adds 0.0): order-independent
+            out.scatter_add_(0, idx.long(), values.to(ctx.dtype))
         return out
 
 
@@ -229,7 +317,8 @@ class RandomK(_Sparsifier):
         seed = seed_for(self.seed, key, step)
         return self.indices(x.numel(), k, seed, x.device), seed
 
-    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int) -> list[torch.Tensor]:
+    def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
+                 k: int | None = None) -> list[torch.Tensor]:
         return [values]
 
     def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
@@ -256,5 +345,5 @@ def _factory(cls: type[_Sparsifier], extra: dict[str, type]) -> Callable[..., Co
     return make
 
 
-register("topk", _factory(TopK, {}))
+register("topk", _factory(TopK, {"sample": float}))
 register("randomk", _factory(RandomK, {"seed": int}))

@@ -330,7 +330,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._handles[b] = comm.Handle(None, "allreduce", lambda: buf)
         else:
             self._handles[b] = reduce_async(buf, self.compression, key=f"bucket{b}",
-                                            group=self.process_group, stats=self._stats)
+                                            group=self.process_group, stats=self._stats,
+                                            into=buf)
 
     # ----------------------------------------------------------------- public API
     def synchronize(self) -> None:
