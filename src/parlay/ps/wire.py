@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from parlay.errors import ConfigError
+from parlay.errors import CommError, ConfigError
 
 __all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
            "TAG_PUSH", "TAG_REPLY", "encode_ctx", "decode_ctx", "probe", "push_capacity"]
@@ -146,20 +146,41 @@ def unpack(buf: torch.Tensor, clone: bool = False) -> Message:
         buf: The receive buffer (only the prefix the header describes is read).
         clone: Copy payload tensors out of ``buf`` (needed when ``buf`` is reused).
     """
-    head = buf[:HEADER_BYTES].view(torch.int64).tolist()
+    if not (isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1):
+        raise _malformed(f"expected a 1-D uint8 buffer, got {getattr(buf, 'dtype', type(buf))}")
+    if buf.numel() < HEADER_BYTES:
+        raise _malformed(f"{buf.numel()} bytes, shorter than the {HEADER_BYTES}-byte header")
+    head = buf[:HEADER_BYTES].contiguous().view(torch.int64).tolist()
     scalar = struct.unpack("<d", struct.pack("<q", head[4]))[0]
     msg = Message(op=head[0], sender=head[1], step=head[2], version=head[3], scalar=scalar,
                   extra=head[7])
+    if not 0 <= head[5] <= MAX_TENSORS:
+        raise _malformed(f"it announces {head[5]} tensors (at most {MAX_TENSORS})")
     pos = HEADER_BYTES
     for i in range(head[5]):
         base = _FIELDS + i * _META
-        dtype = _DTYPES[head[base]]
-        shape = tuple(head[base + 2: base + 2 + head[base + 1]])
+        code, ndim = head[base], head[base + 1]
+        if not (0 <= code < len(_DTYPES) and 0 <= ndim <= _MAX_DIMS):
+            raise _malformed(f"tensor {i} has dtype code {code} and {ndim} dims")
+        dtype = _DTYPES[code]
+        shape = tuple(head[base + 2: base + 2 + ndim])
+        if any(d < 0 for d in shape):
+            raise _malformed(f"tensor {i} has a negative dimension {shape}")
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if pos + n > buf.numel():
+            raise _malformed(f"tensor {i} {shape} needs bytes up to {pos + n}, the message "
+                             f"has {buf.numel()}")
         t = buf[pos: pos + n].view(dtype).view(shape)
         msg.tensors.append(t.clone() if clone else t)
         pos = _align(pos + n)
     return msg
+
+
+def _malformed(why: str) -> CommError:
+    """A message no parlay peer would send (truncated, corrupt, or not from parlay)."""
+    return CommError(f"malformed parameter-server message: {why}. Hint: every rank must run "
+                     "the same parlay version, and only parlay ranks may reach the cluster's "
+                     "ports (see the README's Security section).", op="ps-unpack")
 
 
 # -- compressor contexts without pickle -------------------------------------------------------
@@ -223,8 +244,18 @@ def encode_ctx(ctx: Any) -> torch.Tensor:
 
 
 def decode_ctx(codes: torch.Tensor, template: Any) -> Any:
-    """Rebuild a context shaped like ``template`` from :func:`encode_ctx`'s values."""
-    vals = codes.tolist()
+    """Rebuild a context shaped like ``template`` from :func:`encode_ctx`'s values.
+
+    Raises:
+        CommError: The codes do not describe a context shaped like ``template``.
+    """
+    try:
+        return _decode_ctx(codes.tolist(), template)
+    except (IndexError, ValueError, TypeError, OverflowError, struct.error) as e:
+        raise _malformed(f"its compressor context does not decode ({type(e).__name__}: {e})") from e
+
+
+def _decode_ctx(vals: list[int], template: Any) -> Any:
     pos = 0
 
     def build(t: Any) -> Any:
@@ -252,7 +283,11 @@ def decode_ctx(codes: torch.Tensor, template: Any) -> Any:
         if tag == _FLOAT:
             return struct.unpack("<d", struct.pack("<q", v))[0]
         if tag == _DTYPE:
+            if not 0 <= v < len(_DTYPES):
+                raise ValueError(f"dtype code {v}")
             return _DTYPES[v]
+        if tag != _STR or not 0 <= v <= len(vals) - pos:
+            raise ValueError(f"tag {tag} with length {v}")
         s = bytes(vals[pos: pos + v]).decode()
         pos += v
         return s
