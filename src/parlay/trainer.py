@@ -255,6 +255,8 @@ class Trainer:
             resumed = self._ckpt.load_latest()
             if resumed is not None:
                 self._load(resumed)
+            # Saves may agree over fewer ranks than the resume (ps async/stale: each worker).
+            self._ckpt.group = getattr(s, "checkpoint_group", s.train_group)
         self._resume_from_snapshot(snapshot_every)
         printer = False
         if s.consumes_data:  # the lowest rank that reports a loss (else the lowest one)

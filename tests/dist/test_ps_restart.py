@@ -349,3 +349,45 @@ def test_validation_metrics_reduce_as_tensors_and_ranks_must_agree_on_names():
     assert out[0] == out[1] == out[2] == {"acc": 3.0 / 4, "loss": 4.0 / 4, "samples": 4.0}
     bad = run_world(_reduce, 3, "mismatch")
     assert all(isinstance(m, str) and "different validation metrics" in m for m in bad)
+
+
+# -- async/stale with checkpoints: survivors go on checkpointing after a loss --------------------
+CKPT_DROP = '''
+    import os, signal, sys
+    import torch, torch.nn as nn
+    from torch.utils.data import TensorDataset
+    import parlay
+
+    ckpt_dir, consistency = sys.argv[1], sys.argv[2]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 5, generator=g)
+
+    def build():
+        return nn.Linear(5, 2), nn.MSELoss()
+
+    t = parlay.Trainer(build, TensorDataset(x, x[:, :2].clone()), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.05}, batch_size=2, num_epochs=1, progress=False,
+                       mode="ps", checkpoint_dir=ckpt_dir, checkpoint_every=2,
+                       strategy_options={"consistency": consistency})
+    while not t.should_stop():
+        if parlay.rank() == 2 and t.state.step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t.train_on_batch()
+    print(f"rank {parlay.rank()} done at step {t.state.step}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("consistency", ["async", "stale:1"])
+def test_survivors_keep_checkpointing_after_a_worker_is_lost(tmp_path, consistency):
+    ckpt = tmp_path / "ckpt"
+    p = _parlay_run(tmp_path, CKPT_DROP, str(ckpt), consistency)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 1 done at step 12" in p.stdout, p.stdout  # 48 samples / 2 workers / batch 2
+    assert "rank 2 (droppable parameter-server worker) was lost" in p.stdout + p.stderr
+    names = sorted(os.listdir(ckpt))
+    # The survivor and the server kept checkpointing after the loss at step 3, up to the end
+    # (keep_last=3: steps 8, 10, 12); the lost worker's newest file is from before it died.
+    assert [f"ckpt-{s:010d}.rank1.pt" for s in (8, 10, 12)] == \
+        [n for n in names if n.endswith(".rank1.pt")], names
+    assert [n for n in names if n.endswith(".rank2.pt")] == ["ckpt-0000000002.rank2.pt"], names
+    assert "ps-0.step-0000000012.pt" in os.listdir(ckpt / "ps"), os.listdir(ckpt / "ps")

@@ -111,8 +111,23 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def train_group(self) -> Any:
-        """Every worker (checkpoint agreement). Kept after the servers left, for validation."""
+        """Every worker (resume agreement). Kept after the servers left, for validation."""
         return self._train_group
+
+    @property
+    def checkpoint_group(self) -> Any:
+        """The workers that agree on each checkpoint once training runs.
+
+        ``sync``: every worker (they step together; losing one stops the job anyway).
+        ``async``/``stale``: each worker alone, so a lost worker never fails the survivors'
+        next checkpoint. Nothing is lost by not agreeing there: the servers' save barrier
+        (:meth:`state_dict`) already holds every live worker and every server at the same
+        step, and a checkpoint the servers did not confirm raises before the worker's file is
+        written. Resume still agrees over every worker present at start (:attr:`train_group`):
+        it picks the newest step every server and every worker holds.
+        """
+        return self._train_group if get_consistency(
+            self.options["consistency"]).aggregate else self._metrics_group
 
     # ------------------------------------------------------------------ life cycle
     def use_checkpoint_dir(self, path: str) -> None:
