@@ -8,6 +8,11 @@ only delayed. Options (also in registry strings, e.g. ``"topk:0.01,momentum=0.9,
 * ``error_feedback`` (``ef``): keep residuals (default on).
 * ``momentum``: DGC momentum correction (Lin et al. 2018); use with optimizer momentum off.
   ``masking`` (default on): DGC's momentum factor masking.
+* ``sample`` (top-k only, default 0: exact): DGC's sampled threshold, e.g.
+  ``"topk:0.01,sample=0.01"``: the threshold is estimated from that fraction of the bucket and
+  at most ``k`` coordinates above it are sent (a few fewer some steps; the payload keeps ``k``
+  slots, zero-padded). Exact top-k already prefilters with a sampled threshold, so this saves
+  little CPU over it; the exact path stays the default.
 * ``warmup_steps`` (``warmup``) and ``warmup_start``: DGC density warm-up, the density decays
   exponentially from ``warmup_start`` to ``ratio`` over the first ``warmup_steps`` steps of
   each bucket. Wire bytes are measured, so the warm-up's cost shows in ``comm_stats()``.
@@ -114,7 +119,10 @@ def _select(x: torch.Tensor, k: int, magnitude: bool, sample: float,
     if n < 65536 or k * 32 > n:
         return torch.topk(x.abs() if magnitude else x, k, sorted=False).indices
     m = max(16384, min(n, int(sample * n))) if sample else 16384
-    g = torch.Generator(device=x.device).manual_seed(n * 31 + k + 1_000_003 * seed)
+    # The exact path keeps one sample per bucket size (its result only depends on it through
+    # tie-breaking at the k-th value); the sampled path draws a new one each step.
+    g = torch.Generator(device=x.device).manual_seed(n * 31 + k + (1_000_003 * seed if sample
+                                                                   else 0))
     # index_select/index_fill_/scatter_add_ rather than x[idx]: 2-3x faster on CPU
     sample_vals = x.index_select(0, torch.randint(n, (m,), generator=g, device=x.device))
     if magnitude:
@@ -185,7 +193,8 @@ class _Sparsifier(Compressor):
             if self.memory.momentum and self.memory.masking:
                 mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
                 mask.index_fill_(0, idx, True)
-            x.index_fill_(0, idx, 0)  # x is a fresh tensor: what was not sent is exactly the residual
+            # x is ours (never the caller's bucket): what was not sent is exactly the residual
+            x.index_fill_(0, idx, 0)
             self.memory.keep(key, x, mask)
         ctx = SparseCtx(flat.numel(), flat.dtype, k, seed)
         return self._payload(values, idx, flat.numel(), k), ctx
@@ -255,7 +264,7 @@ class TopK(_Sparsifier):
     def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
                  k: int | None = None) -> list[torch.Tensor]:
         idx = idx.to(torch.int32 if numel < _INT32_LIMIT else torch.int64)
-        if k is not None and values.numel() < k:  # sampled threshold: every rank's payload must have k slots
+        if k is not None and values.numel() < k:  # sampled: every payload needs k slots
             pad = k - values.numel()
             values = torch.cat([values, values.new_zeros(pad)])
             idx = torch.cat([idx, idx.new_zeros(pad)])  # adds 0 to coordinate 0: no change
