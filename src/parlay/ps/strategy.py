@@ -4,6 +4,12 @@
 Parameter-server ranks consume no data: :meth:`serve_until_done` serves until every worker
 finished, closes the session and returns True. Workers form the data-parallel replicas
 (``dp_size`` = number of workers, ``dp_rank`` = worker index).
+
+Faults and restarts use disk checkpoints only (no in-memory snapshots in this mode, see
+:attr:`ParameterServerStrategy.supports_snapshots`): at the Trainer's checkpoint steps every
+server saves its shards when every live worker asks for the same step, and a restart resumes
+the newest step every server and worker holds. In ``async``/``stale`` a lost worker is dropped
+and the others keep checkpointing (:attr:`ParameterServerStrategy.checkpoint_group`).
 """
 from __future__ import annotations
 
@@ -47,6 +53,10 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "ps"
+    #: In-memory snapshots would have to hold server shards and worker state of one step on
+    #: every rank (the servers' state lives outside the Trainer's state dict); until they do,
+    #: a restart goes back to the newest disk checkpoint every rank holds.
+    supports_snapshots = False
 
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, consistency: str = "sync",
