@@ -215,3 +215,29 @@ def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, mo
     got = store.load(1)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want), "the pre-step values were kept"
     store.close()
+
+
+def _create_and_clear(root: str, rank: int, rounds: int, start) -> int:
+    start.wait(timeout=30)
+    for step in range(rounds):
+        store = SnapshotStore("race", rank, root=root)
+        store.save(step, {"x": torch.full((4,), float(rank))})
+        assert store.steps() == [step]
+        store.clear()
+    return rounds
+
+
+def test_ranks_creating_and_clearing_the_same_run_concurrently_never_fail(tmp_path):
+    # Each rank's clear() removes the shared run folder once it is empty, which can happen
+    # between another rank's creating the run folder and its own folder inside it.
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    ranks, rounds = 4, 300
+    with ctx.Manager() as manager:
+        start = manager.Barrier(ranks)
+        with ctx.Pool(ranks) as pool:
+            jobs = [pool.apply_async(_create_and_clear, (str(tmp_path), r, rounds, start))
+                    for r in range(ranks)]
+            assert [j.get(timeout=120) for j in jobs] == [rounds] * ranks
+    assert not (tmp_path / "race").exists()

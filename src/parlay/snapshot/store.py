@@ -51,11 +51,9 @@ __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
 log = logging.getLogger("parlay")
 
-#: Bumped when the snapshot layout changes incompatibly.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  #: Bumped when the snapshot layout changes incompatibly.
 _META = re.compile(r"^snap-(\d{10})\.s(\d+)\.json$")
-
-
+_MKDIR_TRIES = 20  # tries to create a rank's folder while other ranks clear the run folder
 _LIVE: "weakref.WeakSet[SnapshotStore]" = weakref.WeakSet()
 _HOOK_LOCK = threading.Lock()
 _HOOKED = False
@@ -166,11 +164,7 @@ class SnapshotStore:
         self.key, self.rank, self.keep = key, int(rank), keep
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.directory = self.root / key / f"rank{self.rank}"
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise CheckpointError(f"cannot create snapshot folder {self.directory}: {e}. Hint: "
-                                  "set PARLAY_SNAPSHOT_DIR to a writable folder.") from e
+        self._make_folder()
         for stale in self.directory.glob(".*.tmp*"):
             stale.unlink(missing_ok=True)  # left by a process killed while writing
         for step, slot in self._committed():
@@ -180,6 +174,23 @@ class SnapshotStore:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._error: CheckpointError | None = None
+
+    def _make_folder(self) -> None:
+        """Create this rank's folder, again if another rank's :meth:`clear` removed the (then
+        empty) run folder between the two mkdirs."""
+        err: OSError | None = None
+        for _ in range(_MKDIR_TRIES):
+            try:
+                self.directory.parent.mkdir(parents=True, exist_ok=True)
+                self.directory.mkdir(exist_ok=True)
+                return
+            except (FileNotFoundError, FileExistsError) as e:
+                err = e  # the run folder was removed in between (mkdir, is_dir): try again
+            except OSError as e:
+                err = e
+                break
+        raise CheckpointError(f"cannot create snapshot folder {self.directory}: {err}. Hint: "
+                              "set PARLAY_SNAPSHOT_DIR to a writable folder.") from err
 
     # ------------------------------------------------------------------ files
     def _meta_path(self, step: int, slot: int) -> Path:
@@ -383,7 +394,7 @@ class SnapshotStore:
         """Delete this rank's snapshots (and the run's folder once no rank has one left)."""
         self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
-        try:
+        try:  # only when empty: other ranks' folders are there, or another rank removed it
             self.directory.parent.rmdir()
         except OSError:
-            pass  # other ranks' folders are still there
+            pass
