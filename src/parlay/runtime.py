@@ -170,7 +170,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     if not _exit_registered:
         # Tear the group down before the interpreter finalises: gloo groups destroyed during
         # finalisation aborted processes at exit now and then ("terminate called").
-        atexit.register(shutdown)
+        atexit.register(_at_exit)
         _exit_registered.append(True)
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
               cluster.rank, cluster.world_size, be, dev, cluster.source)
@@ -208,12 +208,15 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     global _generation
     url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
            f"{cluster.master_port}?rank={cluster.rank}&world_size={cluster.world_size}")
-    store, _, _ = next(dist.rendezvous(url, timeout=td))
-    store.set_timeout(td)
+    store = _base_store(url, td)
     prefix = store_prefix(environ)
     _generation += 1
+    try:
+        _check_in(dist.PrefixStore(prefix, store), cluster, td, prefix)
+    except BaseException:
+        _stores.pop(url, None)  # a store that failed a rendezvous is not trusted again
+        raise
     store = dist.PrefixStore(prefix, store)
-    _check_in(store, cluster, td, prefix)
     mesh = min(td, max(td / 5, _dt.timedelta(seconds=_MESH_MIN_S)))
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     dist.init_process_group(be, store=store, rank=cluster.rank, world_size=cluster.world_size,
@@ -221,6 +224,33 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     if set_timeout is not None and mesh != td:
         set_timeout(td)
 
+
+def _base_store(url: str, td: _dt.timedelta) -> dist.Store:
+    """The rendezvous store of ``url``, connected once per process and kept across re-inits.
+
+    Without torchrun's agent store, rank 0's process hosts the store and drops it when its
+    group is destroyed. A peer that re-initialised first could then connect to the old server
+    just before it closed ("Failed to recv" on one rank, "1/2 clients joined" on the other).
+    Keeping the connection makes a re-init reuse it: nothing to close, nothing to dial, and the
+    fresh prefix of every init keeps the rendezvous apart from the previous ones. A kept store
+    that no longer answers (its host went away) is replaced.
+    """
+    store = _stores.get(url)
+    if store is not None:
+        try:
+            store.set_timeout(td)
+            store.check(["parlay/alive"])
+            return store
+        except (RuntimeError, TimeoutError, OSError):
+            _stores.pop(url, None)
+    store, _, _ = next(dist.rendezvous(url, timeout=td))
+    store.set_timeout(td)
+    _stores[url] = store
+    return store
+
+
+#: Rendezvous stores by URL (address, port, rank, world size), kept for the process lifetime.
+_stores: dict[str, dist.Store] = {}
 
 #: Floor of the full-mesh connect budget once every rank has checked in.
 _MESH_MIN_S = 10.0
@@ -262,6 +292,14 @@ def shutdown() -> None:
     rt, _rt = _rt, None
     if rt is not None and rt.owns_group and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _at_exit() -> None:
+    """Destroy the group, then drop the kept rendezvous stores, before finalisation."""
+    try:
+        shutdown()
+    finally:
+        _stores.clear()
 
 
 def is_initialized() -> bool:

@@ -173,3 +173,24 @@ def test_lost_peer_error_names_the_lost_rank(op):
         assert (got_op, peer) == (op, 2), msg
         assert "rank 2" in msg and f"failed on rank {rank}" in msg and "Hint" in msg
     assert isinstance(out[2], WorldError)
+
+
+def _reinit_loop(times):
+    sums = []
+    for i in range(times):
+        parlay.shutdown()
+        assert not parlay.is_initialized()
+        parlay.init(backend="gloo", timeout=20)
+        t = torch.tensor([float(parlay.rank() + i)])
+        parlay.comm.allreduce(t, "sum")
+        sums.append(t.item())
+    return sums
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shutdown_then_init_in_a_loop_without_an_agent_store(world):
+    # run_world's layout: rank 0's process hosts the store, no torchrun agent. A peer that
+    # re-initialises first must not dial the store rank 0 is about to drop.
+    out = run_world(_reinit_loop, world, 10, timeout=80)
+    base = sum(range(world))
+    assert out == [[float(base + world * i) for i in range(10)]] * world
