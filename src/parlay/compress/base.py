@@ -190,6 +190,23 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in ts)
 
 
+def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any,
+                   stats: CommStats | None,
+                   reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Run a summable compressor's further rounds (:meth:`Compressor.next_round`, e.g.
+    PowerSGD's Q or fp16's overflow retry) with ``reduce`` summing each round's payload over
+    the group; returns the last reduced payload."""
+    more = getattr(compressor, "next_round", None)  # duck-typed compressors may lack it
+    while more is not None:
+        nxt = more(reduced, ctx)
+        if nxt is None:
+            break
+        if stats is not None:
+            stats.add_wire(_nbytes(nxt))
+        reduced = reduce(nxt)
+    return reduced
+
+
 def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: Any = None,
                  average: bool = False, stats: CommStats | None = None,
                  into: torch.Tensor | None = None) -> comm.Handle:
@@ -217,21 +234,13 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
     if compressor.summable:
         works = [comm.allreduce(p, "sum", group=group, async_op=True) for p in payload]
-        more = getattr(compressor, "next_round", None)  # duck-typed compressors may lack it
 
         def finish() -> torch.Tensor:
             reduced = payload
             for w in works:
                 w.wait()
-            while more is not None:
-                nxt = more(reduced, ctx)
-                if nxt is None:
-                    break
-                if stats is not None:
-                    stats.add_wire(_nbytes(nxt))
-                for p in nxt:
-                    comm.allreduce(p, "sum", group=group)
-                reduced = nxt
+            reduced = further_rounds(compressor, reduced, ctx, stats,
+                                     lambda nxt: [comm.allreduce(p, "sum", group=group) for p in nxt])
             if into is not None and getattr(compressor, "decodes_into", False):
                 out = compressor.decompress(reduced, ctx, out=into)
             else:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.compress.base import CommStats, Compressor, _nbytes, reduce_async
+from parlay.compress.base import CommStats, Compressor, _nbytes, further_rounds
 from parlay.errors import ConfigError
 
 __all__ = ["Topology", "HierarchicalReducer", "make_reducer"]
@@ -226,13 +226,7 @@ class HierarchicalReducer:
             reduced = self._gather(bk)
             if eager:
                 self._advance()
-            while more is not None:
-                nxt = more(reduced, ctx)
-                if nxt is None:
-                    break
-                if stats is not None:
-                    stats.add_wire(_nbytes(nxt))
-                reduced = self._allreduce(nxt)
+            reduced = further_rounds(compressor, reduced, ctx, stats, self._allreduce)
             return compressor.decompress(reduced, ctx)
 
         return comm.Handle(None, "allreduce", finish)
