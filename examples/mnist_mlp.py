@@ -5,7 +5,7 @@
     parlay run -n 4 examples/mnist_mlp.py --mode hybrid            # pipeline stages x replicas
 
 Data: ``--data DIR`` or ``PARLAY_DATA_DIR`` (a folder with the four MNIST ``.gz`` files);
-otherwise they are downloaded to ``~/.cache/parlay/mnist``.
+otherwise ``~/.cache/parlay/mnist``, then the copy bundled with parlay (no network needed).
 """
 from __future__ import annotations
 

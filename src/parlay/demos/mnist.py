@@ -50,8 +50,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr-schedule", default=DEFAULTS["lr_schedule"], choices=["constant", "cosine"])
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"])
     p.add_argument("--data", default=None,
-                   help="folder with the four MNIST .gz files (default: PARLAY_DATA_DIR, else "
-                        "downloaded to ~/.cache/parlay/mnist)")
+                   help="folder with the four MNIST .gz files (default: PARLAY_DATA_DIR, "
+                        "~/.cache/parlay/mnist, then the copy bundled with parlay)")
     p.add_argument("--checkpoint-dir", default=None, help="save and resume checkpoints here")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
