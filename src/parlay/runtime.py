@@ -12,7 +12,7 @@ import datetime as _dt
 import logging
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from parlay.errors import CommError, ConfigError
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "timeout",
-    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix",
+    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix", "new_group",
 ]
 
 log = logging.getLogger("parlay")
@@ -373,3 +373,11 @@ def backend() -> str:
 def timeout() -> _dt.timedelta:
     """The configured collective timeout."""
     return _get().timeout
+
+
+def new_group(ranks: Any = None, **kwargs: Any) -> Any:
+    """``torch.distributed.new_group`` bounded by the configured timeout (torch's default for a
+    new group is 30 minutes, not the default group's), so a silent peer in a subgroup surfaces
+    as an error as fast as one in the default group."""
+    kwargs.setdefault("timeout", timeout())
+    return dist.new_group(ranks, **kwargs)
