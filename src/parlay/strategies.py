@@ -12,7 +12,7 @@ from typing import Any, Callable, ClassVar
 import torch
 import torch.nn as nn
 
-from parlay.errors import ConfigError
+from parlay.registry import Registry
 
 __all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies"]
 
@@ -129,14 +129,6 @@ class Strategy:
         own checkpoints cannot hold (e.g. parameter-server shards, saved on the servers)."""
 
 
-_REGISTRY: dict[str, Callable[..., Strategy]] = {}
-
-
-def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
-    """Register a strategy factory under ``name``."""
-    _REGISTRY[name] = factory
-
-
 # Built-in mode -> the module whose import registers it.
 _BUILTIN = {"allreduce": "parlay.dp.strategy", "ps": "parlay.ps.strategy",
             "hybrid": "parlay.pipeline.strategy"}
@@ -157,10 +149,19 @@ def _load_builtin(only: str | None = None) -> None:
                 raise
 
 
+# Mode names are case-sensitive: the Trainer reports and checkpoints the name as given.
+_REGISTRY: Registry[Callable[..., Strategy]] = Registry(
+    "mode", valid="valid modes", normalize=str, load=_load_builtin)
+
+
+def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
+    """Register a strategy factory under ``name``."""
+    _REGISTRY.register(name, factory)
+
+
 def available_strategies() -> list[str]:
     """Registered mode names."""
-    _load_builtin()
-    return sorted(_REGISTRY)
+    return _REGISTRY.available()
 
 
 def get_strategy(mode: str, **options: Any) -> Strategy:
@@ -169,9 +170,4 @@ def get_strategy(mode: str, **options: Any) -> Strategy:
     Raises:
         ConfigError: Unknown mode (the message lists the valid ones).
     """
-    if mode not in _REGISTRY:
-        _load_builtin(mode)
-    if mode not in _REGISTRY:
-        _load_builtin()
-        raise ConfigError(f"unknown mode {mode!r}; valid modes: {', '.join(sorted(_REGISTRY))}.")
-    return _REGISTRY[mode](**options)
+    return _REGISTRY.get(mode)(**options)

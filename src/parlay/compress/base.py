@@ -38,6 +38,7 @@ import torch
 
 from parlay import comm
 from parlay.errors import ConfigError
+from parlay.registry import Registry
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
            "reduce_async", "CommStats"]
@@ -111,17 +112,18 @@ class NoneCompressor(Compressor):
         return payload[0]
 
 
-_REGISTRY: dict[str, Callable[..., Compressor]] = {}
+_REGISTRY: Registry[Callable[..., Compressor]] = Registry(
+    "compression", valid="valid names", example="options after a colon, e.g. 'topk:0.01'")
 
 
 def register(name: str, factory: Callable[..., Compressor]) -> None:
     """Register ``factory`` under ``name``; ``"name:a,b"`` strings call ``factory(a, b)``."""
-    _REGISTRY[name] = factory
+    _REGISTRY.register(name, factory)
 
 
 def available() -> list[str]:
     """Names of every registered compressor."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.available()
 
 
 def get_compressor(spec: "str | Compressor | None") -> Compressor:
@@ -142,14 +144,9 @@ def get_compressor(spec: "str | Compressor | None") -> Compressor:
             return spec  # type: ignore[return-value]
         raise ConfigError(f"compression must be a name like 'fp16' or 'topk:0.01' or a "
                           f"Compressor, got {type(spec).__name__}.")
-    name, _, opts = spec.strip().partition(":")
-    name = name.lower()
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown compression {spec!r}; valid names: {', '.join(available())} "
-                          "(options after a colon, e.g. 'topk:0.01').")
-    args = [a for a in opts.split(",") if a] if opts else []
+    factory, args = _REGISTRY.lookup(spec)
     try:
-        return _REGISTRY[name](*args)
+        return factory(*args)
     except ConfigError:
         raise
     except (TypeError, ValueError) as e:

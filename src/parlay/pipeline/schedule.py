@@ -31,6 +31,7 @@ from torch.distributed.pipelining import (
 )
 
 from parlay.errors import ConfigError
+from parlay.registry import Registry
 
 __all__ = ["wire_dtype", "StageModule", "StageMeter", "InstrumentedStage", "ScheduleSpec", "register_schedule",
            "get_schedule", "available_schedules", "theoretical_bubble", "WIRE_DTYPES"]
@@ -251,17 +252,20 @@ class ScheduleSpec:
     eval_cls: type
 
 
-_REGISTRY: dict[str, ScheduleSpec] = {}
+# Names are matched case-insensitively and without dashes or underscores ("1F1B", "looped-bfs").
+_REGISTRY: Registry[ScheduleSpec] = Registry(
+    "pipeline schedule", valid="valid schedules",
+    normalize=lambda n: n.lower().replace("-", "").replace("_", ""))
 
 
 def register_schedule(spec: ScheduleSpec) -> None:
     """Register a schedule under ``spec.name``."""
-    _REGISTRY[spec.name] = spec
+    _REGISTRY.register(spec.name, spec)
 
 
 def available_schedules() -> list[str]:
     """Registered schedule names."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.available()
 
 
 def get_schedule(name: str) -> ScheduleSpec:
@@ -270,11 +274,7 @@ def get_schedule(name: str) -> ScheduleSpec:
     Raises:
         ConfigError: Unknown name; the message lists the valid ones.
     """
-    key = str(name).lower().replace("-", "").replace("_", "")
-    if key not in _REGISTRY:
-        raise ConfigError(f"unknown pipeline schedule {name!r}; valid schedules: "
-                          f"{', '.join(available_schedules())}.")
-    return _REGISTRY[key]
+    return _REGISTRY.get(name)
 
 
 def _interleaved_ok(m: int, pp: int) -> bool:

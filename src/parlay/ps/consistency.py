@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, NamedTuple
 
 from parlay.errors import ConfigError
+from parlay.registry import Registry, split_spec
 
 __all__ = ["Consistency", "register_consistency", "get_consistency", "available_consistency",
            "Update", "Reply", "ServerCore", "max_lead", "RUN", "HELD", "SAVING", "DONE", "LOST"]
@@ -46,17 +47,18 @@ class Consistency:
         return self.bound is None or clock - slowest <= self.bound
 
 
-_REGISTRY: dict[str, Callable[..., Consistency]] = {}
+_REGISTRY: Registry[Callable[..., Consistency]] = Registry(
+    "consistency", example="stale takes a bound: 'stale:2'")
 
 
 def register_consistency(name: str, factory: Callable[..., Consistency]) -> None:
     """Register ``factory``; ``"name:a"`` specs call ``factory("a")``."""
-    _REGISTRY[name] = factory
+    _REGISTRY.register(name, factory)
 
 
 def available_consistency() -> list[str]:
     """Registered policy names."""
-    return sorted(_REGISTRY)
+    return _REGISTRY.available()
 
 
 def get_consistency(spec: "str | Consistency") -> Consistency:
@@ -70,13 +72,10 @@ def get_consistency(spec: "str | Consistency") -> Consistency:
     if not isinstance(spec, str):
         raise ConfigError(f"consistency must be a string like 'sync', 'async' or 'stale:2', "
                           f"got {type(spec).__name__}.")
-    name, sep, opt = spec.strip().lower().partition(":")
-    if name not in _REGISTRY:
-        raise ConfigError(f"unknown consistency {spec!r}; valid: "
-                          f"{', '.join(available_consistency())} (stale takes a bound: 'stale:2').")
-    args = [opt] if sep else []
+    name, args = split_spec(spec)
+    factory = _REGISTRY.get(name, shown=spec)
     try:
-        return _REGISTRY[name](*args)
+        return factory(*args)
     except TypeError:
         takes = "no option" if name != "stale" else "one bound, e.g. stale:2"
         raise ConfigError(f"bad consistency {spec!r}: {name!r} takes {takes}.") from None
