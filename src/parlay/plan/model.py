@@ -1,0 +1,369 @@
+"""The alpha-beta cost model's building blocks: links, clusters, workloads, collectives and
+what each compressor puts on the wire. Pure functions of their arguments (no torch, no process
+group), so the automatic compressor and ``parlay plan`` share one set of formulas.
+
+A message of ``b`` bytes over a link costs ``alpha + b / bandwidth`` (Hockney's model). Ring
+collectives over ``n`` ranks (what gloo and NCCL run for large buffers; Patarasuk and Yuan 2009):
+
+* allreduce: ``2(n-1)`` steps, each rank sends ``2(n-1)/n`` of the buffer;
+* allgather of ``b`` bytes per rank: ``n-1`` steps, each rank sends ``(n-1) b``.
+
+Compressor wire formats are parlay's own (see :mod:`parlay.compress`): fp16/bf16 halve the bytes
+and stay one allreduce; top-k sends ``k`` values plus ``k`` int32 indices by allgather; random-k
+sends ``k`` values by allreduce (shared seed); PowerSGD sends ``P`` (plus 1-D tensors, dense) in
+a first allreduce and ``Q`` in a second.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from parlay.errors import ConfigError
+
+__all__ = ["Link", "ClusterSpec", "Workload", "Costs", "CompressorSpec", "parse_compressor",
+           "Round", "wire_rounds", "wire_bytes", "link_bytes", "allreduce_s", "allgather_s",
+           "rounds_s", "codec_s", "DEFAULT_BUCKET_BYTES", "TCP_EFFICIENCY"]
+
+#: DistributedOptimizer's default bucket cap (25 MiB).
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
+#: Payload per byte on an Ethernet link carrying TCP (1448 of 1514 bytes per frame).
+TCP_EFFICIENCY = 1448 / 1514
+
+
+@dataclass(frozen=True)
+class Link:
+    """A network link as the alpha-beta model sees it.
+
+    Attributes:
+        bandwidth_bps: Line rate in bits per second (``float("inf")``: free).
+        latency_s: One-way latency per message, seconds (alpha's network part).
+        efficiency: Fraction of the line rate left for payload (TCP/IP and Ethernet headers;
+            1.0 for a rate measured as payload goodput, as calibration does).
+    """
+
+    bandwidth_bps: float
+    latency_s: float = 0.0
+    efficiency: float = TCP_EFFICIENCY
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bandwidth_bps, (int, float)) and self.bandwidth_bps > 0):
+            raise ConfigError(f"link bandwidth must be > 0 bits/s, got {self.bandwidth_bps!r}. "
+                              "Hint: Link(10e9, 50e-6) is 10 Gbit/s with 50 us latency.")
+        if not (isinstance(self.latency_s, (int, float)) and self.latency_s >= 0
+                and math.isfinite(self.latency_s)):
+            raise ConfigError(f"link latency must be a finite number of seconds >= 0, got "
+                              f"{self.latency_s!r}. Hint: 50e-6 for 50 us.")
+        if not 0 < self.efficiency <= 1:
+            raise ConfigError(f"link efficiency must be in (0, 1], got {self.efficiency!r}.")
+
+    @property
+    def beta(self) -> float:
+        """Seconds per payload byte."""
+        return 8.0 / (self.bandwidth_bps * self.efficiency)
+
+    def transfer_s(self, nbytes: float, messages: int = 1) -> float:
+        """Time to send ``nbytes`` in ``messages`` messages over this link."""
+        return messages * self.latency_s + nbytes * self.beta
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Hosts, ranks per host and the links between them.
+
+    Attributes:
+        nodes: Hosts (>= 1).
+        ranks_per_node: Training ranks per host (GPUs, or CPU processes).
+        inter: Each host's link to the network (every host has its own, as on a switch).
+        intra: Between ranks of one host; ``None``: free next to ``inter``.
+        overlap: Fraction of backward that gradient communication can hide behind: 1.0 where
+            communication has its own engine or core (GPUs, a spare CPU core), 0.0 where the
+            ranks' compute already uses every core (communication then waits its turn).
+    """
+
+    nodes: int
+    ranks_per_node: int
+    inter: Link
+    intra: Link | None = None
+    overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                flag = "--nodes" if name == "nodes" else "--gpus-per-node"
+                raise ConfigError(f"{name} must be an integer >= 1, got {v!r}. Hint: {flag} 1 "
+                                  "for a single machine.")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ConfigError(f"overlap must be in [0, 1], got {self.overlap!r}.")
+
+    @property
+    def world(self) -> int:
+        """Training ranks in total."""
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def local(self) -> Link:
+        """The intra-host link (free when not given)."""
+        return self.intra if self.intra is not None else Link(math.inf, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training step of a model.
+
+    Attributes:
+        params: Trainable parameters (elements).
+        batch: Samples per data-parallel rank per step (the global batch is
+            ``batch * world``; hybrid mode splits the same global batch over fewer replicas).
+        compute_s_per_sample: Forward plus backward time per sample on one rank, seconds.
+        layers: Layers a pipeline can split between (``None``: unknown, no limit checked).
+        activation_numel: Elements per sample crossing a stage boundary (``None``: estimated
+            as ``sqrt(params / layers)``, a square layer's width).
+        shapes: Parameter shapes, when known (PowerSGD's factors depend on them).
+        bytes_per_element: Gradient element size (4 for fp32).
+    """
+
+    params: float
+    batch: int
+    compute_s_per_sample: float
+    layers: int | None = None
+    activation_numel: float | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = field(default=None, repr=False)
+    bytes_per_element: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.params > 0:
+            raise ConfigError(f"params must be > 0, got {self.params!r}. "
+                              "Hint: --model-params 25e6.")
+        if isinstance(self.batch, bool) or not isinstance(self.batch, int) or self.batch < 1:
+            raise ConfigError(f"batch must be an integer >= 1 (samples per rank per step), "
+                              f"got {self.batch!r}. Hint: --batch 64.")
+        if not (self.compute_s_per_sample >= 0 and math.isfinite(self.compute_s_per_sample)):
+            raise ConfigError(f"compute time per sample must be >= 0 seconds, got "
+                              f"{self.compute_s_per_sample!r}. Hint: --compute-ms 120 (per step).")
+        if self.layers is not None and (isinstance(self.layers, bool) or self.layers < 1):
+            raise ConfigError(f"layers must be >= 1, got {self.layers!r}.")
+
+    @property
+    def grad_bytes(self) -> float:
+        """Bytes of one full gradient."""
+        return self.params * self.bytes_per_element
+
+    @property
+    def compute_s(self) -> float:
+        """Forward plus backward of one rank's batch."""
+        return self.compute_s_per_sample * self.batch
+
+    @property
+    def act_numel(self) -> float:
+        """Elements per sample at a stage boundary (given or estimated)."""
+        if self.activation_numel is not None:
+            return float(self.activation_numel)
+        return math.sqrt(self.params / (self.layers or 1))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Machine constants the model needs beyond the links (seconds; calibrated or defaults).
+
+    Attributes:
+        alpha_s: Software cost per collective step (gloo/NCCL message overhead).
+        sum_s_per_elem: Summing one fp32 element in a reduction (CPU).
+        half_sum_s_per_elem: Summing one fp16/bf16 element (gloo converts in software).
+        cast_s_per_elem: fp16/bf16 encode plus decode per element (scale, cast, max).
+        topk_s_per_elem: Top-k selection, error feedback and decode per bucket element.
+        scatter_s_per_elem: Adding one received sparse value (per value, per rank).
+        randomk_s_per_elem: Random-k encode plus decode per bucket element.
+        powersgd_s_per_elem: PowerSGD per element that does not depend on the rank.
+        powersgd_s_per_elem_rank: PowerSGD per element and per unit of rank (the matmuls).
+        apply_s_per_elem: A parameter server applying one element of an update (SGD).
+    """
+
+    alpha_s: float = 100e-6
+    sum_s_per_elem: float = 0.5e-9
+    half_sum_s_per_elem: float = 20e-9
+    cast_s_per_elem: float = 6e-9
+    topk_s_per_elem: float = 8e-9
+    scatter_s_per_elem: float = 10e-9
+    randomk_s_per_elem: float = 4e-9
+    powersgd_s_per_elem: float = 4e-9
+    powersgd_s_per_elem_rank: float = 1.5e-9
+    apply_s_per_elem: float = 2e-9
+
+
+@dataclass(frozen=True)
+class CompressorSpec:
+    """A parsed compression string: ``name`` and its first option (ratio or rank)."""
+
+    name: str
+    ratio: float = 1.0
+    rank: int = 0
+
+    def __str__(self) -> str:
+        if self.name in ("topk", "randomk"):
+            return f"{self.name}:{self.ratio:g}"
+        if self.name == "powersgd":
+            return f"powersgd:{self.rank}"
+        return self.name
+
+
+_KNOWN = ("none", "fp16", "bf16", "topk", "randomk", "powersgd")
+
+
+def parse_compressor(spec: "str | CompressorSpec | None") -> CompressorSpec:
+    """``"topk:0.01"`` -> ``CompressorSpec("topk", ratio=0.01)`` (``None`` is ``"none"``).
+
+    Raises:
+        ConfigError: Unknown name or a bad first option.
+    """
+    if isinstance(spec, CompressorSpec):
+        return spec
+    text = "none" if spec is None else str(spec).strip()
+    name, _, opts = text.partition(":")
+    name = name.lower()
+    if name not in _KNOWN:
+        raise ConfigError(f"the cost model knows compressors {', '.join(_KNOWN)}, got {text!r}. "
+                          "Hint: 'topk:0.01', 'powersgd:4', 'fp16'.")
+    first = next((o for o in opts.split(",") if o and "=" not in o), None)
+    named = dict(o.split("=", 1) for o in opts.split(",") if "=" in o)
+    try:
+        if name in ("topk", "randomk"):
+            ratio = float(named.get("ratio", first if first is not None else 0.01))
+            if not 0 < ratio <= 1:
+                raise ValueError(ratio)
+            return CompressorSpec(name, ratio=ratio)
+        if name == "powersgd":
+            rank = int(named.get("rank", first if first is not None else 4))
+            if rank < 1:
+                raise ValueError(rank)
+            return CompressorSpec(name, rank=rank)
+    except ValueError:
+        raise ConfigError(f"bad option in compressor {text!r}: top-k/random-k take a ratio in "
+                          "(0, 1], PowerSGD an integer rank >= 1.") from None
+    return CompressorSpec(name)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One collective of a reduction: ``kind`` ("allreduce" | "allgather") and the payload
+    bytes each rank contributes."""
+
+    kind: str
+    nbytes: float
+
+
+def _powersgd_floats(numel: float, rank: int,
+                     shapes: Sequence[Sequence[int]] | None) -> tuple[float, float]:
+    """(P round floats incl. dense leftovers, Q round floats) as parlay's PowerSGD plans them."""
+    def worth(rows: float, cols: float) -> bool:
+        return rank < min(rows, cols) and rank * (rows + cols) * 2.0 <= rows * cols
+
+    if not shapes:
+        rows = math.isqrt(max(0, int(numel) - 1)) + 1
+        cols = -(-int(numel) // rows)
+        return ((rows * rank, cols * rank) if worth(rows, cols) else (numel, 0.0))
+    p = q = 0.0
+    for s in shapes:
+        n = math.prod(s)
+        if len(s) >= 2 and n and worth(s[0], n // s[0]):
+            p += s[0] * rank
+            q += (n // s[0]) * rank
+        else:
+            p += n
+    return p, q
+
+
+def wire_rounds(compressor: "str | CompressorSpec | None", numel: float, world: int,
+                shapes: Sequence[Sequence[int]] | None = None,
+                bytes_per_element: int = 4) -> list[Round]:
+    """The collectives that reduce ``numel`` gradient elements with ``compressor``.
+
+    Args:
+        compressor: A compression string (``"topk:0.01"``) or spec.
+        numel: Gradient elements reduced.
+        world: Ranks in the reduction (top-k indices widen to int64 past 2**31 elements).
+        shapes: Parameter shapes, for PowerSGD's factor sizes (``None``: parlay's layout-free
+            near-square view).
+        bytes_per_element: Dense element size.
+    """
+    c = parse_compressor(compressor)
+    if c.name == "none":
+        return [Round("allreduce", numel * bytes_per_element)]
+    if c.name in ("fp16", "bf16"):
+        return [Round("allreduce", numel * 2)]
+    if c.name in ("topk", "randomk"):
+        k = min(numel, max(1, int(c.ratio * numel)))
+        if c.name == "randomk":
+            return [Round("allreduce", k * bytes_per_element)]
+        index = 4 if numel < 2 ** 31 else 8
+        return [Round("allgather", k * (bytes_per_element + index))]
+    p, q = _powersgd_floats(numel, c.rank, shapes)
+    rounds = [Round("allreduce", p * 4)]
+    return rounds + [Round("allreduce", q * 4)] if q else rounds
+
+
+def wire_bytes(compressor: "str | CompressorSpec | None", numel: float, world: int = 2,
+               shapes: Sequence[Sequence[int]] | None = None) -> float:
+    """Payload bytes one rank contributes per reduction (what ``comm_stats()`` counts)."""
+    return sum(r.nbytes for r in wire_rounds(compressor, numel, world, shapes))
+
+
+def link_bytes(compressor: "str | CompressorSpec | None", numel: float, world: int,
+               shapes: Sequence[Sequence[int]] | None = None) -> float:
+    """Bytes one rank sends over its link per reduction (ring collectives)."""
+    if world <= 1:
+        return 0.0
+    total = 0.0
+    for r in wire_rounds(compressor, numel, world, shapes):
+        total += (world - 1) * r.nbytes if r.kind == "allgather" else \
+            2 * (world - 1) / world * r.nbytes
+    return total
+
+
+def allreduce_s(nbytes: float, world: int, link: Link, alpha_s: float = 0.0,
+                sum_s_per_byte: float = 0.0) -> float:
+    """Ring allreduce of ``nbytes`` over ``world`` ranks: ``2(n-1)(alpha + latency) +
+    2(n-1)/n * nbytes * beta`` plus the local sums (``(n-1)/n`` of the buffer)."""
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    n = world
+    return (2 * (n - 1) * (alpha_s + link.latency_s) + 2 * (n - 1) / n * nbytes * link.beta
+            + (n - 1) / n * nbytes * sum_s_per_byte)
+
+
+def allgather_s(nbytes: float, world: int, link: Link, alpha_s: float = 0.0) -> float:
+    """Ring allgather of ``nbytes`` per rank: ``(n-1)(alpha + latency) + (n-1) nbytes beta``."""
+    if world <= 1 or nbytes <= 0:
+        return 0.0
+    return (world - 1) * (alpha_s + link.latency_s + nbytes * link.beta)
+
+
+def rounds_s(rounds: Sequence[Round], world: int, link: Link, costs: Costs,
+             messages: int = 1, half: bool = False) -> float:
+    """Time of a reduction's collectives over one ring, split into ``messages`` buckets."""
+    total = 0.0
+    for r in rounds:
+        if r.kind == "allgather":
+            total += allgather_s(r.nbytes, world, link, costs.alpha_s * messages)
+        else:
+            per_byte = (costs.half_sum_s_per_elem / 2 if half else costs.sum_s_per_elem / 4)
+            total += allreduce_s(r.nbytes, world, link, costs.alpha_s * messages, per_byte)
+        total += (messages - 1) * 2 * (world - 1) * link.latency_s if world > 1 else 0.0
+    return total
+
+
+def codec_s(compressor: "str | CompressorSpec | None", numel: float, world: int,
+            costs: Costs) -> float:
+    """CPU time to encode this rank's gradient and decode the reduced result."""
+    c = parse_compressor(compressor)
+    if c.name in ("fp16", "bf16"):
+        return numel * costs.cast_s_per_elem
+    if c.name == "topk":
+        k = max(1.0, c.ratio * numel)
+        return numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem
+    if c.name == "randomk":
+        return numel * costs.randomk_s_per_elem
+    if c.name == "powersgd":
+        return numel * (costs.powersgd_s_per_elem + c.rank * costs.powersgd_s_per_elem_rank)
+    return 0.0

@@ -1,0 +1,198 @@
+"""One training step of each mode, term by term (pure; see :mod:`parlay.plan.model`).
+
+Every function returns ``{term: seconds}`` whose values add up to the predicted step time, so
+the largest term is what a user should attack. Terms: ``compute`` (forward and backward),
+``codec`` (compression's CPU work), ``comm`` / ``comm-intra`` / ``comm-inter`` (communication
+left exposed after overlapping backward), ``push`` / ``pull`` / ``apply`` (parameter servers),
+``bubble`` and ``activations`` (pipelines).
+"""
+from __future__ import annotations
+
+import math
+
+from parlay.errors import ConfigError
+from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, Workload,
+                               codec_s, parse_compressor, rounds_s, wire_rounds)
+
+__all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "exposed"]
+
+FORWARD_SHARE = 1.0 / 3.0   # forward ~ 1/3 of forward + backward (backward ~ 2x forward)
+HALF = ("fp16", "bf16")
+
+
+def exposed(comm_s: float, backward_s: float, buckets: int, overlap: float) -> float:
+    """Communication left after hiding it behind backward.
+
+    Buckets launch as backward fills them, so at best everything but the last bucket's
+    reduction hides behind the backward that follows the first bucket (DDP's and Horovod's
+    overlap); ``overlap`` scales how much of that the machine achieves.
+    """
+    if comm_s <= 0:
+        return 0.0
+    nb = max(1, buckets)
+    ideal = max(comm_s / nb, comm_s - backward_s * (nb - 1) / nb)
+    return comm_s - overlap * (comm_s - ideal)
+
+
+def _buckets(w: Workload, bucket_bytes: float) -> int:
+    return max(1, math.ceil(w.grad_bytes / bucket_bytes))
+
+
+def _split_compute(w: Workload, codec: float) -> dict[str, float]:
+    terms = {"compute": w.compute_s}
+    if codec:
+        terms["codec"] = codec
+    return terms
+
+
+def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
+                    bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+    """Flat ring allreduce (``DistributedOptimizer``): buckets overlap backward.
+
+    The ring over ranks numbered host by host crosses each host link once per direction, so
+    the slowest edge is the host link whenever there are several hosts.
+    """
+    spec = parse_compressor(compressor)
+    n = c.world
+    link = c.inter if c.nodes > 1 else c.local
+    nb = _buckets(w, bucket_bytes)
+    rounds = wire_rounds(spec, w.params, n, w.shapes, w.bytes_per_element)
+    comm = rounds_s(rounds, n, link, costs, messages=nb, half=spec.name in HALF)
+    terms = _split_compute(w, codec_s(spec, w.params, n, costs) if n > 1 else 0.0)
+    terms["comm"] = exposed(comm, w.compute_s * (1 - FORWARD_SHARE), nb, c.overlap)
+    return terms
+
+
+def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
+                       bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+    """Reduce-scatter inside each host, allreduce across hosts (one ring per local rank, the
+    rings sharing the host link), allgather inside the host (:mod:`parlay.dp.hierarchical`).
+
+    Raises:
+        ConfigError: A compressor that is not summable (top-k allgathers instead).
+    """
+    spec = parse_compressor(compressor)
+    if spec.name == "topk":
+        raise ConfigError("hierarchical allreduce needs a summable compressor (none, fp16, bf16, "
+                          "randomk, powersgd); top-k is allgathered. Hint: use the flat ring.")
+    n, loc = c.nodes, c.ranks_per_node
+    nb = _buckets(w, bucket_bytes)
+    rounds = wire_rounds(spec, w.params, c.world, w.shapes, w.bytes_per_element)
+    half = spec.name in HALF
+    payload = sum(r.nbytes for r in rounds)
+    # local reduce-scatter and allgather: (l-1)/l of the payload each way over the host's bus
+    intra = 0.0
+    if loc > 1:
+        intra = 2 * ((loc - 1) * (costs.alpha_s * nb + c.local.latency_s)
+                     + (loc - 1) / loc * payload * c.local.beta)
+    # l parallel rings of payload/l each: together 2(n-1)/n of the payload on the host link
+    inter = rounds_s(rounds, n, c.inter, costs, messages=nb, half=half) if n > 1 else 0.0
+    terms = _split_compute(w, codec_s(spec, w.params, c.world, costs) if c.world > 1 else 0.0)
+    total = intra + inter
+    left = exposed(total, w.compute_s * (1 - FORWARD_SHARE), nb, c.overlap)
+    if total > 0:
+        terms["comm-intra"] = left * intra / total
+        terms["comm-inter"] = left * inter / total
+    return terms
+
+
+def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
+             consistency: str = "sync", servers: int | None = None,
+             server_link: Link | None = None) -> dict[str, float]:
+    """Sharded parameter servers: each worker pushes its (compressed) gradient split over the
+    servers and pulls the dense parameters back (:mod:`parlay.ps`).
+
+    ``sync`` pushes, waits until every worker's push has arrived, then pulls: two transfers in
+    sequence, each bounded by the busier of a worker's link (one model) and a server's link
+    (``workers / servers`` models). ``async`` and ``stale`` (with equal workers the staleness
+    bound rarely binds) run workers independently: a worker's own push-then-pull chain, or the
+    servers' links if all workers together keep them busier.
+
+    Raises:
+        ConfigError: PowerSGD (it needs collective rounds) or an unknown consistency.
+    """
+    spec = parse_compressor(compressor)
+    if spec.name == "powersgd":
+        raise ConfigError("PowerSGD needs two collective rounds, so parameter-server pushes "
+                          "cannot use it. Hint: topk, randomk or fp16.")
+    mode = consistency.split(":")[0]
+    if mode not in ("sync", "async", "stale"):
+        raise ConfigError(f"consistency must be sync, async or stale:s, got {consistency!r}.")
+    nw = c.world
+    ns = servers or c.nodes
+    if ns < 1:
+        raise ConfigError(f"servers must be >= 1, got {ns}.")
+    slink = server_link or c.inter
+    wlink = c.inter if c.nodes > 1 or server_link is not None else c.local
+    push_b = sum(r.nbytes for r in wire_rounds(spec, w.params, 1, w.shapes,
+                                               w.bytes_per_element))
+    pull_b = w.grad_bytes
+    msgs = ns * (costs.alpha_s + wlink.latency_s)
+    push = max(push_b * wlink.beta, nw * push_b / ns * slink.beta) + msgs
+    pull = max(pull_b * wlink.beta, nw * pull_b / ns * slink.beta) + msgs
+    enc = codec_s(spec, w.params, 1, costs) if spec.name != "none" else 0.0
+    apply = w.params / ns * (costs.apply_s_per_elem + nw * costs.sum_s_per_elem)
+    terms = _split_compute(w, enc)
+    if mode == "sync":
+        terms.update(push=push, apply=apply, pull=pull)
+        return terms
+    own = w.compute_s + enc + push_b * wlink.beta + pull_b * wlink.beta + 2 * msgs + apply
+    servers_busy = nw * max(push_b, pull_b) / ns * slink.beta
+    terms.update(push=push_b * wlink.beta + msgs, apply=apply, pull=pull_b * wlink.beta + msgs)
+    if servers_busy > own:
+        terms["server-links"] = servers_busy - own
+    return terms
+
+
+def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, stages: int = 2,
+                 chunks: int | None = None, schedule: str = "1f1b",
+                 bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+    """``stages`` pipeline stages x ``world / stages`` replicas over the same global batch.
+
+    GPipe and 1F1B leave the same bubble, ``(p-1)/(m+p-1)`` of the pipeline's time; each of
+    the ``m+p-1`` slots also waits for one activation and one gradient transfer between
+    stages. Each stage averages its ``1/p`` of the gradients over its replicas after the
+    drain. A replica's stages share a host when they fit (parlay's default placement).
+
+    Raises:
+        ConfigError: More stages than layers or ranks, ranks not a multiple of stages, more
+            micro-batches than samples per replica.
+    """
+    p, world = int(stages), c.world
+    if p < 1 or world % p:
+        raise ConfigError(f"hybrid with {p} stages needs a rank count that is a multiple of "
+                          f"{p}, got {world} ranks. Hint: stages dividing {world}.")
+    if w.layers is not None and p > w.layers:
+        raise ConfigError(f"{p} pipeline stages need at least {p} layers, the model has "
+                          f"{w.layers}. Hint: --stages {w.layers} or fewer.")
+    if schedule not in ("gpipe", "1f1b"):
+        raise ConfigError(f"the cost model covers schedules gpipe and 1f1b, got {schedule!r}.")
+    replicas = world // p
+    per_replica = w.batch * p            # the same global batch, over fewer replicas
+    m = int(chunks or min(per_replica, 4 * p))
+    if m < 1 or m > per_replica:
+        raise ConfigError(f"{m} micro-batches need at least {m} samples per pipeline, got "
+                          f"{per_replica} (batch {w.batch} x {p} stages). Hint: --chunks "
+                          f"{min(per_replica, 4 * p)}.")
+    spec = parse_compressor(compressor)
+    loc = c.ranks_per_node
+    pp_local = loc % p == 0 or c.nodes == 1
+    act_link = c.local if pp_local else c.inter
+    slot = w.compute_s / m                # one micro-batch, one stage: forward + backward
+    act_bytes = w.act_numel * per_replica / m * w.bytes_per_element
+    transfer = 2 * (costs.alpha_s + act_link.transfer_s(act_bytes)) if p > 1 else 0.0
+    terms = {"compute": w.compute_s, "bubble": (p - 1) * slot,
+             "activations": (m + p - 1) * transfer}
+    if replicas > 1:
+        stage = Workload(w.params / p, w.batch, w.compute_s_per_sample, shapes=None,
+                         bytes_per_element=w.bytes_per_element)
+        spans = c.nodes > 1 and (not pp_local or replicas > loc // p)
+        link = c.inter if spans else c.local
+        rings = p if pp_local else loc  # rings sharing one host link
+        nb = _buckets(stage, bucket_bytes)
+        rounds = wire_rounds(spec, stage.params, replicas, None, w.bytes_per_element)
+        comm = rounds_s(rounds, replicas, link, costs, nb, spec.name in HALF)
+        comm *= rings if spans else 1
+        terms["codec"] = codec_s(spec, stage.params, replicas, costs)
+        terms["comm"] = exposed(comm, slot * (1 - FORWARD_SHARE), nb, c.overlap)
+    return {k: v for k, v in terms.items() if v or k == "compute"}
