@@ -11,32 +11,23 @@ non-ps rank (``K``) is the chief: the chief task, or worker 0 when there is none
 chief trains like any worker, so ``role`` is ``"ps"`` for ranks below ``K`` and ``"worker"``
 otherwise. Evaluators (TF semantics) stand outside the training world and have no rank.
 
-This module imports neither torch nor any other parlay module except :mod:`parlay.errors`.
+This module imports neither torch nor any other parlay module except :mod:`parlay.errors` and
+the validators it shares with :mod:`parlay.taskspec` (:mod:`parlay._validate`); ``TaskSpec`` is
+defined in :mod:`parlay.taskspec`, which builds on this module.
 """
 from __future__ import annotations
 
-import itertools
+import importlib
 import os
-import re
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
+from parlay._validate import (DEFAULT_MASTER_PORT, INT, TASK_TYPES, as_index, check_below,
+                              check_host, cluster_order, expand_nodelist, fail, first_node,
+                              parse_address, rank_of, read_tf_config, show)
 from parlay.errors import ConfigError
-from parlay.taskspec import (
-    _INT,
-    _NODE,
-    _RANGE,
-    DEFAULT_MASTER_PORT,
-    TASK_TYPES,
-    TaskSpec,
-    _as_index,
-    _check_below,
-    _check_host,
-    _fail,
-    _parse_address,
-    _show,
-)
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "ClusterEnv", "detect",
            "expand_nodelist"]
@@ -77,28 +68,28 @@ class ClusterEnv:
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "local_world_size", "num_ps",
                      "node_rank", "num_nodes"):
-            object.__setattr__(self, name, _as_index(getattr(self, name), name))
+            object.__setattr__(self, name, as_index(getattr(self, name), name))
         if self.world_size < 1 or self.local_world_size < 1 or self.num_nodes < 1:
-            raise _fail("ClusterEnv", "world_size, local_world_size and num_nodes >= 1",
-                        f"{self.world_size}, {self.local_world_size}, {self.num_nodes}",
-                        "a world has at least one process on one node")
-        _check_below("rank", self.rank, "world_size", self.world_size, "ranks count from 0")
-        _check_below("local_rank", self.local_rank, "local_world_size", self.local_world_size,
-                     "local ranks count from 0 on each node")
-        _check_below("node_rank", self.node_rank, "num_nodes", self.num_nodes,
-                     "node ranks count from 0")
-        _check_below("num_ps", self.num_ps, "world_size", self.world_size,
-                     "keep at least one worker")
+            raise fail("ClusterEnv", "world_size, local_world_size and num_nodes >= 1",
+                       f"{self.world_size}, {self.local_world_size}, {self.num_nodes}",
+                       "a world has at least one process on one node")
+        check_below("rank", self.rank, "world_size", self.world_size, "ranks count from 0")
+        check_below("local_rank", self.local_rank, "local_world_size", self.local_world_size,
+                    "local ranks count from 0 on each node")
+        check_below("node_rank", self.node_rank, "num_nodes", self.num_nodes,
+                    "node ranks count from 0")
+        check_below("num_ps", self.num_ps, "world_size", self.world_size,
+                    "keep at least one worker")
         if self.master_port is not None and (
                 isinstance(self.master_port, bool) or not isinstance(self.master_port, int)
                 or not 1 <= self.master_port <= 65535):
-            raise _fail("master_port", "None or an int in 1..65535", _show(self.master_port),
-                        "use e.g. 29500")
+            raise fail("master_port", "None or an int in 1..65535", show(self.master_port),
+                       "use e.g. 29500")
         if self.master_addr is not None:
             if not isinstance(self.master_addr, str):
-                raise _fail("master_addr", "None or a host string", _show(self.master_addr),
-                            "use e.g. '127.0.0.1'")
-            object.__setattr__(self, "master_addr", _check_host(self.master_addr, "master_addr"))
+                raise fail("master_addr", "None or a host string", show(self.master_addr),
+                           "use e.g. '127.0.0.1'")
+            object.__setattr__(self, "master_addr", check_host(self.master_addr, "master_addr"))
 
     @property
     def role(self) -> str:
@@ -128,12 +119,12 @@ def _int_var(env: Mapping[str, str], name: str, minimum: int = 0) -> int | None:
     if name not in env:
         return None
     raw = env[name]
-    m = _INT.fullmatch(raw) if isinstance(raw, str) else None
+    m = INT.fullmatch(raw) if isinstance(raw, str) else None
     if m is None:
-        raise _fail(name, "an integer", _show(raw), f"set {name} to a number or unset it")
+        raise fail(name, "an integer", show(raw), f"set {name} to a number or unset it")
     value = int(m.group(1))
     if value < minimum:
-        raise _fail(name, f"an integer >= {minimum}", str(value), f"fix or unset {name}")
+        raise fail(name, f"an integer >= {minimum}", str(value), f"fix or unset {name}")
     return value
 
 
@@ -150,12 +141,12 @@ def _need(env: Mapping[str, str], name: str, present: Sequence[str], minimum: in
 def _port_var(env: Mapping[str, str], name: str = "MASTER_PORT") -> int | None:
     value = _int_var(env, name, minimum=1)
     if value is not None and value > 65535:
-        raise _fail(name, "a port in 1..65535", str(value), f"fix {name}")
+        raise fail(name, "a port in 1..65535", str(value), f"fix {name}")
     return value
 
 
 def _addr_var(env: Mapping[str, str], name: str = "MASTER_ADDR") -> str | None:
-    return _check_host(str(env[name]).strip(), name) if name in env else None
+    return check_host(str(env[name]).strip(), name) if name in env else None
 
 
 def _master(env: Mapping[str, str], world_size: int, source: str) -> tuple[str, int | None]:
@@ -181,11 +172,11 @@ def _local_sizes(rank: int, world: int, local_rank: int | None, local_world: int
     elif local_world is None:
         local_world = world
     if local_world > world:
-        raise _fail(f"{where} local world size", f"<= world size {world}", str(local_world),
-                    "a node cannot hold more processes than the world")
+        raise fail(f"{where} local world size", f"<= world size {world}", str(local_world),
+                   "a node cannot hold more processes than the world")
     if local_rank >= local_world:
-        raise _fail(f"{where} local rank", f"< local world size {local_world}", str(local_rank),
-                    "local ranks count from 0 on each node")
+        raise fail(f"{where} local rank", f"< local world size {local_world}", str(local_rank),
+                   "local ranks count from 0 on each node")
     return local_rank, local_world
 
 
@@ -194,13 +185,13 @@ def _torchrun(env: Mapping[str, str]) -> ClusterEnv | None:
     if not any(k in env for k in keys):
         return None
     rank, world = _need(env, "RANK", keys), _need(env, "WORLD_SIZE", keys, minimum=1)
-    _check_below("RANK", rank, "WORLD_SIZE", world, "ranks count from 0")
+    check_below("RANK", rank, "WORLD_SIZE", world, "ranks count from 0")
     local_rank, local_world = _local_sizes(rank, world, _int_var(env, "LOCAL_RANK"),
                                            _int_var(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
     nodes = _int_var(env, "GROUP_WORLD_SIZE", 1) or _ceil_div(world, local_world)
     node = _int_var(env, "GROUP_RANK")
     node = rank // local_world if node is None else node
-    _check_below("GROUP_RANK", node, "number of nodes", nodes, "node ranks count from 0")
+    check_below("GROUP_RANK", node, "number of nodes", nodes, "node ranks count from 0")
     addr, port = _master(env, world, "torchrun")
     return ClusterEnv(rank, world, local_rank, local_world, addr, port, "torchrun",
                       node_rank=node, num_nodes=nodes)
@@ -226,7 +217,7 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
         return None
     keys = ("SLURM_PROCID",)
     rank, world = _need(env, "SLURM_PROCID", keys), _need(env, "SLURM_NTASKS", keys, minimum=1)
-    _check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world, "ranks count from 0")
+    check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world, "ranks count from 0")
     local_rank = _need(env, "SLURM_LOCALID", keys)
     nnodes, node = _int_var(env, "SLURM_NNODES", 1), _int_var(env, "SLURM_NODEID")
     # --ntasks-per-node sets a plain count; without it, assume tasks spread evenly over nodes.
@@ -234,12 +225,12 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     local_rank, local_world = _local_sizes(rank, world, local_rank, local_world, "SLURM")
     nnodes = nnodes or _ceil_div(world, local_world)
     node = rank // local_world if node is None else node
-    _check_below("SLURM_NODEID", node, "SLURM_NNODES", nnodes, "node ids count from 0")
+    check_below("SLURM_NODEID", node, "SLURM_NNODES", nnodes, "node ids count from 0")
     addr = _addr_var(env)
     if addr is None:
         nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST"))
         if nodelist is not None:
-            addr = _check_host(_first_node(nodelist), "first host of SLURM_NODELIST")
+            addr = check_host(first_node(nodelist), "first host of SLURM_NODELIST")
         elif world == 1:
             addr = "127.0.0.1"
         else:
@@ -256,7 +247,7 @@ def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
     if not any(k in env for k in keys):
         return None
     rank, world = _need(env, keys[0], keys), _need(env, keys[1], keys, minimum=1)
-    _check_below(keys[0], rank, keys[1], world, "ranks count from 0")
+    check_below(keys[0], rank, keys[1], world, "ranks count from 0")
     local_rank, local_world = _local_sizes(rank, world, _need(env, keys[2], keys),
                                            _need(env, keys[3], keys, minimum=1), "OpenMPI")
     addr, port = _master(env, world, "OpenMPI (mpirun)")
@@ -268,18 +259,20 @@ def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
     text = env.get("TF_CONFIG", "")
     if not text.strip():
         return None
-    spec = TaskSpec.from_tf_config(text)
-    if spec.rank is None:
+    task_type, index, hosts = read_tf_config(text)
+    rank = rank_of(task_type, index, hosts)
+    if rank is None:
         raise ConfigError("TF_CONFIG describes an evaluator: expected a ps, chief or worker task. "
                           "Hint: evaluators are not part of the training world; read them with "
                           "TaskSpec.from_env() and run evaluation without parlay.init().")
     # Tasks sharing a host are one node; local rank counts them in rank order.
-    hosts = [_parse_address(a, "TF_CONFIG")[0].lower() for a in spec.cluster_hosts]
-    nodes = list(dict.fromkeys(hosts))
-    mine = hosts[spec.rank]
-    local = [r for r, h in enumerate(hosts) if h == mine]
-    return ClusterEnv(spec.rank, spec.world_size, local.index(spec.rank), len(local),
-                      spec.master_addr, spec.master_port, "tf_config", num_ps=spec.num_ps,
+    addresses = [parse_address(a, "TF_CONFIG") for a in cluster_order(hosts)]
+    names = [host.lower() for host, _ in addresses]
+    nodes = list(dict.fromkeys(names))
+    mine = names[rank]
+    local = [r for r, h in enumerate(names) if h == mine]
+    return ClusterEnv(rank, len(names), local.index(rank), len(local), addresses[0][0],
+                      addresses[0][1], "tf_config", num_ps=len(hosts["ps"]),
                       node_rank=nodes.index(mine), num_nodes=len(nodes))
 
 
@@ -335,16 +328,16 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
     if rank is not None or world_size is not None or local_rank is not None \
             or local_world_size is not None:
         if rank is None or world_size is None:
-            raise _fail("detect()", "rank and world_size together",
-                        f"rank={_show(rank)}, world_size={_show(world_size)}",
-                        "pass both, or neither to read them from the environment")
-        r, w = _as_index(rank, "rank"), _as_index(world_size, "world_size")
+            raise fail("detect()", "rank and world_size together",
+                       f"rank={show(rank)}, world_size={show(world_size)}",
+                       "pass both, or neither to read them from the environment")
+        r, w = as_index(rank, "rank"), as_index(world_size, "world_size")
         if w < 1:
-            raise _fail("world_size", "an int >= 1", str(w), "count the processes")
-        _check_below("rank", r, "world_size", w, "ranks count from 0")
-        lr, lw = _local_sizes(r, w, None if local_rank is None else _as_index(local_rank,
+            raise fail("world_size", "an int >= 1", str(w), "count the processes")
+        check_below("rank", r, "world_size", w, "ranks count from 0")
+        lr, lw = _local_sizes(r, w, None if local_rank is None else as_index(local_rank,
                               "local_rank"), None if local_world_size is None else
-                              _as_index(local_world_size, "local_world_size"), "explicit")
+                              as_index(local_world_size, "local_world_size"), "explicit")
         port = _port_var(env) if master_port is None else master_port
         if w > 1 and port is None:
             raise ConfigError(f"master_port is missing: expected it (or MASTER_PORT) with "
@@ -372,79 +365,23 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
         found = replace(found, master_addr=found.master_addr if master_addr is None
                         else master_addr, master_port=found.master_port if master_port is None
                         else master_port)
-    k = _int_var(env, "PARLAY_NUM_PS") if num_ps is None else _as_index(num_ps, "num_ps")
+    k = _int_var(env, "PARLAY_NUM_PS") if num_ps is None else as_index(num_ps, "num_ps")
     tf = [c.num_ps for c in present if c.source == "tf_config"]
     if tf and num_ps is None:  # TF_CONFIG's ps count holds even when another source won
         if k is not None and k != tf[0]:
-            raise _fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0]}", str(k),
-                        "unset PARLAY_NUM_PS or fix TF_CONFIG")
+            raise fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0]}", str(k),
+                       "unset PARLAY_NUM_PS or fix TF_CONFIG")
         k = tf[0]
     if k is None:
         return found
-    _check_below("num_ps" if num_ps is not None else "PARLAY_NUM_PS", k, "world size",
-                 found.world_size, "keep at least one worker: parlay run -n N --ps K needs K < N")
+    check_below("num_ps" if num_ps is not None else "PARLAY_NUM_PS", k, "world size",
+                found.world_size, "keep at least one worker: parlay run -n N --ps K needs K < N")
     return replace(found, num_ps=k)
 
 
-def _parse_nodelist(text: str) -> list[list[str | list[tuple[int, int, int]]]]:
-    """Validate a SLURM hostlist; for each name, its literal parts and bracket groups."""
-    names: list[list[str | list[tuple[int, int, int]]]] = []
-    pos = 0
-    while True:
-        m = _NODE.match(text, pos)
-        if m is None:
-            raise _fail("SLURM nodelist", "names like 'node[01-04,07],gpu3'", _show(text),
-                        f"near character {pos}: no empty names or spaces, brackets balanced "
-                        "and not nested")
-        parts: list[str | list[tuple[int, int, int]]] = []
-        for i, piece in enumerate(re.split(r"\[([^\]]*)\]", m.group())):
-            if i % 2 == 0:  # re.split alternates literal text and group contents
-                parts += [piece] if piece else []
-                continue
-            group = []
-            for spec in piece.split(","):
-                r = _RANGE.fullmatch(spec)
-                if r is None or int(r.group(1)) > int(r.group(2) or r.group(1)):
-                    raise _fail("SLURM nodelist", "ranges 'N' or 'LO-HI' with LO <= HI",
-                                f"{_show(spec)} in {_show(text)}", "e.g. 'node[01-04,07]'")
-                group.append((int(r.group(1)), int(r.group(2) or r.group(1)), len(r.group(1))))
-            parts.append(group)
-        names.append(parts)
-        pos = m.end()
-        if pos == len(text):
-            return names
-        if text[pos] != ",":
-            raise _fail("SLURM nodelist", "',' between names", _show(text),
-                        f"unexpected {text[pos]!r} at character {pos}")
-        pos += 1
-
-
-def _first_node(text: str) -> str:
-    """First host of a hostlist, without expanding it (``n[1-99999999]`` stays cheap)."""
-    return "".join(p if isinstance(p, str) else str(p[0][0]).zfill(p[0][2])
-                   for p in _parse_nodelist(text)[0])
-
-
-def expand_nodelist(s: str) -> list[str]:
-    """Expand a SLURM hostlist: ``"node[01-03,07],gpu-[1-2]-x"`` -> ``node01 .. gpu-2-x``.
-
-    Zero padding is kept (the width of each range's first number); several bracket groups in
-    one name expand as a product, in order.
-
-    Args:
-        s: The hostlist, e.g. the value of ``SLURM_JOB_NODELIST``.
-
-    Returns:
-        Host names in SLURM's order.
-
-    Raises:
-        ConfigError: Empty names, spaces, unbalanced or nested brackets, or a bad range.
-    """
-    if not isinstance(s, str):
-        raise _fail("SLURM nodelist", "a string", _show(s), "pass e.g. 'node[01-04]'")
-    hosts = []
-    for parts in _parse_nodelist(s):
-        choices = [[p] if isinstance(p, str) else
-                   [str(n).zfill(w) for lo, hi, w in p for n in range(lo, hi + 1)] for p in parts]
-        hosts += ["".join(name) for name in itertools.product(*choices)]
-    return hosts
+def __getattr__(name: str) -> Any:
+    # TaskSpec lives in parlay.taskspec, which builds on this module; it stays importable from
+    # here (``from parlay.env import TaskSpec``) without an import back at load time.
+    if name == "TaskSpec":
+        return importlib.import_module("parlay.taskspec").TaskSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
