@@ -99,11 +99,14 @@ class TrainerIO:
                         allow_inf=lambda t: t.data_ptr() in inf_ok)
         self._last_ckpt_step = self.state.step
 
-    def _training_state(self) -> dict[str, Any]:
-        """Everything stateful on this rank, as checkpoints and snapshots store it."""
-        return {"trainer": asdict(self.state), "mode": self.mode,
-                "strategy": self.strategy.state_dict(), "sampler": self.sampler.state_dict(),
-                "rng": rng_state()}
+    def _training_state(self, snapshot: bool = False) -> dict[str, Any]:
+        """Everything stateful on this rank, as checkpoints and snapshots store it (a strategy
+        may state a snapshot differently: ps workers do not ask the servers to save)."""
+        s = self.strategy
+        strategy = (s.snapshot_state_dict() if snapshot and hasattr(s, "snapshot_state_dict")
+                    else s.state_dict())
+        return {"trainer": asdict(self.state), "mode": self.mode, "strategy": strategy,
+                "sampler": self.sampler.state_dict(), "rng": rng_state()}
 
     def _load(self, ck: dict[str, Any]) -> None:
         if ck.get("mode") != self.mode:
@@ -139,7 +142,7 @@ class TrainerIO:
         if self._snap is None or self.state.step % self.snapshot_every:
             return
         try:
-            self._snap.save(self.state.step, self._training_state(),
+            self._snap.save(self.state.step, self._training_state(snapshot=True),
                             defer=optimizer_tensors(self.strategy))
         except CheckpointError as e:  # snapshots are a speed-up: training goes on without
             self._snap = None

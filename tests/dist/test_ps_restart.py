@@ -2,8 +2,9 @@
 
 * The README's Trainer loop in mode="ps" validates after ``should_stop()`` under ``parlay run``.
 * A server SIGKILLed mid-run under ``parlay run --max-restarts 1`` comes back from server shards
-  and worker checkpoints of the same step: the final weights equal an uninterrupted run (sync PS
-  is the maths of allreduce, so the single-process oracle of test_ps_trainer applies).
+  and worker checkpoints of the same step on disk (snapshots off; test_ps_snapshot covers them):
+  the final weights equal an uninterrupted run (sync PS is the maths of allreduce, so the
+  single-process oracle of test_ps_trainer applies).
 * async/stale: a killed worker is dropped at once (its connection closes), the survivors finish,
   including the Trainer's epoch-end metrics, and the server's receiver threads have all ended
   (a thread left blocked in gloo aborted the process at exit now and then); workers mark
@@ -43,13 +44,14 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _parlay_run(tmp: Path, script: str, *args: str, restarts: int = 0,
-                timeout: float = 150) -> subprocess.CompletedProcess[str]:
+def _parlay_run(tmp: Path, script: str, *args: str, restarts: int = 0, timeout: float = 150,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     path = tmp / "script.py"
     path.write_text(textwrap.dedent(script))
     return subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "3", "--ps", "1",
                            "--max-restarts", str(restarts), str(path), *args],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env={**_env(), **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
 
 
 # -- the README's loop: validate() after should_stop() -------------------------------------------
@@ -102,7 +104,7 @@ RESTART = '''
     t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
                        optimizer_args={"lr": LR, "momentum": 0.9}, batch_size=BATCH,
                        num_epochs=EPOCHS, warmup_epochs=0.5, progress=False, mode="ps",
-                       checkpoint_dir=ckpt_dir, checkpoint_every=2)
+                       checkpoint_dir=ckpt_dir, checkpoint_every=2, snapshot_every=0)
     server = t.strategy.session.server
     if server is not None and attempt == 0:
         apply = server.core._apply

@@ -1,76 +1,152 @@
 """Fault handling shared by parameter-server ranks: where to resume, and the launcher marker.
 
-* :func:`agree_resume`: at start every rank lists the checkpoint steps it holds (servers their
-  shard files, workers the Trainer's files) and all resume the newest step held by every rank,
-  so server shards and worker state never come from different steps. Tensors only.
+* :func:`agree_resume`: at start every rank lists the steps it can resume (servers their shard
+  files and in-memory snapshots, workers the Trainer's files and snapshots) and all resume one
+  step, so server shards and worker state never come from different steps. Tensors only.
 * :func:`mark_droppable`: an ``async``/``stale`` worker tells ``parlay run`` that losing it
   need not stop the job (the other workers go on without it); :func:`server_loss_is_fatal`
   takes that back when the worker fails because it lost a server (the job must stop, and
   ``--max-restarts`` restart it).
+* :func:`save_worker_state` / :func:`load_worker_state`: a plain session's worker file
+  (compression residuals) when no Trainer keeps the worker's state.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
-from parlay import comm
-from parlay.errors import CommError
+from parlay import comm, runtime
+from parlay.checkpoint import save_atomic
+from parlay.compress.base import Compressor
+from parlay.errors import CheckpointError, CommError
+from parlay.launch import droppable_marker
+from parlay.launch import mark_droppable as _launch_mark_droppable
+from parlay.snapshot import SnapshotStore, run_key
 
-__all__ = ["agree_resume", "mark_droppable", "server_loss_is_fatal", "HELD_SLOTS"]
+__all__ = ["agree_resume", "Resume", "open_snapshots", "mark_droppable", "server_loss_is_fatal",
+           "HELD_SLOTS", "save_worker_state", "load_worker_state"]
 
 log = logging.getLogger("parlay.ps")
 
 #: Newest checkpoint steps each rank offers when agreeing where to resume.
 HELD_SLOTS = 32
+_SNAP_SLOTS = 8  # newest in-memory snapshot steps each rank offers (a store keeps 2)
+_FLAGS = 3  # tagged, keeps snapshots, is a worker
 
 
-def agree_resume(held: Iterable[int], tagged: bool, world: int,
-                 group: Any) -> tuple[bool, int | None]:
-    """Agree, over every rank of ``group``, on the checkpoint step to resume (one allgather).
+class Resume(NamedTuple):
+    """Where every rank resumes (the same answer on every rank).
+
+    Attributes:
+        tagged: Some worker keeps step-tagged checkpoints (a Trainer worker): servers
+            checkpoint when the workers ask.
+        step: The step to resume, or ``None`` (a fresh start, or nothing every rank holds).
+        from_snapshot: ``step`` is read from the in-memory snapshots (else from disk).
+        snapshots: Some worker keeps in-memory snapshots: servers snapshot their shards too.
+        training: Global ranks of the workers that train; the others sit out (see
+            :func:`agree_resume`).
+    """
+
+    tagged: bool
+    step: int | None
+    from_snapshot: bool
+    snapshots: bool
+    training: list[int]
+
+
+def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, tagged: bool,
+                 snapshots: bool, relaxed: bool, world: int, group: Any) -> Resume:
+    """Agree, over every rank of ``group``, on the step to resume (one allgather of tensors).
+
+    The in-memory snapshot step every rank holds wins when it is newer than the disk step;
+    a rank never mixes the two. On disk, ``sync`` (``relaxed=False``) takes the newest step
+    every rank holds. ``async``/``stale`` (``relaxed=True``) take the newest step ``T`` that
+    every server holds and that every worker holding a file of step ``T`` or later holds:
+    workers lost before ``T`` (dropped while the others went on; they hold only older files,
+    or none) sit out, since their state at ``T`` was never saved.
 
     Args:
-        held: Checkpoint steps this rank holds.
-        tagged: This rank keeps step-tagged checkpoints (a Trainer worker); if any rank does,
-            servers checkpoint when the workers ask and resume the agreed step.
+        disk: Checkpoint steps this rank holds on disk.
+        snaps: In-memory snapshot steps this rank holds.
+        is_worker: This rank computes gradients.
+        tagged: This rank keeps step-tagged checkpoints (a Trainer worker).
+        snapshots: This worker keeps in-memory snapshots.
+        relaxed: Lost workers were dropped and the others went on (``async``/``stale``).
         world: Size of ``group``.
         group: Every server and worker.
-
-    Returns:
-        ``(tagged on any rank, newest step every rank holds or None)``.
     """
-    steps = sorted(set(int(t) for t in held))[-HELD_SLOTS:]
-    row = torch.full((HELD_SLOTS + 1,), -1, dtype=torch.int64)
-    row[0] = int(tagged)
-    row[1: 1 + len(steps)] = torch.tensor(steps, dtype=torch.int64)
+    def slots(steps: Iterable[int], n: int) -> list[int]:
+        newest = sorted(set(int(t) for t in steps))[-n:]
+        return newest + [-1] * (n - len(newest))
+
+    row = torch.tensor([int(tagged), int(snapshots), int(is_worker)]
+                       + slots(disk, HELD_SLOTS) + slots(snaps, _SNAP_SLOTS), dtype=torch.int64)
     out = torch.empty(world * row.numel(), dtype=torch.int64)
-    rows = comm.allgather_into(out, row, group=group).view(world, -1)
-    any_tagged = bool(rows[:, 0].max() > 0)
-    common = set.intersection(*({t for t in r[1:].tolist() if t >= 0} for r in rows))
-    return any_tagged, (max(common) if any_tagged and common else None)
+    rows = comm.allgather_into(out, row, group=group).view(world, -1).tolist()
+    any_tagged = any(r[0] for r in rows)
+    any_snap = any(r[1] for r in rows)
+    workers = [k for k, r in enumerate(rows) if r[2]]
+    held = [{t for t in r[_FLAGS: _FLAGS + HELD_SLOTS] if t >= 0} for r in rows]
+    mem = [{t for t in r[_FLAGS + HELD_SLOTS:] if t >= 0} for r in rows]
+    on_disk = _disk_step(held, workers, relaxed) if any_tagged else None
+    in_mem = max(set.intersection(*mem), default=None) if any_snap else None
+    if in_mem is not None and (on_disk is None or in_mem > on_disk):
+        return Resume(any_tagged, in_mem, True, any_snap, workers)
+    training = workers
+    if relaxed and on_disk is not None:
+        training = [w for w in workers if any(t >= on_disk for t in held[w])]
+    return Resume(any_tagged, on_disk, False, any_snap, training)
+
+
+def _disk_step(held: list[set[int]], workers: list[int], relaxed: bool) -> int | None:
+    if not relaxed:
+        return max(set.intersection(*held), default=None)
+    servers = [held[k] for k in range(len(held)) if k not in workers]
+    for t in sorted(set.intersection(*servers) if servers else set(), reverse=True):
+        later = [w for w in workers if max(held[w], default=-1) >= t]
+        if later and all(t in held[w] for w in later):
+            return t
+    return None
+
+
+def open_snapshots(session: Any) -> SnapshotStore | None:
+    """The in-memory snapshot store of a started session's rank, or ``None`` when the job has
+    no run id (:func:`parlay.snapshot.run_key`) or the store cannot be made (a warning).
+
+    Servers and workers of one job share a key: the run id plus what must match for a
+    snapshot to continue the run (placement, world layout, consistency, optimizer,
+    compressor). The Trainer's own settings (batch size, data) are checked when a worker
+    loads one (:func:`parlay.snapshot.resume_trainer`).
+    """
+    s = session
+    identity = repr(("ps", runtime.size(), s.num_servers, s.consistency.name, s.plan.rows(),
+                     getattr(s.optimizer_cls, "__qualname__", repr(s.optimizer_cls)),
+                     sorted((k, repr(v)) for k, v in s.optimizer_args.items()),
+                     type(s.compressor).__qualname__))
+    key = run_key(identity)
+    if key is None:
+        log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
+                 "PARLAY_RUN_ID to an id that stays the same across restarts of this job)")
+        return None
+    try:
+        return SnapshotStore(key, s.rank)
+    except CheckpointError as e:
+        log.warning("in-memory snapshots off on rank %d: %s", s.rank, e)
+        return None
 
 
 def mark_droppable(rank: int) -> None:
-    """Write ``$PARLAY_RUN_DIR/droppable/<rank>``: ``parlay run`` keeps the other ranks running
-    when a rank so marked fails. Nothing happens without ``PARLAY_RUN_DIR``."""
-    path = _marker(rank)
-    if path is None:
-        return
+    """Declare this worker droppable to ``parlay run`` (:func:`parlay.launch.mark_droppable`);
+    a marker that cannot be written only costs the job its tolerance of this worker's loss."""
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8"):
-            pass
+        _launch_mark_droppable(rank)
     except OSError as e:
-        log.warning("could not write %s (%s): losing this worker will stop the job under "
-                    "parlay run", path, e)
-
-
-def _marker(rank: int) -> str | None:
-    run_dir = os.environ.get("PARLAY_RUN_DIR")
-    return os.path.join(run_dir, "droppable", str(rank)) if run_dir else None
+        log.warning("could not write the droppable marker of rank %d (%s): losing this worker "
+                    "will stop the job under parlay run", rank, e)
 
 
 @contextlib.contextmanager
@@ -80,8 +156,29 @@ def server_loss_is_fatal(rank: int, num_servers: int) -> Iterator[None]:
     try:
         yield
     except CommError as e:
-        path = _marker(rank)
+        path = droppable_marker(rank)
         if path and e.peer is not None and 0 <= e.peer < num_servers:
             with contextlib.suppress(OSError):
                 os.remove(path)
         raise
+
+
+def save_worker_state(path: str | None, compressor: Compressor) -> None:
+    """Write a worker's compression residuals to ``path`` (no-op for ``None``)."""
+    if path:
+        save_atomic({"compressor": compressor.state_dict()}, path)
+
+
+def load_worker_state(path: str | None, compressor: Compressor) -> None:
+    """Restore a worker's compression residuals from ``path`` when it exists.
+
+    Raises:
+        CheckpointError: The file is unreadable.
+    """
+    if path and os.path.exists(path):
+        try:
+            sd = torch.load(path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
+            raise CheckpointError(f"could not read worker checkpoint {path!r}: {e}. Hint: "
+                                  "delete it to start the worker's residuals at zero.") from e
+        compressor.load_state_dict(sd.get("compressor", {}))

@@ -16,7 +16,6 @@ import datetime as _dt
 import logging
 import os
 import queue
-import re
 import threading
 import time
 from typing import Any
@@ -26,11 +25,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm
-from parlay.checkpoint import save_atomic
 from parlay.compress.base import Compressor
-from parlay.errors import CheckpointError, CommError, ConfigError
+from parlay.errors import CommError, ConfigError
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
+from parlay.ps.shard_io import SNAPSHOTS_KEPT, ShardPersistence, snapshot_steps
 from parlay.ps.wire import (
     TAG_PUSH,
     TAG_REPLY,
@@ -51,21 +50,6 @@ log = logging.getLogger("parlay.ps")
 
 _FOREVER = _dt.timedelta(days=365)
 
-#: Worker-requested checkpoints a server keeps (the Trainer's default ``keep_last``).
-SNAPSHOTS_KEPT = 3
-_SNAPSHOT = re.compile(r"^ps-(\d+)\.step-(\d+)\.pt$")
-
-
-def snapshot_steps(checkpoint_dir: str, index: int) -> list[int]:
-    """Steps of the worker-requested checkpoints server ``index`` holds, ascending."""
-    try:
-        names = os.listdir(checkpoint_dir)
-    except FileNotFoundError:
-        return []
-    found = (_SNAPSHOT.match(n) for n in names)
-    return sorted(int(m.group(2)) for m in found if m and int(m.group(1)) == index)
-
-
 def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, where: str) -> str:
     """The text of the error a worker raises for an ERROR reply (shared by server and worker)."""
     if kind == Err.EVICTED:
@@ -82,7 +66,7 @@ def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, whe
             "survive lost workers.")
 
 
-class Server:
+class Server(ShardPersistence):
     """Serve one shard of the parameters.
 
     Args:
@@ -101,7 +85,10 @@ class Server:
         checkpoint_every: Save every this many versions (and at the end).
         tagged: Checkpoints are taken when the workers ask (:meth:`snapshot`, files
             ``ps-<index>.step-<tag>.pt``) instead of every ``checkpoint_every`` versions.
-        resume_step: With ``tagged``, the checkpoint to resume (agreed by every rank).
+        resume_step: With ``tagged`` or ``memory``, the step to resume (agreed by every rank).
+        memory: In-memory snapshots of this server (``sync`` only: see
+            :mod:`parlay.ps.shard_io`), taken right after every update; ``None``: none.
+        from_memory: ``resume_step`` is read from ``memory`` rather than from disk.
     """
 
     def __init__(self, index: int, plan: ShardPlan, model: nn.Module,
@@ -109,13 +96,15 @@ class Server:
                  policy: Consistency, compressor: Compressor, worker_ranks: list[int],
                  group: Any, timeout: float, checkpoint_dir: str | None = None,
                  checkpoint_every: int | None = 100, *, tagged: bool = False,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, memory: Any = None,
+                 from_memory: bool = False) -> None:
         self.index, self.plan, self.policy = index, plan, policy
         self.compressor = compressor
         self.worker_ranks = worker_ranks
         self.group, self.timeout = group, timeout
         self.checkpoint_every = None if tagged else checkpoint_every
         self.dir = checkpoint_dir
+        self.memory = memory if policy.aggregate else None
         self.path = (os.path.join(checkpoint_dir, f"ps-{index}.pt")
                      if checkpoint_dir and not tagged else None)
         self.pieces = plan.pieces(index)
@@ -148,7 +137,9 @@ class Server:
         self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
         self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
         version, clocks = 0, None
-        if tagged and resume_step is not None:
+        if from_memory and resume_step is not None and self.memory is not None:
+            version, clocks = self._load_memory(resume_step)
+        elif tagged and resume_step is not None:
             version, clocks = self._load(self.snapshot_path(resume_step))
         elif self.path and os.path.exists(self.path):
             version, clocks = self._load(self.path)
@@ -179,6 +170,8 @@ class Server:
             if base is not None:
                 group["lr"] = base * lr_factor
         self.optimizer.step()
+        if self.memory is not None:  # sync: the version this update makes is a worker step
+            self.snapshot_memory(self.core.version + 1)
 
     def copy_to_model(self) -> None:
         """Write this shard's values into the server's copy of the model (its own pieces only)."""
@@ -188,55 +181,6 @@ class Server:
                 dst = named[p.name]
                 dst.view(-1)[p.start: p.start + p.length].copy_(
                     self.flat[p.offset: p.offset + p.length].to(dst.device))
-
-    # -- checkpoints --------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Shard, optimizer state, version and worker clocks."""
-        return {"format": 1, "server": self.index, "plan": self.plan.rows(),
-                "flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
-                "version": self.core.version, "clocks": list(self.core.clocks),
-                "histogram": dict(self.core.histogram)}
-
-    def save(self) -> None:
-        """Write ``ps-<index>.pt`` atomically (no-op without a checkpoint directory)."""
-        if self.path:
-            save_atomic(self.state_dict(), self.path)
-
-    def snapshot_path(self, tag: int) -> str:
-        """File of checkpoint ``tag`` (a worker step) of this server."""
-        assert self.dir is not None
-        return os.path.join(self.dir, f"ps-{self.index}.step-{int(tag):010d}.pt")
-
-    def snapshot(self, tag: int) -> None:
-        """Save checkpoint ``tag`` (every live worker waits at its step ``tag``) and keep the
-        newest :data:`SNAPSHOTS_KEPT`. No-op without a checkpoint directory."""
-        if not self.dir:
-            return
-        save_atomic({**self.state_dict(), "tag": int(tag)}, self.snapshot_path(tag))
-        for old in snapshot_steps(self.dir, self.index)[:-SNAPSHOTS_KEPT]:
-            try:
-                os.remove(self.snapshot_path(old))
-            except FileNotFoundError:
-                pass
-
-    def _load(self, path: str) -> tuple[int, list[int]]:
-        try:
-            sd = torch.load(path, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
-            raise CheckpointError(f"could not read checkpoint {path!r}: {e}. Hint: the file is "
-                                  "truncated or corrupt; delete it (and the workers' files of "
-                                  "the same step) to resume from the previous one.") from e
-        n = len(self.worker_ranks)
-        if sd.get("plan") != self.plan.rows() or len(sd.get("clocks", [])) != n:
-            raise CheckpointError(
-                f"checkpoint {path!r} was written for a different placement or number of "
-                f"workers (expected {n} workers and the current ShardPlan). "
-                "Hint: resume with the same model, --ps count and worker count, or use a new "
-                "checkpoint_dir.")
-        self.flat.copy_(sd["flat"])
-        self.optimizer.load_state_dict(sd["optimizer"])
-        log.info("ps%d resumed from %s at version %d", self.index, path, sd["version"])
-        return int(sd["version"]), [int(c) for c in sd["clocks"]]
 
     # -- serving ------------------------------------------------------------------------------
     def _receive(self, w: int) -> None:
@@ -372,6 +316,8 @@ class Server:
             t.join(timeout=max(0.0, end - time.monotonic()))
         self.save()
         self.copy_to_model()
+        if c.failure is None and len(c.lost) < c.num_workers:
+            self.drop_memory()  # training is over: give the memory back
         log.info("ps%d: done at version %d; staleness histogram %s; lost workers %s",
                  self.index, c.version, dict(sorted(c.histogram.items())),
                  [self.worker_ranks[w] for w in c.lost] or "none")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
-import inspect
 import logging
 import os
 from typing import Any, Callable, Sequence
@@ -25,13 +24,14 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm, runtime
-from parlay.checkpoint import save_atomic
 from parlay.compress.base import Compressor, get_compressor
 from parlay.env import TaskSpec, detect
-from parlay.errors import CheckpointError, ConfigError
+from parlay.errors import ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
+from parlay.ps.options import check_session_args
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
-from parlay.ps.recovery import agree_resume, mark_droppable, server_loss_is_fatal
+from parlay.ps.recovery import (agree_resume, load_worker_state, mark_droppable,
+                                open_snapshots, save_worker_state, server_loss_is_fatal)
 from parlay.ps.server import Server, snapshot_steps
 from parlay.ps.worker import Worker
 
@@ -73,6 +73,12 @@ class DistributedSession:
             steps they hold. Servers then checkpoint when the workers ask (:meth:`save_shards`)
             instead of every ``checkpoint_every`` updates, and every rank resumes the newest
             step all servers and workers hold (:attr:`resumed_step`): never mixed steps.
+            In ``async``/``stale``, workers lost before that step (dropped while the others
+            went on) sit out: they join and finish at once (:attr:`sits_out`).
+        snapshots: This worker keeps in-memory snapshots of its state (the Trainer's, ``sync``
+            only). Servers then snapshot their shards after every update in host memory and
+            a restart resumes the newest step every rank holds in memory, when newer than
+            the disk step (:attr:`resumed_from_snapshot`, :attr:`snapshot_store`).
 
     Raises:
         ConfigError: Bad arguments (at construction) or a world without parameter servers.
@@ -92,44 +98,10 @@ class DistributedSession:
                  max_steps: int | None = None, *, placement: str = "balanced",
                  split_bytes: int | None = DEFAULT_SPLIT_BYTES, timeout: float | None = None,
                  checkpoint_every: int | None = 100,
-                 resume_steps: Sequence[int] | None = None) -> None:
-        if task_spec is not None and not isinstance(task_spec, TaskSpec):
-            raise ConfigError(f"task_spec must be a parlay.TaskSpec or None, got "
-                              f"{type(task_spec).__name__}. Hint: parlay.TaskSpec.from_env().")
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-        if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
-            got = (f"an instance of {type(optimizer).__name__}"
-                   if isinstance(optimizer, torch.optim.Optimizer) else repr(optimizer))
-            raise ConfigError(f"optimizer must be an optimizer class such as torch.optim.SGD, got "
-                              f"{got}. Hint: servers build it on their shard: "
-                              "optimizer=torch.optim.SGD, optimizer_args={'lr': 0.1}.")
-        if optimizer_args is not None and not isinstance(optimizer_args, dict):
-            raise ConfigError(f"optimizer_args must be a dict, got "
-                              f"{type(optimizer_args).__name__}.")
-        if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
-                                      or max_steps < 0):
-            raise ConfigError(f"max_steps must be None or an int >= 0, got {max_steps!r}.")
-        if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
-                                             or checkpoint_every < 1):
-            raise ConfigError(f"checkpoint_every must be None or an int >= 1, "
-                              f"got {checkpoint_every!r}.")
-        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}.")
-        if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-            raise ConfigError(f"checkpoint_dir must be a path or None, got {checkpoint_dir!r}.")
-        try:  # catch misspelt optimizer arguments on every rank, without building one
-            inspect.signature(optimizer).bind(None, **(optimizer_args or {}))
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"optimizer_args {optimizer_args} do not fit "
-                              f"{getattr(optimizer, '__name__', optimizer)}: {e}. Hint: use the "
-                              "optimizer's keyword names, e.g. {'lr': 0.1, 'momentum': 0.9}.") \
-                from None
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        dtypes = sorted({str(p.dtype) for p in trainable})
-        if len(dtypes) > 1:
-            raise ConfigError(f"parameter servers hold one dtype; the model has {dtypes}. "
-                              "Hint: convert it, e.g. model.float() or model.double().")
+                 resume_steps: Sequence[int] | None = None, snapshots: bool = False) -> None:
+        check_session_args(task_spec, model, optimizer, optimizer_args, max_steps,
+                           checkpoint_every, timeout, checkpoint_dir)
+        assert isinstance(model, nn.Module)
         self.task_spec = task_spec
         self.model = model
         self.optimizer_cls = optimizer
@@ -153,6 +125,15 @@ class DistributedSession:
         self.resume_steps = None if resume_steps is None else [int(t) for t in resume_steps]
         self.resumed_step: int | None = None  # agreed at start (None: fresh or untagged)
         self.tagged = False  # servers checkpoint when the workers ask
+        self.snapshots = bool(snapshots) and self.consistency.aggregate
+        #: This rank's in-memory snapshot store (``sync`` with snapshotting workers), or None.
+        self.snapshot_store: Any = None
+        self.resumed_from_snapshot = False  # resumed_step came from the in-memory snapshots
+        #: Global ranks of the workers that train (the others sit out a resume).
+        self.training_workers: list[int] = []
+        #: Called on every rank once the resume step is agreed, before servers load and
+        #: workers join: where groups that depend on :attr:`training_workers` are made.
+        self.on_agreed: Callable[[], None] | None = None
         self._owns_runtime = False
         self._started = self._closed = False
 
@@ -223,25 +204,51 @@ class DistributedSession:
         if self.checkpoint_dir:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
         self._agree_resume(c.world_size)
+        if self.on_agreed is not None:
+            self.on_agreed()
         if self.is_ps:
             self.server = Server(c.rank, self.plan, self.model, self.optimizer_cls,
                                  self.optimizer_args, self.consistency, self.compressor, workers,
                                  self.ps_group, self.timeout, self.checkpoint_dir,
                                  self.checkpoint_every, tagged=self.tagged,
-                                 resume_step=self.resumed_step)
+                                 resume_step=self.resumed_step, memory=self.snapshot_store,
+                                 from_memory=self.resumed_from_snapshot)
         else:
-            self._load_worker_state()
+            load_worker_state(self._worker_path(), self.compressor)
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
                                  world[: c.num_ps], self.ps_group, self.timeout)
             self.worker.hello()
             if not self.consistency.aggregate:
                 mark_droppable(c.rank)
+            if self.sits_out:  # its state at the resumed step was never saved
+                log.warning("worker %d (rank %d) was lost before step %s and holds no state of "
+                            "it: it sits this run out; the other workers go on",
+                            self.worker.index, self.rank, self.resumed_step)
+                self.worker.finish()
 
     def _agree_resume(self, world: int) -> None:
-        held = ((snapshot_steps(self.checkpoint_dir, self.rank) if self.checkpoint_dir else [])
+        disk = ((snapshot_steps(self.checkpoint_dir, self.rank) if self.checkpoint_dir else [])
                 if self.is_ps else self.resume_steps or [])
-        self.tagged, self.resumed_step = agree_resume(
-            held, not self.is_ps and self.resume_steps is not None, world, self.ps_group)
+        if self.consistency.aggregate and (self.is_ps or self.snapshots):
+            self.snapshot_store = open_snapshots(self)
+        snaps = self.snapshot_store.steps() if self.snapshot_store is not None else []
+        r = agree_resume(disk, snaps, is_worker=not self.is_ps,
+                         tagged=not self.is_ps and self.resume_steps is not None,
+                         snapshots=not self.is_ps and self.snapshot_store is not None,
+                         relaxed=not self.consistency.aggregate, world=world,
+                         group=self.ps_group)
+        self.tagged, self.resumed_step, self.resumed_from_snapshot = r.tagged, r.step, \
+            r.from_snapshot
+        self.training_workers = r.training
+        if self.is_ps and self.snapshot_store is not None and not r.snapshots:
+            self.snapshot_store.clear()  # no worker snapshots: the servers' would never match
+            self.snapshot_store = None
+
+    @property
+    def sits_out(self) -> bool:
+        """A worker that does not train in this run: lost before the resumed step (``async``
+        / ``stale``), it joined and finished at once."""
+        return self.worker is not None and self.rank not in self.training_workers
 
     def close(self, exc: BaseException | None = None) -> None:
         """Workers say goodbye (or report an error), servers serve to the end; idempotent."""
@@ -252,7 +259,7 @@ class DistributedSession:
             if self.worker is not None:
                 if exc is None:
                     self.worker.finish()
-                    self._save_worker_state()
+                    save_worker_state(self._worker_path(), self.compressor)
                 else:
                     self.worker.fail()
             elif self.server is not None and exc is None:
@@ -279,7 +286,7 @@ class DistributedSession:
             self.server.serve()
             return True
         assert self.worker is not None
-        return self._closed or (self.max_steps is not None
+        return self._closed or self.sits_out or (self.max_steps is not None
                                 and self.worker.global_step >= self.max_steps)
 
     def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float | None:
@@ -383,17 +390,3 @@ class DistributedSession:
         if not self.checkpoint_dir or self.tagged:  # tagged: the caller keeps worker state
             return None
         return os.path.join(self.checkpoint_dir, f"worker-{self.rank - self.num_servers}.pt")
-
-    def _save_worker_state(self) -> None:
-        path = self._worker_path()
-        if path:
-            save_atomic({"compressor": self.compressor.state_dict()}, path)
-
-    def _load_worker_state(self) -> None:
-        path = self._worker_path()
-        if path and os.path.exists(path):
-            try:
-                sd = torch.load(path, weights_only=True)
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"could not read worker checkpoint {path!r}: {e}") from e
-            self.compressor.load_state_dict(sd.get("compressor", {}))

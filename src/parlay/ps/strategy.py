@@ -5,11 +5,15 @@ Parameter-server ranks consume no data: :meth:`serve_until_done` serves until ev
 finished, closes the session and returns True. Workers form the data-parallel replicas
 (``dp_size`` = number of workers, ``dp_rank`` = worker index).
 
-Faults and restarts use disk checkpoints only (no in-memory snapshots in this mode, see
-:attr:`ParameterServerStrategy.supports_snapshots`): at the Trainer's checkpoint steps every
-server saves its shards when every live worker asks for the same step, and a restart resumes
-the newest step every server and worker holds. In ``async``/``stale`` a lost worker is dropped
-and the others keep checkpointing (:attr:`ParameterServerStrategy.checkpoint_group`).
+Faults and restarts: at the Trainer's checkpoint steps every server saves its shards when
+every live worker asks for the same step. In ``sync`` every server also snapshots its shards in
+host memory right after each update while the workers snapshot theirs through the Trainer
+(``snapshot_every``), so a restart resumes from the newest step every server and worker holds,
+in memory (at most one step back) or on disk, never mixing steps. ``async``/``stale`` keep to
+disk checkpoints (no step exists at which servers and workers stand together; see
+:mod:`parlay.ps.shard_io`): a lost worker is dropped and the others keep checkpointing
+(:attr:`ParameterServerStrategy.checkpoint_group`); a restart resumes the newest step every
+server and every still-training worker holds, and workers lost before it sit out.
 """
 from __future__ import annotations
 
@@ -53,9 +57,8 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "ps"
-    #: In-memory snapshots would have to hold server shards and worker state of one step on
-    #: every rank (the servers' state lives outside the Trainer's state dict); until they do,
-    #: a restart goes back to the newest disk checkpoint every rank holds.
+    #: In-memory snapshots: ``sync`` only (set per instance), where servers snapshot after
+    #: every update and workers' Trainer snapshots describe the same step.
     supports_snapshots = False
 
     def __init__(self, compression: Any = None, precision: str = "fp32",
@@ -76,6 +79,9 @@ class ParameterServerStrategy(Strategy):
                               "averaged on the servers, each holding a different shard). Hint: "
                               "use mode='allreduce' for grad_clip, or clip in the loss.")
         self.precision = precision
+        self.supports_snapshots = get_consistency(consistency).aggregate
+        #: Digest of the Trainer's settings, stored in each snapshot and checked on resume.
+        self.snapshot_identity = ""
         self.options = dict(consistency=consistency, compression=compression,
                             checkpoint_dir=checkpoint_dir, max_steps=max_steps,
                             placement=placement, split_bytes=split_bytes, timeout=timeout,
@@ -106,8 +112,9 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def consumes_data(self) -> bool:
+        """Workers, except one that sits a resume out (lost before the resumed step)."""
         c = self._cluster()
-        return c.rank >= c.num_ps
+        return c.rank >= c.num_ps and not (self.session is not None and self.session.sits_out)
 
     @property
     def reports_loss(self) -> bool:
@@ -157,9 +164,12 @@ class ParameterServerStrategy(Strategy):
                 mgr = CheckpointManager(self._ckpt_dir, rank=runtime.rank())
                 resume = [t for t in mgr.steps() if mgr.path(t).stat().st_size > 0]
         self.model, self._loss_fn = model, loss_fn
-        self._make_groups()  # before the session: a worker's start waits for serving
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
-                                          resume_steps=resume, **self.options)
+                                          resume_steps=resume, snapshots=self.supports_snapshots,
+                                          **self.options)
+        # Before a worker joins (its start waits for serving), once the training workers are
+        # known (those that sit out a resume belong to no group).
+        self.session.on_agreed = self._make_groups
         if self.guard.policy != "raise":
             raise ConfigError("mode 'ps' supports nonfinite='raise' only: workers do not step "
                               "together, so no step can be skipped on every worker alike. "
@@ -177,7 +187,7 @@ class ParameterServerStrategy(Strategy):
         # Owned here, not by the session: validate() still reduces over the workers after the
         # session closed (the servers have left by then). Every rank creates them, in order.
         c = self._cluster()
-        workers = list(range(c.num_ps, c.world_size))
+        workers = self._ready().training_workers
         with comm.comm_errors("ps strategy groups"):
             self._train_group = dist.new_group(workers)
             self._metrics_group = self._train_group
@@ -194,7 +204,7 @@ class ParameterServerStrategy(Strategy):
 
     def serve_until_done(self) -> bool:
         s = self._ready()
-        if s.is_worker:
+        if s.is_worker and not s.sits_out:
             return False
         s.serve()
         s.close()
@@ -238,8 +248,43 @@ class ParameterServerStrategy(Strategy):
             return {}
         if s.tagged:
             s.save_shards(s.step)
+        return {**self.snapshot_state_dict(), "snapshot": False}
+
+    def snapshot_state_dict(self) -> dict[str, Any]:
+        """Worker-side state for an in-memory snapshot: no message to the servers, which
+        snapshot their shards themselves after every update (``sync``)."""
+        s = self._ready()
+        if not s.is_worker or self.model is None:
+            return {}
         return {"model": self.model.state_dict(), "compressor": s.compressor.state_dict(),
-                "global_step": s.global_step, "ps_step": s.step}
+                "global_step": s.global_step, "ps_step": s.step, "snapshot": True,
+                "identity": self.snapshot_identity}
+
+    @property
+    def snapshot_store(self) -> Any:
+        """This worker's in-memory snapshot store, opened by the session before the resume
+        step was agreed (``None`` on servers, off, or without a run id)."""
+        s = self.session
+        return s.snapshot_store if s is not None and s.is_worker else None
+
+    @property
+    def agreed_snapshot_step(self) -> int | None:
+        """The in-memory snapshot step every server and worker agreed to resume (the Trainer
+        loads exactly it), or ``None`` when they resumed from disk or afresh."""
+        s = self.session
+        return s.resumed_step if s is not None and s.resumed_from_snapshot else None
+
+    def configure_snapshots(self, every: int) -> None:
+        """The Trainer's ``snapshot_every`` (every rank, before training): servers snapshot
+        at the same versions as the workers' steps; 0 turns them off everywhere."""
+        s = self._ready()
+        if s.server is not None and s.server.memory is not None:
+            s.server.snapshot_every = every
+            if not every:
+                s.server.drop_memory()
+        elif s.is_worker and not every and s.snapshot_store is not None:
+            s.snapshot_store.clear()
+            s.snapshot_store = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore worker-side state (compressor residuals). Parameters, optimizer state and
@@ -251,7 +296,9 @@ class ParameterServerStrategy(Strategy):
         s = self._ready()
         if not s.is_worker:
             return
-        if s.tagged and (state.get("ps_step") is None or state["ps_step"] != s.resumed_step):
+        superseded = s.resumed_from_snapshot and not state.get("snapshot")  # a newer one follows
+        if (s.tagged or s.resumed_from_snapshot) and not superseded and (
+                state.get("ps_step") is None or state["ps_step"] != s.resumed_step):
             held = (f"step {s.resumed_step}" if s.resumed_step is not None
                     else "no checkpoint every rank holds")
             raise CheckpointError(

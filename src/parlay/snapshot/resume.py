@@ -102,7 +102,7 @@ def agree(store: SnapshotStore, group: Any = None,
 def _identity(trainer: Any) -> str:
     """What must match for a snapshot to continue this run exactly."""
     s, smp = trainer.strategy, trainer.sampler
-    model = s.state_dict().get("model", {})
+    model = getattr(s, "snapshot_state_dict", s.state_dict)().get("model", {})
     shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.items()
               if isinstance(v, torch.Tensor)]
     return repr((trainer.mode, runtime.size(), s.dp_size, trainer.batch_size, smp.n,
@@ -121,11 +121,16 @@ def open_for_trainer(trainer: Any, every: int | None) -> SnapshotStore | None:
         raise ConfigError(f"snapshot_every must be an int >= 0 or None (0/None: no in-memory "
                           f"snapshots), got {every!r}.")
     s = trainer.strategy
+    if hasattr(s, "configure_snapshots"):  # every rank: serving ranks snapshot in step
+        s.configure_snapshots(every or 0)
     if not every or not s.consumes_data:
         return None
     if not getattr(s, "supports_snapshots", s.name in SUPPORTED_MODES):
         log.info("in-memory snapshots are not available in mode %r", trainer.mode)
         return None
+    if hasattr(s, "snapshot_store"):  # opened before the ranks agreed where to resume
+        s.snapshot_identity = hashlib.sha1(_identity(trainer).encode()).hexdigest()[:16]
+        return s.snapshot_store
     key = run_key(_identity(trainer))
     if key is None:
         log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
@@ -174,6 +179,8 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
     mass those residuals still owed is lost), and a warning says so.
     """
     s = trainer.strategy
+    if hasattr(s, "agreed_snapshot_step"):
+        return _resume_agreed(trainer, store, s.agreed_snapshot_step)
     after = trainer.state.step
     found = agree(store, s.train_group, after=after)
     exact = True
@@ -194,6 +201,31 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
         warnings.warn(f"rank {runtime.rank()} had no snapshot of step {step}: it resumed with a "
                       "replica's model and optimizer, a re-seeded RNG and zero compression "
                       "residuals (not bit-exact).", stacklevel=3)
+    return step
+
+
+def _resume_agreed(trainer: Any, store: SnapshotStore, step: int | None) -> int | None:
+    """Load exactly ``step``, which the ranks agreed before the Trainer existed (parameter
+    servers loaded their snapshots of it at start); ``None``: they resumed from disk.
+
+    Raises:
+        CheckpointError: The snapshot is unreadable here or was written with other Trainer
+            settings (its servers already resumed it, so no other step can be taken).
+    """
+    if step is None:
+        return None
+    state = store.load(step)
+    mine = getattr(trainer.strategy, "snapshot_identity", "")
+    theirs = state.get("strategy", {}).get("identity", mine)
+    if theirs != mine or state.get("trainer", {}).get("step") != step:
+        raise CheckpointError(
+            f"rank {runtime.rank()}: the in-memory snapshot of step {step} in "
+            f"{store.directory} was written by a run with other Trainer settings (batch size, "
+            "data, seed or model) under the same run id. Fix: delete that folder, or give "
+            "this job its own PARLAY_RUN_ID.")
+    last_ckpt = trainer._last_ckpt_step  # noqa: SLF001 - the disk still lacks this step
+    trainer._load(state)  # noqa: SLF001
+    trainer._last_ckpt_step = last_ckpt  # noqa: SLF001
     return step
 
 

@@ -1,0 +1,148 @@
+"""What a parameter server keeps across restarts: shard checkpoints on disk and in memory.
+
+:class:`ShardPersistence` is a mixin of :class:`~parlay.ps.server.Server` (it uses the server's
+``flat`` shard, ``optimizer``, ``core``, ``plan``, ``index`` and ``worker_ranks``):
+
+* disk: ``ps-<k>.pt`` every ``checkpoint_every`` updates, or, when the workers keep their own
+  checkpoints (a Trainer), ``ps-<k>.step-<t>.pt`` when every live worker asks for step ``t``;
+* memory (``sync`` only): an in-memory snapshot (:class:`~parlay.snapshot.SnapshotStore`) of
+  the shard, optimizer state, version and worker clocks right after each update, so a restart
+  resumes at most one step back, from the step every server and worker holds. In ``sync`` the
+  version after update ``t`` is exactly the state of every worker's step ``t``. ``async`` and
+  ``stale`` have no such step: workers push at their own pace, so no version of a server
+  matches a step at which every worker stands (and other servers apply the same pushes at other
+  moments); they keep the disk checkpoints, whose save barrier holds every live worker and
+  server at one step.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import warnings
+from typing import Any
+
+import torch
+
+from parlay.checkpoint import save_atomic
+from parlay.errors import CheckpointError
+from parlay.snapshot import SnapshotStore, optimizer_tensors
+
+__all__ = ["ShardPersistence", "snapshot_steps", "SNAPSHOTS_KEPT"]
+
+log = logging.getLogger("parlay.ps")
+
+#: Worker-requested checkpoints a server keeps (the Trainer's default ``keep_last``).
+SNAPSHOTS_KEPT = 3
+_SNAPSHOT = re.compile(r"^ps-(\d+)\.step-(\d+)\.pt$")
+
+
+def snapshot_steps(checkpoint_dir: str, index: int) -> list[int]:
+    """Steps of the worker-requested checkpoints server ``index`` holds, ascending."""
+    try:
+        names = os.listdir(checkpoint_dir)
+    except FileNotFoundError:
+        return []
+    found = (_SNAPSHOT.match(n) for n in names)
+    return sorted(int(m.group(2)) for m in found if m and int(m.group(1)) == index)
+
+
+class ShardPersistence:
+    """Disk checkpoints and in-memory snapshots of a server's shard (a mixin of Server)."""
+
+    index: int
+    plan: Any
+    flat: torch.Tensor
+    optimizer: torch.optim.Optimizer
+    core: Any
+    worker_ranks: list[int]
+    dir: str | None
+    path: str | None
+    #: In-memory snapshots (``sync`` with snapshotting workers), else ``None``.
+    memory: SnapshotStore | None = None
+    #: Versions between in-memory snapshots (the workers' ``snapshot_every``; 0: none).
+    snapshot_every: int = 1
+
+    # -- disk ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Shard, optimizer state, version and worker clocks."""
+        return {"format": 1, "server": self.index, "plan": self.plan.rows(),
+                "flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
+                "version": self.core.version, "clocks": list(self.core.clocks),
+                "histogram": dict(self.core.histogram)}
+
+    def save(self) -> None:
+        """Write ``ps-<index>.pt`` atomically (no-op without a checkpoint directory)."""
+        if self.path:
+            save_atomic(self.state_dict(), self.path)
+
+    def snapshot_path(self, tag: int) -> str:
+        """File of checkpoint ``tag`` (a worker step) of this server."""
+        assert self.dir is not None
+        return os.path.join(self.dir, f"ps-{self.index}.step-{int(tag):010d}.pt")
+
+    def snapshot(self, tag: int) -> None:
+        """Save checkpoint ``tag`` (every live worker waits at its step ``tag``) and keep the
+        newest :data:`SNAPSHOTS_KEPT`. No-op without a checkpoint directory."""
+        if not self.dir:
+            return
+        save_atomic({**self.state_dict(), "tag": int(tag)}, self.snapshot_path(tag))
+        for old in snapshot_steps(self.dir, self.index)[:-SNAPSHOTS_KEPT]:
+            try:
+                os.remove(self.snapshot_path(old))
+            except FileNotFoundError:
+                pass
+
+    def _load(self, path: str) -> tuple[int, list[int]]:
+        try:
+            sd = torch.load(path, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
+            raise CheckpointError(f"could not read checkpoint {path!r}: {e}. Hint: the file is "
+                                  "truncated or corrupt; delete it (and the workers' files of "
+                                  "the same step) to resume from the previous one.") from e
+        return self._restore(sd, f"checkpoint {path!r}")
+
+    def _restore(self, sd: dict[str, Any], what: str) -> tuple[int, list[int]]:
+        n = len(self.worker_ranks)
+        if sd.get("plan") != self.plan.rows() or len(sd.get("clocks", [])) != n:
+            raise CheckpointError(
+                f"{what} was written for a different placement or number of "
+                f"workers (expected {n} workers and the current ShardPlan). "
+                "Hint: resume with the same model, --ps count and worker count, or use a new "
+                "checkpoint_dir.")
+        self.flat.copy_(sd["flat"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+        log.info("ps%d resumed from %s at version %d", self.index, what, sd["version"])
+        return int(sd["version"]), [int(c) for c in sd["clocks"]]
+
+    # -- memory -------------------------------------------------------------------------------
+    def _load_memory(self, step: int) -> tuple[int, list[int]]:
+        assert self.memory is not None
+        sd = self.memory.load(step)  # CheckpointError names the file
+        if sd.get("version") != step:
+            raise CheckpointError(f"in-memory snapshot {step} of parameter server {self.index} "
+                                  f"holds version {sd.get('version')}. Hint: delete "
+                                  f"{self.memory.directory}.")
+        return self._restore(sd, f"the in-memory snapshot of step {step}")
+
+    def snapshot_memory(self, version: int) -> None:
+        """Snapshot the state as of ``version`` (called right after the optimizer step that
+        produced it, before any worker can see it). A failure stops snapshots with a
+        warning and deletes this server's (now outdated) ones."""
+        if self.memory is None or not self.snapshot_every or version % self.snapshot_every:
+            return
+        state = {"server": self.index, "plan": self.plan.rows(), "flat": self.flat,
+                 "optimizer": self.optimizer.state_dict(), "version": int(version),
+                 "clocks": [int(c) for c in self.core.clocks]}
+        try:
+            self.memory.save(version, state, defer=optimizer_tensors(self))
+        except CheckpointError as e:
+            warnings.warn(f"in-memory snapshots stopped on parameter server {self.index}: {e}",
+                          stacklevel=2)
+            self.drop_memory()
+
+    def drop_memory(self) -> None:
+        """Delete this server's in-memory snapshots and stop taking them."""
+        store, self.memory = self.memory, None
+        if store is not None:
+            store.clear()
