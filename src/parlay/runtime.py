@@ -23,7 +23,7 @@ from parlay.errors import CommError, ConfigError
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "timeout",
-    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix", "new_group",
+    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix", "generation", "new_group",
 ]
 
 log = logging.getLogger("parlay")
@@ -140,7 +140,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
         ConfigError: Bad arguments or an inconsistent environment.
         CommError: The rendezvous with the other ranks failed or timed out.
     """
-    global _rt
+    global _rt, _generation
     if _rt is not None:
         return
     td = _as_timedelta(timeout)
@@ -148,6 +148,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     if dist.is_available() and dist.is_initialized():
         be = str(dist.get_backend())
         _, dev = _choose_backend("auto", cluster.local_rank)
+        _generation += 1
         _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=False)
         _run_hooks(_init_hooks)
         return
@@ -155,6 +156,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     try:
         if cluster.world_size == 1 and cluster.master_port is None:
             # No launcher: a world of one still gets a real group so every op works unchanged.
+            _generation += 1
             dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
             _rendezvous(be, cluster, td, os.environ if environ is None else environ)
@@ -175,6 +177,13 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
               cluster.rank, cluster.world_size, be, dev, cluster.source)
     _run_hooks(_init_hooks)
+
+
+def generation() -> int:
+    """This process's init generation: it changes with every :func:`init` (and every
+    rendezvous attempt). State tied to a process group, such as subgroups or background
+    engines, is dead once the generation it was made in is over."""
+    return _generation
 
 
 def store_prefix(environ: Mapping[str, str] | None = None, generation: int | None = None) -> str:

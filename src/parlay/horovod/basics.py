@@ -105,7 +105,8 @@ _exported: dict[str, str] = {}
 
 
 def _on_init() -> None:
-    process_sets.new_generation()
+    # Process sets of the previous init need no reset here: they compare their generation
+    # with runtime.generation(), which every init() advances.
     c = runtime.cluster()
     if c.source != "single":
         # horovodrun exports these to every rank; scripts (and Horovod's own tests) read them.

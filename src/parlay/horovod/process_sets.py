@@ -19,12 +19,13 @@ from parlay import runtime
 from parlay.errors import ConfigError
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "generation", "new_generation", "stop_all"]
+           "stop_all"]
 
 _lock = threading.Lock()
-_sets: dict[int, "ProcessSet"] = {}     # id -> set, for the current process group generation
+# id -> set, for the current init generation (runtime.generation(): groups made before the last
+# shutdown/init are dead, so a set from an older generation is stale)
+_sets: dict[int, "ProcessSet"] = {}
 _next_id = 1
-_generation = 0                         # parlay inits seen by parlay.horovod in this process
 
 
 class ProcessSet:
@@ -85,7 +86,7 @@ class ProcessSet:
 
     # ------------------------------------------------------------------ parlay internals
     def _valid(self) -> bool:
-        return self.process_set_id is not None and self._generation == _generation
+        return self.process_set_id is not None and self._generation == runtime.generation()
 
     def group(self) -> Any:
         """The torch process group of this set for direct use (``None`` means the world).
@@ -99,7 +100,7 @@ class ProcessSet:
     def engine_prefix(self) -> str:
         """Store prefix of this set's engine group: unique per set id and init generation."""
         self._check_member()
-        return f"parlay.horovod/init{_generation}/set{self.process_set_id}"
+        return f"parlay.horovod/init{runtime.generation()}/set{self.process_set_id}"
 
     def global_ranks(self) -> list[int]:
         """Global ranks of the members, in set-rank order."""
@@ -109,9 +110,9 @@ class ProcessSet:
         if not runtime.is_initialized():
             raise ConfigError("parlay is not initialised. Hint: call hvd.init() first.")
         if self is global_process_set:
-            if self._generation != _generation:
+            if self._generation != runtime.generation():
                 self._reset()
-                self._generation = _generation
+                self._generation = runtime.generation()
             return
         if not self._valid():
             raise ConfigError(f"{self!r} is not registered (never added, removed, or added "
@@ -129,18 +130,6 @@ class ProcessSet:
 #: The set of all ranks; the default ``process_set`` of every operation.
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
-
-
-def generation() -> int:
-    """Counts parlay inits in this process; groups of an older generation are dead."""
-    return _generation
-
-
-def new_generation() -> None:
-    """Start a new generation (called after every init): groups die with the default group,
-    so a set from before the last shutdown/init is stale."""
-    global _generation
-    _generation += 1
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -162,7 +151,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     if not pset.ranks or pset.ranks[0] < 0 or pset.ranks[-1] >= world:
         raise ConfigError(f"process set ranks must be non-empty and in [0, {world}), "
                           f"got {pset.ranks}.")
-    gen = _generation
+    gen = runtime.generation()
     with _lock:
         _purge(gen)
         if pset.ranks == list(range(world)) or any(s.ranks == pset.ranks
