@@ -196,16 +196,16 @@ class DistributedOptimizer(_BucketedOptimizer):
             else:
                 local_only = True      # Horovod: ranks outside the set train on their own
         self.process_set = process_set
-        self._average_aggregated = bool(options.get("average_aggregated_gradients", True))
         if local_only:
             options["check_consistency"] = False
         # Adasum combines parameter *updates*, not gradients (Horovod's delta optimizer): the
         # wrapped optimizer steps on local gradients, then the updates are Adasum-reduced.
-        self._adasum = _is_adasum(op)
+        self._local_only = local_only
+        self._adasum = _is_adasum(op) and not local_only
         self._adasum_group = ((process_set, None) if process_group is None or local_only
                               or process_set is not None else (None, process_group))
         comp = _adapt_compression(compression)
-        if self._adasum:
+        if _is_adasum(op):
             if comp is not None and not isinstance(comp, NoneCompressor):
                 raise ConfigError("op=Adasum does not combine with compression.")
             op = ReduceOp.Average
@@ -214,10 +214,6 @@ class DistributedOptimizer(_BucketedOptimizer):
                          bucket_cap_mb=_bucket_cap_mb(bucket_cap_mb),
                          gradient_predivide_factor=gradient_predivide_factor,
                          process_group=process_group, **options)
-        if local_only or self._adasum:
-            self.remove_hooks()
-            self._passthrough = True
-        self._adasum = self._adasum and not local_only
         if named is None:
             self._parameter_names = {p: f"allreduce.noname.{i}.{j}"
                                      for i, g in enumerate(optimizer.param_groups)
@@ -225,22 +221,23 @@ class DistributedOptimizer(_BucketedOptimizer):
         else:
             self._parameter_names = {p: n for n, p in named}
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """Synchronize (unless skipped), then step the wrapped optimizer.
+    def _make_reducer(self, hierarchical: bool | str) -> Any:
+        # Ranks outside the process set, and Adasum (which reduces updates in step()), keep
+        # their gradients local: no hooks, no buckets.
+        if self._local_only or self._adasum:
+            return None
+        return super()._make_reducer(hierarchical)
 
-        With ``op=Adasum``: step on the local gradients, then replace each parameter's update
-        by the Adasum of every rank's update.
-        """
-        if self._adasum:
-            return self._adasum_step(closure)
-        return super().step(closure)
-
-    def _adasum_step(self, closure: Any) -> Any:
+    def _apply_update(self, closure: Any) -> Any:
+        """Step the wrapped optimizer; with ``op=Adasum``, on the local gradients, then
+        replace each parameter's update by the Adasum of every rank's update."""
+        if not self._adasum:
+            return super()._apply_update(closure)
         from parlay.horovod import collectives
 
-        params = [p for p in self._params if p.grad is not None]
+        params = [p for _, p in self._named if p.grad is not None]
         starts = [p.detach().clone() for p in params]
-        loss = self._opt.step(closure) if closure is not None else self._opt.step()
+        loss = super()._apply_update(closure)
         if params:
             pset, pg = self._adasum_group
             deltas = [p.detach() - s for p, s in zip(params, starts)]
@@ -249,15 +246,4 @@ class DistributedOptimizer(_BucketedOptimizer):
             with torch.no_grad():
                 for p, s, d in zip(params, starts, reduced):
                     p.copy_(s + d)
-        self._synchronized = False
         return loss
-
-    def set_backward_passes_per_step(self, passes: int) -> None:
-        """Change the number of backward passes per reduction (Horovod's method)."""
-        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
-            raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {passes!r}.")
-        scale = self.backward_passes_per_step / passes
-        self.backward_passes_per_step = passes
-        if self.op == ReduceOp.Average and self._average_aggregated:
-            self._postscale *= scale
-        self._reset_step_state()

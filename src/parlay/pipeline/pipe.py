@@ -335,7 +335,7 @@ class Pipeline:
                                     compression=compression, bucket_cap_mb=bucket_cap_mb,
                                     process_group=self.mesh.dp_group)
         # Hooks stay silent for every backward but a stage's last one in a step.
-        self.meter.defer_grad_sync = dopt.skip_synchronize
+        self.meter.defer_grad_sync = dopt.no_sync
         return dopt
 
     def clip_grad_norm_(self, max_norm: float) -> float:

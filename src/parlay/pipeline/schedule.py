@@ -143,7 +143,7 @@ class StageMeter:
         fwd_dense_bytes / bwd_dense_bytes: The same tensors' bytes before the wire cast.
         messages: Point-to-point sends issued.
         defer_grad_sync: When set, a context manager factory under which backward passes that
-            are not a stage's last in the step run (``DistributedOptimizer.skip_synchronize``).
+            are not a stage's last in the step run (``DistributedOptimizer.no_sync``).
     """
 
     compute_s: float = 0.0

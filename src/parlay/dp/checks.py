@@ -1,0 +1,147 @@
+"""``DistributedOptimizer``'s construction checks: its arguments, which parameters it reduces
+(by name), and that every rank holds the same ones (integer tensors only: no pickled object
+crosses the network)."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from parlay import comm
+from parlay.dp.ops import ReduceOp
+from parlay.errors import ConfigError
+
+__all__ = ["check_arguments", "check_passes", "named_parameters", "check_consistency"]
+
+
+def _check_op(op: Any) -> ReduceOp:
+    try:
+        op = ReduceOp(int(op))
+    except (ValueError, TypeError):
+        raise ConfigError(f"op must be parlay.Average or parlay.Sum, got {op!r}.") from None
+    if op == ReduceOp.Adasum:
+        raise ConfigError("op=Adasum is not supported by parlay's DistributedOptimizer. "
+                          "Hint: use op=parlay.Average (with the learning rate scaled "
+                          "by parlay.size()), which is what Adasum approximates.")
+    if op not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {op.name}.")
+    return op
+
+
+def check_passes(passes: Any) -> int:
+    """``backward_passes_per_step`` as an int >= 1, or a :class:`ConfigError`."""
+    if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+        raise ConfigError(f"backward_passes_per_step must be an int >= 1, got {passes!r}.")
+    return passes
+
+
+def check_arguments(optimizer: Any, op: Any, passes: Any, bucket_cap_mb: Any,
+                    predivide: Any) -> ReduceOp:
+    """Check ``DistributedOptimizer``'s arguments; returns ``op`` as a :class:`ReduceOp`.
+
+    Raises:
+        ConfigError: What is wrong, with a hint.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
+                          f"{type(optimizer).__name__}. Hint: build the optimizer first, "
+                          "e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
+    op = _check_op(op)
+    check_passes(passes)
+    if not bucket_cap_mb > 0:
+        raise ConfigError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
+    if not predivide > 0:
+        raise ConfigError(f"gradient_predivide_factor must be positive, got {predivide!r}.")
+    if op == ReduceOp.Sum and predivide != 1.0:
+        raise ConfigError("gradient_predivide_factor only applies to op=Average.")
+    if not dist.is_initialized():
+        raise ConfigError("DistributedOptimizer needs a process group. "
+                          "Hint: call parlay.init() first.")
+    return op
+
+
+def named_parameters(optimizer: torch.optim.Optimizer,
+                     named: Iterable[tuple[str, torch.Tensor]] | None
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """The optimizer's parameters in its order, each with its name.
+
+    Args:
+        optimizer: The wrapped optimizer.
+        named: ``model.named_parameters()``, or ``None`` for positional names.
+
+    Raises:
+        ConfigError: Not (name, parameter) pairs, names repeat, or parameters are unnamed.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if named is None:
+        return [(f"param.{i}", p) for i, p in enumerate(params)]
+    pairs = list(named)
+    if any(not (isinstance(t, tuple) and len(t) == 2) for t in pairs):
+        raise ConfigError("named_parameters should be a sequence of (name, parameter) tuples, "
+                          "e.g. model.named_parameters().")
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ConfigError(f"parameter names in named_parameters must be unique; {dup!r} repeats.")
+    by_id = {id(p): n for n, p in pairs}
+    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
+    if missing:
+        raise ConfigError(
+            f"named_parameters was given, but {len(missing)} of the optimizer's parameters are "
+            "not named in it. Hint: pass model.named_parameters() of the model whose "
+            "parameters the optimizer holds.")
+    return [(by_id[id(p)], p) for p in params]
+
+
+def _hash(entry: Any) -> int:
+    """A 60-bit hash of ``repr(entry)`` that is the same in every process (``hash`` is not)."""
+    return int(hashlib.sha256(repr(entry).encode()).hexdigest()[:15], 16)
+
+
+def _text(text: str, src: int, group: Any, size: int = 512) -> str:
+    """Broadcast a short text from group rank ``src`` as UTF-8 bytes in a tensor (decoded as
+    text, never unpickled)."""
+    raw = text.encode()[:size]
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    comm.broadcast(buf, src=src, group=group)
+    return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+
+
+def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any) -> None:
+    """Check that every rank of ``group`` holds the same trainable parameters (a collective).
+
+    One allreduce of hashes when the ranks agree; on a mismatch a few more find the first
+    difference, and every rank raises the same error describing it.
+
+    Raises:
+        ConfigError: The ranks disagree on names, shapes, dtypes or the number of parameters.
+    """
+    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+    hs = [_hash(e) for e in mine]
+    total = _hash(tuple(hs))
+    t = torch.tensor([len(mine), total, -len(mine), -total], dtype=torch.int64)
+    comm.allreduce(t, "min", group=group)
+    if int(t[0]) == -int(t[2]) and int(t[1]) == -int(t[3]):
+        return
+    longest = -int(t[2])
+    own = torch.full((longest,), -1, dtype=torch.int64)
+    own[:len(hs)] = torch.tensor(hs, dtype=torch.int64)
+    ref = own.clone()
+    comm.broadcast(ref, src=0, group=group)
+    differs = (own != ref).nonzero()
+    world, me = comm.group_size(group), comm.group_rank(group)
+    none = longest * world + world
+    key = torch.tensor([int(differs[0]) * world + me if len(differs) else none])
+    comm.allreduce(key, "min", group=group)
+    k, r = divmod(int(key), world)
+    entry = f"{mine[k] if k < len(mine) else None}|{len(mine)}"
+    a, n0 = _text(entry, 0, group).rsplit("|", 1)
+    b, nr = _text(entry, r, group).rsplit("|", 1)
+    raise ConfigError(
+        f"ranks hold different models: parameter #{k} is {a} on rank 0 but {b} on rank "
+        f"{comm.to_global_rank(group, r)} (rank 0 has {n0} trainable parameters, rank {r} "
+        f"{nr}). Hint: build the same model on every rank, with the same requires_grad flags, "
+        "before wrapping the optimizer.")

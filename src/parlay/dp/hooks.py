@@ -1,0 +1,250 @@
+"""The per-step engine behind ``DistributedOptimizer``: gradient hooks filling fused buckets.
+
+Each trainable parameter gets a ``post_accumulate_grad`` hook. When its gradient is final for
+the step (after ``passes`` backward passes) the hook puts it into its bucket; when a bucket is
+full its reduction starts (with ``overlap``), strictly in plan order on every rank, which keeps
+the sequence of collectives identical across ranks even when some parameters get no gradient.
+:meth:`GradientBuckets.finish` launches what is left, waits for every bucket and hands the
+reduced gradients back. As in PyTorch's ``ddp_comm_hooks``, a hook is a plain function over
+this small state object; the collective itself is a :class:`Reducer`.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Protocol
+
+import torch
+
+from parlay import comm
+from parlay.compress.base import CommStats, Compressor, reduce_async
+from parlay.dp.buckets import BucketPlan
+
+__all__ = ["Reducer", "FlatReducer", "LocalReducer", "GradientBuckets", "zero_grad_of"]
+
+
+class Reducer(Protocol):
+    """Sums one flat bucket over a group (flat ring, host-first, ...)."""
+
+    def reduce_async(self, flat: torch.Tensor, compressor: Compressor, key: str,
+                     stats: CommStats | None = None) -> comm.Handle:
+        """Start the sum; the handle's ``wait()`` returns it (``flat`` itself when possible)."""
+        ...
+
+
+class FlatReducer:
+    """One compressed collective per bucket over the whole group (:func:`reduce_async`)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+
+    def reduce_async(self, flat: torch.Tensor, compressor: Compressor, key: str,
+                     stats: CommStats | None = None) -> comm.Handle:
+        return reduce_async(flat, compressor, key=key, group=self.group, stats=stats, into=flat)
+
+
+class LocalReducer:
+    """A group of one with the identity compressor: the bucket already holds the sum."""
+
+    def reduce_async(self, flat: torch.Tensor, compressor: Compressor, key: str,
+                     stats: CommStats | None = None) -> comm.Handle:
+        return comm.Handle(None, "local", lambda: flat)
+
+
+class GradientBuckets:
+    """Hooks, buckets and the state of one step's reduction.
+
+    Args:
+        named: ``(name, parameter)`` of every parameter to reduce, in plan order.
+        plan: Which parameters share a bucket.
+        reducer: Sums a bucket over the group.
+        compressor: Encodes each bucket on the wire.
+        stats: Counts the bytes sent.
+        passes: Backward passes per reduction (``backward_passes_per_step``).
+        prescale: Factor applied to each gradient before the sum.
+        postscale: Factor applied to each sum.
+        overlap: Launch each bucket as soon as it is full, during backward.
+        as_views: Make each ``p.grad`` a view into its bucket.
+        sparse_only: The optimizer takes sparse gradients only (``SparseAdam``).
+    """
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], plan: BucketPlan, reducer: Reducer,
+                 compressor: Compressor, stats: CommStats, *, passes: int, prescale: float,
+                 postscale: float, overlap: bool, as_views: bool, sparse_only: bool) -> None:
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.plan, self.reducer, self.compressor, self.stats = plan, reducer, compressor, stats
+        self.passes, self.prescale, self.postscale = passes, prescale, postscale
+        self.overlap, self.sparse_only = overlap, sparse_only
+        #: While True (``no_sync()``) the hooks do nothing and gradients accumulate locally.
+        self.silent = False
+        self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=torch.device(b.device))
+                        for b in plan.buckets]
+        self.views: list[torch.Tensor | None] = [None] * len(self.params)
+        if as_views:
+            self._attach_views()
+        # By parameter identity, for zero_grad (which walks the optimizer's param_groups).
+        self.view_of = {id(p): v for p, v in zip(self.params, self.views) if v is not None}
+        self.reset()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
+                       for i, p in enumerate(self.params)]
+
+    def _slot(self, i: int) -> tuple[int, slice]:
+        b, slot = self.plan.where[i]
+        off = self.plan.buckets[b].offsets[slot]
+        return b, slice(off, off + self.params[i].numel())
+
+    def _attach_views(self) -> None:
+        for i, p in enumerate(self.params):
+            b, where = self._slot(i)
+            view = self.buffers[b][where].view_as(p)
+            if p.grad is not None and not p.grad.is_sparse:
+                view.copy_(p.grad)
+            p.grad = view
+            self.views[i] = view
+
+    def reset(self) -> None:
+        """Forget the current step (counters, handles): the next backward starts a new one."""
+        n = len(self.plan.buckets)
+        self._delay = [self.passes] * len(self.params)
+        self._filled = [False] * len(self.params)
+        self._ready = [0] * n
+        self._sparse: set[int] = set()
+        self._handles: list[comm.Handle | None] = [None] * n
+        self._next = 0
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a reduction has started (a gradient went into a bucket) and not finished."""
+        return any(self._filled)
+
+    def remove(self) -> None:
+        """Detach the hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # ----------------------------------------------------------------- during backward
+    def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            self.on_grad(i)
+        return hook
+
+    def on_grad(self, i: int) -> None:
+        """Parameter ``i``'s gradient was accumulated by one backward pass."""
+        if self.silent:
+            return
+        self._delay[i] -= 1
+        if self._delay[i] > 0:
+            return
+        if self._delay[i] < 0 or self._filled[i]:
+            warnings.warn(
+                f"gradient of {self.names[i]!r} was computed more than backward_passes_per_step="
+                f"{self.passes} times before optimizer.step(); the extra pass is added locally "
+                "after communication started and is lost. Hint: raise backward_passes_per_step, "
+                "call step() after each group of passes, or run the extra passes inside "
+                "optimizer.no_sync().", stacklevel=3)
+            return
+        self._fill(i)
+        self._ready[self.plan.where[i][0]] += 1
+        if self.overlap:
+            self._launch_ready()
+
+    def _fill(self, i: int) -> None:
+        b, where = self._slot(i)
+        g, view = self.params[i].grad, self.views[i]
+        if g is not None and g.is_sparse:
+            self._sparse.add(i)  # reduced densely in the bucket, handed back sparse
+        if view is not None and g is not None and not g.is_sparse \
+                and g.data_ptr() == view.data_ptr():
+            # Autograd accumulated straight into the bucket: nothing to copy.
+            if self.prescale != 1.0:
+                view.mul_(self.prescale)
+        elif g is None:
+            self.buffers[b][where].zero_()
+        else:
+            flat = (g.to_dense() if g.is_sparse else g).reshape(-1)
+            if self.prescale != 1.0:
+                torch.mul(flat, self.prescale, out=self.buffers[b][where])
+            else:
+                self.buffers[b][where].copy_(flat)
+        self._filled[i] = True
+
+    def _launch_ready(self) -> None:
+        buckets = self.plan.buckets
+        while self._next < len(buckets) and \
+                self._ready[self._next] == len(buckets[self._next].members):
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        self._handles[b] = self.reducer.reduce_async(self.buffers[b], self.compressor,
+                                                     key=f"bucket{b}", stats=self.stats)
+
+    # ----------------------------------------------------------------- in step()
+    def finish(self) -> None:
+        """Launch the buckets not started yet (parameters without a gradient contribute
+        zeros, so ranks whose models took different branches never wait on each other), wait
+        for every bucket and hand the reduced gradients back.
+
+        Raises:
+            CommError: A peer was lost or timed out.
+        """
+        buckets = self.plan.buckets
+        for b in range(self._next, len(buckets)):
+            for i in buckets[b].members:
+                if not self._filled[i]:
+                    self._fill(i)
+            self._launch(b)
+        self._next = len(buckets)
+        for b, h in enumerate(self._handles):
+            if h is not None:
+                self._hand_back(b, h.wait())
+        self.reset()
+
+    def _hand_back(self, b: int, out: torch.Tensor) -> None:
+        buf = self.buffers[b]
+        if out is not buf:
+            buf.copy_(out)
+        if self.postscale != 1.0 and buf.dtype.is_floating_point:
+            buf.mul_(self.postscale)
+        for i in self.plan.buckets[b].members:
+            p, view = self.params[i], self.views[i]
+            sparse = i in self._sparse or self.sparse_only
+            red = view if view is not None else buf[self._slot(i)[1]].view_as(p)
+            if sparse:
+                p.grad = red.to_sparse(min(1, red.dim()))
+            elif view is not None:
+                if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None or p.grad.is_sparse:
+                p.grad = red.detach().clone()
+            else:
+                p.grad.copy_(red)
+
+    # ----------------------------------------------------------------- zero_grad
+    def zero_grad(self, params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+        """Zero the buckets in place and re-attach gradient views; other parameters (not in a
+        bucket) follow ``set_to_none``."""
+        views = self.view_of
+        if views:
+            for buf in self.buffers:
+                buf.zero_()
+        for p in params:
+            v = views.get(id(p))
+            if v is not None:
+                if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != v.data_ptr():
+                    p.grad = v  # re-attach after e.g. model.zero_grad(set_to_none=True)
+            else:
+                zero_grad_of(p, set_to_none)
+
+
+def zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:
+    """``torch.optim.Optimizer.zero_grad`` for one parameter."""
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        p.grad.detach_()
+        p.grad.zero_()
+
