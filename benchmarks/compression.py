@@ -3,7 +3,8 @@
 Trains the 784-800-800-10 MLP on 2 gloo ranks (parlay.testing.run_world) with each compressor
 for the same epochs, data order and initialisation, and compares every one with the
 uncompressed anchor (``none``). Training is interleaved 25 steps at a time (in a rotating
-order), so load from other processes on the machine hits every compressor alike.
+order), so load from other processes on the machine hits every compressor alike. The training
+core is :mod:`parlay.bench.accuracy`, shared with ``parlay bench``.
 
 Gradient bytes are what ``DistributedOptimizer.comm_stats()`` measured: the real bytes of the
 payload tensors each rank put on the wire per step (top-k: values + int32 indices; PowerSGD:
@@ -16,123 +17,19 @@ within 0.3 points.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
-import struct
 import sys
 import time
-from pathlib import Path
 
-import numpy as np
 import torch
-import torch.nn as nn
 
-import parlay
+from parlay.bench.accuracy import split_specs as _split_specs
+from parlay.bench.accuracy import train_compressors as _worker
 from parlay.testing import run_world
 
 ALL = ["none", "fp16", "bf16", "topk:0.01", "topk:0.001", "randomk:0.01", "powersgd:4"]
 TARGETS = {"topk:0.01": (0.3, 40.0), "topk:0.001": (0.5, 300.0), "powersgd:4": (0.3, None)}
-FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-         "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
-
-
-def read_idx(path: Path) -> np.ndarray:
-    """Read one (gzipped) IDX file: magic 0x0000080N (uint8 data, N dims), then sizes."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        zero, dtype, ndim = struct.unpack(">HBB", f.read(4))
-        if zero != 0 or dtype != 0x08:
-            raise ValueError(f"{path} is not a uint8 IDX file (magic {zero:#x} {dtype:#x})")
-        shape = struct.unpack(">" + "I" * ndim, f.read(4 * ndim))
-        data = np.frombuffer(f.read(), dtype=np.uint8)
-    return data.reshape(shape)
-
-
-def load_mnist(root: str, split: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images as uint8 (n, 784) and labels as int64, from the four standard IDX .gz files."""
-    img, lbl = (Path(root) / f for f in FILES[split])
-    for p in (img, lbl):
-        if not p.exists():
-            raise SystemExit(f"missing {p}; pass --data DIR (or PARLAY_DATA_DIR) holding the "
-                             "four MNIST IDX .gz files")
-    x = torch.from_numpy(read_idx(img).reshape(-1, 784).copy())
-    return x, torch.from_numpy(read_idx(lbl).astype(np.int64))
-
-
-def _prep(x: torch.Tensor) -> torch.Tensor:
-    return (x.float() / 255.0 - 0.1307) / 0.3081
-
-
-def build_mlp() -> nn.Module:
-    """The 784-800-800-10 MLP (same initialisation for every compressor)."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(784, 800), nn.ReLU(), nn.Linear(800, 800), nn.ReLU(),
-                         nn.Linear(800, 10))
-
-
-def _worker(cfg: dict) -> list[dict] | None:
-    rank, world = parlay.rank(), parlay.size()
-    xtr, ytr = load_mnist(cfg["data"], "train")
-    xte, yte = load_mnist(cfg["data"], "test")
-    if cfg["train_samples"]:
-        xtr, ytr = xtr[: cfg["train_samples"]], ytr[: cfg["train_samples"]]
-    runs = []
-    for name in cfg["compressors"]:
-        model = build_mlp()
-        comp = parlay.compression.get_compressor(name)
-        # DGC momentum correction (e.g. "topk:0.001,momentum=0.9") moves the momentum into
-        # the compressor, so the optimizer runs without it (Lin et al. 2018).
-        dgc = getattr(getattr(comp, "memory", None), "momentum", 0.0)
-        base = torch.optim.SGD(model.parameters(), lr=cfg["lr"],
-                               momentum=0.0 if dgc else cfg["momentum"],
-                               weight_decay=cfg["weight_decay"])
-        opt = parlay.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                          compression=comp)
-        runs.append({"name": name, "model": model, "opt": opt, "time": 0.0})
-    gbatch = cfg["batch"] * world
-    steps = len(xtr) // gbatch
-    loss_fn = nn.CrossEntropyLoss()
-    chunk, turn = cfg["chunk"], 0
-    for epoch in range(cfg["epochs"]):
-        perm = torch.randperm(len(xtr), generator=torch.Generator().manual_seed(epoch))
-        for run in runs:  # step decay at 2/3 of training
-            for g in run["opt"].param_groups:
-                g["lr"] = cfg["lr"] * (0.1 if epoch >= cfg["decay_epoch"] else 1.0)
-        # Every compressor trains the same steps in turn, `chunk` steps at a time, in a rotating
-        # order: load from other processes lands on all of them alike.
-        for start in range(0, steps, chunk):
-            turn += 1
-            shift = turn % len(runs)
-            for run in runs[shift:] + runs[:shift]:
-                model, opt = run["model"], run["opt"]
-                parlay.comm.barrier()
-                t0 = time.perf_counter()
-                for s in range(start, min(steps, start + chunk)):
-                    lo = s * gbatch + rank * cfg["batch"]
-                    idx = perm[lo: lo + cfg["batch"]]
-                    opt.zero_grad()
-                    loss_fn(model(_prep(xtr[idx])), ytr[idx]).backward()
-                    opt.step()
-                parlay.comm.barrier()
-                run["time"] += time.perf_counter() - t0
-    rows = []
-    for run in runs:
-        model, opt = run["model"], run["opt"]
-        with torch.no_grad():
-            acc = float((model(_prep(xte)).argmax(1) == yte).float().mean()) * 100
-            finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
-            checksum = torch.tensor([sum(float(p.double().sum()) for p in model.parameters())],
-                                    dtype=torch.float64)
-        sums = parlay.comm.allgather(checksum).view(torch.int64)  # bitwise: NaN == NaN here
-        st = opt.comm_stats()
-        rows.append({"compressor": run["name"], "test_acc": acc, "wall_s": run["time"],
-                     "diverged": not finite,
-                     "dense_bytes_per_step": st["dense_bytes_per_step"],
-                     "wire_bytes_per_step": st["wire_bytes_per_step"],
-                     "reduction": st["ratio"], "steps": st["steps"],
-                     "ranks_agree": bool(torch.all(sums == sums[0]))})
-    return rows if rank == 0 else None
 
 
 def _table(rows: list[dict]) -> str:
@@ -214,20 +111,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
     return 0
-
-
-def _split_specs(text: str) -> list[str]:
-    """Split ``"none,fp16,topk:0.01,momentum=0.9"`` at commas that start a new compressor."""
-    out: list[str] = []
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if out and ("=" in part or part.replace(".", "", 1).isdigit()):
-            out[-1] += "," + part  # an option of the previous compressor
-        else:
-            out.append(part)
-    return out
 
 
 if __name__ == "__main__":

@@ -271,6 +271,10 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
 def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     import runpy
 
+    if ns.name in (None, "suite"):  # the suite that ships with parlay (see parlay.bench)
+        from parlay.bench.runner import main as suite
+
+        return suite(rest)
     path = os.path.join("benchmarks", f"{ns.name}.py")
     if not os.path.exists(path):
         raise _fail(f"bench: no benchmark {path}; run it from the repository root")
@@ -293,8 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("-h", "--help", action="store_true", help="the demo's options")
     p_demo.add_argument("name")
     _add_launch_args(p_demo)
-    p_bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
-    p_bench.add_argument("name")
+    # Its options are the suite's (parlay.bench.runner) or NAME's own: parsed there.
+    p_bench = sub.add_parser("bench", help="run the benchmark suite (parlay bench --help), or "
+                             "benchmarks/NAME.py", add_help=False)
+    p_bench.add_argument("name", nargs="?")
     return parser
 
 
@@ -323,6 +329,10 @@ def _split_parse(parser: argparse.ArgumentParser,
                 continue
             return parser.parse_args(args[:i]), args[i:]
         return parser.parse_args(args), []
+    if args and args[0] == "bench":
+        # NAME, when given, comes first; everything else is the suite's or NAME's.
+        named = len(args) > 1 and not args[1].startswith("-")
+        return parser.parse_args(args[:2] if named else args[:1]), args[2 if named else 1:]
     ns, rest = parser.parse_known_args(args)
     return ns, rest
 

@@ -1,0 +1,287 @@
+"""``parlay bench``: every mode side by side on loopback and simulated links, with the cost
+model's prediction next to each measured point.
+
+Per link, three launches (the same MLP, sized so a dense step on 100 Mbit/s takes about a
+second):
+
+* ``dp`` (2 ranks: on loopback 2 local ranks, on a link 2 hosts x 1): the compute-only limit,
+  DDP, parlay dense, every registered compressor (and ``auto`` when registered), and the
+  pipeline (2 stages x 1 replica, the same global batch) with GPipe and 1F1B;
+* ``ps`` (2 workers + 2 server shards, each process its own host on a link): sync, stale:2
+  and async;
+* ``hier`` (links only: 2 hosts x 2 ranks): flat vs hierarchical allreduce.
+
+Then MNIST accuracy vs bytes per step for every compressor (the compression benchmark's
+settings). Writes ``results.json``, ``report.md`` and PNG plots into ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from parlay.bench.common import MODELS, model_params
+
+__all__ = ["build_parser", "main", "run_suite", "compressor_specs", "NETS"]
+
+NETS = ("loopback", "1gbit", "100mbit")
+# Options a compressor runs with in the suite (others: their bare registry name).
+_DEFAULT_OPTS = {"topk": "topk:0.01", "randomk": "randomk:0.01", "powersgd": "powersgd:4"}
+_EPILOG = """\
+parlay bench NAME [ARGS]  runs benchmarks/NAME.py from a checkout (e.g. parlay bench cluster
+--quick), as before. Without NAME (or with NAME 'suite') it runs this suite. Simulated links
+need root and iproute2 (ip, tc); without them those nets are skipped and loopback still runs.
+Plots need matplotlib: pip install "parlay[bench]" (or pip install matplotlib)."""
+
+
+def compressor_specs() -> list[str]:
+    """Every registered compressor except ``none``, with the suite's options; ``auto`` last."""
+    from parlay.compress import available
+
+    names = [n for n in available() if n not in ("none", "auto")]
+    return [_DEFAULT_OPTS.get(n, n) for n in names] + (["auto"] if "auto" in available() else [])
+
+
+def _mode(name: str, world: int, spec: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+    """(cost-model mode, compressor, options) of a contestant, in :mod:`parlay.plan`'s terms."""
+    if name == "compute":
+        return "compute", "none", {}
+    if name.startswith("pipe:"):
+        return "hybrid", "none", {"stages": world, "schedule": name[5:],
+                                  "chunks": int(spec.get("chunks", 4))}
+    if name.startswith("ps:"):
+        return "ps", "none", {"consistency": name[3:], "servers": int(spec["servers"])}
+    if name == "hier":
+        return "hierarchical", "none", {}
+    if name in ("ddp", "none", "parlay", "flat"):
+        return "allreduce", "none", {}
+    return "allreduce", name, {}
+
+
+def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: str,
+            topo: dict[str, Any]) -> list[dict[str, Any]]:
+    """One point per contestant: measured, with everything the cost model needs."""
+    from parlay.bench.launch import per_host
+
+    widths, batch = MODELS[spec["model"]]
+    compute = sorted(r["step_s"] for r in rows if r["contestant"] == "compute")
+    launch_compute = compute[len(compute) // 2]
+    workers = topo["world"] - int(spec.get("servers", 0))
+    names = list(dict.fromkeys(r["contestant"] for r in rows))
+    out = []
+    for name in names:
+        agg = per_host(rows, name, 4 * model_params(widths))
+        # This point's own compute-only step, timed next to it (the load drifts).
+        own = sorted(r.get("compute_step_s", launch_compute) for r in rows
+                     if r["contestant"] == name)
+        compute_s = own[len(own) // 2]
+        limit = workers * batch / compute_s
+        mode, comp, opts = _mode(name, topo["world"], spec)
+        p = dict(net=net, launch=launch, contestant=name, mode=mode, compressor=comp, opts=opts,
+                 params=model_params(widths), batch=batch, layers=len(widths) - 1,
+                 activation_numel=max(widths[1:-1], default=widths[-1]),
+                 shapes=[s for a, b in zip(widths[:-1], widths[1:]) for s in ([b, a], [b])],
+                 world=topo["world"], workers=workers, hosts=topo["hosts"],
+                 ranks_per_host=topo["ranks_per_host"], link_bps=topo["link_bps"],
+                 link_measured_bps=topo.get("link_measured_bps"), compute_step_s=compute_s,
+                 compute_s_per_sample=compute_s / batch, step_s=agg["step_s"],
+                 samples_s=agg["samples_s"] if name != "compute" else limit,
+                 limit_samples_s=limit, steps=agg["steps"], nic_tx_MB=agg["nic_tx_MB"],
+                 wire_MB=agg.get("wire_MB"), expected_MB=agg.get("expected_MB"))
+        p["of_limit"] = p["samples_s"] / limit
+        chose = [r["chose"] for r in rows if r["contestant"] == name and "chose" in r]
+        if chose:
+            p["chose"] = chose[0]
+        out.append(p)
+    return out
+
+
+def _timelines(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if "events" in r:
+            out.setdefault(r["contestant"][5:], []).append(
+                {k: r[k] for k in ("stage", "rank", "events", "step_s", "bubble", "chunks")})
+    for v in out.values():
+        v.sort(key=lambda s: s["stage"])
+    return out
+
+
+def _run_net(net: str, cfg: dict[str, Any], log: Any) -> tuple[list, dict, list]:
+    """The launches of one link: (points, timelines, cluster reports)."""
+    from parlay.bench.launch import launch_cluster, launch_loopback
+    from parlay.testing.cluster import parse_rate
+
+    base = {"model": cfg["model"], "warmup": 1, "steps": cfg["steps"], "budget": cfg["budget"]}
+    dp = dict(base, kind="dp", chunks=4, contestants=["compute", "ddp", "none",
+              *cfg["compressors"], "pipe:gpipe", "pipe:1f1b"])
+    ps = dict(base, kind="ps", servers=2, consistencies=["sync", "stale:2", "async"])
+    hier = dict(base, kind="dp", contestants=["compute", "flat", "hier"])
+    points: list[dict[str, Any]] = []
+    infos: list[dict[str, Any]] = []
+    if net == "loopback":
+        topo = dict(world=2, hosts=1, ranks_per_host=2, link_bps=None)
+        rows = launch_loopback(dp, 2)
+        points += _points(rows, dp, net, "dp", topo)
+        timelines = _timelines(rows)
+        log(f"  {net} dp: {len(points)} points")
+        points += _points(launch_loopback(ps, 4, num_ps=2), ps, net, "ps",
+                          dict(topo, world=4, ranks_per_host=4))
+        return points, timelines, infos
+    rate = None if net == "unshaped" else net
+    bps = parse_rate(rate) if rate else None
+    rows, info = launch_cluster(dp, 2, rate, 1, calibrate=True)
+    infos.append(info)
+    topo = dict(world=2, hosts=2, ranks_per_host=1, link_bps=bps,
+                link_measured_bps=info["link_mbit_s"] * 1e6 if info["link_mbit_s"] else None)
+    points += _points(rows, dp, net, "dp", topo)
+    timelines = _timelines(rows)
+    log(f"  {net} dp: {len(points)} points (link measured {info['link_mbit_s']:.0f} Mbit/s)")
+    rows, info = launch_cluster(ps, 4, rate, 1, flags=("--ps", "2"))
+    infos.append(info)
+    points += _points(rows, ps, net, "ps", dict(topo, world=4, hosts=4))
+    rows, info = launch_cluster(hier, 2, rate, 2)
+    infos.append(info)
+    points += _points(rows, hier, net, "hier", dict(topo, world=4, ranks_per_host=2))
+    return points, timelines, infos
+
+
+def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suite",
+              steps: int | None = None, budget: float | None = None, accuracy: bool = True,
+              accuracy_samples: int | None = None, data: str | None = None,
+              compressors: list[str] | None = None, log: Any = print) -> dict[str, Any]:
+    """Run the suite and write ``results.json``, ``report.md`` and the plots into ``out``.
+
+    Args:
+        out: Output folder (created).
+        nets: ``loopback`` and/or tc rates (``1gbit``, ``100mbit``) or ``unshaped``.
+        quick: Few timed steps per point and the compression benchmark's quick settings.
+        model: A :data:`parlay.bench.common.MODELS` name.
+        steps: Timed steps per point (default 3 quick, 10 full).
+        budget: Seconds of timed steps per point (a slower first step is the measurement).
+        accuracy: Also train MNIST with every compressor (accuracy vs bytes per step).
+        accuracy_samples: Training images for it (default 12k quick, all 60k full).
+        data: MNIST folder (default ``PARLAY_DATA_DIR``, else the copy shipped in parlay).
+        compressors: Compressor specs (default :func:`compressor_specs`).
+        log: Where progress lines go.
+
+    Returns:
+        The results document (also written as ``results.json``).
+    """
+    from parlay.bench import plots, predict, report
+    from parlay.testing.cluster import unavailable_reason
+
+    t0 = time.perf_counter()
+    os.makedirs(out, exist_ok=True)
+    cfg = {"model": model, "steps": steps or (3 if quick else 10),
+           "budget": budget or (5.0 if quick else 30.0),
+           "compressors": compressor_specs() if compressors is None else list(compressors)}
+    notes: list[str] = []
+    links = [n for n in nets if n != "loopback"]
+    why = unavailable_reason() if links else None
+    if why:
+        notes.append(f"skipped {', '.join(links)}: simulated cluster unavailable: {why}")
+        log(f"parlay bench: {notes[-1]}")
+        nets = [n for n in nets if n == "loopback"]
+    points: list[dict[str, Any]] = []
+    timelines: dict[str, Any] = {}
+    clusters: list[dict[str, Any]] = []
+    for net in nets:
+        log(f"parlay bench: {net} ...")
+        p, tl, infos = _run_net(net, cfg, log)
+        points += p
+        timelines[net] = tl
+        clusters += infos
+    acc = []
+    if accuracy:
+        log("parlay bench: MNIST accuracy vs bytes per step ...")
+        from parlay.bench.accuracy import run_accuracy
+
+        acc = run_accuracy(cfg["compressors"], data or os.environ.get("PARLAY_DATA_DIR"),
+                           epochs=1 if quick else 3,
+                           train_samples=accuracy_samples or (12000 if quick else 0))
+    why_pred = predict.attach_predictions(points)
+    if why_pred:
+        notes.append(why_pred)
+    doc = {"benchmark": "parlay bench", "quick": quick, "nets": nets, "config": cfg,
+           "model_widths": MODELS[model][0], "points": points,
+           "summary": predict.summary(points), "timelines": timelines, "accuracy": acc,
+           "clusters": clusters, "notes": notes, "wall_s": 0.0, "env": _env()}
+    doc["plots"], plot_note = plots.write_all(doc, out)
+    if plot_note:
+        notes.append(plot_note)
+        log(f"parlay bench: {plot_note}")
+    doc["wall_s"] = time.perf_counter() - t0
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+    with open(os.path.join(out, "report.md"), "w") as f:
+        f.write(report.render(doc))
+    return doc
+
+
+def _env() -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    return {"python": sys.version.split()[0], "torch": torch.__version__,
+            "machine": platform.machine(), "cores": os.cpu_count(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Options of ``parlay bench`` (the suite)."""
+    ap = argparse.ArgumentParser(
+        prog="parlay bench", usage="parlay bench [NAME [ARGS] | [suite] [options]]",
+        description="Run every mode and compressor side by side on loopback and simulated "
+                    "links; write results.json, report.md and plots.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help="a few timed steps per point (under 15 minutes on 2 cores)")
+    ap.add_argument("--net", default=",".join(NETS),
+                    help="comma-separated: loopback and tc rates such as 1gbit, 100mbit, or "
+                         "unshaped (default: %(default)s)")
+    ap.add_argument("--out", required=True, help="folder for results.json, report.md, *.png")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per point")
+    ap.add_argument("--budget", type=float, default=None, help="seconds of timing per point")
+    ap.add_argument("--compressors", default=None,
+                    help="comma-separated compressor specs (default: every registered one)")
+    ap.add_argument("--no-accuracy", action="store_true", help="skip the MNIST accuracy run")
+    ap.add_argument("--accuracy-samples", type=int, default=None,
+                    help="MNIST training images for the accuracy run (default 12000 quick)")
+    ap.add_argument("--data", default=None, help="MNIST folder (default: PARLAY_DATA_DIR, "
+                                                 "else the copy shipped with parlay)")
+    ap.add_argument("--model", default="suite", choices=sorted(MODELS), help=argparse.SUPPRESS)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``parlay bench`` without a NAME."""
+    ns = build_parser().parse_args(argv)
+    nets = [n.strip() for n in ns.net.split(",") if n.strip()]
+    from parlay.testing.cluster import parse_rate
+
+    for n in nets:
+        if n not in ("loopback", "unshaped"):
+            try:
+                parse_rate(n)
+            except ValueError:
+                raise SystemExit(f"parlay bench: --net takes loopback, unshaped or a rate like "
+                                 f"100mbit or 1gbit, got {n!r}") from None
+    from parlay.bench.accuracy import split_specs
+
+    comps = split_specs(ns.compressors) if ns.compressors is not None else None
+    doc = run_suite(ns.out, nets, quick=ns.quick, model=ns.model, steps=ns.steps,
+                    budget=ns.budget, accuracy=not ns.no_accuracy,
+                    accuracy_samples=ns.accuracy_samples, data=ns.data, compressors=comps)
+    from parlay.bench.report import console
+
+    print(console(doc))
+    print(f"\nwrote {ns.out}/results.json, report.md"
+          + (", " + ", ".join(doc["plots"]) if doc["plots"] else "")
+          + f" in {doc['wall_s']:.0f} s")
+    return 0

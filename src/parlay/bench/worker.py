@@ -1,0 +1,323 @@
+"""The rank side of the benchmarks: time contestants side by side in one process group.
+
+Every rank of a launch runs :func:`run_spec` with the same spec and returns its own rows; the
+orchestrator (:mod:`parlay.bench.launch`) gathers them. A spec is a plain dict::
+
+    {"kind": "dp", "model": "suite", "contestants": ["compute", "none", "ddp", "fp16",
+     "pipe:1f1b", ...], "warmup": 1, "steps": 3, "budget": 8.0}
+    {"kind": "ps", "model": "suite", "consistencies": ["sync", "stale:2", "async"], ...}
+
+Contestants: ``compute`` (the same step with communication skipped: the limit), ``ddp``
+(PyTorch's DistributedDataParallel), ``none``/``parlay`` (parlay dense), any compressor spec
+(``fp16``, ``topk:0.01``, ``auto``...), ``flat``/``hier`` (flat vs hierarchical allreduce) and
+``pipe:SCHEDULE`` (every rank one pipeline stage, the global batch in ``chunks`` micro-batches;
+its row carries one step's compute intervals per rank: the timeline).
+
+On a simulated cluster each host's interface is ``eth0``; its byte counters are read around the
+timed steps (on loopback there is no per-host counter and those fields are 0).
+
+    python -m parlay.bench.worker --spec JSON --out PREFIX   # under parlay run, on each host
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+from parlay.bench.common import MODELS
+
+__all__ = ["run_spec", "main"]
+
+_NIC = "/sys/class/net/eth0/statistics"
+
+
+def _nic() -> dict[str, int]:
+    # Only inside a simulated host is eth0 this rank's own link (on loopback it is the
+    # machine's, carrying everyone's traffic).
+    if "PARLAY_CLUSTER_HOST" not in os.environ or not os.path.isdir(_NIC):
+        return {"tx": 0, "rx": 0}
+    return {k: int(open(f"{_NIC}/{k}_bytes").read()) for k in ("tx", "rx")}
+
+
+def _widths(spec: dict[str, Any]) -> tuple[list[int], int]:
+    m = spec.get("model", "suite")
+    widths, batch = MODELS[m] if isinstance(m, str) else (list(m), 0)
+    return widths, int(spec.get("batch") or batch)
+
+
+class _Recorder:
+    """Wraps a pipeline's ``meter.timing`` to keep each compute interval of one step."""
+
+    def __init__(self, meter: Any) -> None:
+        self.events: list[tuple[str, float, float]] = []
+        self.on = False
+        self.t0 = 0.0
+        self._inner = meter.timing
+        meter.timing = self  # instance attribute: the stages call meter.timing()
+
+    def __call__(self) -> Any:
+        import contextlib
+
+        # The caller names the phase: forward_one_chunk, backward_one_chunk, the loss' __call__.
+        kind = {"forward_one_chunk": "F", "backward_one_chunk": "B"}.get(
+            sys._getframe(1).f_code.co_name, "L")
+
+        @contextlib.contextmanager
+        def timed() -> Any:
+            start = time.perf_counter()
+            with self._inner():
+                yield
+            if self.on:
+                self.events.append((kind, start - self.t0, time.perf_counter() - self.t0))
+        return timed()
+
+
+def _pipe_contestant(schedule: str, widths: list[int], chunks: int) -> tuple[Callable, Any]:
+    import torch
+    import torch.nn as nn
+
+    from parlay.bench.common import mlp
+    from parlay.pipeline import Pipeline
+
+    pipe = Pipeline(mlp(widths), nn.functional.cross_entropy, chunks=chunks, schedule=schedule)
+    opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.01))
+    rec = _Recorder(pipe.meter)
+    last: dict[str, Any] = {}
+
+    def step(x: Any, y: Any) -> None:
+        # Keep the first timed step (it starts right after a barrier, so stages line up).
+        recording = rec.on
+        if recording:
+            rec.events, rec.t0 = [], time.perf_counter()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        out = pipe.step(x, y)
+        opt.step()
+        rec.on = False
+        last.update(wall=time.perf_counter() - t0, compute=out.compute_s,
+                    bubble=out.bubble, act_bytes=out.fwd_bytes + out.bwd_bytes)
+    step.recorder, step.last, step.pipe = rec, last, pipe  # type: ignore[attr-defined]
+    return step, None
+
+
+def _contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable, Any]:
+    """``(step(x, y), DistributedOptimizer or None)`` for one contestant."""
+    import torch
+    import torch.nn as nn
+
+    import parlay
+    from parlay.bench.common import mlp
+
+    if name.startswith("pipe:"):
+        return _pipe_contestant(name[5:], widths, chunks)
+    model = mlp(widths)
+    loss_fn = nn.CrossEntropyLoss()
+    opt: Any = None
+    if name == "ddp":
+        # Same seed on every rank: skip DDP's start-up broadcast (seconds on a slow link).
+        model = nn.parallel.DistributedDataParallel(model, init_sync=False)
+        base = torch.optim.SGD(model.parameters(), lr=0.01)
+    elif name == "compute":
+        base = torch.optim.SGD(model.parameters(), lr=0.01)
+    else:
+        comp = None if name in ("none", "parlay", "flat", "hier") else name
+        opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                          named_parameters=model.named_parameters(),
+                                          compression=comp, hierarchical=name == "hier")
+        base = opt
+
+    def step(x: Any, y: Any) -> None:
+        base.zero_grad()
+        loss_fn(model(x), y).backward()
+        base.step()
+    return step, opt
+
+
+def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any) -> tuple:
+    """Time ``n`` steps between barriers: (s per step, NIC before, after, comm_stats pair)."""
+    from parlay import comm
+
+    before = opt.comm_stats() if opt is not None else None
+    comm.barrier()
+    nic0, t0 = _nic(), time.perf_counter()
+    for _ in range(n):
+        step(x, y)
+    comm.barrier()
+    dt = (time.perf_counter() - t0) / n
+    return dt, nic0, _nic(), (before, opt.comm_stats() if opt is not None else None)
+
+
+def _steps_in_budget(first_s: float, steps: int, budget: float) -> int:
+    """Timed steps for a contestant whose first step took ``first_s`` on the slowest rank
+    (0: the first step is the measurement; its start-up cost is small next to it)."""
+    if first_s > budget:
+        return 0
+    return max(1, min(steps, int(budget / max(first_s, 1e-6))))
+
+
+def _paired_compute(cstep: Callable, x: Any, y: Any, n: int) -> float:
+    """Seconds per compute-only step, timed right before a contestant: the machine's load
+    drifts (other processes share its cores), so each point gets its own limit."""
+    from parlay import comm
+
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        cstep(x, y)
+    dt = (time.perf_counter() - t0) / n
+    comm.barrier()
+    return dt
+
+
+def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
+              cstep: Callable) -> dict[str, Any]:
+    import torch
+
+    import parlay
+    from parlay import comm
+
+    widths, batch = _widths(spec)
+    step, opt = _contestant(name, widths, int(spec.get("chunks", 4)))
+    pipe = name.startswith("pipe:")
+    xs, ys = (x.repeat(parlay.size(), 1), y.repeat(parlay.size())) if pipe else (x, y)
+    if pipe:  # the timeline of the first step, replaced by the first timed one if any
+        step.recorder.on = True  # type: ignore[attr-defined]
+    first = _timed(step, xs, ys, 1, opt)
+    # "auto" measures before it decides: give it room to settle before timing.
+    for _ in range(int(spec.get("warmup", 1)) - 1 + (2 if name == "auto" else 0)):
+        step(xs, ys)
+    # Every rank must run the same number of steps: decide from the slowest rank's first step.
+    slowest = torch.tensor([first[0]])
+    comm.allreduce(slowest, "max")
+    n = _steps_in_budget(float(slowest), int(spec.get("steps", 3)), float(spec.get("budget", 8)))
+    paired = _paired_compute(cstep, x, y, max(1, min(n, 3)))
+    if pipe:
+        step.recorder.on = True  # type: ignore[attr-defined]
+    dt, nic0, nic1, stats = first if n == 0 else _timed(step, xs, ys, n, opt)
+    n = max(n, 1)
+    samples = batch * parlay.size()  # pipeline: the same global batch through one replica
+    row: dict[str, Any] = dict(contestant=name, step_s=dt, samples_s=samples / dt, steps=n,
+                               nic_tx=(nic1["tx"] - nic0["tx"]) / n,
+                               nic_rx=(nic1["rx"] - nic0["rx"]) / n, compute_step_s=paired)
+    if opt is not None:
+        row["wire_bytes"] = (stats[1]["wire_bytes"] - stats[0]["wire_bytes"]) / n
+        row["cross_host_bytes"] = stats[1].get("cross_host_bytes_per_step", 0.0)
+        choice = getattr(opt.compression, "describe", None)
+        if callable(choice):  # "auto": what it chose
+            row["chose"] = str(choice())
+    if pipe:
+        p = step.pipe  # type: ignore[attr-defined]
+        row.update(events=step.recorder.events, stage=p.mesh.pp_rank,  # type: ignore[attr-defined]
+                   bubble=step.last["bubble"], compute_s=step.last["compute"],  # type: ignore
+                   act_bytes=step.last["act_bytes"], chunks=p.chunks)  # type: ignore
+    return row
+
+
+def _time_dp(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    import torch
+
+    widths, batch = _widths(spec)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, widths[0], generator=g)
+    y = torch.randint(0, widths[-1], (batch,), generator=g)
+    cstep, _ = _contestant("compute", widths)
+    cstep(x, y)
+    return [_time_one(name, spec, x, y, cstep) for name in spec["contestants"]]
+
+
+def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each consistency in turn, one session each, in the same process group."""
+    import torch
+    import torch.nn as nn
+
+    import parlay
+    from parlay.bench.common import mlp
+
+    widths, batch = _widths(spec)
+    task = parlay.TaskSpec.from_env()
+    x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
+    warmup, steps = int(spec.get("warmup", 1)), int(spec.get("steps", 3))
+    rows = []
+    cstep, _ = _contestant("compute", widths)
+    for consistency in spec["consistencies"]:
+        # The compute-only limit of one worker in this same crowded world, timed right before.
+        paired = _compute_only(cstep, x, y, warmup, steps) if task.is_worker else 0.0
+        if task.is_worker and not rows:
+            rows.append(dict(contestant="compute", step_s=paired, samples_s=0.0, steps=steps,
+                             nic_tx=0, nic_rx=0, compute_step_s=paired))
+        times: list[float] = []
+        nic: list[dict[str, int]] = []
+        # sync: one update per round of all workers; otherwise one per push.
+        total = (warmup + steps) * (1 if consistency == "sync" else task.num_workers)
+        with parlay.DistributedSession(task_spec=task, model=mlp(widths),
+                                       optimizer=torch.optim.SGD, optimizer_args={"lr": 0.01},
+                                       consistency=consistency, max_steps=total,
+                                       checkpoint_every=None) as sess:
+            while not sess.should_stop():
+                if len(times) == warmup:
+                    nic.append(_nic())
+                t0 = time.perf_counter()
+                sess.train_step((x, y), nn.functional.cross_entropy)
+                times.append(time.perf_counter() - t0)
+        if task.is_ps or len(times) <= warmup:
+            continue
+        end, n = _nic(), len(times) - warmup
+        dt = statistics.median(times[warmup:])
+        rows.append(dict(contestant=f"ps:{consistency}", step_s=dt,
+                         samples_s=task.num_workers * batch / dt, steps=n,
+                         nic_tx=(end["tx"] - nic[0]["tx"]) / n,
+                         nic_rx=(end["rx"] - nic[0]["rx"]) / n, compute_step_s=paired))
+    return rows
+
+
+def _compute_only(step: Callable, x: Any, y: Any, warmup: int, steps: int) -> float:
+    """Seconds per compute-only step on this rank alone (the servers wait meanwhile)."""
+    for _ in range(warmup):
+        step(x, y)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    return (time.perf_counter() - t0) / steps
+
+
+def run_spec(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Run one launch's contestants on this rank (inside an initialised process group).
+
+    Returns:
+        This rank's rows, each tagged with its rank, host and local rank.
+    """
+    import torch
+
+    import parlay
+
+    torch.set_num_threads(1)
+    rows = _time_ps(spec) if spec["kind"] == "ps" else _time_dp(spec)
+    c = parlay.runtime.cluster()
+    for r in rows:
+        r.update(rank=c.rank, host=c.node_rank, local_rank=c.local_rank)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point under ``parlay run`` on each simulated host: rows go to PREFIX.rankN.json."""
+    import parlay
+
+    ap = argparse.ArgumentParser(description="one rank of a parlay bench launch")
+    ap.add_argument("--spec", required=True, help="the launch's spec, as JSON")
+    ap.add_argument("--out", required=True, help="prefix of the per-rank JSON files")
+    ns = ap.parse_args(argv)
+    parlay.init(timeout=600)
+    try:
+        rows = run_spec(json.loads(ns.spec))
+        with open(f"{ns.out}.rank{parlay.rank()}.json", "w") as f:
+            json.dump(rows, f)
+    finally:
+        parlay.shutdown()
+
+
+if __name__ == "__main__":
+    main()
