@@ -1,4 +1,4 @@
-"""Command line: ``parlay run | env | demo | bench``.
+"""Command line: ``parlay run | env | demo | bench | plan``.
 
 ``parlay run -n N [--ps K] script.py ARGS`` hands the launch to ``torch.distributed.run``
 (torchrun's elastic agent): parlay adds the role assignment (the first K ranks are parameter
@@ -283,6 +283,13 @@ def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
+def _cmd_plan(ns: argparse.Namespace, rest: list[str]) -> int:
+    from parlay.plan.command import run_plan
+
+    ns.script_args = rest  # the --script's own arguments (after --)
+    return run_plan(ns)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``parlay`` argument parser (sub-commands run, env, demo, bench)."""
     parser = argparse.ArgumentParser(prog="parlay", description=__doc__.split("\n")[0])
@@ -301,6 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_bench = sub.add_parser("bench", help="run the benchmark suite (parlay bench --help), or "
                              "benchmarks/NAME.py", add_help=False)
     p_bench.add_argument("name", nargs="?")
+    from parlay.plan.command import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -310,7 +320,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     # Everything after the script (or demo name) belongs to it, not to us.
     ns, rest = _split_parse(parser, args)
-    handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench}[ns.cmd]
+    handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench,
+               "plan": _cmd_plan}[ns.cmd]
     return handler(ns, rest)
 
 
@@ -333,6 +344,9 @@ def _split_parse(parser: argparse.ArgumentParser,
         # NAME, when given, comes first; everything else is the suite's or NAME's.
         named = len(args) > 1 and not args[1].startswith("-")
         return parser.parse_args(args[:2] if named else args[:1]), args[2 if named else 1:]
+    if args and args[0] == "plan":
+        cut = args.index("--") if "--" in args else len(args)
+        return parser.parse_args(args[:cut]), args[cut + 1:]
     ns, rest = parser.parse_known_args(args)
     return ns, rest
 

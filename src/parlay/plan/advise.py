@@ -154,7 +154,12 @@ def rank_configs(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] 
     for mode, opts in _variants(workload, cluster, modes):
         if not include_async and opts.get("consistency", "sync") != "sync":
             continue
+        single_pipeline = mode == "hybrid" and cluster.world == opts.get("stages")
         for comp in compressors:
+            if single_pipeline and comp != compressors[0]:
+                continue  # one replica: no gradient is reduced, compressors change nothing
+            if single_pipeline:
+                comp = "none"
             try:
                 out.append(predict(workload, cluster, mode, comp, costs, **opts))
             except ConfigError:

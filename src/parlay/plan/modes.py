@@ -164,7 +164,7 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
                           f"{p}, got {world} ranks. Hint: stages dividing {world}.")
     if w.layers is not None and p > w.layers:
         raise ConfigError(f"{p} pipeline stages need at least {p} layers, the model has "
-                          f"{w.layers}. Hint: --stages {w.layers} or fewer.")
+                          f"{w.layers} layers. Hint: --stages {w.layers} or fewer.")
     if schedule not in ("gpipe", "1f1b"):
         raise ConfigError(f"the cost model covers schedules gpipe and 1f1b, got {schedule!r}.")
     replicas = world // p
