@@ -20,7 +20,8 @@ from collections.abc import Mapping, Sequence
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "show", "fail", "check_host", "parse_address",
-           "join_address", "as_index", "check_below", "check_task", "cluster_order", "rank_of",
+           "join_address", "as_index", "check_below", "int_var", "need_var", "port_var",
+           "addr_var", "check_task", "cluster_order", "rank_of",
            "read_tf_config", "parse_nodelist", "first_node", "expand_nodelist"]
 
 #: Task types in rank order (evaluators last: they have no rank).
@@ -100,6 +101,45 @@ def check_below(name: str, value: int, bound_name: str, bound: int, hint: str) -
     """Raise a ConfigError unless ``0 <= value < bound``."""
     if not 0 <= value < bound:
         raise fail(name, f"0 <= {name} < {bound_name} ({bound})", str(value), hint)
+
+
+# -- environment variables -----------------------------------------------------------------------
+
+def int_var(env: Mapping[str, str], name: str, minimum: int = 0) -> int | None:
+    """The integer value of ``env[name]``, ``None`` when absent."""
+    if name not in env:
+        return None
+    raw = env[name]
+    m = INT.fullmatch(raw) if isinstance(raw, str) else None
+    if m is None:
+        raise fail(name, "an integer", show(raw), f"set {name} to a number or unset it")
+    value = int(m.group(1))
+    if value < minimum:
+        raise fail(name, f"an integer >= {minimum}", str(value), f"fix or unset {name}")
+    return value
+
+
+def need_var(env: Mapping[str, str], name: str, present: Sequence[str], minimum: int = 0) -> int:
+    """Like :func:`_int_var` but the variable must be there because ``present`` ones are."""
+    value = int_var(env, name, minimum)
+    if value is None:
+        have = ", ".join(n for n in present if n in env)
+        raise ConfigError(f"{name} is missing: expected it because {have} is set. Hint: set "
+                          f"{name} too, or unset {have} (a partial environment is never guessed).")
+    return value
+
+
+def port_var(env: Mapping[str, str], name: str = "MASTER_PORT") -> int | None:
+    """The port in ``env[name]``, ``None`` when absent."""
+    value = int_var(env, name, minimum=1)
+    if value is not None and value > 65535:
+        raise fail(name, "a port in 1..65535", str(value), f"fix {name}")
+    return value
+
+
+def addr_var(env: Mapping[str, str], name: str = "MASTER_ADDR") -> str | None:
+    """The host in ``env[name]``, ``None`` when absent."""
+    return check_host(str(env[name]).strip(), name) if name in env else None
 
 
 # -- a TensorFlow-style cluster ------------------------------------------------------------------

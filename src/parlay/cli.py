@@ -1,4 +1,4 @@
-"""Command line: ``parlay run | env | demo | bench | plan``.
+"""Command line: ``parlay run | env | demo | bench``.
 
 ``parlay run -n N [--ps K] script.py ARGS`` hands the launch to ``torch.distributed.run``
 (torchrun's elastic agent): parlay adds the role assignment (the first K ranks are parameter
@@ -41,7 +41,8 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ps", type=int, default=0,
                    help="number of parameter-server ranks (the first K global ranks)")
     p.add_argument("--pp", type=int, default=None,
-                   help="pipeline stages per replica for mode='hybrid' (sets PARLAY_PP)")
+                   help="pipeline stages per replica for mode='hybrid' (exported as PARLAY_PP: "
+                   "the default stage count of mode='hybrid' in the launched script)")
     for flag in _PASSTHROUGH:
         p.add_argument(flag, dest=_dest(flag), default=None, help="passed to torchrun")
 
@@ -206,7 +207,10 @@ def _cmd_demo(ns: argparse.Namespace, rest: list[str]) -> int:
         mnist.parse_args(["--help"])  # prints the demo's own options and exits 0
     if ns.nproc is None:
         ns.nproc = 2
-    check_demo(ns, mnist.parse_args(rest))  # the demo's own parser: bad options exit here
+    demo = mnist.parse_args(rest)  # the demo's own parser: bad options exit here
+    check_demo(ns, demo)
+    if ns.pp is not None and not any(o.startswith("pp=") for o in demo.option):
+        rest = [*rest, "--option", f"pp={ns.pp}"]  # the stage count, explicitly
     return _launch(ns, ["-m", "parlay.demos.mnist", *rest])
 
 
@@ -229,6 +233,7 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     """Names against parlay's registries, numbers against their ranges, layout against mode."""
     from parlay.compress import get_compressor
     from parlay.demos.mnist import _options
+    from parlay.env import pipeline_stages
     from parlay.errors import ConfigError
     from parlay.pipeline.schedule import get_schedule
     from parlay.ps.consistency import get_consistency
@@ -260,7 +265,7 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
         raise ConfigError("--pp (pipeline stages) only applies to --mode hybrid. "
                           "Hint: drop --pp, or add --mode hybrid.")
     if demo.mode == "hybrid" and not multi_node:
-        stages = int(pp or opts.get("pp") or os.environ.get("PARLAY_PP", 2))  # type: ignore[arg-type]
+        stages = int(pp or opts.get("pp") or pipeline_stages() or 2)  # type: ignore[arg-type]
         if nproc < stages or nproc % stages:
             fix = max(stages, -(-nproc // stages) * stages)
             raise ConfigError(f"--mode hybrid with {stages} pipeline stages needs -n to be a "
@@ -271,23 +276,12 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
 def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     import runpy
 
-    if ns.name in (None, "suite"):  # the suite that ships with parlay (see parlay.bench)
-        from parlay.bench.runner import main as suite
-
-        return suite(rest)
     path = os.path.join("benchmarks", f"{ns.name}.py")
     if not os.path.exists(path):
         raise _fail(f"bench: no benchmark {path}; run it from the repository root")
     sys.argv = [path, *rest]
     runpy.run_path(path, run_name="__main__")
     return 0
-
-
-def _cmd_plan(ns: argparse.Namespace, rest: list[str]) -> int:
-    from parlay.plan.command import run_plan
-
-    ns.script_args = rest  # the --script's own arguments (after --)
-    return run_plan(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -304,13 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("-h", "--help", action="store_true", help="the demo's options")
     p_demo.add_argument("name")
     _add_launch_args(p_demo)
-    # Its options are the suite's (parlay.bench.runner) or NAME's own: parsed there.
-    p_bench = sub.add_parser("bench", help="run the benchmark suite (parlay bench --help), or "
-                             "benchmarks/NAME.py", add_help=False)
-    p_bench.add_argument("name", nargs="?")
-    from parlay.plan.command import add_plan_parser
-
-    add_plan_parser(sub)
+    p_bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
+    p_bench.add_argument("name")
     return parser
 
 
@@ -320,8 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     # Everything after the script (or demo name) belongs to it, not to us.
     ns, rest = _split_parse(parser, args)
-    handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench,
-               "plan": _cmd_plan}[ns.cmd]
+    handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench}[ns.cmd]
     return handler(ns, rest)
 
 
@@ -340,13 +328,6 @@ def _split_parse(parser: argparse.ArgumentParser,
                 continue
             return parser.parse_args(args[:i]), args[i:]
         return parser.parse_args(args), []
-    if args and args[0] == "bench":
-        # NAME, when given, comes first; everything else is the suite's or NAME's.
-        named = len(args) > 1 and not args[1].startswith("-")
-        return parser.parse_args(args[:2] if named else args[:1]), args[2 if named else 1:]
-    if args and args[0] == "plan":
-        cut = args.index("--") if "--" in args else len(args)
-        return parser.parse_args(args[:cut]), args[cut + 1:]
     ns, rest = parser.parse_known_args(args)
     return ns, rest
 

@@ -20,17 +20,18 @@ from __future__ import annotations
 import importlib
 import os
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parlay._validate import (DEFAULT_MASTER_PORT, INT, TASK_TYPES, as_index, check_below,
+from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_index, check_below,
                               check_host, cluster_order, expand_nodelist, fail, first_node,
-                              parse_address, rank_of, read_tf_config, show)
+                              int_var, need_var, parse_address, port_var, rank_of,
+                              read_tf_config, show)
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "ClusterEnv", "detect",
-           "expand_nodelist"]
+           "expand_nodelist", "pipeline_stages"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class ClusterEnv:
         num_ps: Parameter servers, ranks ``0..num_ps-1``; ``0 <= num_ps < world_size``.
         node_rank: Index of this node.
         num_nodes: Number of nodes.
+        pipeline_stages: Pipeline stages per replica the launcher asked for
+            (``parlay run --pp P`` exports ``PARLAY_PP``); ``None`` when it did not.
 
     Raises:
         ConfigError: At construction, for values out of range or of the wrong type.
@@ -64,6 +67,7 @@ class ClusterEnv:
     num_ps: int = 0
     node_rank: int = 0
     num_nodes: int = 1
+    pipeline_stages: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rank", "world_size", "local_rank", "local_world_size", "num_ps",
@@ -85,6 +89,12 @@ class ClusterEnv:
                 or not 1 <= self.master_port <= 65535):
             raise fail("master_port", "None or an int in 1..65535", show(self.master_port),
                        "use e.g. 29500")
+        if self.pipeline_stages is not None:
+            pp = as_index(self.pipeline_stages, "pipeline_stages")
+            if pp < 1:
+                raise fail("pipeline_stages", "None or an int >= 1", str(pp),
+                           "one stage is plain data parallelism")
+            object.__setattr__(self, "pipeline_stages", pp)
         if self.master_addr is not None:
             if not isinstance(self.master_addr, str):
                 raise fail("master_addr", "None or a host string", show(self.master_addr),
@@ -114,44 +124,28 @@ class ClusterEnv:
 
 # -- environment readers -----------------------------------------------------------------------
 
-def _int_var(env: Mapping[str, str], name: str, minimum: int = 0) -> int | None:
-    """The integer value of ``env[name]``, ``None`` when absent."""
-    if name not in env:
-        return None
-    raw = env[name]
-    m = INT.fullmatch(raw) if isinstance(raw, str) else None
-    if m is None:
-        raise fail(name, "an integer", show(raw), f"set {name} to a number or unset it")
-    value = int(m.group(1))
-    if value < minimum:
-        raise fail(name, f"an integer >= {minimum}", str(value), f"fix or unset {name}")
-    return value
+def pipeline_stages(environ: Mapping[str, str] | None = None) -> int | None:
+    """The pipeline stage count ``parlay run --pp P`` gave this launch (``PARLAY_PP``).
 
+    The one place ``PARLAY_PP`` is read: :func:`detect` puts it in
+    :attr:`ClusterEnv.pipeline_stages`, the default stage count of ``mode="hybrid"`` when its
+    ``pp`` option is not given.
 
-def _need(env: Mapping[str, str], name: str, present: Sequence[str], minimum: int = 0) -> int:
-    """Like :func:`_int_var` but the variable must be there because ``present`` ones are."""
-    value = _int_var(env, name, minimum)
-    if value is None:
-        have = ", ".join(n for n in present if n in env)
-        raise ConfigError(f"{name} is missing: expected it because {have} is set. Hint: set "
-                          f"{name} too, or unset {have} (a partial environment is never guessed).")
-    return value
+    Args:
+        environ: Environment mapping; ``None`` reads ``os.environ``.
 
+    Returns:
+        The stage count, or ``None`` when the variable is not set.
 
-def _port_var(env: Mapping[str, str], name: str = "MASTER_PORT") -> int | None:
-    value = _int_var(env, name, minimum=1)
-    if value is not None and value > 65535:
-        raise fail(name, "a port in 1..65535", str(value), f"fix {name}")
-    return value
-
-
-def _addr_var(env: Mapping[str, str], name: str = "MASTER_ADDR") -> str | None:
-    return check_host(str(env[name]).strip(), name) if name in env else None
+    Raises:
+        ConfigError: ``PARLAY_PP`` is not an integer >= 1.
+    """
+    return int_var(os.environ if environ is None else environ, "PARLAY_PP", minimum=1)
 
 
 def _master(env: Mapping[str, str], world_size: int, source: str) -> tuple[str, int | None]:
     """MASTER_ADDR / MASTER_PORT, required for a world of more than one process."""
-    addr, port = _addr_var(env), _port_var(env)
+    addr, port = addr_var(env), port_var(env)
     if world_size > 1 and (addr is None or port is None):
         missing = " and ".join(n for n in ("MASTER_ADDR", "MASTER_PORT") if n not in env)
         raise ConfigError(f"{missing} missing: expected the rendezvous address for {source} with "
@@ -184,12 +178,12 @@ def _torchrun(env: Mapping[str, str]) -> ClusterEnv | None:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     if not any(k in env for k in keys):
         return None
-    rank, world = _need(env, "RANK", keys), _need(env, "WORLD_SIZE", keys, minimum=1)
+    rank, world = need_var(env, "RANK", keys), need_var(env, "WORLD_SIZE", keys, minimum=1)
     check_below("RANK", rank, "WORLD_SIZE", world, "ranks count from 0")
-    local_rank, local_world = _local_sizes(rank, world, _int_var(env, "LOCAL_RANK"),
-                                           _int_var(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
-    nodes = _int_var(env, "GROUP_WORLD_SIZE", 1) or _ceil_div(world, local_world)
-    node = _int_var(env, "GROUP_RANK")
+    local_rank, local_world = _local_sizes(rank, world, int_var(env, "LOCAL_RANK"),
+                                           int_var(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
+    nodes = int_var(env, "GROUP_WORLD_SIZE", 1) or _ceil_div(world, local_world)
+    node = int_var(env, "GROUP_RANK")
     node = rank // local_world if node is None else node
     check_below("GROUP_RANK", node, "number of nodes", nodes, "node ranks count from 0")
     addr, port = _master(env, world, "torchrun")
@@ -198,7 +192,7 @@ def _torchrun(env: Mapping[str, str]) -> ClusterEnv | None:
 
 
 def _slurm_port(env: Mapping[str, str]) -> int:
-    port = _port_var(env)
+    port = port_var(env)
     if port is not None:
         return port
     job = env.get("SLURM_JOB_ID")
@@ -216,17 +210,18 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     if "SLURM_PROCID" not in env:
         return None
     keys = ("SLURM_PROCID",)
-    rank, world = _need(env, "SLURM_PROCID", keys), _need(env, "SLURM_NTASKS", keys, minimum=1)
+    rank = need_var(env, "SLURM_PROCID", keys)
+    world = need_var(env, "SLURM_NTASKS", keys, minimum=1)
     check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world, "ranks count from 0")
-    local_rank = _need(env, "SLURM_LOCALID", keys)
-    nnodes, node = _int_var(env, "SLURM_NNODES", 1), _int_var(env, "SLURM_NODEID")
+    local_rank = need_var(env, "SLURM_LOCALID", keys)
+    nnodes, node = int_var(env, "SLURM_NNODES", 1), int_var(env, "SLURM_NODEID")
     # --ntasks-per-node sets a plain count; without it, assume tasks spread evenly over nodes.
-    local_world = _int_var(env, "SLURM_NTASKS_PER_NODE", 1) or _ceil_div(world, nnodes or 1)
+    local_world = int_var(env, "SLURM_NTASKS_PER_NODE", 1) or _ceil_div(world, nnodes or 1)
     local_rank, local_world = _local_sizes(rank, world, local_rank, local_world, "SLURM")
     nnodes = nnodes or _ceil_div(world, local_world)
     node = rank // local_world if node is None else node
     check_below("SLURM_NODEID", node, "SLURM_NNODES", nnodes, "node ids count from 0")
-    addr = _addr_var(env)
+    addr = addr_var(env)
     if addr is None:
         nodelist = env.get("SLURM_NODELIST", env.get("SLURM_JOB_NODELIST"))
         if nodelist is not None:
@@ -246,10 +241,10 @@ def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
             "OMPI_COMM_WORLD_LOCAL_SIZE")
     if not any(k in env for k in keys):
         return None
-    rank, world = _need(env, keys[0], keys), _need(env, keys[1], keys, minimum=1)
+    rank, world = need_var(env, keys[0], keys), need_var(env, keys[1], keys, minimum=1)
     check_below(keys[0], rank, keys[1], world, "ranks count from 0")
-    local_rank, local_world = _local_sizes(rank, world, _need(env, keys[2], keys),
-                                           _need(env, keys[3], keys, minimum=1), "OpenMPI")
+    local_rank, local_world = _local_sizes(rank, world, need_var(env, keys[2], keys),
+                                           need_var(env, keys[3], keys, minimum=1), "OpenMPI")
     addr, port = _master(env, world, "OpenMPI (mpirun)")
     return ClusterEnv(rank, world, local_rank, local_world, addr, port, "openmpi",
                       node_rank=rank // local_world, num_nodes=_ceil_div(world, local_world))
@@ -338,11 +333,11 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
         lr, lw = _local_sizes(r, w, None if local_rank is None else as_index(local_rank,
                               "local_rank"), None if local_world_size is None else
                               as_index(local_world_size, "local_world_size"), "explicit")
-        port = _port_var(env) if master_port is None else master_port
+        port = port_var(env) if master_port is None else master_port
         if w > 1 and port is None:
             raise ConfigError(f"master_port is missing: expected it (or MASTER_PORT) with "
                               f"world_size {w}. Hint: pass master_port=<free port>.")
-        addr = _addr_var(env) if master_addr is None else master_addr
+        addr = addr_var(env) if master_addr is None else master_addr
         found = ClusterEnv(r, w, lr, lw, addr or "127.0.0.1", port, "explicit",
                            node_rank=r // lw, num_nodes=_ceil_div(w, lw))
         present = [found]
@@ -365,7 +360,10 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
         found = replace(found, master_addr=found.master_addr if master_addr is None
                         else master_addr, master_port=found.master_port if master_port is None
                         else master_port)
-    k = _int_var(env, "PARLAY_NUM_PS") if num_ps is None else as_index(num_ps, "num_ps")
+    pp = pipeline_stages(env)
+    if pp is not None:
+        found = replace(found, pipeline_stages=pp)
+    k = int_var(env, "PARLAY_NUM_PS") if num_ps is None else as_index(num_ps, "num_ps")
     tf = [c.num_ps for c in present if c.source == "tf_config"]
     if tf and num_ps is None:  # TF_CONFIG's ps count holds even when another source won
         if k is not None and k != tf[0]:

@@ -8,7 +8,6 @@ computes and reports the loss, and metrics are reduced over the last stages' ``d
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -58,14 +57,6 @@ class _LossScaler:
         self.scale, self.clean = float(state["scale"]), int(state["clean"])
 
 
-def _default_pp() -> int:
-    raw = os.environ.get("PARLAY_PP", "2")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigError(f"PARLAY_PP must be an integer (ranks per pipeline), got {raw!r}.") from None
-
-
 class HybridStrategy(Strategy):
     """Pipeline parallel within a replica, data parallel across replicas.
 
@@ -75,7 +66,8 @@ class HybridStrategy(Strategy):
             (autocast plus a dynamic loss scale whose overflow/skip decision is agreed by
             every rank, so all stages skip the same steps).
         grad_clip: Clip the whole model's gradient norm (over every stage) after averaging.
-        pp: Ranks per pipeline; default ``$PARLAY_PP`` or 2.
+        pp: Ranks per pipeline. Default: the stage count the launch was given
+            (``parlay run --pp P``, i.e. ``runtime.cluster().pipeline_stages``), else 2.
         chunks: Micro-batches per batch.
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"``.
         balance / split_points / by / virtual_stages / activation_dtype: See
@@ -107,7 +99,7 @@ class HybridStrategy(Strategy):
         if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
             raise ConfigError(f"grad_clip must be a positive number or None, got {grad_clip!r}.")
         self.compression, self.precision, self.grad_clip = compression, precision, grad_clip
-        self.pp = pp if pp is not None else _default_pp()
+        self._pp = pp
         self.options = dict(chunks=chunks, schedule=schedule, balance=balance,
                             split_points=split_points, by=by, virtual_stages=virtual_stages,
                             activation_dtype=activation_dtype)
@@ -124,6 +116,14 @@ class HybridStrategy(Strategy):
                        "bwd_dense_bytes": 0, "steps": 0}
 
     # ------------------------------------------------------------------ topology
+    @property
+    def pp(self) -> int:
+        """Ranks per pipeline: the ``pp`` option, else the launch's ``--pp``, else 2."""
+        if self._pp is not None:
+            return self._pp
+        launched = runtime.cluster().pipeline_stages if runtime.is_initialized() else None
+        return launched or 2
+
     def _world(self) -> int:
         return dist.get_world_size() if dist.is_initialized() else 1
 
