@@ -1,4 +1,4 @@
-"""Command line: ``parlay run | env | demo | bench``.
+"""Command line: ``parlay run | env | demo | bench | plan``.
 
 ``parlay run -n N [--ps K] script.py ARGS`` hands the launch to ``torch.distributed.run``
 (torchrun's elastic agent): parlay adds the role assignment (the first K ranks are parameter
@@ -276,12 +276,23 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
 def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     import runpy
 
+    if ns.name in (None, "suite"):  # the suite that ships with parlay (see parlay.bench)
+        from parlay.bench.runner import main as suite
+
+        return suite(rest)
     path = os.path.join("benchmarks", f"{ns.name}.py")
     if not os.path.exists(path):
         raise _fail(f"bench: no benchmark {path}; run it from the repository root")
     sys.argv = [path, *rest]
     runpy.run_path(path, run_name="__main__")
     return 0
+
+
+def _cmd_plan(ns: argparse.Namespace, rest: list[str]) -> int:
+    from parlay.plan.command import run_plan
+
+    ns.script_args = rest  # the --script's own arguments (after --)
+    return run_plan(ns)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,8 +309,13 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("-h", "--help", action="store_true", help="the demo's options")
     p_demo.add_argument("name")
     _add_launch_args(p_demo)
-    p_bench = sub.add_parser("bench", help="run benchmarks/NAME.py")
-    p_bench.add_argument("name")
+    # Its options are the suite's (parlay.bench.runner) or NAME's own: parsed there.
+    p_bench = sub.add_parser("bench", help="run the benchmark suite (parlay bench --help), or "
+                             "benchmarks/NAME.py", add_help=False)
+    p_bench.add_argument("name", nargs="?")
+    from parlay.plan.command import add_plan_parser
+
+    add_plan_parser(sub)
     return parser
 
 
@@ -309,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     # Everything after the script (or demo name) belongs to it, not to us.
     ns, rest = _split_parse(parser, args)
-    handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench}[ns.cmd]
+    handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench,
+               "plan": _cmd_plan}[ns.cmd]
     return handler(ns, rest)
 
 
@@ -328,6 +345,13 @@ def _split_parse(parser: argparse.ArgumentParser,
                 continue
             return parser.parse_args(args[:i]), args[i:]
         return parser.parse_args(args), []
+    if args and args[0] == "bench":
+        # NAME, when given, comes first; everything else is the suite's or NAME's.
+        named = len(args) > 1 and not args[1].startswith("-")
+        return parser.parse_args(args[:2] if named else args[:1]), args[2 if named else 1:]
+    if args and args[0] == "plan":
+        cut = args.index("--") if "--" in args else len(args)
+        return parser.parse_args(args[:cut]), args[cut + 1:]
     ns, rest = parser.parse_known_args(args)
     return ns, rest
 
