@@ -110,43 +110,54 @@ def _timelines(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _run_net(net: str, cfg: dict[str, Any], log: Any) -> tuple[list, dict, list]:
-    """The launches of one link: (points, timelines, cluster reports)."""
-    from parlay.bench.launch import launch_cluster, launch_loopback
-    from parlay.testing.cluster import parse_rate
-
+def _launches(cfg: dict[str, Any], net: str) -> list[tuple[str, dict, int, int, int]]:
+    """(name, spec, hosts, ranks per host, parameter servers) of each launch on ``net``; on
+    loopback every rank is on the one host."""
     base = {"model": cfg["model"], "warmup": 1, "steps": cfg["steps"], "budget": cfg["budget"]}
     dp = dict(base, kind="dp", chunks=4, contestants=["compute", "ddp", "none",
               *cfg["compressors"], "pipe:gpipe", "pipe:1f1b"])
     ps = dict(base, kind="ps", servers=2, consistencies=["sync", "stale:2", "async"])
     hier = dict(base, kind="dp", contestants=["compute", "flat", "hier"])
+    if net == "loopback":  # hierarchical needs several hosts
+        return [("dp", dp, 1, 2, 0), ("ps", ps, 1, 4, 2)]
+    return [("dp", dp, 2, 1, 0), ("ps", ps, 4, 1, 2), ("hier", hier, 2, 2, 0)]
+
+
+def _run_net(net: str, cfg: dict[str, Any], log: Any) -> tuple[list, dict, list, list]:
+    """The launches of one link: (points, timelines, cluster reports, notes). A launch that
+    fails is a note; the others still run."""
+    from parlay.bench.launch import launch_cluster, launch_loopback
+    from parlay.testing.cluster import parse_rate
+
+    rate = None if net in ("loopback", "unshaped") else net
     points: list[dict[str, Any]] = []
     infos: list[dict[str, Any]] = []
-    if net == "loopback":
-        topo = dict(world=2, hosts=1, ranks_per_host=2, link_bps=None)
-        rows = launch_loopback(dp, 2)
-        points += _points(rows, dp, net, "dp", topo)
-        timelines = _timelines(rows)
-        log(f"  {net} dp: {len(points)} points")
-        points += _points(launch_loopback(ps, 4, num_ps=2), ps, net, "ps",
-                          dict(topo, world=4, ranks_per_host=4))
-        return points, timelines, infos
-    rate = None if net == "unshaped" else net
-    bps = parse_rate(rate) if rate else None
-    rows, info = launch_cluster(dp, 2, rate, 1, calibrate=True)
-    infos.append(info)
-    topo = dict(world=2, hosts=2, ranks_per_host=1, link_bps=bps,
-                link_measured_bps=info["link_mbit_s"] * 1e6 if info["link_mbit_s"] else None)
-    points += _points(rows, dp, net, "dp", topo)
-    timelines = _timelines(rows)
-    log(f"  {net} dp: {len(points)} points (link measured {info['link_mbit_s']:.0f} Mbit/s)")
-    rows, info = launch_cluster(ps, 4, rate, 1, flags=("--ps", "2"))
-    infos.append(info)
-    points += _points(rows, ps, net, "ps", dict(topo, world=4, hosts=4))
-    rows, info = launch_cluster(hier, 2, rate, 2)
-    infos.append(info)
-    points += _points(rows, hier, net, "hier", dict(topo, world=4, ranks_per_host=2))
-    return points, timelines, infos
+    notes: list[str] = []
+    timelines: dict[str, Any] = {}
+    measured = None
+    for name, spec, hosts, per_host, num_ps in _launches(cfg, net):
+        t0 = time.perf_counter()
+        try:
+            if net == "loopback":
+                rows = launch_loopback(spec, per_host, num_ps=num_ps)
+            else:
+                flags = ("--ps", str(num_ps)) if num_ps else ()
+                rows, info = launch_cluster(spec, hosts, rate, per_host, flags=flags,
+                                            calibrate=measured is None)
+                infos.append(info)
+                measured = measured or (info["link_mbit_s"] or 0) * 1e6
+        except Exception as e:  # noqa: BLE001 - one failed launch must not lose the run
+            notes.append(f"{net} {name} launch failed: {str(e).strip().splitlines()[0]}")
+            log(f"  {notes[-1]}")
+            continue
+        topo = dict(world=hosts * per_host, hosts=hosts, ranks_per_host=per_host,
+                    link_bps=parse_rate(rate) if rate else None, link_measured_bps=measured)
+        new = _points(rows, spec, net, name, topo)
+        points += new
+        timelines.update(_timelines(rows))
+        log(f"  {net} {name}: {len(new)} points in {time.perf_counter() - t0:.0f} s"
+            + (f" (link measured {measured / 1e6:.0f} Mbit/s)" if measured else ""))
+    return points, timelines, infos, notes
 
 
 def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suite",
@@ -191,10 +202,11 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
     clusters: list[dict[str, Any]] = []
     for net in nets:
         log(f"parlay bench: {net} ...")
-        p, tl, infos = _run_net(net, cfg, log)
+        p, tl, infos, failed = _run_net(net, cfg, log)
         points += p
         timelines[net] = tl
         clusters += infos
+        notes += failed
     acc = []
     if accuracy:
         log("parlay bench: MNIST accuracy vs bytes per step ...")
