@@ -8,7 +8,7 @@ core is :mod:`parlay.bench.accuracy`, shared with ``parlay bench``.
 
 Gradient bytes are what ``DistributedOptimizer.comm_stats()`` measured: the real bytes of the
 payload tensors each rank put on the wire per step (top-k: values + int32 indices; PowerSGD:
-P, Q and the dense 1-D tensors). Targets (issue 4): top-k 1% within 0.3 accuracy points of
+P, Q and the dense 1-D tensors). Targets: top-k 1% within 0.3 accuracy points of
 ``none`` and >= 40x fewer bytes; top-k 0.1% within 0.5 points and >= 300x; PowerSGD rank 4
 within 0.3 points.
 
