@@ -1,7 +1,7 @@
 """Gradient compression: the Compressor protocol, its registry and error feedback.
 
 Importing this package registers every built-in compressor: ``none``, ``fp16``, ``bf16``,
-``topk``, ``randomk`` and ``powersgd`` (see :mod:`parlay.compression` for the user-facing
+``topk``, ``randomk``, ``powersgd`` and ``auto`` (see :mod:`parlay.compression` for the user-facing
 facade and :mod:`parlay.compress.base` for the API contract other modes rely on).
 """
 from parlay.compress.base import (CommStats, Compressor, NoneCompressor, available,
@@ -11,7 +11,8 @@ from parlay.compress.feedback import ErrorFeedback, Residuals
 from parlay.compress.namespace import Compression
 from parlay.compress.powersgd import PowerSGD
 from parlay.compress.sparse import RandomK, TopK
+from parlay.compress.auto import AutoCompressor  # noqa: E402 - after the candidates it builds
 
 __all__ = ["CommStats", "Compressor", "NoneCompressor", "available", "get_compressor",
            "reduce_async", "register", "FP16", "BF16", "TopK", "RandomK", "PowerSGD",
-           "ErrorFeedback", "Residuals", "Compression"]
+           "ErrorFeedback", "Residuals", "Compression", "AutoCompressor"]

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import torch
 
+from parlay.compress.auto import AutoCompressor
 from parlay.compress.base import NoneCompressor as _None
 from parlay.compress.cast import BF16, FP16
 from parlay.compress.powersgd import PowerSGD
@@ -76,7 +77,7 @@ class FP16Compressor(FP16):
 
 class Compression:
     """Compressors by name: ``none`` and ``fp16`` (as in Horovod), ``bf16``, ``topk``,
-    ``randomk`` and ``powersgd`` (the last four in ``DistributedOptimizer`` only)."""
+    ``randomk``, ``powersgd`` and ``auto`` (the last five in ``DistributedOptimizer`` only)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
@@ -84,3 +85,4 @@ class Compression:
     topk = TopK
     randomk = RandomK
     powersgd = PowerSGD
+    auto = AutoCompressor

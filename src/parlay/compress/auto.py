@@ -1,0 +1,378 @@
+"""``compression="auto"``: per bucket, the compressor the measured link and CPU make fastest.
+
+:class:`AutoCompressor` holds one instance of each candidate (default ``none``, ``fp16``,
+``powersgd:4``, ``topk:0.01``) and delegates each bucket's encode, further rounds and decode to
+the candidate it chose for that bucket, so every caller of the :class:`Compressor` protocol (the
+data-parallel optimizer, flat or hierarchical, hybrid mode's data-parallel groups, parameter-
+server pushes) uses it unchanged.
+
+How it decides (:mod:`parlay.compress.autocost`):
+
+1. At the first step, before the first bucket goes out, it times allreduces over the group
+   (alpha, beta for fp32 and fp16). At each bucket's first compress it times every candidate's
+   encode/decode on that bucket. Every number is MAX-reduced over the group, so each rank runs
+   the same prediction on the same inputs: ranks always agree, and a collective never sees two
+   different payload formats.
+2. It predicts each candidate's time (codec plus its collectives on the fitted link, with the
+   alpha-beta formulas of :mod:`parlay.plan.model`) and keeps the current choice unless another
+   is predicted ``margin`` faster (hysteresis; the first choice is the first candidate, ``none``).
+3. Every ``every`` steps the median step time (MAX over ranks) is compared with the one after
+   the last decision; a change beyond ``threshold`` triggers a new measurement and decision.
+   The window after a switch is compared with the one before it: if the step got slower by
+   more than ``threshold / 2``, the switch is undone (the model was wrong here), so auto never
+   stays on a choice that measured slower than the one it left.
+
+Error feedback stays exact across switches: when a bucket leaves a candidate that keeps a
+residual (top-k, PowerSGD), the residual moves out of that candidate and is added to the
+bucket's next gradient, whatever compressor sends it (``sent + kept == produced``).
+
+What it chose is in :attr:`AutoCompressor.choices` (bucket key -> spec), its reasons in
+:attr:`AutoCompressor.history`, and each change is logged on logger ``parlay.compress``.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from parlay import comm
+from parlay.compress import autocost
+from parlay.compress.base import Compressor, get_compressor, register
+from parlay.compress.feedback import parse_options
+from parlay.errors import ConfigError
+
+__all__ = ["AutoCompressor", "AutoCtx", "DEFAULT_CANDIDATES"]
+
+log = logging.getLogger("parlay.compress")
+
+DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01")
+_ALLOWED = ("none", "fp16", "bf16", "powersgd", "topk", "randomk")
+
+
+@dataclass
+class AutoCtx:
+    """Which candidate encoded a payload (``choice``: index into the candidates) and the
+    candidate's own context. ``wire`` holds the plain values a receiver in another process (a
+    parameter server) needs to rebuild the context; a copy never carries the sender's ``inner``
+    (see :meth:`__copy__`), so a receiver always decodes from ``wire``."""
+
+    choice: int
+    inner: Any = None
+    wire: tuple = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"choice": self.choice, "wire": self.wire}
+
+    def __copy__(self) -> "AutoCtx":
+        return AutoCtx(self.choice, None, self.wire)
+
+
+def _wire(inner: Any, flat: torch.Tensor) -> tuple:
+    """Fixed-length plain values that rebuild a one-round candidate's context elsewhere."""
+    return (flat.numel(), flat.dtype, int(getattr(inner, "k", 0)),
+            int(getattr(inner, "seed", -1)), float(getattr(inner, "scale", 1.0)),
+            bool(getattr(inner, "fallback", False)))
+
+
+def _rebuild(cand: Compressor, wire: tuple) -> Any:
+    from parlay.compress.cast import CastCtx
+    from parlay.compress.sparse import SparseCtx
+
+    numel, dtype, k, seed, scale, fallback = wire
+    if cand.name in ("fp16", "bf16"):
+        return CastCtx(dtype, scale, fallback=fallback)
+    if cand.name in ("topk", "randomk"):
+        return SparseCtx(numel, dtype, k, seed)
+    return None
+
+
+class AutoCompressor(Compressor):
+    """Choose per bucket among ``candidates`` from measured bandwidth and codec cost.
+
+    Args:
+        candidates: Compressor specs to choose from (``"none"``, ``"fp16"``, ``"bf16"``,
+            ``"powersgd:R"``, ``"topk:RATIO"``, ``"randomk:RATIO"``); the first is used until
+            the first decision and is the fallback.
+        every: Steps between two checks of the step time (one 8-byte allreduce each).
+        threshold: Relative change of the step time that triggers a new decision.
+        margin: A candidate must be predicted this fraction faster than the current one to
+            replace it.
+
+    Raises:
+        ConfigError: Unknown or duplicate candidates, or options out of range.
+    """
+
+    name = "auto"
+    #: Describes the payload of the latest :meth:`compress` call: reduce_async reads it right
+    #: after compress, so a bucket that chose top-k goes over allgather, the others allreduce.
+    summable = True
+    point_to_point = True
+    decodes_into = True
+
+    def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
+                 threshold: float = 0.2, margin: float = 0.15) -> None:
+        if isinstance(candidates, str) or not candidates:
+            raise ConfigError(f"auto compression needs a non-empty list of candidate specs, got "
+                              f"{candidates!r}. Hint: ['none', 'fp16', 'topk:0.01'].")
+        specs = [str(c).strip().lower() for c in candidates]
+        for s in specs:
+            if s.partition(":")[0] not in _ALLOWED:
+                raise ConfigError(f"auto compression cannot choose {s!r}; candidates may be "
+                                  f"{', '.join(_ALLOWED)} (with one option, e.g. 'topk:0.01').")
+        if len(set(specs)) != len(specs):
+            raise ConfigError(f"auto compression candidates repeat: {specs}.")
+        if isinstance(every, bool) or int(every) != every or every < 1:
+            raise ConfigError(f"auto every must be an integer >= 1 (steps), got {every!r}.")
+        if not 0 < float(threshold) < 10 or not 0 <= float(margin) < 1:
+            raise ConfigError(f"auto threshold must be in (0, 10) and margin in [0, 1), got "
+                              f"{threshold!r} and {margin!r}. Hint: threshold=0.2, margin=0.15.")
+        self.specs = specs
+        self.cands = {s: get_compressor(s) for s in specs}
+        self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
+        #: Bucket key -> the spec it uses now.
+        self.choices: dict[str, str] = {}
+        #: (step, key, old, new, reason) for every change, oldest first.
+        self.history: list[tuple[int, str, str | None, str, str]] = []
+        #: Steps at which the link was measured and every bucket decided again.
+        self.calibrations: list[int] = []
+        #: ``hook(kind, name, seconds) -> seconds`` applied to every local time before it is
+        #: reduced ("link", "codec", "step"); lets tests give ranks different timings.
+        self.timing_hook: Any = None
+        self._eligible = list(specs)
+        self._group: Any = None
+        self._world = 0
+        self._collective = True
+        self._layouts: dict[str, list[tuple[int, ...]]] = {}
+        self._carry: dict[str, torch.Tensor] = {}
+        self._forced: dict[str, str] = {}
+        self._lead: str | None = None
+        self._step = 0
+        self._t_last: float | None = None
+        self._intervals: list[float] = []
+        self._ref: float | None = None
+        self._verify: tuple[dict[str, str], float] | None = None
+        self._decide_keys: set[str] | None = None
+        self._fit: autocost.LinkFit | None = None
+        self.last_prediction: dict[str, dict[str, float]] = {}
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, group: Any = None, *, collective: bool = True,
+             summable_only: bool = False) -> None:
+        """Say where this compressor reduces (the optimizer or PS worker calls it once).
+
+        Args:
+            group: The process group of the reduction; decisions are agreed over it.
+            collective: ``False`` for parameter-server pushes: only one-round candidates.
+            summable_only: Only candidates whose payloads sum on the wire (hierarchical).
+
+        Raises:
+            ConfigError: No candidate fits.
+        """
+        ok = [s for s in self.specs
+              if (collective or self.cands[s].point_to_point)
+              and (not summable_only or self.cands[s].summable)]
+        if not ok:
+            raise ConfigError(f"auto compression: none of {self.specs} fits this reduction "
+                              f"(point-to-point: {not collective}, summable only: "
+                              f"{summable_only}). Hint: add 'none' or 'fp16' to the candidates.")
+        self._eligible, self._group, self._collective = ok, group, collective
+        # Without a process group (a single process) there is nothing to choose: the first.
+        self._world = comm.group_size(group) if dist.is_initialized() else 1
+
+    def set_layout(self, key: str, shapes: list[tuple[int, ...]]) -> None:
+        self._layouts[key] = [tuple(int(d) for d in s) for s in shapes]
+        for c in self.cands.values():
+            c.set_layout(key, shapes)
+
+    def force(self, key: str, spec: str) -> None:
+        """Use ``spec`` for bucket ``key`` from its next compress (every rank must call it
+        alike). For tests and for users who know better than the model."""
+        if spec not in self.cands:
+            raise ConfigError(f"auto compression: {spec!r} is not a candidate ({self.specs}).")
+        self._forced[key] = spec
+
+    def describe(self) -> str:
+        """The choices as one line, e.g. ``"bucket0=topk:0.01 bucket1=none"``."""
+        return " ".join(f"{k}={v}" for k, v in self.choices.items()) or "undecided"
+
+    # ------------------------------------------------------------------ deciding
+    def _time(self, kind: str, name: str, seconds: float) -> float:
+        return float(self.timing_hook(kind, name, seconds)) if self.timing_hook else seconds
+
+    def _switch(self, key: str, new: str, reason: str) -> None:
+        old = self.choices.get(key)
+        if old == new:
+            return
+        mem = getattr(self.cands[old], "memory", None) if old is not None else None
+        if mem is not None:
+            owed = mem.residual.pop(key, None)
+            mem._spare.pop(key, None)  # noqa: SLF001 - its recycled buffer goes with it
+            mem.velocity.pop(key, None)
+            if owed is not None:
+                prev = self._carry.get(key)
+                self._carry[key] = owed if prev is None else prev + owed
+        self.choices[key] = new
+        self.history.append((self._step, key, old, new, reason))
+        if old is not None:
+            log.info("auto compression: %s %s -> %s (%s)", key, old, new, reason)
+
+    def _on_lead(self, flat: torch.Tensor) -> None:
+        """Start of a step (the first bucket's compress): step timing and its checks."""
+        now = time.perf_counter()
+        if self._t_last is not None:
+            self._intervals.append(now - self._t_last)
+        self._t_last = now
+        self._step += 1
+        self._decide_keys = None
+        if self._step == 1:
+            self._calibrate(flat)
+        elif self._step % self.every == 0 and self._intervals:
+            self._check(statistics.median(self._intervals))
+            self._intervals = []
+
+    def _check(self, local: float) -> None:
+        t = torch.tensor([self._time("step", "median", local)], dtype=torch.float64)
+        comm.allreduce(t, "max", group=self._group)
+        step_s = float(t)
+        if self._verify is not None:
+            before_choices, before = self._verify
+            self._verify = None
+            if step_s > before * (1 + self.threshold / 2):
+                for k, s in before_choices.items():
+                    self._switch(k, s, f"undone: step {step_s:.4f}s vs {before:.4f}s before")
+                self._ref = before
+                return
+        if self._ref is None:
+            self._ref = step_s
+        elif abs(step_s - self._ref) > self.threshold * self._ref:
+            self._calibrate(before=step_s)
+
+    def _probe(self, flat: torch.Tensor | None = None) -> None:
+        sizes = [sum(int(torch.Size(s).numel()) for s in v) * 4 for v in self._layouts.values()]
+        if flat is not None:
+            sizes.append(flat.numel() * flat.element_size())
+        self._fit = autocost.probe_link(self._group, self._world, sizes, self.timing_hook)
+
+    def _calibrate(self, flat: torch.Tensor | None = None, before: float | None = None) -> None:
+        """Measure the link now; every bucket decides again at its compress this step."""
+        self._probe(flat)
+        self.calibrations.append(self._step)
+        self._decide_keys = set()
+        self._ref = None
+        self._verify = (dict(self.choices), before) if before is not None and self.choices \
+            else None
+
+    def _decide(self, key: str, flat: torch.Tensor) -> None:
+        if self._fit is None:  # a bucket first seen after the first step
+            self._probe(flat)
+        shapes = self._layouts.get(key)
+        codec = [0.0 if s == "none" else self._time("codec", s, autocost.codec_seconds(
+            s, flat, key, self._world, shapes)) for s in self._eligible]
+        t = torch.tensor(codec, dtype=torch.float64)
+        comm.allreduce(t, "max", group=self._group)
+        assert self._fit is not None  # probed above or at this step's start
+        pred = {s: autocost.predict_s(s, flat.numel(), self._fit, c, shapes, self._collective)
+                for s, c in zip(self._eligible, t.tolist())}
+        self.last_prediction[key] = pred
+        cur = self.choices.get(key, self._eligible[0])
+        best = min(pred, key=lambda s: (pred[s], self._eligible.index(s)))
+        if cur not in pred or pred[best] < (1 - self.margin) * pred[cur]:
+            cur = best
+        why = ", ".join(f"{s} {v * 1e3:.2f}ms" for s, v in pred.items())
+        self._switch(key, cur, f"predicted {why}")
+        if self._decide_keys is not None:
+            self._decide_keys.add(key)
+
+    # ------------------------------------------------------------------ the protocol
+    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        if not self._world:
+            self.bind(None)
+        if self._lead is None:
+            self._lead = key
+        if self._world > 1:
+            if key == self._lead:
+                self._on_lead(flat)
+            if key in self._forced:
+                self._switch(key, self._forced.pop(key), "forced")
+            elif (self._decide_keys is not None and key not in self._decide_keys) \
+                    or key not in self.choices:
+                self._decide(key, flat)
+        spec = self.choices.setdefault(key, self._eligible[0])
+        cand = self.cands[spec]
+        owed = self._carry.pop(key, None)
+        x = flat if owed is None else flat + owed.to(flat.dtype)
+        payload, inner = cand.compress(x, key)
+        self.summable = cand.summable  # type: ignore[misc]  # for reduce_async, see above
+        return payload, AutoCtx(self.specs.index(spec), inner, _wire(inner, flat))
+
+    def _cand(self, ctx: Any) -> tuple[Compressor, Any]:
+        cand = self.cands[self.specs[ctx.choice]]
+        inner = ctx.inner if ctx.inner is not None or not ctx.wire else _rebuild(cand, ctx.wire)
+        return cand, inner
+
+    def next_round(self, reduced: list[torch.Tensor], ctx: Any) -> list[torch.Tensor] | None:
+        cand, inner = self._cand(ctx)
+        return cand.next_round(reduced, inner)
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        cand, inner = self._cand(ctx)
+        if out is not None and cand.decodes_into:
+            return cand.decompress(payload, inner, out=out)  # type: ignore[call-arg]
+        return cand.decompress(payload, inner)
+
+    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        cand, inner = self._cand(ctx)
+        if out is not None and cand.decodes_into:
+            return cand.aggregate(payloads, inner, out=out)  # type: ignore[call-arg]
+        return cand.aggregate(payloads, inner)
+
+    # ------------------------------------------------------------------ state
+    def residual(self, key: str) -> torch.Tensor | None:
+        """What this rank still owes for bucket ``key`` (carried plus the current candidate's
+        residual), or ``None`` when nothing is owed."""
+        parts = [self._carry.get(key)]
+        mem = getattr(self.cands.get(self.choices.get(key, ""), None), "memory", None)
+        if mem is not None:
+            parts.append(mem.residual.get(key))
+        parts = [p for p in parts if p is not None]
+        return sum(parts[1:], parts[0].clone()) if parts else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"choices": dict(self.choices), "step": self._step,
+                "carry": {k: v.clone() for k, v in self._carry.items()},
+                "cands": {s: c.state_dict() for s, c in self.cands.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        choices = state.get("choices", {})
+        if not isinstance(choices, dict) or any(v not in self.cands for v in choices.values()):
+            raise ConfigError(f"auto compression state chose {choices!r}, but the candidates "
+                              f"are {self.specs}. Hint: resume with the same candidates.")
+        self.choices = {str(k): str(v) for k, v in choices.items()}
+        self._step = int(state.get("step", 0))
+        self._carry = {str(k): v.detach().clone() for k, v in state.get("carry", {}).items()}
+        for s, sd in state.get("cands", {}).items():
+            if s in self.cands:
+                self.cands[s].load_state_dict(sd)
+        self._t_last, self._intervals, self._ref, self._verify = None, [], None, None
+
+    def __repr__(self) -> str:
+        return f"AutoCompressor(candidates={self.specs})"
+
+
+def _make(*args: str) -> Compressor:
+    o = parse_options(args, [], {"candidates": str, "every": int, "threshold": float,
+                                 "margin": float}, "auto")
+    cands = o.pop("candidates", None)
+    if cands is not None:
+        o["candidates"] = [c for c in cands.split("+") if c]
+    return AutoCompressor(**o)
+
+
+register("auto", _make)

@@ -1,0 +1,156 @@
+"""What ``compression="auto"`` measures and how it predicts each candidate's time per bucket.
+
+Three measurements, each taken on every rank and then MAX-reduced over the group, so every rank
+feeds identical numbers into the same pure prediction and reaches the same choice:
+
+* the link (:func:`probe_link`): blocking allreduces of two fp32 sizes and one fp16 size. The
+  difference of the two fp32 times gives the cost per byte (a token-bucket shaper's burst, as
+  Linux ``tbf`` keeps, cancels out of the difference), the smaller one the fixed cost; the fp16
+  time gives its own cost per byte, because gloo sums half floats in software.
+* each candidate's CPU cost on the bucket itself (:func:`codec_seconds`): a fresh instance
+  encodes the bucket, runs its further rounds on its own payload as a stand-in for the sum and
+  decodes, exactly the work a real step does on this rank.
+* the step time (the interval between two starts of the first bucket), which triggers a new
+  decision when it moves.
+
+The prediction (:func:`predict_s`) is the codec time plus the collectives the candidate runs,
+timed by the shared alpha-beta formulas of :mod:`parlay.plan.model` on a :class:`Link` fitted to
+the measured allreduces.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from parlay import comm
+from parlay.compress.base import get_compressor
+from parlay.plan import model
+
+__all__ = ["LinkFit", "probe_link", "codec_seconds", "predict_s", "probe_sizes"]
+
+_KIB = 1024
+#: Timing hook: ``hook(kind, name, seconds) -> seconds`` (see AutoCompressor.timing_hook).
+Hook = Callable[[str, str, float], float]
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """The measured cost of an allreduce over the group: ``alpha + nbytes * beta``.
+
+    Attributes:
+        alpha_s: Fixed seconds per allreduce (software plus latency).
+        beta_s: Seconds per byte of an fp32 allreduce (wire, copies and sums).
+        beta_half_s: Seconds per byte of an fp16 allreduce.
+        world: Ranks in the group.
+    """
+
+    alpha_s: float
+    beta_s: float
+    beta_half_s: float
+    world: int
+
+    def link(self, half: bool = False) -> model.Link:
+        """The cost model's :class:`~parlay.plan.model.Link` whose ring allreduce costs what was
+        measured: ``2(n-1) latency + 2(n-1)/n nbytes beta_link``."""
+        n = max(2, self.world)
+        per_byte = max(self.beta_half_s if half else self.beta_s, 1e-15) * n / (2 * (n - 1))
+        return model.Link(8.0 / per_byte, max(0.0, self.alpha_s) / (2 * (n - 1)), 1.0)
+
+
+def probe_sizes(bucket_bytes: Sequence[int]) -> tuple[int, int]:
+    """(smaller, larger) probe sizes in bytes: a quarter of the largest bucket, between 1 MiB and
+    8 MiB (past the burst a shaper lets through at once), and a quarter of that."""
+    big = max(bucket_bytes) if bucket_bytes else 0
+    large = int(min(8 * 1024 * _KIB, max(1024 * _KIB, big // 4)))
+    return large // 4, large
+
+
+def _timed_allreduce(t: torch.Tensor, group: Any) -> float:
+    """Seconds of one allreduce of ``t``; on a fast link (under 50 ms) the best of three, as
+    the first of a size pays one-off costs and a loaded machine adds noise. Every rank repeats
+    alike: the count depends only on the slowest rank's first time (a MAX allreduce)."""
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        comm.allreduce(t, "sum", group=group)
+        times.append(time.perf_counter() - t0)
+        if len(times) == 1:
+            first = torch.tensor([times[0]], dtype=torch.float64)
+            comm.allreduce(first, "max", group=group)
+            if float(first) > 0.05:
+                break
+    return min(times)
+
+
+def probe_link(group: Any, world: int, bucket_bytes: Sequence[int],
+               hook: Hook | None = None) -> LinkFit:
+    """Time allreduces over ``group`` (a collective: every member calls it) and fit alpha-beta.
+
+    Returns:
+        The fit from the slowest rank's times (identical on every rank).
+    """
+    small, large = probe_sizes(bucket_bytes)
+    buf = torch.zeros(large // 4)
+    comm.allreduce(torch.zeros(1), "sum", group=group)  # line the ranks up first
+    times = [_timed_allreduce(buf[: small // 4], group), _timed_allreduce(buf, group),
+             _timed_allreduce(torch.zeros(large // 2, dtype=torch.float16), group)]
+    if hook is not None:
+        times = [hook("link", name, t) for name, t in zip(("small", "large", "half"), times)]
+    t = torch.tensor(times, dtype=torch.float64)
+    comm.allreduce(t, "max", group=group)
+    t_small, t_large, t_half = t.tolist()
+    # The slope between two sizes is the cost per byte; when noise makes it implausible (no
+    # larger than zero), the larger size alone bounds it.
+    beta = (t_large - t_small) / (large - small)
+    if beta <= 0:
+        beta = t_large / large
+    beta = max(beta, 1e-15)
+    alpha = max(0.0, t_small - beta * small)
+    beta_half = max((t_half - alpha) / large, 1e-15)
+    return LinkFit(alpha, beta, beta_half, world)
+
+
+def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
+                  shapes: Sequence[tuple[int, ...]] | None) -> float:
+    """CPU seconds one rank spends on ``spec`` for this bucket per step: encode, further rounds
+    (on its own payload, standing in for the sum) and decode, on a fresh instance (the
+    optimizer's compressors keep their state untouched)."""
+    c = get_compressor(spec)
+    if shapes is not None:
+        c.set_layout(key, list(shapes))
+    t0 = time.perf_counter()
+    payload, ctx = c.compress(flat, key)
+    if c.summable:
+        reduced = payload
+        nxt = c.next_round(reduced, ctx)
+        while nxt is not None:
+            reduced = nxt
+            nxt = c.next_round(reduced, ctx)
+        c.decompress(reduced, ctx)
+    else:
+        c.aggregate([payload] * world, ctx)
+    return time.perf_counter() - t0
+
+
+def predict_s(spec: str, numel: int, fit: LinkFit, codec_s: float,
+              shapes: Sequence[tuple[int, ...]] | None = None, collective: bool = True) -> float:
+    """Predicted seconds to reduce one bucket with ``spec``: its codec time plus its
+    collectives on the fitted link (``collective=False``: one point-to-point message carrying
+    every round's bytes, as a parameter-server push)."""
+    name = model.parse_compressor(spec).name
+    rounds = model.wire_rounds(spec, numel, fit.world, shapes)
+    if fit.world <= 1:
+        return codec_s
+    if not collective:
+        return codec_s + fit.link().transfer_s(sum(r.nbytes for r in rounds))
+    total = codec_s
+    for r in rounds:
+        if r.kind == "allgather":
+            total += model.allgather_s(r.nbytes, fit.world, fit.link())
+        else:
+            total += model.allreduce_s(r.nbytes, fit.world, fit.link(name in ("fp16", "bf16")))
+    return total if math.isfinite(total) else float("inf")
