@@ -31,6 +31,11 @@ def test_one_registry_per_kind_and_each_module_uses_it():
         Registry("compression")
 
 
+def test_every_registry_kind_is_enumerated_here():
+    # A new kind gets its row in KINDS, and with it every generic test below.
+    assert set(registries()) - {"test widget"} == set(KINDS)
+
+
 def test_public_listings_come_from_the_registries():
     assert compress_base.available() == registries()["compression"].available()
     assert consistency.available_consistency() == ["async", "stale", "sync"]
