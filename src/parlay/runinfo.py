@@ -161,7 +161,10 @@ def trainer_identity(strategy: Any, mode: str, batch_size: int, model: nn.Module
     from parlay import comm
 
     layout = model_layout(model)
-    return {"mode": mode, "world_size": comm.group_size(strategy.train_group),
+    # A strategy whose training group can shrink on resume (ps workers that sit out) states
+    # the layout's size itself.
+    world = getattr(strategy, "layout_world_size", None) or comm.group_size(strategy.train_group)
+    return {"mode": mode, "world_size": int(world),
             "dp_size": int(strategy.dp_size), "dp_rank": int(strategy.dp_rank),
             "pp": int(getattr(strategy, "pp", 1) or 1), "batch_size": int(batch_size),
             "model_fingerprint": fingerprint(layout), "model_layout": layout}

@@ -8,12 +8,16 @@ host memory (or on disk, whichever is newer), the servers load their shards of t
 the workers their Trainer state, and the final weights equal an uninterrupted run's bit for
 bit. The agreement rule itself (snapshot vs disk, sync vs async/stale with workers that sit
 out) is checked on real ranks with hand-made step lists.
+
+async: a server killed after a worker was dropped comes back under `--max-restarts` from the
+newest step the server and the surviving worker hold; the dropped worker joins and sits out.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from parlay.ps.consistency import Reply, ServerCore, get_consistency
 from parlay.ps.recovery import agree_resume
 from parlay.testing import run_world
 from tests.dist.test_ps_restart import ROOT, _parlay_run
@@ -132,3 +136,68 @@ def _agree(cases):
 def test_ranks_agree_on_one_step_and_who_trains():
     for got in run_world(_agree, 3, CASES):
         assert got == {name: want for name, (_, _, want) in CASES.items()}
+
+
+# -- async: a server lost after a worker was dropped -------------------------------------------
+DROP_THEN_SERVER = '''
+    import os, signal, sys
+    import torch, torch.nn as nn
+    from torch.utils.data import TensorDataset
+    import parlay
+
+    ckpt_dir, consistency = sys.argv[1], sys.argv[2]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 5, generator=g)
+
+    def build():
+        return nn.Linear(5, 2), nn.MSELoss()
+
+    t = parlay.Trainer(build, TensorDataset(x, x[:, :2].clone()), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.05}, batch_size=2, num_epochs=1, progress=False,
+                       mode="ps", checkpoint_dir=ckpt_dir, checkpoint_every=2,
+                       strategy_options={"consistency": consistency})
+    rank, s = parlay.rank(), t.strategy.session
+    if s.server is not None and attempt == 0:
+        apply = s.server.core._apply
+
+        def apply_then_die(grads, lr):  # after worker 0's 9th push, long after rank 2 died
+            apply(grads, lr)
+            if s.server.core.clocks[0] == 9:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        s.server.core._apply = apply_then_die
+    print(f"attempt {attempt} rank {rank} start {t.state.step} sits out {s.sits_out}", flush=True)
+    while not t.should_stop():
+        if attempt == 0 and rank == 2 and t.state.step == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t.train_on_batch()
+    print(f"attempt {attempt} rank {rank} done at step {t.state.step}", flush=True)
+'''
+
+
+@pytest.mark.parametrize("consistency", ["async"])
+def test_server_killed_after_a_worker_was_dropped_resumes_without_it(tmp_path, consistency):
+    # Rank 2 dies at step 3 (dropped: its newest file is step 2); the survivor and the server
+    # checkpoint on (4, 6, 8); the server dies at the survivor's step 9. The restart resumes
+    # step 8 without rank 2, which joins, sits out and finishes; the survivor ends at 12.
+    p = _parlay_run(tmp_path, DROP_THEN_SERVER, str(tmp_path / "ckpt"), consistency,
+                    restarts=1)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "rank 2 (droppable parameter-server worker) was lost" in p.stderr, p.stderr[-3000:]
+    assert "attempt 0 rank 1 done" not in p.stdout, "the server's death stopped attempt 0"
+    assert "attempt 1 rank 1 start 8 sits out False" in p.stdout, p.stdout
+    assert "attempt 1 rank 2 start 0 sits out True" in p.stdout, p.stdout
+    assert "attempt 1 rank 1 done at step 12" in p.stdout, p.stdout
+    assert "attempt 1 rank 2 done at step 0" in p.stdout, p.stdout
+
+
+def test_stale_survivor_is_released_once_the_worker_sitting_out_finished():
+    # Resumed at the survivor's step 8 with the sitting-out worker's clock still at 2 (its
+    # count when it was lost): under stale:1 the survivor waits for it only until its DONE,
+    # which follows its hello at once.
+    core = ServerCore(get_consistency("stale:1"), 2, 10.0, lambda g, f: None, 0.0, version=10,
+                      clocks=[8, 2])
+    assert core.hello(0, 0.0) == []
+    assert core.hello(1, 0.0) == [Reply("params", 1)]
+    assert core.done(1, 0.0) == [Reply("bye", 1), Reply("params", 0)]

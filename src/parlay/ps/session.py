@@ -215,6 +215,9 @@ class DistributedSession:
                                  from_memory=self.resumed_from_snapshot)
         else:
             load_worker_state(self._worker_path(), self.compressor)
+            bind = getattr(self.compressor, "bind", None)
+            if callable(bind):  # "auto" decides at the first push, agreed over the workers
+                bind(self.dp_group, collective=False)
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
                                  world[: c.num_ps], self.ps_group, self.timeout)
             self.worker.hello()
@@ -240,6 +243,9 @@ class DistributedSession:
         self.tagged, self.resumed_step, self.resumed_from_snapshot = r.tagged, r.step, \
             r.from_snapshot
         self.training_workers = r.training
+        if self.snapshot_store is not None and not r.from_snapshot and snaps:
+            self.snapshot_store.clear()  # older than the resumed step, or of a lost future
+            self.snapshot_store = open_snapshots(self)
         if self.is_ps and self.snapshot_store is not None and not r.snapshots:
             self.snapshot_store.clear()  # no worker snapshots: the servers' would never match
             self.snapshot_store = None

@@ -111,6 +111,11 @@ class ParameterServerStrategy(Strategy):
         return max(0, c.rank - c.num_ps)
 
     @property
+    def layout_world_size(self) -> int:
+        """Ranks a checkpoint's layout counts: every worker, also while some sit out."""
+        return self.dp_size
+
+    @property
     def consumes_data(self) -> bool:
         """Workers, except one that sits a resume out (lost before the resumed step)."""
         c = self._cluster()
@@ -128,7 +133,9 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def train_group(self) -> Any:
-        """Every worker (resume agreement). Kept after the servers left, for validation."""
+        """Every worker that trains in this run (all of them, except those that sit out a
+        resume): the Trainer's resume and directory lock. Kept after the servers left, for
+        validation."""
         return self._train_group
 
     @property
@@ -140,8 +147,9 @@ class ParameterServerStrategy(Strategy):
         next checkpoint. Nothing is lost by not agreeing there: the servers' save barrier
         (:meth:`state_dict`) already holds every live worker and every server at the same
         step, and a checkpoint the servers did not confirm raises before the worker's file is
-        written. Resume still agrees over every worker present at start (:attr:`train_group`):
-        it picks the newest step every server and every worker holds.
+        written. A restart picks the newest step every server and every worker still
+        training holds (:func:`~parlay.ps.recovery.agree_resume`); workers lost before it sit
+        the run out.
         """
         return self._train_group if get_consistency(
             self.options["consistency"]).aggregate else self._metrics_group
@@ -278,6 +286,11 @@ class ParameterServerStrategy(Strategy):
         """The Trainer's ``snapshot_every`` (every rank, before training): servers snapshot
         at the same versions as the workers' steps; 0 turns them off everywhere."""
         s = self._ready()
+        if not every and s.resumed_from_snapshot:
+            raise CheckpointError(f"every rank resumed the in-memory snapshot of step "
+                                  f"{s.resumed_step}, but this Trainer has snapshot_every=0 and "
+                                  "would not load it. Hint: restart a job with the options it "
+                                  "started with.")
         if s.server is not None and s.server.memory is not None:
             s.server.snapshot_every = every
             if not every:
