@@ -153,6 +153,35 @@ def test_loopback_small_model_stays_dense(per_rank):
         assert r["small"]["state"] == ["cands", "carry", "choices", "step"]
 
 
+def _ps_auto() -> dict:
+    from parlay.ps import DistributedSession
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
+    auto = AutoCompressor(["none", "topk:0.3"])
+    # a slow link, seen by the workers' probe: pushes must go compressed, and the server must
+    # decode them from the context values alone
+    auto.timing_hook = lambda kind, name, s: s * 1e4 if kind == "link" else s
+    g = torch.Generator().manual_seed(parlay.rank())
+    with DistributedSession(task_spec=parlay.TaskSpec.from_env(), model=model,
+                            optimizer=torch.optim.SGD, optimizer_args={"lr": 0.1},
+                            consistency="sync", compression=auto, max_steps=4) as sess:
+        while not sess.should_stop():
+            sess.train_step((torch.randn(8, 20, generator=g), torch.randn(8, 3, generator=g)),
+                            nn.functional.mse_loss)
+    return dict(choices=dict(auto.choices), worker=sess.is_worker,
+                params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+
+
+def test_ps_pushes_choose_agree_and_decode_on_the_server():
+    out = run_world(_ps_auto, 3, env={"PARLAY_NUM_PS": "1"}, timeout=100)
+    server, w1, w2 = out
+    assert not server["worker"] and w1["choices"] == w2["choices"] == {"ps0": "topk:0.3"}
+    assert torch.isfinite(server["params"]).all()
+    torch.testing.assert_close(w1["params"], server["params"], rtol=0, atol=0)
+    torch.testing.assert_close(w2["params"], server["params"], rtol=0, atol=0)
+
+
 def test_spec_parsing_and_errors():
     a = get_compressor("auto")
     assert isinstance(a, AutoCompressor) and a.specs == ["none", "fp16", "powersgd:4",

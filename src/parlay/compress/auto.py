@@ -167,7 +167,8 @@ class AutoCompressor(Compressor):
 
         Args:
             group: The process group of the reduction; decisions are agreed over it.
-            collective: ``False`` for parameter-server pushes: only one-round candidates.
+            collective: ``False`` for parameter-server pushes: only one-round candidates,
+                decided once at the first push (a collective over ``group``, the workers).
             summable_only: Only candidates whose payloads sum on the wire (hierarchical).
 
         Raises:
@@ -183,6 +184,18 @@ class AutoCompressor(Compressor):
         self._eligible, self._group, self._collective = ok, group, collective
         # Without a process group (a single process) there is nothing to choose: the first.
         self._world = comm.group_size(group) if dist.is_initialized() else 1
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "AutoCompressor":
+        """A frozen twin: same candidates and current choices, but it never communicates or
+        decides (it encodes with the choices it was copied with, else the first eligible
+        candidate). A parameter server's setup probes such a copy on every rank, so the probe
+        must not start a collective."""
+        twin = AutoCompressor(self.specs, self.every, self.threshold, self.margin)
+        twin.choices, twin._eligible = dict(self.choices), list(self._eligible)
+        twin._world = 1
+        for k, v in self._layouts.items():
+            twin.set_layout(k, v)
+        return twin
 
     def set_layout(self, key: str, shapes: list[tuple[int, ...]]) -> None:
         self._layouts[key] = [tuple(int(d) for d in s) for s in shapes]
@@ -231,7 +244,9 @@ class AutoCompressor(Compressor):
         self._decide_keys = None
         if self._step == 1:
             self._calibrate(flat)
-        elif self._step % self.every == 0 and self._intervals:
+        elif self._collective and self._step % self.every == 0 and self._intervals:
+            # (parameter-server pushes decide once: workers run different step counts in the
+            # async and stale policies, so a periodic collective among them could wait forever)
             self._check(statistics.median(self._intervals))
             self._intervals = []
 

@@ -53,12 +53,19 @@ class LinkFit:
     beta_half_s: float
     world: int
 
-    def link(self, half: bool = False) -> model.Link:
+    def link(self, half: bool = False, steps: int = 0) -> model.Link:
         """The cost model's :class:`~parlay.plan.model.Link` whose ring allreduce costs what was
-        measured: ``2(n-1) latency + 2(n-1)/n nbytes beta_link``."""
+        measured: ``2(n-1) latency + 2(n-1)/n nbytes beta_link``.
+
+        Args:
+            half: The link as an fp16 allreduce sees it.
+            steps: Spread the fixed cost over this many ring steps instead (``n-1`` for an
+                allgather): one collective costs one ``alpha`` whatever its kind, as measured
+                on gloo, rather than the ring's count of steps.
+        """
         n = max(2, self.world)
         per_byte = max(self.beta_half_s if half else self.beta_s, 1e-15) * n / (2 * (n - 1))
-        return model.Link(8.0 / per_byte, max(0.0, self.alpha_s) / (2 * (n - 1)), 1.0)
+        return model.Link(8.0 / per_byte, max(0.0, self.alpha_s) / (steps or 2 * (n - 1)), 1.0)
 
 
 def probe_sizes(bucket_bytes: Sequence[int]) -> tuple[int, int]:
@@ -150,7 +157,7 @@ def predict_s(spec: str, numel: int, fit: LinkFit, codec_s: float,
     total = codec_s
     for r in rounds:
         if r.kind == "allgather":
-            total += model.allgather_s(r.nbytes, fit.world, fit.link())
+            total += model.allgather_s(r.nbytes, fit.world, fit.link(steps=fit.world - 1))
         else:
             total += model.allreduce_s(r.nbytes, fit.world, fit.link(name in ("fp16", "bf16")))
     return total if math.isfinite(total) else float("inf")
