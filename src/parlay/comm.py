@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from parlay.errors import CommError
+from parlay.idle import idle_until as _idle_until
 from parlay.reduce_ops import REDUCE_OPS, ReduceOp, c10d_op, reduce_op
 
 __all__ = [
@@ -160,6 +161,22 @@ class _Pending:
         return self.event.is_set()
 
 
+class _AllOf:
+    """Several handles seen as one work (see :meth:`Handle.after`)."""
+
+    __slots__ = ("parts", "settled")
+
+    def __init__(self, parts: list[Any], settled: bool) -> None:
+        self.parts, self.settled = parts, settled
+
+    def is_completed(self) -> bool:
+        return self.settled and all(p.is_completed() for p in self.parts)
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
+
+
 class Handle:
     """An in-flight operation. :meth:`wait` blocks and returns the result.
 
@@ -191,6 +208,23 @@ class Handle:
         box = _Pending()
         return cls(box, op, lambda: box.result)
 
+    @classmethod
+    def after(cls, parts: list[Any], op: str, finish: Callable[[], Any], *,
+              settled: bool = True) -> "Handle":
+        """A handle for an operation made of ``parts`` (all started) and then ``finish``,
+        run by ``wait()``.
+
+        Args:
+            parts: Handles that must finish first. Not raw c10d works that someone else also
+                waits on: gloo's reduce-scatter copies its result out again on every wait.
+            op: The operation's name (the collective that carries it, e.g. ``"allgather"``).
+            finish: Returns the result once ``parts`` finished.
+            settled: ``finish`` only computes locally, so the operation is complete once
+                ``parts`` are. ``False`` when ``finish`` itself communicates (further rounds):
+                then ``is_completed()`` stays False until ``wait()`` ran it.
+        """
+        return cls(_AllOf(list(parts), settled), op, finish)
+
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         """Complete a :meth:`pending` handle: ``wait()`` returns ``result`` or raises ``error``
         (raised as given: the completing thread already chose the error type)."""
@@ -217,6 +251,7 @@ class Handle:
         """
         if not self._done:
             if isinstance(self._work, _Pending):
+                _idle_until(self._work.event.is_set)
                 self._work.event.wait()
                 if self._work.error is not None:
                     raise self._work.error
@@ -224,6 +259,7 @@ class Handle:
             else:
                 with comm_errors(self._op, **self._where):
                     if self._work is not None:
+                        _idle_until(self._work.is_completed)
                         self._work.wait()
                     self._result = self._finish()
             self._done = True

@@ -41,7 +41,7 @@ from parlay.errors import ConfigError
 from parlay.registry import Registry
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
-           "reduce_async", "CommStats"]
+           "reduce_async", "CommStats", "has_rounds"]
 
 
 class Compressor:
@@ -223,7 +223,10 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
 
     Returns:
         A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``). Further
-        rounds (:meth:`Compressor.next_round`) run inside ``wait()``.
+        rounds (:meth:`Compressor.next_round`) run inside ``wait()``. Its ``name`` is the
+        collective that carries the payload (``"allreduce"``, or ``"allgather"`` when the
+        compressor is not summable); ``is_completed()`` turns True once that collective
+        finished, or, for compressors with further rounds, once ``wait()`` ran them.
     """
     world = comm.group_size(group)
     payload, ctx = compressor.compress(flat, key)
@@ -259,4 +262,12 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
                 out = compressor.aggregate(per_rank, ctx)
             return out.div_(world) if average else out
 
-    return comm.Handle(None, "allreduce", finish)
+    return comm.Handle.after(works, "allreduce" if compressor.summable else "allgather", finish,
+                             settled=not has_rounds(compressor))
+
+
+def has_rounds(compressor: Compressor) -> bool:
+    """Whether ``compressor`` may run further collective rounds after the first (its
+    :meth:`Compressor.next_round` is its own, not the base class's)."""
+    more = getattr(type(compressor), "next_round", None)
+    return more is not None and more is not Compressor.next_round

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.compress.base import CommStats, Compressor, _nbytes, further_rounds
+from parlay.compress.base import CommStats, Compressor, _nbytes, further_rounds, has_rounds
 from parlay.errors import ConfigError
 
 __all__ = ["Topology", "HierarchicalReducer", "make_reducer"]
@@ -204,10 +204,9 @@ class HierarchicalReducer:
         payload, ctx = compressor.compress(flat, key)
         if stats is not None:
             stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
-        more = getattr(compressor, "next_round", None)
         # Further rounds (PowerSGD's Q, fp16's overflow retry) run inside wait() and use the
         # same groups, so buckets may only run ahead when there can be none.
-        eager = more is None or type(compressor).next_round is Compressor.next_round
+        eager = not has_rounds(compressor)
         bk = self._scatter(payload)
         if eager:
             self._pending.append(bk)
@@ -229,7 +228,10 @@ class HierarchicalReducer:
             reduced = further_rounds(compressor, reduced, ctx, stats, self._allreduce)
             return compressor.decompress(reduced, ctx)
 
-        return comm.Handle(None, "allreduce", finish)
+        # Step 3 (and any further round) runs inside wait(): complete only after it. (The
+        # step-1 works are waited by _cross, once: a second wait of a gloo reduce-scatter
+        # copies its result out again, over what step 2 made of it.)
+        return comm.Handle.after([], "hierarchical allreduce", finish, settled=False)
 
 
 @dataclass
