@@ -52,7 +52,8 @@ def launch_cluster(spec: dict[str, Any], hosts: int, rate: str | None, nproc: in
         ``(rows of every rank, the cluster's report plus link_mbit_s)``.
 
     Raises:
-        RuntimeError: A host's launch failed (its output included).
+        RuntimeError: A host's launch failed before every rank wrote its rows (its output
+            included). A failure after that (at exit) is kept in the info's ``exit_errors``.
     """
     import parlay
     from parlay.testing.cluster import Cluster
@@ -65,15 +66,21 @@ def launch_cluster(spec: dict[str, Any], hosts: int, rate: str | None, nproc: in
         procs = c.parlay_run(["-m", "parlay.bench.worker", "--spec", json.dumps(spec),
                               "--out", out], nproc_per_host=nproc, flags=flags,
                              env={"PYTHONPATH": path}, stdout=-1, stderr=-1, text=True)
+        failed = []
         for k, p in enumerate(procs):
             o, e = p.communicate(timeout=timeout)
             if p.returncode:
-                raise RuntimeError(f"host {k} failed ({p.returncode}):\n{o[-2000:]}\n{e[-3000:]}")
+                failed.append(f"host {k} failed ({p.returncode}):\n{o[-2000:]}\n{e[-3000:]}")
         info = dict(c.report(), link_mbit_s=link)
     rows: list[dict[str, Any]] = []
-    for f in sorted(Path(out).parent.glob(Path(out).name + ".rank*.json")):
+    files = sorted(Path(out).parent.glob(Path(out).name + ".rank*.json"))
+    for f in files:
         rows += json.loads(f.read_text())
         f.unlink()
+    if failed and len(files) < hosts * nproc:
+        raise RuntimeError(failed[0])
+    if failed:  # every rank wrote its rows: the measurement stands, the exit is reported
+        info["exit_errors"] = [f.strip().splitlines()[-1] for f in failed]
     return rows, info
 
 

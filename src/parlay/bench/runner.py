@@ -146,6 +146,8 @@ def _run_net(net: str, cfg: dict[str, Any], log: Any) -> tuple[list, dict, list,
                                             calibrate=measured is None)
                 infos.append(info)
                 measured = measured or (info["link_mbit_s"] or 0) * 1e6
+                notes += [f"{net} {name}: measured, then a process failed at exit: {e}"
+                          for e in info.get("exit_errors", [])]
         except Exception as e:  # noqa: BLE001 - one failed launch must not lose the run
             notes.append(f"{net} {name} launch failed: {str(e).strip().splitlines()[0]}")
             log(f"  {notes[-1]}")

@@ -137,18 +137,45 @@ def _contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable
     return step, opt
 
 
-def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any) -> tuple:
-    """Time ``n`` steps between barriers: (s per step, NIC before, after, comm_stats pair)."""
+def _slowest(times: list[float]) -> list[float]:
+    """Per-step maximum over the ranks: every step starts after a barrier, so a step lasts
+    until its slowest rank is done (a pipeline's first stage, the rank that was descheduled)."""
+    import torch
+
+    from parlay import comm
+
+    t = torch.tensor(times, dtype=torch.float64)
+    comm.allreduce(t, "max")
+    return t.tolist()
+
+
+def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any,
+           compute: Callable | None = None) -> tuple:
+    """Time ``n`` steps, each between barriers; with ``compute``, a compute-only step before
+    each (same moment, same load: the machine's cores are shared with other processes, whose
+    load drifts). Returns (median s per step, median compute-only s or None, NIC before,
+    after, comm_stats before and after)."""
     from parlay import comm
 
     before = opt.comm_stats() if opt is not None else None
+    steps: list[float] = []
+    comps: list[float] = []
     comm.barrier()
-    nic0, t0 = _nic(), time.perf_counter()
+    nic0 = _nic()
     for _ in range(n):
+        if compute is not None:
+            t0 = time.perf_counter()
+            compute()
+            comps.append(time.perf_counter() - t0)
+            comm.barrier()
+        t0 = time.perf_counter()
         step(x, y)
-    comm.barrier()
-    dt = (time.perf_counter() - t0) / n
-    return dt, nic0, _nic(), (before, opt.comm_stats() if opt is not None else None)
+        steps.append(time.perf_counter() - t0)
+        comm.barrier()
+    nic1 = _nic()
+    dt = statistics.median(_slowest(steps))
+    dc = statistics.median(_slowest(comps)) if compute is not None else None
+    return dt, dc, nic0, nic1, (before, opt.comm_stats() if opt is not None else None)
 
 
 def _steps_in_budget(first_s: float, steps: int, budget: float) -> int:
@@ -159,26 +186,9 @@ def _steps_in_budget(first_s: float, steps: int, budget: float) -> int:
     return max(1, min(steps, int(budget / max(first_s, 1e-6))))
 
 
-def _paired_compute(cstep: Callable, x: Any, y: Any, n: int) -> float:
-    """Seconds per compute-only step, timed right before a contestant: the machine's load
-    drifts (other processes share its cores), so each point gets its own limit."""
-    from parlay import comm
-
-    comm.barrier()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        cstep(x, y)
-    dt = (time.perf_counter() - t0) / n
-    comm.barrier()
-    return dt
-
-
 def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
               cstep: Callable) -> dict[str, Any]:
-    import torch
-
     import parlay
-    from parlay import comm
 
     widths, batch = _widths(spec)
     step, opt = _contestant(name, widths, int(spec.get("chunks", 4)))
@@ -186,18 +196,16 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
     xs, ys = (x.repeat(parlay.size(), 1), y.repeat(parlay.size())) if pipe else (x, y)
     if pipe:  # the timeline of the first step, replaced by the first timed one if any
         step.recorder.on = True  # type: ignore[attr-defined]
-    first = _timed(step, xs, ys, 1, opt)
+    compute = lambda: cstep(x, y)  # noqa: E731 - this point's own compute-only limit
+    first = _timed(step, xs, ys, 1, opt, compute)
     # "auto" measures before it decides: give it room to settle before timing.
     for _ in range(int(spec.get("warmup", 1)) - 1 + (2 if name == "auto" else 0)):
         step(xs, ys)
-    # Every rank must run the same number of steps: decide from the slowest rank's first step.
-    slowest = torch.tensor([first[0]])
-    comm.allreduce(slowest, "max")
-    n = _steps_in_budget(float(slowest), int(spec.get("steps", 3)), float(spec.get("budget", 8)))
-    paired = _paired_compute(cstep, x, y, max(1, min(n, 3)))
+    # Every rank runs the same number of steps: first[0] is already the slowest rank's.
+    n = _steps_in_budget(first[0], int(spec.get("steps", 3)), float(spec.get("budget", 8)))
     if pipe:
         step.recorder.on = True  # type: ignore[attr-defined]
-    dt, nic0, nic1, stats = first if n == 0 else _timed(step, xs, ys, n, opt)
+    dt, paired, nic0, nic1, stats = first if n == 0 else _timed(step, xs, ys, n, opt, compute)
     n = max(n, 1)
     samples = batch * parlay.size()  # pipeline: the same global batch through one replica
     row: dict[str, Any] = dict(contestant=name, step_s=dt, samples_s=samples / dt, steps=n,
@@ -275,13 +283,15 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _compute_only(step: Callable, x: Any, y: Any, warmup: int, steps: int) -> float:
-    """Seconds per compute-only step on this rank alone (the servers wait meanwhile)."""
+    """Median seconds per compute-only step on this rank alone (the servers wait meanwhile)."""
     for _ in range(warmup):
         step(x, y)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(steps):
+        t0 = time.perf_counter()
         step(x, y)
-    return (time.perf_counter() - t0) / steps
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def run_spec(spec: dict[str, Any]) -> list[dict[str, Any]]:
