@@ -21,7 +21,7 @@ from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "show", "fail", "check_host", "parse_address",
            "join_address", "as_index", "check_below", "int_var", "need_var", "port_var",
-           "addr_var", "check_task", "cluster_order", "rank_of",
+           "addr_var", "ceil_div", "local_sizes", "check_task", "cluster_order", "rank_of",
            "read_tf_config", "parse_nodelist", "first_node", "expand_nodelist"]
 
 #: Task types in rank order (evaluators last: they have no rank).
@@ -140,6 +140,27 @@ def port_var(env: Mapping[str, str], name: str = "MASTER_PORT") -> int | None:
 def addr_var(env: Mapping[str, str], name: str = "MASTER_ADDR") -> str | None:
     """The host in ``env[name]``, ``None`` when absent."""
     return check_host(str(env[name]).strip(), name) if name in env else None
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up."""
+    return -(-a // b)
+
+
+def local_sizes(rank: int, world: int, local_rank: int | None, local_world: int | None,
+                 where: str) -> tuple[int, int]:
+    """Default local rank/size: one process per node without a local rank, else one node."""
+    if local_rank is None:
+        local_rank, local_world = 0, local_world or 1
+    elif local_world is None:
+        local_world = world
+    if local_world > world:
+        raise fail(f"{where} local world size", f"<= world size {world}", str(local_world),
+                   "a node cannot hold more processes than the world")
+    if local_rank >= local_world:
+        raise fail(f"{where} local rank", f"< local world size {local_world}", str(local_rank),
+                   "local ranks count from 0 on each node")
+    return local_rank, local_world
 
 
 # -- a TensorFlow-style cluster ------------------------------------------------------------------

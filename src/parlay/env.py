@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_index, check_below,
-                              check_host, cluster_order, expand_nodelist, fail, first_node,
-                              int_var, need_var, parse_address, port_var, rank_of,
-                              read_tf_config, show)
+from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_index, ceil_div,
+                              check_below, check_host, cluster_order, expand_nodelist, fail,
+                              first_node, int_var, local_sizes, need_var, parse_address,
+                              port_var, rank_of, read_tf_config, show)
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "ClusterEnv", "detect",
@@ -154,35 +154,15 @@ def _master(env: Mapping[str, str], world_size: int, source: str) -> tuple[str, 
     return addr or "127.0.0.1", port
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _local_sizes(rank: int, world: int, local_rank: int | None, local_world: int | None,
-                 where: str) -> tuple[int, int]:
-    """Default local rank/size: one process per node without a local rank, else one node."""
-    if local_rank is None:
-        local_rank, local_world = 0, local_world or 1
-    elif local_world is None:
-        local_world = world
-    if local_world > world:
-        raise fail(f"{where} local world size", f"<= world size {world}", str(local_world),
-                   "a node cannot hold more processes than the world")
-    if local_rank >= local_world:
-        raise fail(f"{where} local rank", f"< local world size {local_world}", str(local_rank),
-                   "local ranks count from 0 on each node")
-    return local_rank, local_world
-
-
 def _torchrun(env: Mapping[str, str]) -> ClusterEnv | None:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     if not any(k in env for k in keys):
         return None
     rank, world = need_var(env, "RANK", keys), need_var(env, "WORLD_SIZE", keys, minimum=1)
     check_below("RANK", rank, "WORLD_SIZE", world, "ranks count from 0")
-    local_rank, local_world = _local_sizes(rank, world, int_var(env, "LOCAL_RANK"),
-                                           int_var(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
-    nodes = int_var(env, "GROUP_WORLD_SIZE", 1) or _ceil_div(world, local_world)
+    local_rank, local_world = local_sizes(rank, world, int_var(env, "LOCAL_RANK"),
+                                          int_var(env, "LOCAL_WORLD_SIZE", 1), "torchrun")
+    nodes = int_var(env, "GROUP_WORLD_SIZE", 1) or ceil_div(world, local_world)
     node = int_var(env, "GROUP_RANK")
     node = rank // local_world if node is None else node
     check_below("GROUP_RANK", node, "number of nodes", nodes, "node ranks count from 0")
@@ -216,9 +196,9 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     local_rank = need_var(env, "SLURM_LOCALID", keys)
     nnodes, node = int_var(env, "SLURM_NNODES", 1), int_var(env, "SLURM_NODEID")
     # --ntasks-per-node sets a plain count; without it, assume tasks spread evenly over nodes.
-    local_world = int_var(env, "SLURM_NTASKS_PER_NODE", 1) or _ceil_div(world, nnodes or 1)
-    local_rank, local_world = _local_sizes(rank, world, local_rank, local_world, "SLURM")
-    nnodes = nnodes or _ceil_div(world, local_world)
+    local_world = int_var(env, "SLURM_NTASKS_PER_NODE", 1) or ceil_div(world, nnodes or 1)
+    local_rank, local_world = local_sizes(rank, world, local_rank, local_world, "SLURM")
+    nnodes = nnodes or ceil_div(world, local_world)
     node = rank // local_world if node is None else node
     check_below("SLURM_NODEID", node, "SLURM_NNODES", nnodes, "node ids count from 0")
     addr = addr_var(env)
@@ -243,11 +223,11 @@ def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
         return None
     rank, world = need_var(env, keys[0], keys), need_var(env, keys[1], keys, minimum=1)
     check_below(keys[0], rank, keys[1], world, "ranks count from 0")
-    local_rank, local_world = _local_sizes(rank, world, need_var(env, keys[2], keys),
-                                           need_var(env, keys[3], keys, minimum=1), "OpenMPI")
+    local_rank, local_world = local_sizes(rank, world, need_var(env, keys[2], keys),
+                                          need_var(env, keys[3], keys, minimum=1), "OpenMPI")
     addr, port = _master(env, world, "OpenMPI (mpirun)")
     return ClusterEnv(rank, world, local_rank, local_world, addr, port, "openmpi",
-                      node_rank=rank // local_world, num_nodes=_ceil_div(world, local_world))
+                      node_rank=rank // local_world, num_nodes=ceil_div(world, local_world))
 
 
 def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -322,40 +302,12 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
     env = os.environ if environ is None else environ
     if rank is not None or world_size is not None or local_rank is not None \
             or local_world_size is not None:
-        if rank is None or world_size is None:
-            raise fail("detect()", "rank and world_size together",
-                       f"rank={show(rank)}, world_size={show(world_size)}",
-                       "pass both, or neither to read them from the environment")
-        r, w = as_index(rank, "rank"), as_index(world_size, "world_size")
-        if w < 1:
-            raise fail("world_size", "an int >= 1", str(w), "count the processes")
-        check_below("rank", r, "world_size", w, "ranks count from 0")
-        lr, lw = _local_sizes(r, w, None if local_rank is None else as_index(local_rank,
-                              "local_rank"), None if local_world_size is None else
-                              as_index(local_world_size, "local_world_size"), "explicit")
-        port = port_var(env) if master_port is None else master_port
-        if w > 1 and port is None:
-            raise ConfigError(f"master_port is missing: expected it (or MASTER_PORT) with "
-                              f"world_size {w}. Hint: pass master_port=<free port>.")
-        addr = addr_var(env) if master_addr is None else master_addr
-        found = ClusterEnv(r, w, lr, lw, addr or "127.0.0.1", port, "explicit",
-                           node_rank=r // lw, num_nodes=_ceil_div(w, lw))
+        found = _explicit(env, rank, world_size, local_rank, local_world_size, master_addr,
+                          master_port)
         present = [found]
     else:
-        first = _torchrun(env)
-        if first is not None and "TORCHELASTIC_RUN_ID" in env:
-            present = [first]
-        else:
-            present = [c for c in (first, _slurm(env), _openmpi(env), _tf_config(env)) if c]
+        present = _present(env)
         found = present[0] if present else ClusterEnv(0, 1, 0, 1, "127.0.0.1", None, "single")
-        for other in present[1:]:
-            if (other.rank, other.world_size) != (found.rank, found.world_size):
-                raise ConfigError(
-                    f"conflicting cluster environment: expected {found.source} "
-                    f"({_SOURCE_VARS[found.source]}) and {other.source} "
-                    f"({_SOURCE_VARS[other.source]}) to agree, got rank {found.rank} of "
-                    f"{found.world_size} vs rank {other.rank} of {other.world_size}. Hint: unset "
-                    "the stale variables, or pass rank= and world_size= explicitly.")
     if master_addr is not None or master_port is not None:
         found = replace(found, master_addr=found.master_addr if master_addr is None
                         else master_addr, master_port=found.master_port if master_port is None
@@ -363,8 +315,56 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
     pp = pipeline_stages(env)
     if pp is not None:
         found = replace(found, pipeline_stages=pp)
+    return _with_num_ps(found, env, num_ps, [c.num_ps for c in present
+                                             if c.source == "tf_config"])
+
+
+def _explicit(env: Mapping[str, str], rank: int | None, world_size: int | None,
+              local_rank: int | None, local_world_size: int | None, master_addr: str | None,
+              master_port: int | None) -> ClusterEnv:
+    """The cluster of explicit ``detect()`` arguments (no launcher variable is read)."""
+    if rank is None or world_size is None:
+        raise fail("detect()", "rank and world_size together",
+                   f"rank={show(rank)}, world_size={show(world_size)}",
+                   "pass both, or neither to read them from the environment")
+    r, w = as_index(rank, "rank"), as_index(world_size, "world_size")
+    if w < 1:
+        raise fail("world_size", "an int >= 1", str(w), "count the processes")
+    check_below("rank", r, "world_size", w, "ranks count from 0")
+    lr, lw = local_sizes(r, w, None if local_rank is None else as_index(local_rank,
+                         "local_rank"), None if local_world_size is None else
+                         as_index(local_world_size, "local_world_size"), "explicit")
+    port = port_var(env) if master_port is None else master_port
+    if w > 1 and port is None:
+        raise ConfigError(f"master_port is missing: expected it (or MASTER_PORT) with "
+                          f"world_size {w}. Hint: pass master_port=<free port>.")
+    addr = addr_var(env) if master_addr is None else master_addr
+    return ClusterEnv(r, w, lr, lw, addr or "127.0.0.1", port, "explicit",
+                      node_rank=r // lw, num_nodes=ceil_div(w, lw))
+
+
+def _present(env: Mapping[str, str]) -> list[ClusterEnv]:
+    """Every launcher source present in ``env``, the winner first; they must agree."""
+    first = _torchrun(env)
+    if first is not None and "TORCHELASTIC_RUN_ID" in env:
+        return [first]
+    present = [c for c in (first, _slurm(env), _openmpi(env), _tf_config(env)) if c]
+    for other in present[1:]:
+        found = present[0]
+        if (other.rank, other.world_size) != (found.rank, found.world_size):
+            raise ConfigError(
+                f"conflicting cluster environment: expected {found.source} "
+                f"({_SOURCE_VARS[found.source]}) and {other.source} "
+                f"({_SOURCE_VARS[other.source]}) to agree, got rank {found.rank} of "
+                f"{found.world_size} vs rank {other.rank} of {other.world_size}. Hint: unset "
+                "the stale variables, or pass rank= and world_size= explicitly.")
+    return present
+
+
+def _with_num_ps(found: ClusterEnv, env: Mapping[str, str], num_ps: int | None,
+                 tf: list[int]) -> ClusterEnv:
+    """``found`` with its parameter-server count: ``num_ps``, TF_CONFIG's, or PARLAY_NUM_PS."""
     k = int_var(env, "PARLAY_NUM_PS") if num_ps is None else as_index(num_ps, "num_ps")
-    tf = [c.num_ps for c in present if c.source == "tf_config"]
     if tf and num_ps is None:  # TF_CONFIG's ps count holds even when another source won
         if k is not None and k != tf[0]:
             raise fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0]}", str(k),
