@@ -1,32 +1,18 @@
-"""Helpers shared by the benchmarks: timing, medians, tables and the JSON document."""
+"""Helpers shared by the benchmarks: medians, tables (from parlay.bench) and the JSON document."""
 from __future__ import annotations
 
 import json
 import platform
-import statistics
 import sys
 import time
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+# One table and median for the scripts here and for `parlay bench` (which ships in the package).
+from parlay.bench.common import median, table
 
-def median(xs: Sequence[float]) -> float:
-    return float(statistics.median(xs)) if xs else float("nan")
-
-
-def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    """A plain-text table of ``rows`` restricted to ``cols``."""
-    def fmt(v: Any) -> str:
-        if isinstance(v, float):
-            return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
-        return str(v)
-    cells = [[fmt(r.get(c, "")) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    out = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
-    out.append("  ".join("-" * w for w in widths))
-    out += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(out)
+__all__ = ["median", "table", "write_json"]
 
 
 def write_json(path: str | None, name: str, ratios: dict[str, float],
