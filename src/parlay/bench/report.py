@@ -77,8 +77,11 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
            f"- mode order: {100 * s['order_pairs_right']:.0f}% of pairs ordered right (ties "
            f"within 5% count as right); predicted fastest is the measured fastest (within 5%) "
            f"in {100 * s['fastest_first_right']:.0f}% of {s['configurations']} configurations"]
+    if s["recommendations"]:
+        out.append("- recommendation: the model's fastest among the 2-rank launch's modes and "
+                   "compressors (DDP aside) against the fastest measured there:")
     for r in s["recommendations"]:
-        out.append(f"- {r['net']}: recommended `{r['recommended']}` "
+        out.append(f"  - {r['net']}: recommended `{r['recommended']}` "
                    f"({r['recommended_samples_s']:.0f} samples/s), best measured `{r['best']}` "
                    f"({r['best_samples_s']:.0f}): {r['ratio']:.2f}x of the best")
     return out
@@ -109,9 +112,9 @@ def render(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     w = doc["model_widths"]
     parts = [f"# parlay bench{' --quick' if doc['quick'] else ''}",
-             f"MLP {'-'.join(map(str, w))}, batch {_batch(doc)} per rank, {cfg['steps']} timed steps per point (budget "
-             f"{cfg['budget']:g} s); links: {', '.join(doc['nets'])}; wall {doc['wall_s']:.0f} s; "
-             f"{doc['env']['cores']} cores, load {_load(doc)}.",
+             f"MLP {'-'.join(map(str, w))}, batch {_batch(doc)} per rank, {cfg['steps']} timed "
+             f"steps per point (budget {cfg['budget']:g} s); links: {', '.join(doc['nets'])}; "
+             f"wall {doc['wall_s']:.0f} s; {doc['env']['cores']} cores, load {_load(doc)}.",
              *(f"> {n}" for n in doc["notes"]),
              "## Cost model vs measurement", "\n".join(_summary_lines(doc)),
              "## Samples/s as a fraction of the compute-only limit",
