@@ -2,6 +2,7 @@
 real compressors, errors, calibration caching, profiling and the ``parlay plan`` command."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -20,9 +21,9 @@ pytestmark = pytest.mark.timeout(60)
 
 BIG = [(4096, 784), (4096,), (4096, 4096), (4096,), (4096, 4096), (4096,), (10, 4096), (10,)]
 BIG_PARAMS = sum(math.prod(s) for s in BIG)
-FREE = Costs(alpha_s=0.0, sum_s_per_elem=0.0, half_sum_s_per_elem=0.0, cast_s_per_elem=0.0,
-             topk_s_per_elem=0.0, scatter_s_per_elem=0.0, randomk_s_per_elem=0.0,
-             powersgd_s_per_elem=0.0, powersgd_s_per_elem_rank=0.0, apply_s_per_elem=0.0)
+# No software costs, no queueing effects: only links and compute.
+FREE = Costs(**{f.name: 0.0 for f in dataclasses.fields(Costs)})
+FREE = dataclasses.replace(FREE, incast_efficiency=1.0, duplex_efficiency=1.0)
 
 
 def _w(params: float = 25e6, batch: int = 32, per_sample: float = 1e-3, **kw) -> Workload:

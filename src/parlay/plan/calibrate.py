@@ -100,8 +100,9 @@ def _best(fn: Callable[[], Any], repeats: int, budget_s: float) -> float:
     return best
 
 
-def _link_rank(numel: int, repeats: int) -> dict[str, float]:
-    """Runs on each of two gloo ranks: time tiny, large fp32 and large fp16 allreduces."""
+def _link_rank(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
+    """Runs on each of two gloo ranks: time tiny, large fp32 and large fp16 allreduces, then
+    the compressors and CPU costs, with both ranks busy at once (as in training)."""
     import torch
     import torch.distributed as dist
 
@@ -115,21 +116,30 @@ def _link_rank(numel: int, repeats: int) -> dict[str, float]:
             best = min(best, time.perf_counter() - t0)
         return best
 
-    return {"tiny": timed(torch.ones(1)), "f32": timed(torch.ones(numel)),
-            "f16": timed(torch.ones(numel, dtype=torch.float16))}
+    out = {"tiny": timed(torch.ones(1)), "f32": timed(torch.ones(numel)),
+           "f16": timed(torch.ones(numel, dtype=torch.float16))}
+    dist.barrier()
+    out.update(_codec_costs(numel, repeats, budget_s * 0.7))
+    flops, apply, add = _cpu_costs(numel, repeats, budget_s * 0.3)
+    out.update(flops=flops, apply_s_per_elem=apply, sum_s_per_elem=add)
+    return out
 
 
-def _measure_link(numel: int, repeats: int) -> tuple[float, float, float]:
-    """(alpha_s, loopback bytes/s, half-precision sum s/elem) from two local gloo ranks."""
+def _measure_link(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
+    """Costs fields, loopback bytes/s and FLOP/s from two local gloo ranks."""
     from parlay.testing import run_world
 
-    res = run_world(_link_rank, 2, numel, repeats, timeout=120, threads=1)
-    t = {k: max(r[k] for r in res) for k in res[0]}
-    alpha = t["tiny"] / 2                      # 2 ring steps of n = 2
+    res = run_world(_link_rank, 2, numel, repeats, budget_s, timeout=180, threads=1)
+    t = {k: max(r[k] for r in res) for k in res[0]}  # the slower rank sets the pace
+    t["flops"] = min(r["flops"] for r in res)
+    out = {k: v for k, v in t.items() if k not in ("tiny", "f32", "f16")}
+    out["alpha_s"] = t["tiny"] / 2             # 2 ring steps of n = 2
     # 2 ranks: each sends half the buffer twice (reduce-scatter, allgather) and sums a half
     per_byte = max(t["f32"] - t["tiny"], 1e-9) / (numel * 4)
+    out["loopback_bps"] = 8.0 / per_byte
     half_extra = max(0.0, t["f16"] - t["tiny"] - per_byte * numel * 2)
-    return alpha, 1.0 / per_byte, half_extra / (numel / 2)
+    out["half_sum_s_per_elem"] = half_extra / (numel / 2)
+    return out
 
 
 def _codec_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
@@ -149,11 +159,11 @@ def _codec_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
 
         def once() -> None:
             payload, ctx = comp.compress(g, "b")
-            if comp.summable:
-                red = [p * world for p in payload]
+            if comp.summable:  # the reduced payload: same size and cost as this rank's
+                red = payload
                 nxt = comp.next_round(red, ctx)
                 while nxt is not None:
-                    red = [p * world for p in nxt]
+                    red = nxt
                     nxt = comp.next_round(red, ctx)
                 comp.decompress(red, ctx)
             else:
@@ -199,9 +209,11 @@ def calibrate(budget_s: float = 4.0, links: bool = True, numel: int = 1 << 22,
     """Measure this machine's constants (see the module docstring) and cache them.
 
     Args:
-        budget_s: Rough time allowed for the in-process timings (the two-process link
-            benchmark adds its start-up, about a second).
-        links: Measure the loopback link with two gloo processes (else keep the defaults).
+        budget_s: Rough time allowed for the timings (starting the two processes adds a
+            second or two).
+        links: Measure with two gloo processes on loopback, both busy at once as ranks are
+            in training (else one process times the compressors and the link keeps its
+            default).
         numel: Elements of the buffers timed (smaller is faster and noisier).
         save: Write the cache file.
 
@@ -209,17 +221,17 @@ def calibrate(budget_s: float = 4.0, links: bool = True, numel: int = 1 << 22,
         The calibration (also written to :func:`cache_path` when ``save``).
     """
     t0 = time.perf_counter()
-    repeats = 5 if budget_s >= 1 else 2
-    base = Costs()
-    fields: dict[str, float] = _codec_costs(numel, repeats, budget_s * 0.6)
-    flops, apply, add = _cpu_costs(numel, repeats, budget_s * 0.2)
-    fields.update(apply_s_per_elem=apply, sum_s_per_elem=add)
+    repeats = 3 if budget_s >= 1 else 1
     loop = Link(20e9, 0.0, 1.0)
     if links:
-        alpha, bps, half = _measure_link(min(numel, 1 << 22), repeats)
-        fields.update(alpha_s=alpha, half_sum_s_per_elem=half)
-        loop = Link(bps * 8, 0.0, 1.0)
-    costs = dataclasses.replace(base, **fields)
+        fields = _measure_link(numel, repeats, budget_s)
+        loop = Link(fields.pop("loopback_bps"), 0.0, 1.0)
+    else:
+        fields = _codec_costs(numel, repeats, budget_s * 0.7)
+        flops, apply, add = _cpu_costs(numel, repeats, budget_s * 0.3)
+        fields.update(flops=flops, apply_s_per_elem=apply, sum_s_per_elem=add)
+    flops = fields.pop("flops")
+    costs = dataclasses.replace(Costs(), **fields)
     cal = Calibration(costs, loop, flops, time.perf_counter() - t0, links)
     if save:
         path = cache_path()

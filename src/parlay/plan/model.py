@@ -178,6 +178,19 @@ class Costs:
         powersgd_s_per_elem: PowerSGD per element that does not depend on the rank.
         powersgd_s_per_elem_rank: PowerSGD per element and per unit of rank (the matmuls).
         apply_s_per_elem: A parameter server applying one element of an update (SGD).
+        ps_request_s: A parameter server's fixed cost per worker request (message packing,
+            hand-off between its receiving threads and its update loop).
+        incast_efficiency: Fraction of a link's rate left when several senders converge on
+            it at once (servers receiving every worker's push, a worker pulling from every
+            server) and each sends more than the port's queue holds: the queue overflows and
+            TCP backs off (incast).
+        queue_s: How long a link's queue is, in seconds of its rate (tc tbf's ``latency``;
+            shallow datacenter switches hold far less).
+        duplex_efficiency: Fraction of a network link's rate a ring collective gets when both
+            directions are busy at once (each direction's acknowledgements queue behind the
+            other's data).
+        pipe_op_s: Fixed cost of one stage-to-stage send or receive of a pipeline schedule
+            (``torch.distributed.pipelining``'s per-micro-batch bookkeeping).
     """
 
     alpha_s: float = 100e-6
@@ -190,6 +203,11 @@ class Costs:
     powersgd_s_per_elem: float = 4e-9
     powersgd_s_per_elem_rank: float = 1.5e-9
     apply_s_per_elem: float = 2e-9
+    ps_request_s: float = 2e-3
+    incast_efficiency: float = 0.8
+    queue_s: float = 0.05
+    duplex_efficiency: float = 0.93
+    pipe_op_s: float = 1e-3
 
 
 @dataclass(frozen=True)
@@ -342,6 +360,9 @@ def allgather_s(nbytes: float, world: int, link: Link, alpha_s: float = 0.0) -> 
 def rounds_s(rounds: Sequence[Round], world: int, link: Link, costs: Costs,
              messages: int = 1, half: bool = False) -> float:
     """Time of a reduction's collectives over one ring, split into ``messages`` buckets."""
+    if link.efficiency < 1.0:  # a network link, not the measured loopback
+        link = Link(link.bandwidth_bps, link.latency_s,
+                    link.efficiency * costs.duplex_efficiency)
     total = 0.0
     for r in rounds:
         if r.kind == "allgather":

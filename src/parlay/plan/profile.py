@@ -68,6 +68,7 @@ class _Recorder:
         self.outputs: dict[int, float] = {}
         self.steps: list[float] = []
         self.params: list[Any] = []
+        self.owner: int | None = None
 
     def pre(self, module: Any, args: tuple) -> None:
         import torch
@@ -87,11 +88,17 @@ class _Recorder:
         if out.dim() > 0 and out.shape[0] == self.batch:
             self.outputs[id(module)] = out.numel() / self.batch
 
-    def step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.steps.append(time.perf_counter())
-        if not self.params:
+    def step(self, optimizer: Any, args: Any, kwargs: Any) -> bool:
+        """Record a step of the first optimizer seen (a wrapper such as parlay's
+        DistributedOptimizer fires the hook again around its inner optimizer's step)."""
+        if self.owner is None:
+            self.owner = id(optimizer)
             self.params = [p for g in optimizer.param_groups for p in g["params"]
                            if p.requires_grad]
+        if id(optimizer) != self.owner:
+            return False
+        self.steps.append(time.perf_counter())
+        return True
 
 
 def _layers(top: Any) -> int:
@@ -132,8 +139,7 @@ def run_script(path: str, args: Sequence[str], steps: int = 3, warmup: int = 2) 
     need = warmup + steps + 1
 
     def on_step(opt: Any, a: Any, k: Any) -> None:
-        rec.step(opt, a, k)
-        if len(rec.steps) >= need:
+        if rec.step(opt, a, k) and len(rec.steps) >= need:
             raise _Enough
 
     handles = [mod.register_module_forward_pre_hook(rec.pre),
