@@ -31,8 +31,12 @@ __all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "optimizer_
 log = logging.getLogger("parlay")
 
 #: Modes whose whole training state lives in the Trainer's state dict on the training ranks. A
-#: strategy may say otherwise with a ``supports_snapshots`` attribute (parameter servers keep
-#: state on serving ranks, so they must snapshot consistently with the workers first).
+#: strategy may say otherwise with a ``supports_snapshots`` attribute. One whose state also
+#: lives on serving ranks (parameter servers, ``sync``) agrees on the step before the Trainer
+#: exists and says so with ``snapshot_store`` (its store, opened for that agreement),
+#: ``agreed_snapshot_step`` (loaded exactly, never re-agreed here), ``configure_snapshots``
+#: (told ``snapshot_every`` on every rank) and ``snapshot_state_dict`` (the state a snapshot
+#: holds, without the side effects of a checkpoint's ``state_dict``).
 SUPPORTED_MODES = ("allreduce", "hybrid")
 
 
@@ -230,29 +234,17 @@ def _resume_agreed(trainer: Any, store: SnapshotStore, step: int | None) -> int 
 
 
 def background_copy() -> bool:
-    """Whether a core is free for the background copy: more cores in this process's affinity
-    than local ranks x torch threads (``$PARLAY_SNAPSHOT_BACKGROUND`` = 1/0 forces it). On
-    oversubscribed cores the copying thread waits for a time slice while the optimizer step
-    waits for it, which cost more here (2 cores, 2 ranks) than copying inline."""
-    forced = os.environ.get("PARLAY_SNAPSHOT_BACKGROUND", "")
-    if forced in ("0", "1"):
-        return forced == "1"
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    try:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    except ValueError:
-        local = 1
-    return cores > local * torch.get_num_threads()
+    """Whether parameters and optimizer state are copied into a snapshot while the rank waits
+    for communication (:mod:`parlay.snapshot.deferred`) instead of before ``save`` returns: yes
+    unless ``$PARLAY_SNAPSHOT_BACKGROUND`` is ``0``. Deferring costs at most what the inline
+    copy does: what is left when the next optimizer step begins is copied then."""
+    return os.environ.get("PARLAY_SNAPSHOT_BACKGROUND", "") != "0"
 
 
 def optimizer_tensors(strategy: Any) -> set[int]:
     """``data_ptr()`` of the tensors that change only in an optimizer step: the parameters and
     the optimizer's state, for :meth:`SnapshotStore.save`'s ``defer``. Empty when the strategy
-    exposes no ``optimizer`` or no core is free for a background copy
-    (:func:`background_copy`)."""
+    exposes no ``optimizer`` or deferred copies are off (:func:`background_copy`)."""
     opt = getattr(strategy, "optimizer", None)
     if not isinstance(opt, torch.optim.Optimizer) or not background_copy():
         return set()
