@@ -51,6 +51,14 @@ def _dp_rows(rate: str | None, model: str, steps: dict, clusters: list[dict],
     for name in DP_CONTESTANTS[1:]:
         ratios[f"{name}_of_limit@{tag}"] = by[name]["of_limit"]
     ratios[f"fp16_over_dense@{tag}"] = by["fp16"]["samples_s"] / by["parlay"]["samples_s"]
+    if "auto" in by:  # auto must match dense on a fast link and the best fixed choice on any
+        fixed = ("parlay", "fp16", "powersgd:4", "topk:0.01")
+        best = max(fixed, key=lambda n: by[n]["samples_s"])
+        ratios[f"auto_over_dense@{tag}"] = by["auto"]["samples_s"] / by["parlay"]["samples_s"]
+        ratios[f"auto_over_best_fixed@{tag}"] = by["auto"]["samples_s"] / by[best]["samples_s"]
+        by["auto"]["best_fixed"] = best
+        by["auto"]["chose"] = next((r["chose"] for r in rows
+                                    if r["contestant"] == "auto" and "chose" in r), "")
     return list(by.values())
 
 
@@ -111,6 +119,9 @@ def main() -> None:
                         clusters, ratios, ns.quick)
     print(table(results, ["row", "rate", "contestant", "samples_s", "of_limit", "step_s",
                           "steps", "nic_tx_MB", "expected_MB", "nic/expected"]))
+    for r in results:
+        if r.get("chose"):
+            print(f"auto at {r['rate']} chose: {r['chose']} (best fixed: {r['best_fixed']})")
     print("\nratios:")
     for k, v in ratios.items():
         print(f"  {k:32s} {v:.3f}")

@@ -28,8 +28,9 @@ from parlay.bench.accuracy import split_specs as _split_specs
 from parlay.bench.accuracy import train_compressors as _worker
 from parlay.testing import run_world
 
-ALL = ["none", "fp16", "bf16", "topk:0.01", "topk:0.001", "randomk:0.01", "powersgd:4"]
-TARGETS = {"topk:0.01": (0.3, 40.0), "topk:0.001": (0.5, 300.0), "powersgd:4": (0.3, None)}
+ALL = ["none", "fp16", "bf16", "topk:0.01", "topk:0.001", "randomk:0.01", "powersgd:4", "auto"]
+TARGETS = {"topk:0.01": (0.3, 40.0), "topk:0.001": (0.5, 300.0), "powersgd:4": (0.3, None),
+           "auto": (0.3, None)}
 
 
 def _table(rows: list[dict]) -> str:

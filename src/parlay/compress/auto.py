@@ -115,7 +115,7 @@ class AutoCompressor(Compressor):
     decodes_into = True
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
-                 threshold: float = 0.2, margin: float = 0.15) -> None:
+                 threshold: float = 0.2, margin: float = 0.25) -> None:
         if isinstance(candidates, str) or not candidates:
             raise ConfigError(f"auto compression needs a non-empty list of candidate specs, got "
                               f"{candidates!r}. Hint: ['none', 'fp16', 'topk:0.01'].")
@@ -130,7 +130,7 @@ class AutoCompressor(Compressor):
             raise ConfigError(f"auto every must be an integer >= 1 (steps), got {every!r}.")
         if not 0 < float(threshold) < 10 or not 0 <= float(margin) < 1:
             raise ConfigError(f"auto threshold must be in (0, 10) and margin in [0, 1), got "
-                              f"{threshold!r} and {margin!r}. Hint: threshold=0.2, margin=0.15.")
+                              f"{threshold!r} and {margin!r}. Hint: threshold=0.2, margin=0.25.")
         self.specs = specs
         self.cands = {s: get_compressor(s) for s in specs}
         self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
@@ -157,6 +157,9 @@ class AutoCompressor(Compressor):
         self._ref: float | None = None
         self._verify: tuple[dict[str, str], float] | None = None
         self._decide_keys: set[str] | None = None
+        # (key, spec) -> how much slower the step measured than predicted after a switch to it
+        # was undone; later predictions for it are scaled by this factor.
+        self._penalty: dict[tuple[str, str], float] = {}
         self._fit: autocost.LinkFit | None = None
         self.last_prediction: dict[str, dict[str, float]] = {}
 
@@ -259,6 +262,10 @@ class AutoCompressor(Compressor):
             self._verify = None
             if step_s > before * (1 + self.threshold / 2):
                 for k, s in before_choices.items():
+                    tried = self.choices.get(k)
+                    if tried is not None and tried != s:
+                        self._penalty[(k, tried)] = self._penalty.get((k, tried), 1.0) \
+                            * step_s / before
                     self._switch(k, s, f"undone: step {step_s:.4f}s vs {before:.4f}s before")
                 self._ref = before
                 return
@@ -292,7 +299,7 @@ class AutoCompressor(Compressor):
         comm.allreduce(t, "max", group=self._group)
         assert self._fit is not None  # probed above or at this step's start
         pred = {s: autocost.predict_s(s, flat.numel(), self._fit, c, shapes, self._collective)
-                for s, c in zip(self._eligible, t.tolist())}
+                * self._penalty.get((key, s), 1.0) for s, c in zip(self._eligible, t.tolist())}
         self.last_prediction[key] = pred
         cur = self.choices.get(key, self._eligible[0])
         best = min(pred, key=lambda s: (pred[s], self._eligible.index(s)))
