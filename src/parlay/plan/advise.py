@@ -22,8 +22,8 @@ MODES = ("allreduce", "hierarchical", "ps", "hybrid")
 COMPRESSORS = ("none", "fp16", "bf16", "topk:0.01", "randomk:0.01", "powersgd:4")
 
 _TERM_HINT = {
-    "compute": "the step is compute-bound: more ranks or a faster device help, compression "
-               "cannot",
+    "compute": "computing the batch itself: a faster device or more ranks help, "
+               "compression cannot",
     "codec": "compression's own CPU work dominates: a cheaper compressor (fp16) or none",
     "comm": "gradient communication dominates: compress harder or get a faster link",
     "comm-inter": "the host links dominate: compress harder or get a faster network",
@@ -189,9 +189,15 @@ def explain(ranked: Sequence[Prediction]) -> str:
     """Why the first of ``ranked`` wins: its dominant term and the runner-up's."""
     best = ranked[0]
     share = best.terms[best.dominant] / best.step_s if best.step_s else 0.0
-    why = (f"{best.label}: {best.step_s * 1e3:.4g} ms/step, {best.samples_per_s:.4g} "
-           f"samples/s; {best.dominant} is {share:.0%} of its step "
-           f"({_TERM_HINT.get(best.dominant, best.dominant)}).")
+    parts = sorted(best.terms.items(), key=lambda kv: -kv[1])
+    split = ", ".join(f"{k} {v / best.step_s:.0%}" for k, v in parts[:3] if best.step_s)
+    why = (f"{best.label}: {best.step_s * 1e3:.4g} ms/step, {best.samples_per_s:,.0f} "
+           f"samples/s; {best.dominant} is {share:.0%} of its step ({split}): ")
+    if share >= 0.5:
+        why += f"{_TERM_HINT.get(best.dominant, best.dominant)}."
+    else:
+        why += "no single term dominates; the largest: " \
+               f"{_TERM_HINT.get(best.dominant, best.dominant)}."
     dense = next((p for p in ranked if p.mode == "allreduce" and p.compressor == "none"), None)
     if dense is not None and dense is not best:
         ds = dense.terms[dense.dominant] / dense.step_s

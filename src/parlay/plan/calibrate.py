@@ -31,7 +31,7 @@ from parlay.plan.model import Costs, Link
 
 __all__ = ["Calibration", "calibrate", "load_costs", "cache_path", "local_overlap"]
 
-_VERSION = 1
+_VERSION = 2  # bump when what is measured changes: older caches are re-measured
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,6 +121,9 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
     except ValueError:
         raise ConfigError(f"--overlap must be a number in [0, 1], got {ns.overlap!r}.") from None
     cluster = ClusterSpec(nodes, local, inter, intra, overlap)
+    if calib is not None:
+        notes.append("compression's CPU costs are this machine's (calibrated); on GPUs they "
+                     "are far smaller, so compressors may do better there than shown")
     workload = _workload(ns, world, calib, notes)
     return workload, cluster, notes
 
