@@ -9,15 +9,16 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   and resumed), and the steps lost (computed before the kill, computed again after it). Side by
   side: in-memory snapshots (``snapshot_every=1``) vs the anchor, disk checkpoints alone
   (``snapshot_every=0, checkpoint_every=--ckpt-every``), i.e. what torchrun gives by itself.
-* overhead: one run of the same Trainer with snapshots off, on with the parameters and optimizer
-  state copied inline, and on with them copied by a background thread
-  (``PARLAY_SNAPSHOT_BACKGROUND``), in rotating chunks of ``--chunk`` steps (so load from other
-  processes hits all alike); the ratios of the median step times. Also the time
-  ``SnapshotStore.save`` takes on the caller's thread for this
-  model's state (and the background copy that overlaps the next forward and backward) vs a
-  plain ``torch.save`` of it to /dev/shm.
+* overhead: one run of the same Trainer with snapshots off, on with every tensor copied before
+  ``save`` returns (``PARLAY_SNAPSHOT_BACKGROUND=0``), and on with the parameters and optimizer
+  state copied while the rank waits for the gradient reduction of the next step (the default,
+  :mod:`parlay.snapshot.deferred`), in rotating chunks of ``--chunk`` steps (so load from other
+  processes hits all alike); the ratios of the median step times (wall clock, and the training
+  thread's CPU time, which other processes on the machine disturb less). Also the time
+  ``SnapshotStore.save`` takes on the caller's thread for this model's state (and the deferred
+  copy, which overlaps communication) vs a plain ``torch.save`` of it to /dev/shm.
 
-    python benchmarks/recovery.py [--quick] [--json out.json]
+    python benchmarks/recovery.py [--quick] [--repeats N] [--overhead-only] [--json out.json]
 """
 from __future__ import annotations
 
@@ -89,24 +90,32 @@ def worker_recovery(a: argparse.Namespace) -> None:
     Path(a.out, f"rec-a{attempt}-r{rank}.json").write_text(json.dumps(rec))
 
 
+MODES = {"off": None, "inline": "0", "deferred": None}  # PARLAY_SNAPSHOT_BACKGROUND per mode
+
+
 def worker_overhead(a: argparse.Namespace) -> None:
     import parlay
 
-    t = _trainer(a, 3 * a.chunk * (a.pairs + 1), 1, None)
-    times: dict[str, list[float]] = {"inline": [], "background": [], "off": []}
+    t = _trainer(a, len(MODES) * a.chunk * (a.pairs + 1), 1, None)
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}
     order = list(times)
     for pair in range(a.pairs + 1):  # round 0 warms up (first slot files, allocator)
         for mode in order:
             t.snapshot_every = 10**9 if mode == "off" else 1
-            os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = "1" if mode == "background" else "0"
+            os.environ.pop("PARLAY_SNAPSHOT_BACKGROUND", None)
+            if MODES[mode] is not None:
+                os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
             for _ in range(a.chunk):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 t.train_on_batch()
                 if pair:
                     times[mode].append(time.perf_counter() - t0)
+                    cpu[mode].append(time.thread_time() - c0)
         order = order[1:] + order[:1]
     t.should_stop()
-    Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps(times))
+    Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({"wall": times,
+                                                                           "cpu": cpu}))
 
 
 # ---------------------------------------------------------------------- driver
@@ -143,8 +152,9 @@ def recovery(a: argparse.Namespace, tmp: Path, snapshots: bool, repeat: int) -> 
 
 
 def save_cost(repeats: int) -> dict[str, Any]:
-    """Time of SnapshotStore.save (on the training thread) vs torch.save for the MLP + Adam
-    state, and of SnapshotStore.load (what a restart reads)."""
+    """Time of SnapshotStore.save (on the training thread; then of the deferred copy and commit,
+    which a training step does while it waits for communication) vs torch.save for the MLP +
+    Adam state, and of SnapshotStore.load (what a restart reads)."""
     import torch
 
     from parlay.demos.mnist import build_mlp
@@ -159,12 +169,10 @@ def save_cost(repeats: int) -> dict[str, Any]:
 
     class Strategy:
         optimizer = opt
-    os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = "1"
     defer = optimizer_tensors(Strategy())
-    del os.environ["PARLAY_SNAPSHOT_BACKGROUND"]
     with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as d:
         store = SnapshotStore("bench", 0, root=d)
-        ours, background, plain, load = [], [], [], []
+        ours, deferred, plain, load = [], [], [], []
         for i in range(repeats + 2):
             t0 = time.perf_counter()
             store.save(i, state, defer=defer)
@@ -177,13 +185,13 @@ def save_cost(repeats: int) -> dict[str, Any]:
             t3 = time.perf_counter()
             if i >= 2:  # the first two map (create) the two slot files
                 ours.append(t0b - t0)
-                background.append(t1 - t0b)
+                deferred.append(t1 - t0b)
                 plain.append(t2 - t1)
                 load.append(t3 - t2)
         store.clear()
     mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3 / 2**20
     return {"state_mb": mb, "save_ms": 1e3 * median(ours),
-            "background_ms": 1e3 * median(background), "torch_save_ms": 1e3 * median(plain),
+            "deferred_ms": 1e3 * median(deferred), "torch_save_ms": 1e3 * median(plain),
             "load_ms": 1e3 * median(load)}
 
 
@@ -195,7 +203,9 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=None, help="anchor's checkpoint interval")
     p.add_argument("--chunk", type=int, default=None, help="steps per on/off chunk")
     p.add_argument("--pairs", type=int, default=None, help="rounds of on/off chunks measured")
-    p.add_argument("--repeats", type=int, default=None, help="recovery runs per side")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="recovery runs per side, and launches of the overhead measurement")
+    p.add_argument("--overhead-only", action="store_true", help="skip the recovery runs")
     p.add_argument("--worker", choices=["recovery", "overhead"], help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--snapshot-every", type=int, default=1, help=argparse.SUPPRESS)
@@ -211,40 +221,69 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        runs = [recovery(a, tmp, snap, i) for i in range(a.repeats) for snap in (True, False)]
-        rows = []
-        for snap in (True, False):  # the median run of each (by recovery time)
-            mine = sorted((r for r in runs if (r["recovery"] == "snapshots") == snap),
-                          key=lambda r: r["recovery_s"])
-            rows.append({**mine[len(mine) // 2], "runs": len(mine),
-                         "all_recovery_s": [round(r["recovery_s"], 2) for r in mine]})
-        print(table(rows, ["recovery", "kill_step", "resumed_at", "steps_lost", "restarted_s",
-                           "imported_s", "data_s", "built_s", "recovery_s", "runs"]))
-        print("recovery_s of every run:", {r["recovery"]: r["all_recovery_s"] for r in rows})
-        (tmp / "ovh").mkdir()
-        _launch(a, tmp / "ovh", "--worker", "overhead")
-        times = json.loads((tmp / "ovh" / "overhead-r0.json").read_text())
-    off = median(times["off"])
+        runs, ratios = ([], {}) if a.overhead_only else _recoveries(a, tmp)
+        over, launches = _overheads(a, tmp)
     cost = save_cost(5 if a.quick else 20)
-    over = [{"overhead": f"snapshot_every=1, {mode} copy vs off",
-             "step_ms_on": 1e3 * median(times[mode]), "step_ms_off": 1e3 * off,
-             "ratio": median(times[mode]) / off, "steps_each": len(times[mode])}
-            for mode in ("inline", "background")]
     print()
-    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "steps_each"]))
+    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "cpu_ratio",
+                       "launch_ratios", "steps_each"]))
     print()
-    print(table([cost], ["state_mb", "save_ms", "background_ms", "torch_save_ms", "load_ms"]))
-    ratios = {"recovery_s_snapshot_vs_checkpoint": rows[0]["recovery_s"] / rows[1]["recovery_s"],
-              "steps_lost_snapshot_vs_checkpoint":
-                  rows[0]["steps_lost"] / max(1, rows[1]["steps_lost"]),
-              "step_time_inline_snapshots_vs_off": over[0]["ratio"],
-              "step_time_background_snapshots_vs_off": over[1]["ratio"],
-              "save_vs_torch_save": cost["save_ms"] / cost["torch_save_ms"]}
+    print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
+    ratios.update({"step_time_inline_snapshots_vs_off": over[0]["ratio"],
+                   "step_time_deferred_snapshots_vs_off": over[1]["ratio"],
+                   "save_vs_torch_save": cost["save_ms"] / cost["torch_save_ms"]})
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
+    walls = [t["wall"] for t in launches]
     write_json(a.json, "recovery", ratios, runs + over + [cost],
-               step_times_ms={k: [1e3 * v for v in vs] for k, vs in times.items()},
-               spread={k: statistics.pstdev(vs) / max(median(vs), 1e-12)
-                       for k, vs in times.items()})
+               step_times_ms=[{k: [1e3 * v for v in vs] for k, vs in w.items()} for w in walls],
+               spread=[{k: statistics.pstdev(vs) / max(median(vs), 1e-12) for k, vs in w.items()}
+                       for w in walls])
+
+
+def _recoveries(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """``--repeats`` recovery runs per side, alternating; the median run of each side."""
+    runs = [recovery(a, tmp, snap, i) for i in range(a.repeats) for snap in (True, False)]
+    rows = []
+    for snap in (True, False):  # the median run of each (by recovery time)
+        mine = sorted((r for r in runs if (r["recovery"] == "snapshots") == snap),
+                      key=lambda r: r["recovery_s"])
+        rows.append({**mine[len(mine) // 2], "runs": len(mine),
+                     "all_recovery_s": [round(r["recovery_s"], 2) for r in mine]})
+    print(table(rows, ["recovery", "kill_step", "resumed_at", "steps_lost", "restarted_s",
+                       "imported_s", "data_s", "built_s", "recovery_s", "runs"]))
+    print("recovery_s of every run:", {r["recovery"]: r["all_recovery_s"] for r in rows})
+    print("steps_lost of every run:", {side: [r["steps_lost"] for r in runs
+                                              if r["recovery"] == side]
+                                       for side in ("snapshots", "disk checkpoints (anchor)")})
+    snap, disk = rows
+    return runs, {"recovery_s_snapshot_vs_checkpoint": snap["recovery_s"] / disk["recovery_s"],
+                  "steps_lost_snapshot_vs_checkpoint":
+                      snap["steps_lost"] / max(1, disk["steps_lost"])}
+
+
+def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``--repeats`` launches of the overhead worker; per mode, the median over launches of each
+    launch's ratio of median step times (rank 0), and every launch's ratio (the spread)."""
+    launches = []
+    for i in range(a.repeats):
+        out = tmp / f"ovh{i}"
+        out.mkdir()
+        _launch(a, out, "--worker", "overhead")
+        launches.append(json.loads((out / "overhead-r0.json").read_text()))
+
+    def ratio(run: dict[str, Any], kind: str, mode: str) -> float:
+        return median(run[kind][mode]) / median(run[kind]["off"])
+
+    rows = []
+    for mode in ("inline", "deferred"):
+        walls = [ratio(run, "wall", mode) for run in launches]
+        rows.append({"overhead": f"snapshot_every=1, {mode} copy vs off",
+                     "step_ms_on": 1e3 * median([median(r["wall"][mode]) for r in launches]),
+                     "step_ms_off": 1e3 * median([median(r["wall"]["off"]) for r in launches]),
+                     "ratio": median(walls), "launch_ratios": [round(w, 4) for w in walls],
+                     "cpu_ratio": median([ratio(run, "cpu", mode) for run in launches]),
+                     "steps_each": sum(len(r["wall"][mode]) for r in launches)})
+    return rows, launches
 
 
 if __name__ == "__main__":

@@ -362,6 +362,8 @@ class Trainer(TrainerIO):
         self.metrics.close()
         if self._ckpt is not None:
             self._ckpt.close()  # release the checkpoint_dir lock
+        if self._snap is not None:
+            self._snap.close()  # commits the newest snapshot if its copy is still deferred
 
     @property
     def session(self) -> "TrainerSession":

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from collections import OrderedDict
 
 import pytest
@@ -179,41 +178,93 @@ def test_run_key_needs_a_run_id_and_separates_identities(monkeypatch):
     assert run_key("y") != k
 
 
-def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, monkeypatch):
+def _adam(monkeypatch, tmp_path, deferred: bool = True):
+    """A stepped Adam model, its deferred tensors and a store (deferred copies on or off)."""
     from parlay.snapshot import optimizer_tensors
 
-    model = torch.nn.Linear(64, 80)
+    model = torch.nn.Linear(640, 800)                      # 2 MB weight: several chunks
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
-    model(torch.ones(2, 64)).sum().backward()
+    model(torch.ones(2, 640)).sum().backward()
     opt.step()
 
     class Strategy:
         optimizer = opt
 
-    want = {k: v.clone() for k, v in model.state_dict().items()}
-    entered = threading.Event()
-    real_finish, real_settle = SnapshotStore._finish, SnapshotStore._settle
+    monkeypatch.setenv("PARLAY_SNAPSHOT_BACKGROUND", "1" if deferred else "0")
+    return model, opt, optimizer_tensors(Strategy()), SnapshotStore("run-1", 0, root=tmp_path)
 
-    def finish(self, later, record, path):
-        assert entered.wait(30)  # the copy starts only once an optimizer step is waiting
-        real_finish(self, later, record, path)
 
-    def settle(self):
-        entered.set()
-        real_settle(self)
-
-    monkeypatch.setenv("PARLAY_SNAPSHOT_BACKGROUND", "1")  # even with no core to spare
-    monkeypatch.setattr(SnapshotStore, "_finish", finish)
-    monkeypatch.setattr(SnapshotStore, "_settle", settle)
-    store = SnapshotStore("run-1", 0, root=tmp_path)
-    defer = optimizer_tensors(Strategy())
+def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, monkeypatch):
+    model, opt, defer, store = _adam(monkeypatch, tmp_path)
     assert {p.data_ptr() for p in model.parameters()} <= defer
+    want = {k: v.clone() for k, v in model.state_dict().items()}
     store.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, defer=defer)
-    assert store.steps() == [], "committed in the background"
-    opt.step()                                             # waits for the copy, then changes
+    assert store.steps() == [], "not committed before the deferred copy"
+    opt.step()                                             # finishes the copy, then changes
+    assert store.steps() == [1]
     assert not torch.equal(model.weight, want["weight"])
     got = store.load(1)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want), "the pre-step values were kept"
+    store.close()
+
+
+def test_deferred_copy_runs_in_chunks_while_waiting_for_communication(tmp_path, monkeypatch):
+    from parlay import comm
+    from parlay.snapshot.deferred import CHUNK_BYTES, DeferredCopy
+
+    model, opt, defer, store = _adam(monkeypatch, tmp_path)
+    chunks = []
+    real_step = DeferredCopy.step
+    monkeypatch.setattr(DeferredCopy, "step", lambda self: chunks.append(1) or real_step(self))
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    store.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, defer=defer)
+    done = comm.Handle(None, "test", lambda: "nothing to wait for")
+    assert done.wait() == "nothing to wait for" and not chunks, "no work when nothing is pending"
+    handle = comm.Handle.pending("allreduce")
+    from parlay.idle import while_waiting
+    while_waiting(lambda: handle.resolve("reduced") or False)   # queued after the copy
+    assert handle.wait() == "reduced"
+    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+    assert len(chunks) > nbytes // CHUNK_BYTES, "copied a chunk per call, then committed"
+    assert store.steps() == [1], "committed during the wait, before any optimizer step"
+    chunks.clear()
+    opt.step()
+    assert not chunks and all(torch.equal(store.load(1)["model"][k], want[k]) for k in want)
+    store.close()
+
+
+def test_a_chunk_at_a_time(tmp_path):
+    from parlay.snapshot.deferred import CHUNK_BYTES, DeferredCopy
+
+    src = [torch.arange(float(CHUNK_BYTES // 2)), torch.ones(3, 4).t(), torch.tensor(7.0)]
+    dst = [torch.zeros_like(t).contiguous() for t in src]
+    commits = []
+    job = DeferredCopy(list(zip(dst, src)), lambda: commits.append(1))
+    assert job.step() and torch.equal(dst[0][: CHUNK_BYTES // 4], src[0][: CHUNK_BYTES // 4])
+    assert not dst[0][CHUNK_BYTES // 4:].any(), "one chunk, not the whole tensor"
+    job.finish()
+    assert job.done and commits == [1] and all(map(torch.equal, dst, src))
+    assert not job.step() and commits == [1], "committed once"
+
+
+def test_a_failed_deferred_commit_is_reported_by_wait_not_by_the_optimizer(tmp_path,
+                                                                          monkeypatch):
+    import shutil
+
+    model, opt, defer, store = _adam(monkeypatch, tmp_path)
+    store.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, defer=defer)
+    shutil.rmtree(store.directory)                         # e.g. /dev/shm cleaned under us
+    opt.step()                                             # training goes on
+    with pytest.raises(CheckpointError, match="could not write snapshot file"):
+        store.wait()
+    store.wait()                                           # reported once
+
+
+def test_inline_copies_commit_before_save_returns(tmp_path, monkeypatch):
+    model, opt, defer, store = _adam(monkeypatch, tmp_path, deferred=False)
+    assert defer == set()
+    store.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, defer=defer)
+    assert store.steps() == [1]
     store.close()
 
 

@@ -18,7 +18,8 @@ import torch
 
 from parlay import comm
 from parlay.errors import CheckpointError
-from parlay.snapshot.store import SnapshotStore, _decode, _encode
+from parlay.snapshot.codec import decode, encode
+from parlay.snapshot.store import SnapshotStore
 
 __all__ = ["share_newest"]
 
@@ -62,7 +63,7 @@ def _broadcast(payload: dict[str, Any] | None, src: int, group: Any) -> dict[str
     tensors: list[torch.Tensor] = []
     desc = b""
     if payload is not None:
-        skeleton = _encode(payload, tensors)
+        skeleton = encode(payload, tensors)
         desc = json.dumps({"skeleton": skeleton, "tensors": [
             [str(t.dtype), list(t.shape)] for t in tensors]}).encode()
     size = torch.tensor([len(desc)], dtype=torch.int64)
@@ -78,7 +79,7 @@ def _broadcast(payload: dict[str, Any] | None, src: int, group: Any) -> dict[str
     for t in tensors:
         if t.numel():
             comm.broadcast(t, src, group)
-    return _decode(meta["skeleton"], tensors)
+    return decode(meta["skeleton"], tensors)
 
 
 def _load_newest(store: SnapshotStore, rows: list[list[int]], me: int,

@@ -18,18 +18,17 @@ newest ``keep`` committed snapshots survive. Data is read back with
 
 Off the critical path: the copy is the write (the file lives in host memory), and the record is
 a few kilobytes; a fresh ``torch.save`` per step took ~10x the in-place copy here (15 MB MNIST
-MLP with Adam), and a background ``torch.save`` cost the training thread more in GIL waits than
-it saved. Tensors that training changes only inside an optimizer step (parameters, optimizer
-state: the bulk of the bytes; the caller names them with ``defer``) are copied by a background
-thread while the next forward and backward run (``copy_`` releases the GIL), then the record is
-committed; every optimizer step in the process first waits for that copy (a global step
-pre-hook). Everything else is copied before :meth:`SnapshotStore.save` returns. Files survive
-the death of the process (the page cache is the file), not of the host: that is what disk
-checkpoints are for, so nothing here is ``fsync``-ed.
+MLP with Adam). Tensors that training changes only inside an optimizer step (parameters,
+optimizer state: the bulk of the bytes; the caller names them with ``defer``) are copied in
+chunks while the rank waits for communication in the next step, then the record is committed
+(:mod:`parlay.snapshot.deferred`); every optimizer step first finishes what is left. A copying
+thread instead cost the training thread more in core and GIL contention than it saved.
+Everything else is copied before :meth:`SnapshotStore.save` returns. Files survive the death of
+the process (the page cache is the file), not of the host: that is what disk checkpoints are
+for, so nothing here is ``fsync``-ed.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import mmap
@@ -37,15 +36,14 @@ import os
 import re
 import shutil
 import tempfile
-import threading
-import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
+from parlay.snapshot.codec import decode, encode, layout, read_data, write_atomic
+from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
 
 __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
@@ -54,25 +52,6 @@ log = logging.getLogger("parlay")
 FORMAT_VERSION = 1  #: Bumped when the snapshot layout changes incompatibly.
 _META = re.compile(r"^snap-(\d{10})\.s(\d+)\.json$")
 _MKDIR_TRIES = 20  # tries to create a rank's folder while other ranks clear the run folder
-_LIVE: "weakref.WeakSet[SnapshotStore]" = weakref.WeakSet()
-_HOOK_LOCK = threading.Lock()
-_HOOKED = False
-
-
-def _before_optimizer_step(*_: Any) -> None:
-    for store in list(_LIVE):
-        store._settle()  # noqa: SLF001
-
-
-def _hook_optimizers() -> None:
-    """Make every optimizer step in this process wait for pending deferred copies."""
-    global _HOOKED
-    with _HOOK_LOCK:
-        if not _HOOKED:
-            from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-            register_optimizer_step_pre_hook(_before_optimizer_step)
-            _HOOKED = True
 
 
 def default_root() -> Path:
@@ -84,58 +63,6 @@ def default_root() -> Path:
     if shm.is_dir() and os.access(shm, os.W_OK):
         return shm / "parlay"
     return Path(tempfile.gettempdir()) / "parlay-snapshots"
-
-
-# ---------------------------------------------------------------------- structure codec
-def _encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """JSON-able structure of ``obj``; its tensors are appended to ``tensors`` (referenced,
-    not copied) and replaced by their index."""
-    if isinstance(obj, torch.Tensor):
-        if obj.layout != torch.strided:
-            raise CheckpointError(f"snapshots hold dense tensors; the state has a {obj.layout} "
-                                  "one. Hint: snapshot_every=0 for this model.")
-        tensors.append(obj.detach())
-        return {"T": len(tensors) - 1}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, dict):
-        return {"D": [[_encode(k, tensors), _encode(v, tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        return {"L" if isinstance(obj, list) else "U": [_encode(v, tensors) for v in obj]}
-    raise CheckpointError(f"a snapshot holds tensors, numbers, strings, None, lists, tuples and "
-                          f"dicts; the state has a {type(obj).__name__}. Hint: store it as a "
-                          "tensor or a plain value in state_dict().")
-
-
-def _decode(node: Any, tensors: list[torch.Tensor]) -> Any:
-    if not isinstance(node, dict):
-        return node
-    (tag, value), = node.items()
-    if tag == "T":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"tensor index {value!r}")
-        return tensors[value]
-    if tag == "D":
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
-    if tag not in ("L", "U") or not isinstance(value, list):
-        raise ValueError(f"node {tag!r}")
-    items = [_decode(v, tensors) for v in value]
-    return items if tag == "L" else tuple(items)
-
-
-def _layout(tensors: list[torch.Tensor]) -> str:
-    sig = repr([(str(t.dtype), tuple(t.shape)) for t in tensors])
-    return hashlib.sha1(sig.encode()).hexdigest()[:16]
-
-
-def _read(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"snapshot file {path} is unreadable ({type(e).__name__}: {text}). "
-                              "Hint: it is truncated or corrupt; the previous snapshot or the "
-                              "disk checkpoint is used instead.") from e
 
 
 class SnapshotStore:
@@ -170,9 +97,11 @@ class SnapshotStore:
         for step, slot in self._committed():
             if slot >= keep:  # written with a larger keep: its slot is never rotated again
                 self._meta_path(step, slot).unlink(missing_ok=True)
+        # What this process committed, kept here so that a save never lists the folder.
+        self._held: list[tuple[int, int]] = self._committed()
         self._maps: dict[int, tuple[str, list[torch.Tensor]]] = {}
-        self._pool: ThreadPoolExecutor | None = None
-        self._pending: Future[None] | None = None
+        self._sig: tuple[list[Any], str] = ([], "")  # (dtypes and shapes, their layout)
+        self._job: DeferredCopy | None = None
         self._error: CheckpointError | None = None
 
     def _make_folder(self) -> None:
@@ -213,38 +142,39 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ writing
     def _slot_for_next(self) -> int:
-        held = self._committed()
-        used = {slot for _, slot in held}
+        used = {slot for _, slot in self._held}
         free = [s for s in range(self.keep) if s not in used]
-        return free[0] if free else held[0][1]
+        return free[0] if free else min(self._held)[1]
 
-    def _mapped(self, slot: int, tensors: list[torch.Tensor], layout: str) -> list[torch.Tensor]:
-        """Writable views of ``slot``'s data file with ``layout`` (the file is (re)written when
-        it is missing or holds another layout, e.g. once the optimizer created its state)."""
+    def _layout_of(self, tensors: list[torch.Tensor]) -> str:
+        """:func:`~parlay.snapshot.codec.layout`, recomputed only when a dtype or shape
+        changed (comparing them costs a fraction of hashing them)."""
+        sig = [(t.dtype, t.shape) for t in tensors]
+        if sig != self._sig[0]:
+            self._sig = (sig, layout(tensors))
+        return self._sig[1]
+
+    def _mapped(self, slot: int, tensors: list[torch.Tensor], lay: str) -> list[torch.Tensor]:
+        """Writable views of ``slot``'s data file with layout ``lay`` (the file is (re)written
+        when it is missing or holds another layout, e.g. once the optimizer created its
+        state)."""
         cached = self._maps.get(slot)
-        if cached is not None and cached[0] == layout:
+        if cached is not None and cached[0] == lay:
             return cached[1]
         self._maps.pop(slot, None)
         path = self._data_path(slot)
         with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
             try:
                 data = torch.load(path, mmap=True, weights_only=True)
-                ok = isinstance(data, dict) and data.get("layout") == layout
+                ok = isinstance(data, dict) and data.get("layout") == lay
             except Exception:  # noqa: BLE001 - missing or unreadable: write it afresh
                 ok = False
             if not ok:
-                tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-                try:
-                    torch.save({"parlay_snapshot_data": FORMAT_VERSION, "layout": layout,
-                                "tensors": [t.to("cpu", copy=True) for t in tensors]}, tmp)
-                    os.replace(tmp, path)
-                except OSError as e:
-                    tmp.unlink(missing_ok=True)
-                    raise CheckpointError(f"could not write snapshot data {path}: {e}. Hint: "
-                                          "host shared memory (/dev/shm) may be full; set "
-                                          "PARLAY_SNAPSHOT_DIR or snapshot_every=0.") from e
+                fresh = {"parlay_snapshot_data": FORMAT_VERSION, "layout": lay,
+                         "tensors": [t.to("cpu", copy=True) for t in tensors]}
+                write_atomic(path, lambda tmp: torch.save(fresh, tmp))
                 data = torch.load(path, mmap=True, weights_only=True)
-        self._maps[slot] = (layout, data["tensors"])
+        self._maps[slot] = (lay, data["tensors"])
         return data["tensors"]
 
     def save(self, step: int, state: dict[str, Any], *,
@@ -254,8 +184,9 @@ class SnapshotStore:
         Copies every tensor into a free slot's shared-memory file (the slot of the oldest kept
         snapshot is reused once ``keep`` are held; its record is deleted first) and renames the
         commit record into place. CPU tensors whose ``data_ptr()`` is in ``defer`` (those that
-        change only in an optimizer step) are copied, and the record committed, by a background
-        thread; everything else is copied before this returns.
+        change only in an optimizer step) are copied, and the record committed, while this
+        thread waits for communication, at the latest when the next optimizer step in the
+        process begins (or :meth:`wait`); everything else is copied before this returns.
 
         Raises:
             CheckpointError: This or the previous snapshot could not be written (the other
@@ -264,53 +195,36 @@ class SnapshotStore:
         """
         self.wait()
         tensors: list[torch.Tensor] = []
-        skeleton = _encode(state, tensors)
-        layout = _layout(tensors)
+        skeleton = encode(state, tensors)
+        lay = self._layout_of(tensors)
         slot = self._slot_for_next()
-        for old_step, old_slot in self._committed():
-            if old_slot == slot or old_step == step:
-                self._meta_path(old_step, old_slot).unlink(missing_ok=True)
-        views = self._mapped(slot, tensors, layout)
+        for old in [h for h in self._held if h[1] == slot or h[0] == step]:
+            self._meta_path(*old).unlink(missing_ok=True)
+            self._held.remove(old)
+        views = self._mapped(slot, tensors, lay)
         later = []
         with torch.no_grad():
             for dst, src in zip(views, tensors):
-                if defer and src.device.type == "cpu" and src.data_ptr() in defer:
+                if defer and src.is_cpu and src.data_ptr() in defer:
                     later.append((dst, src))
                 else:
                     dst.copy_(src)
         record = {"parlay_snapshot": FORMAT_VERSION, "key": self.key, "step": int(step),
-                  "slot": slot, "layout": layout, "skeleton": skeleton}
+                  "slot": slot, "layout": lay, "skeleton": skeleton}
         if not later:
-            self._commit(record, self._meta_path(step, slot))
+            self._commit(record)
             return
-        _hook_optimizers()
-        _LIVE.add(self)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="parlay-snapshot")
-        self._pending = self._pool.submit(self._finish, later, record,
-                                          self._meta_path(step, slot))
+        settle_before_optimizer_steps(self)
+        self._job = DeferredCopy(later, lambda: self._commit(record)).start()
 
-    def _finish(self, later: list[tuple[torch.Tensor, torch.Tensor]], record: dict[str, Any],
-                path: Path) -> None:
-        with torch.no_grad():
-            for dst, src in later:
-                dst.copy_(src)
-        self._commit(record, path)
-
-    @staticmethod
-    def _commit(record: dict[str, Any], path: Path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise CheckpointError(f"could not write snapshot {path}: {e}. Hint: host shared "
-                                  "memory (/dev/shm) may be full; set PARLAY_SNAPSHOT_DIR or "
-                                  "snapshot_every=0.") from e
+    def _commit(self, record: dict[str, Any]) -> None:
+        step, slot = record["step"], record["slot"]
+        text = json.dumps(record)
+        write_atomic(self._meta_path(step, slot), lambda tmp: tmp.write_text(text))
+        self._held.append((step, slot))
 
     def _settle(self) -> None:
-        """Wait for the pending copy; keep a failure for the next :meth:`wait` (an optimizer
+        """Finish the pending copy; keep a failure for the next :meth:`wait` (an optimizer
         step must not fail because a snapshot did)."""
         try:
             self.wait()
@@ -318,14 +232,18 @@ class SnapshotStore:
             self._error = e
 
     def wait(self) -> None:
-        """Block until the pending background copy and commit finished.
+        """Finish the pending deferred copy and commit now.
 
         Raises:
             CheckpointError: It failed.
         """
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        job, self._job = self._job, None
+        if job is not None:
+            job.finish()
+            if job.error is not None and self._error is None:
+                self._error = job.error if isinstance(job.error, CheckpointError) else \
+                    CheckpointError(f"could not copy snapshot tensors into {self.directory}: "
+                                    f"{type(job.error).__name__}: {job.error}")
         error, self._error = self._error, None
         if error is not None:
             raise error
@@ -355,14 +273,14 @@ class SnapshotStore:
                 and meta.get("slot") == slots[0]):
             raise CheckpointError(f"{path} is not a format-{FORMAT_VERSION} snapshot of run "
                                   f"{self.key!r} at step {step}. Hint: delete it.")
-        data = _read(self._data_path(slots[0]))
+        data = read_data(self._data_path(slots[0]))
         tensors = data.get("tensors") if isinstance(data, dict) else None
         if not (isinstance(tensors, list) and all(isinstance(t, torch.Tensor) for t in tensors)
-                and data.get("layout") == meta.get("layout") == _layout(tensors)):
+                and data.get("layout") == meta.get("layout") == layout(tensors)):
             raise CheckpointError(f"snapshot data of step {step} in {self.directory} does not "
                                   "match its commit record (corrupt). Hint: delete the folder.")
         try:
-            state = _decode(meta["skeleton"], tensors)
+            state = decode(meta["skeleton"], tensors)
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
             raise CheckpointError(f"snapshot {path} has a corrupt structure ({e}).") from e
         if not isinstance(state, dict):
@@ -380,15 +298,12 @@ class SnapshotStore:
 
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
-        """Finish the pending copy, stop the writer thread and unmap the data files (snapshots
-        stay; the next :meth:`save` maps them again)."""
+        """Finish the pending copy and unmap the data files (snapshots stay; the next
+        :meth:`save` maps them again)."""
         try:
             self._settle()
         finally:
             self._maps.clear()
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
 
     def clear(self) -> None:
         """Delete this rank's snapshots (and the run's folder once no rank has one left)."""

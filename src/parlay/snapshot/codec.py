@@ -1,0 +1,109 @@
+"""How a snapshot is stored: the state's structure as JSON plus a flat list of tensors, written
+atomically, read back without unpickling anything but tensors.
+
+:func:`encode` turns a state (dicts, lists, tuples, tensors, numbers, strings, None) into a
+JSON-able skeleton whose tensors are replaced by their index in a flat list; :func:`decode`
+reverses it. Tensors go to a ``torch.save`` file read with ``weights_only=True``; the skeleton
+goes to a JSON commit record.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from parlay.errors import CheckpointError
+
+__all__ = ["encode", "decode", "layout", "read_data", "write_atomic"]
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})
+
+
+def encode(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """JSON-able structure of ``obj``; its tensors are appended to ``tensors`` (referenced,
+    not copied) and replaced by their index.
+
+    Raises:
+        CheckpointError: ``obj`` holds something else than the types above, or a sparse
+            tensor.
+    """
+    cls = type(obj)  # exact types first: a snapshot walks the whole state every step
+    if cls in _PLAIN:
+        return obj
+    if cls is dict or isinstance(obj, dict):
+        return {"D": [[k if type(k) in _PLAIN else encode(k, tensors), encode(v, tensors)]
+                      for k, v in obj.items()]}
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:
+            raise CheckpointError(f"snapshots hold dense tensors; the state has a {obj.layout} "
+                                  "one. Hint: snapshot_every=0 for this model.")
+        tensors.append(obj.detach())
+        return {"T": len(tensors) - 1}
+    if isinstance(obj, (list, tuple)):
+        return {"L" if isinstance(obj, list) else "U": [encode(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):  # subclasses (IntEnum...)
+        return obj
+    raise CheckpointError(f"a snapshot holds tensors, numbers, strings, None, lists, tuples and "
+                          f"dicts; the state has a {cls.__name__}. Hint: store it as a "
+                          "tensor or a plain value in state_dict().")
+
+
+def decode(node: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state :func:`encode` described, with its tensors from ``tensors``.
+
+    Raises:
+        ValueError, KeyError, IndexError, TypeError, RecursionError: ``node`` is malformed.
+    """
+    if not isinstance(node, dict):
+        return node
+    (tag, value), = node.items()
+    if tag == "T":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"tensor index {value!r}")
+        return tensors[value]
+    if tag == "D":
+        return {decode(k, tensors): decode(v, tensors) for k, v in value}
+    if tag not in ("L", "U") or not isinstance(value, list):
+        raise ValueError(f"node {tag!r}")
+    items = [decode(v, tensors) for v in value]
+    return items if tag == "L" else tuple(items)
+
+
+def layout(tensors: list[torch.Tensor]) -> str:
+    """A short digest of the tensors' dtypes and shapes (what a data slot must match)."""
+    sig = repr([(str(t.dtype), tuple(t.shape)) for t in tensors])
+    return hashlib.sha1(sig.encode()).hexdigest()[:16]
+
+
+def read_data(path: Path, **load_args: Any) -> Any:
+    """``torch.load(path, weights_only=True)``, every failure a :class:`CheckpointError`."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **load_args)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"snapshot file {path} is unreadable ({type(e).__name__}: {text}). "
+                              "Hint: it is truncated or corrupt; the previous snapshot or the "
+                              "disk checkpoint is used instead.") from e
+
+
+def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """Have ``write`` fill a temporary file next to ``path``, then rename it to ``path``: a
+    reader sees the old file or the whole new one, and a process killed in between leaves only
+    a temporary file (removed when the folder is opened again).
+
+    Raises:
+        CheckpointError: The file could not be written (the temporary file is removed).
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write snapshot file {path}: {e}. Hint: host shared "
+                              "memory (/dev/shm) may be full; set PARLAY_SNAPSHOT_DIR or "
+                              "snapshot_every=0.") from e
