@@ -77,13 +77,18 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def _int(text: Any, what: str, low: int = 1) -> int:
+    """An integer option (``64``, ``1e3``, ``2k``), at least ``low``."""
+    raw = str(text).strip()
     try:
-        v = float(parse_count(text, what)) if not str(text).strip().lstrip("-").isdigit() \
-            else float(int(str(text).strip()))
-    except ConfigError:
-        raise
+        v = float(int(raw))
+    except ValueError:
+        try:
+            v = parse_count(raw, what)
+        except ConfigError:
+            v = -1.0  # unreadable: the message below names the option and an example
     if v != int(v) or v < low:
-        raise ConfigError(f"{what} must be an integer >= {low}, got {text!r}.")
+        raise ConfigError(f"{what} must be an integer >= {low}, got {text!r}. "
+                          f"Hint: {what} {max(low, 1)}.")
     return int(v)
 
 
