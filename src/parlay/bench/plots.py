@@ -97,7 +97,8 @@ def _accuracy(plt: Any, doc: dict[str, Any]) -> Any:
     for i, r in enumerate(rows):
         ax.scatter(r["wire_bytes_per_step"] / 1e6, r["test_acc"], s=60,
                    marker=markers[i % len(markers)],
-                   label=f"{r['compressor']} ({r['reduction']:.0f}x fewer bytes)")
+                   label=f"{r['compressor']} ({r['reduction']:.0f}x fewer bytes)"
+                   if r["reduction"] >= 1.5 else f"{r['compressor']} (dense bytes)")
     ax.set_xscale("log")
     ax.set_xlabel("gradient bytes sent per step per rank (MB, log scale)")
     ax.set_ylabel("MNIST test accuracy (%)")
