@@ -183,7 +183,7 @@ def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
     info = dict(rank=c.rank, world_size=c.world_size, local_rank=c.local_rank,
                 local_world_size=c.local_world_size, node_rank=c.node_rank,
                 num_nodes=c.num_nodes, role=c.role, num_ps=c.num_ps, source=c.source,
-                master=f"{c.master_addr}:{c.master_port}",
+                pipeline_stages=c.pipeline_stages, master=f"{c.master_addr}:{c.master_port}",
                 backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
                 device=f"cuda:{c.local_rank}" if torch.cuda.is_available() else "cpu",
                 torch=torch.__version__)

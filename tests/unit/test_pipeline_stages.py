@@ -78,3 +78,11 @@ def test_demo_gets_pp_as_an_explicit_option(launches):
     first, second = launches
     assert first[-2:] == ["--option", "pp=2"]
     assert second.count("--option") == 1          # an explicit option is not repeated
+
+
+def test_parlay_env_shows_the_launch_stage_count(monkeypatch, capsys):
+    import json
+
+    monkeypatch.setenv("PARLAY_PP", "2")
+    assert main(["env", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pipeline_stages"] == 2
