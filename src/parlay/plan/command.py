@@ -27,6 +27,18 @@ from parlay.plan.units import (format_bandwidth, format_seconds, parse_bandwidth
 
 __all__ = ["PlanInputError", "add_plan_parser", "run_plan", "build_inputs"]
 
+_EPILOG = """\
+examples:
+  parlay plan --model-params 25e6 --batch 64 --nodes 16 --gpus-per-node 8 \\
+              --bandwidth 10gbit --latency 50us --compute-ms 120
+  parlay plan --script train.py --nodes 4 --bandwidth 1gbit -- --lr 0.1
+
+--script runs your unchanged training script in one process until it has made a few
+optimizer steps, then stops it: the time between steps is the compute term, the optimizer's
+parameters are the model and the first dimension of the model's input is the batch.
+The first run calibrates this machine (a few seconds, cached in ~/.cache/parlay or
+$PARLAY_CACHE_DIR)."""
+
 
 class PlanInputError(ConfigError, SystemExit):
     """An impossible ``parlay plan`` input: a :class:`ConfigError` that also ends the command
@@ -40,7 +52,11 @@ class PlanInputError(ConfigError, SystemExit):
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command to ``parlay``'s sub-parsers."""
     p = sub.add_parser("plan", help="predict step time of every mode x compressor and "
-                                    "recommend one", description=__doc__.split("\n")[0])
+                                    "recommend one",
+                       description="Predict the step time and samples/s of every mode x "
+                                   "compressor on your cluster, fastest first,\nand say which "
+                                   "term dominates the recommended one.",
+                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (give --model-params, or --script to profile your own)")
     g.add_argument("--model-params", help="trainable parameters, e.g. 25e6 or 25M")
     g.add_argument("--batch", help="samples per rank (GPU) per step, e.g. 64")
