@@ -305,6 +305,7 @@ def test_plan_json_is_ranked(capsys) -> None:
     ({"--model-params": "lots"}, ["--model-params", "25e6"]),
     ({"--stages": "8", "--layers": "4"}, ["--stages 8", "4 layers", "Hint"]),
     ({"--stages": "3"}, ["--stages 3", "divide"]),
+    ({"--batch": "1", "--chunks": "16"}, ["16 micro-batches", "Hint: --chunks"]),
 ])
 def test_plan_refuses_impossible_inputs(change: dict, words: list) -> None:
     argv = list(ISSUE) + ["--no-calibrate"]

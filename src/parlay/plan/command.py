@@ -280,8 +280,8 @@ def _rank(w: Workload, c: ClusterSpec, modes: list[str], comps: list[str], costs
                 try:
                     out.append(predict(w, c, mode, comp, costs, **mine, **extra))
                 except ConfigError:
-                    if mode == "hybrid" and "stages" in mine and comp == comps[0]:
-                        raise
+                    if mode == "hybrid" and mine and comp == comps[0]:
+                        raise  # the user's own --stages / --chunks cannot run: say why
     if not out:
         raise ConfigError("no mode x compressor combination can run on this cluster.")
     return sorted(out, key=lambda p: p.step_s)
