@@ -112,3 +112,16 @@ def test_cli_routes_suite_and_named_benchmarks(tmp_path, monkeypatch):
     assert (tmp_path / "argv.txt").read_text() == "--quick --json x.json"
     parser = runner.build_parser()
     assert "benchmarks/NAME.py" in parser.format_help()
+
+
+def test_from_results_predicts_again_without_measuring(tiny_run, tmp_path):
+    doc = json.loads(json.dumps(tiny_run[1], default=str))  # a copy: the fixture is shared
+    for p in doc["points"]:
+        p["predicted_step_s"] = p["rel_err"] = None
+    src = tmp_path / "old.json"
+    src.write_text(json.dumps(doc, default=str))
+    assert cli.main(["bench", "--from", str(src), "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert [p["step_s"] for p in again["points"]] == [p["step_s"] for p in doc["points"]]
+    assert all(p["predicted_step_s"] > 0 for p in again["points"] if p["mode"] != "compute")
+    assert (tmp_path / "again" / "report.md").exists()

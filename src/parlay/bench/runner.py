@@ -25,7 +25,7 @@ from typing import Any
 
 from parlay.bench.common import MODELS, model_params
 
-__all__ = ["build_parser", "main", "run_suite", "compressor_specs", "NETS"]
+__all__ = ["build_parser", "main", "run_suite", "repredict", "compressor_specs", "NETS"]
 
 NETS = ("loopback", "1gbit", "100mbit")
 # Options a compressor runs with in the suite (others: their bare registry name).
@@ -215,6 +215,26 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
     return doc
 
 
+def repredict(results: str, out: str, log: Any = print) -> dict[str, Any]:
+    """Predict again every point of an earlier run's ``results.json`` (the cost model or its
+    calibration changed; nothing is measured again) and write results, report and plots to
+    ``out``."""
+    from parlay.bench import predict
+
+    with open(results) as f:
+        doc = json.load(f)
+    os.makedirs(out, exist_ok=True)
+    doc["notes"] = [n for n in doc["notes"] if "prediction" not in n and "matplotlib" not in n]
+    why = predict.attach_predictions(doc["points"])
+    if why:
+        doc["notes"].append(why)
+    doc["summary"] = predict.summary(doc["points"])
+    doc["repredicted"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    wall = doc["wall_s"]
+    _write(doc, out, time.perf_counter() - wall, log)
+    return doc
+
+
 def _usable(nets: list[str], notes: list[str], log: Any) -> list[str]:
     """``nets`` less the simulated links, with one line saying why, where none can be built."""
     from parlay.testing.cluster import unavailable_reason
@@ -282,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="comma-separated: loopback and tc rates such as 1gbit, 100mbit, or "
                          "unshaped (default: %(default)s)")
     ap.add_argument("--out", required=True, help="folder for results.json, report.md, *.png")
+    ap.add_argument("--from", dest="source", default=None, metavar="RESULTS_JSON",
+                    help="measure nothing: predict the points of an earlier run's results.json "
+                         "again (after the cost model or its calibration changed)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per point")
     ap.add_argument("--budget", type=float, default=None, help="seconds of timing per point")
     ap.add_argument("--compressors", default=None,
@@ -298,6 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``parlay bench`` without a NAME."""
     ns = build_parser().parse_args(argv)
+    if ns.source:
+        doc = repredict(ns.source, ns.out)
+        from parlay.bench.report import console
+
+        print(console(doc))
+        return 0
     nets = [n.strip() for n in ns.net.split(",") if n.strip()]
     from parlay.testing.cluster import parse_rate
 
