@@ -223,19 +223,19 @@ class GradientBuckets:
 
     # ----------------------------------------------------------------- zero_grad
     def zero_grad(self, params: Iterable[torch.Tensor], set_to_none: bool) -> None:
-        """Zero the buckets in place and re-attach gradient views; other parameters (not in a
-        bucket) follow ``set_to_none``."""
+        """``set_to_none``: gradients become ``None`` and the buckets are left as they are
+        (the next fill overwrites every slot). Otherwise the buckets are zeroed in place and
+        gradient views re-attached, so autograd accumulates straight into them."""
         views = self.view_of
-        if views:
+        if views and not set_to_none:
             for buf in self.buffers:
                 buf.zero_()
         for p in params:
             v = views.get(id(p))
-            if v is not None:
-                if p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != v.data_ptr():
-                    p.grad = v  # re-attach after e.g. model.zero_grad(set_to_none=True)
-            else:
+            if v is None or set_to_none:
                 zero_grad_of(p, set_to_none)
+            elif p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != v.data_ptr():
+                p.grad = v  # re-attach after e.g. model.zero_grad(set_to_none=True)
 
 
 def zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:

@@ -72,10 +72,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         average_aggregated_gradients: With Average and ``backward_passes_per_step=k``, also
             divide by ``k`` so k passes of mean losses equal one pass over the k-times batch.
         check_consistency: Check at construction that all ranks hold the same parameters.
-        gradient_as_bucket_view: Make each ``p.grad`` a view into its bucket, so autograd
-            accumulates straight into the communication buffer and no gradient is copied in
-            or out (as DDP's option of the same name). ``zero_grad()`` then zeroes the buckets
-            in place instead of setting gradients to ``None``.
+        gradient_as_bucket_view: After ``step()`` each ``p.grad`` is a view into its bucket,
+            so reduced gradients are never copied out (as DDP's option of the same name).
+            ``zero_grad()`` (``set_to_none=True``) then sets them to ``None``: autograd's
+            fresh gradient is copied once into the bucket, as DDP does; with
+            ``set_to_none=False`` the buckets are zeroed in place and autograd accumulates
+            straight into them (a zeroing pass and an addition instead of one copy).
         overlap: Start each bucket's reduction as soon as it is full, during backward (the
             default). ``False`` starts them all in ``synchronize()``: on machines where
             communication and computation compete for the same few cores, overlapping can
@@ -160,6 +162,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             post /= self.backward_passes_per_step
         return 1.0 / self.gradient_predivide_factor, post
 
+    def _bucket_scales(self) -> tuple[float, float]:
+        """The factors the buckets apply: without a compressor the whole scale is applied on
+        the way into the bucket (as DDP divides before its allreduce), which saves a pass over
+        every gradient after the sum; a compressor sees Horovod's split."""
+        pre, post = self._scales()
+        if isinstance(self.compression, NoneCompressor):
+            return pre * post, 1.0
+        return pre, post
+
     def _make_reducer(self, hierarchical: bool | str) -> Reducer | None:
         """Extension point: how one bucket is summed over the group.
 
@@ -194,7 +205,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if set_layout is not None:
             for b, bucket in enumerate(self._plan.buckets):
                 set_layout(f"bucket{b}", [tuple(self._named[i][1].shape) for i in bucket.members])
-        pre, post = self._scales()
+        pre, post = self._bucket_scales()
         self._buckets = GradientBuckets(
             self._named, self._plan, self._reducer, self.compression, self._stats,
             passes=self.backward_passes_per_step, prescale=pre, postscale=post,
@@ -319,7 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._install()  # a group of one may now have an average to take
             return
         self._buckets.passes = passes
-        self._buckets.postscale = self._scales()[1]
+        self._buckets.prescale, self._buckets.postscale = self._bucket_scales()
         self._buckets.reset()
 
     def comm_stats(self) -> dict[str, float]:
