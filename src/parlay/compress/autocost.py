@@ -30,7 +30,8 @@ from parlay import comm
 from parlay.compress.base import get_compressor
 from parlay.plan import model
 
-__all__ = ["LinkFit", "probe_link", "codec_seconds", "predict_s", "probe_sizes"]
+__all__ = ["LinkFit", "probe_link", "codec_seconds", "sample_layout", "predict_s",
+           "probe_sizes", "SAMPLE_NUMEL"]
 
 _KIB = 1024
 #: Timing hook: ``hook(kind, name, seconds) -> seconds`` (see AutoCompressor.timing_hook).
@@ -70,9 +71,10 @@ class LinkFit:
 
 def probe_sizes(bucket_bytes: Sequence[int]) -> tuple[int, int]:
     """(smaller, larger) probe sizes in bytes: a quarter of the largest bucket, between 1 MiB and
-    8 MiB (past the burst a shaper lets through at once), and a quarter of that."""
+    4 MiB, and a quarter of that. The slope between them is the cost per byte even when the
+    smaller one fits in a shaper's burst (Linux tbf lets ~10 ms of line rate through at once)."""
     big = max(bucket_bytes) if bucket_bytes else 0
-    large = int(min(8 * 1024 * _KIB, max(1024 * _KIB, big // 4)))
+    large = int(min(4 * 1024 * _KIB, max(1024 * _KIB, big // 4)))
     return large // 4, large
 
 
@@ -121,16 +123,49 @@ def probe_link(group: Any, world: int, bucket_bytes: Sequence[int],
     return LinkFit(alpha, beta, beta_half, world)
 
 
+#: Codec costs are timed on at most this many leading elements of a bucket and scaled up:
+#: every candidate's work is linear in the elements (a matrix keeps its columns, loses rows).
+SAMPLE_NUMEL = 1 << 20
+
+
+def sample_layout(shapes: Sequence[tuple[int, ...]] | None, numel: int,
+                  limit: int = SAMPLE_NUMEL) -> tuple[int, list[tuple[int, ...]] | None]:
+    """The leading part of a bucket to time: ``(elements, its layout)``. A matrix that does not
+    fit whole keeps its columns and as many rows as fit, so its per-element cost is kept."""
+    if numel <= limit:
+        return numel, list(shapes) if shapes is not None else None
+    if shapes is None:
+        return limit, None
+    out: list[tuple[int, ...]] = []
+    used = 0
+    for s in shapes:
+        n = math.prod(s)
+        if used + n <= limit:
+            out.append(tuple(s))
+            used += n
+            continue
+        rest = math.prod(s[1:]) if len(s) >= 2 else 1
+        rows = (limit - used) // rest if len(s) >= 2 else limit - used
+        if rows >= 1:
+            out.append((rows, *s[1:]) if len(s) >= 2 else (rows,))
+            used += rows * rest
+        break
+    return (used, out) if used else (limit, None)
+
+
 def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
                   shapes: Sequence[tuple[int, ...]] | None) -> float:
     """CPU seconds one rank spends on ``spec`` for this bucket per step: encode, further rounds
     (on its own payload, standing in for the sum) and decode, on a fresh instance (the
-    optimizer's compressors keep their state untouched)."""
+    optimizer's compressors keep their state untouched), timed on at most
+    :data:`SAMPLE_NUMEL` leading elements (:func:`sample_layout`) and scaled to the bucket."""
+    n, layout = sample_layout(shapes, flat.numel())
     c = get_compressor(spec)
-    if shapes is not None:
-        c.set_layout(key, list(shapes))
+    if layout is not None:
+        c.set_layout(key, layout)
+    part = flat[:n]
     t0 = time.perf_counter()
-    payload, ctx = c.compress(flat, key)
+    payload, ctx = c.compress(part, key)
     if c.summable:
         reduced = payload
         nxt = c.next_round(reduced, ctx)
@@ -140,7 +175,7 @@ def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
         c.decompress(reduced, ctx)
     else:
         c.aggregate([payload] * world, ctx)
-    return time.perf_counter() - t0
+    return (time.perf_counter() - t0) * flat.numel() / max(1, n)
 
 
 def predict_s(spec: str, numel: int, fit: LinkFit, codec_s: float,
