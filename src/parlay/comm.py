@@ -161,22 +161,6 @@ class _Pending:
         return self.event.is_set()
 
 
-class _AllOf:
-    """Several handles seen as one work (see :meth:`Handle.after`)."""
-
-    __slots__ = ("parts", "settled")
-
-    def __init__(self, parts: list[Any], settled: bool) -> None:
-        self.parts, self.settled = parts, settled
-
-    def is_completed(self) -> bool:
-        return self.settled and all(p.is_completed() for p in self.parts)
-
-    def wait(self) -> None:
-        for p in self.parts:
-            p.wait()
-
-
 class Handle:
     """An in-flight operation. :meth:`wait` blocks and returns the result.
 
@@ -207,23 +191,6 @@ class Handle:
         """A handle that another thread completes with :meth:`resolve`."""
         box = _Pending()
         return cls(box, op, lambda: box.result)
-
-    @classmethod
-    def after(cls, parts: list[Any], op: str, finish: Callable[[], Any], *,
-              settled: bool = True) -> "Handle":
-        """A handle for an operation made of ``parts`` (all started) and then ``finish``,
-        run by ``wait()``.
-
-        Args:
-            parts: Handles that must finish first. Not raw c10d works that someone else also
-                waits on: gloo's reduce-scatter copies its result out again on every wait.
-            op: The operation's name (the collective that carries it, e.g. ``"allgather"``).
-            finish: Returns the result once ``parts`` finished.
-            settled: ``finish`` only computes locally, so the operation is complete once
-                ``parts`` are. ``False`` when ``finish`` itself communicates (further rounds):
-                then ``is_completed()`` stays False until ``wait()`` ran it.
-        """
-        return cls(_AllOf(list(parts), settled), op, finish)
 
     def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
         """Complete a :meth:`pending` handle: ``wait()`` returns ``result`` or raises ``error``

@@ -41,7 +41,7 @@ from parlay.errors import ConfigError
 from parlay.registry import Registry
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
-           "reduce_async", "CommStats", "has_rounds"]
+           "reduce_async", "CommStats", "has_rounds", "AllOf"]
 
 
 class Compressor:
@@ -223,10 +223,8 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
 
     Returns:
         A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``). Further
-        rounds (:meth:`Compressor.next_round`) run inside ``wait()``. Its ``name`` is the
-        collective that carries the payload (``"allreduce"``, or ``"allgather"`` when the
-        compressor is not summable); ``is_completed()`` turns True once that collective
-        finished, or, for compressors with further rounds, once ``wait()`` ran them.
+        rounds (:meth:`Compressor.next_round`) run inside ``wait()`` (``is_completed()`` is
+        False until then). ``name``: the collective (``"allreduce"`` or ``"allgather"``).
     """
     world = comm.group_size(group)
     payload, ctx = compressor.compress(flat, key)
@@ -262,8 +260,26 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
                 out = compressor.aggregate(per_rank, ctx)
             return out.div_(world) if average else out
 
-    return comm.Handle.after(works, "allreduce" if compressor.summable else "allgather", finish,
-                             settled=not has_rounds(compressor))
+    return comm.Handle(AllOf(works, settled=not has_rounds(compressor)),
+                       "allreduce" if compressor.summable else "allgather", finish)
+
+
+class AllOf:
+    """Started handles seen as one c10d-like work, for a :class:`comm.Handle` whose
+    ``finish`` runs after them. ``settled=False`` when ``finish`` itself communicates (further
+    rounds): ``is_completed()`` then stays False until the handle's ``wait()`` ran it. Each
+    part is waited once (a second wait of a gloo reduce-scatter copies its result out again).
+    """
+
+    def __init__(self, parts: list[comm.Handle], settled: bool = True) -> None:
+        self.parts, self.settled = list(parts), settled
+
+    def is_completed(self) -> bool:
+        return self.settled and all(p.is_completed() for p in self.parts)
+
+    def wait(self) -> None:
+        for p in self.parts:
+            p.wait()
 
 
 def has_rounds(compressor: Compressor) -> bool:

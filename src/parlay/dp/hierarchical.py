@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.compress.base import CommStats, Compressor, _nbytes, further_rounds, has_rounds
+from parlay.compress.base import (AllOf, CommStats, Compressor, _nbytes, further_rounds,
+                                  has_rounds)
 from parlay.errors import ConfigError
 
 __all__ = ["Topology", "HierarchicalReducer", "make_reducer"]
@@ -231,7 +232,7 @@ class HierarchicalReducer:
         # Step 3 (and any further round) runs inside wait(): complete only after it. (The
         # step-1 works are waited by _cross, once: a second wait of a gloo reduce-scatter
         # copies its result out again, over what step 2 made of it.)
-        return comm.Handle.after([], "hierarchical allreduce", finish, settled=False)
+        return comm.Handle(AllOf([], settled=False), "hierarchical allreduce", finish)
 
 
 @dataclass
