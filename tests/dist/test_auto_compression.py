@@ -183,6 +183,27 @@ def test_ps_pushes_choose_agree_and_decode_on_the_server():
     torch.testing.assert_close(w2["params"], server["params"], rtol=0, atol=0)
 
 
+def _hierarchical() -> dict:
+    model = _mlp([784, 64, 10])
+    auto = AutoCompressor()
+    # every rank sees a slow link, so the buckets compress: with summable payloads only
+    auto.timing_hook = lambda kind, name, s: s * 1e4 if kind == "link" and name != "small" else s
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                      named_parameters=model.named_parameters(),
+                                      compression=auto, hierarchical=True)
+    _train(opt, model, 3)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return dict(hier=opt.hierarchical, choices=dict(auto.choices), params=params)
+
+
+def test_hierarchical_reduction_keeps_to_summable_choices():
+    out = run_world(_hierarchical, 4, local_world_size=2, timeout=100)
+    for r in out:
+        assert r["hier"] and r["choices"] == out[0]["choices"]
+        assert set(r["choices"].values()) <= {"fp16", "powersgd:4"}, r["choices"]
+        torch.testing.assert_close(r["params"], out[0]["params"], rtol=0, atol=0)
+
+
 def test_spec_parsing_and_errors():
     a = get_compressor("auto")
     assert isinstance(a, AutoCompressor) and a.specs == ["none", "fp16", "powersgd:4",
