@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -42,6 +41,7 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay.compress import autocost
+from parlay.compress.autowire import AutoCtx, rebuild_ctx, wire_values
 from parlay.compress.base import Compressor, get_compressor, register
 from parlay.compress.feedback import parse_options
 from parlay.errors import ConfigError
@@ -54,41 +54,25 @@ DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01")
 _ALLOWED = ("none", "fp16", "bf16", "powersgd", "topk", "randomk")
 
 
-@dataclass
-class AutoCtx:
-    """Which candidate encoded a payload (``choice``: index into the candidates) and the
-    candidate's own context. ``wire`` holds the plain values a receiver in another process (a
-    parameter server) needs to rebuild the context; a copy never carries the sender's ``inner``
-    (see :meth:`__copy__`), so a receiver always decodes from ``wire``."""
-
-    choice: int
-    inner: Any = None
-    wire: tuple = ()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"choice": self.choice, "wire": self.wire}
-
-    def __copy__(self) -> "AutoCtx":
-        return AutoCtx(self.choice, None, self.wire)
-
-
-def _wire(inner: Any, flat: torch.Tensor) -> tuple:
-    """Fixed-length plain values that rebuild a one-round candidate's context elsewhere."""
-    return (flat.numel(), flat.dtype, int(getattr(inner, "k", 0)),
-            int(getattr(inner, "seed", -1)), float(getattr(inner, "scale", 1.0)),
-            bool(getattr(inner, "fallback", False)))
-
-
-def _rebuild(cand: Compressor, wire: tuple) -> Any:
-    from parlay.compress.cast import CastCtx
-    from parlay.compress.sparse import SparseCtx
-
-    numel, dtype, k, seed, scale, fallback = wire
-    if cand.name in ("fp16", "bf16"):
-        return CastCtx(dtype, scale, fallback=fallback)
-    if cand.name in ("topk", "randomk"):
-        return SparseCtx(numel, dtype, k, seed)
-    return None
+def _check_options(candidates: Sequence[str], every: int, threshold: float,
+                   margin: float) -> list[str]:
+    """The candidate specs, normalised; raises ConfigError on anything out of range."""
+    if isinstance(candidates, str) or not candidates:
+        raise ConfigError(f"auto compression needs a non-empty list of candidate specs, got "
+                          f"{candidates!r}. Hint: ['none', 'fp16', 'topk:0.01'].")
+    specs = [str(c).strip().lower() for c in candidates]
+    for s in specs:
+        if s.partition(":")[0] not in _ALLOWED:
+            raise ConfigError(f"auto compression cannot choose {s!r}; candidates may be "
+                              f"{', '.join(_ALLOWED)} (with one option, e.g. 'topk:0.01').")
+    if len(set(specs)) != len(specs):
+        raise ConfigError(f"auto compression candidates repeat: {specs}.")
+    if isinstance(every, bool) or int(every) != every or every < 1:
+        raise ConfigError(f"auto every must be an integer >= 1 (steps), got {every!r}.")
+    if not 0 < float(threshold) < 10 or not 0 <= float(margin) < 1:
+        raise ConfigError(f"auto threshold must be in (0, 10) and margin in [0, 1), got "
+                          f"{threshold!r} and {margin!r}. Hint: threshold=0.2, margin=0.25.")
+    return specs
 
 
 class AutoCompressor(Compressor):
@@ -116,21 +100,7 @@ class AutoCompressor(Compressor):
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
                  threshold: float = 0.2, margin: float = 0.25) -> None:
-        if isinstance(candidates, str) or not candidates:
-            raise ConfigError(f"auto compression needs a non-empty list of candidate specs, got "
-                              f"{candidates!r}. Hint: ['none', 'fp16', 'topk:0.01'].")
-        specs = [str(c).strip().lower() for c in candidates]
-        for s in specs:
-            if s.partition(":")[0] not in _ALLOWED:
-                raise ConfigError(f"auto compression cannot choose {s!r}; candidates may be "
-                                  f"{', '.join(_ALLOWED)} (with one option, e.g. 'topk:0.01').")
-        if len(set(specs)) != len(specs):
-            raise ConfigError(f"auto compression candidates repeat: {specs}.")
-        if isinstance(every, bool) or int(every) != every or every < 1:
-            raise ConfigError(f"auto every must be an integer >= 1 (steps), got {every!r}.")
-        if not 0 < float(threshold) < 10 or not 0 <= float(margin) < 1:
-            raise ConfigError(f"auto threshold must be in (0, 10) and margin in [0, 1), got "
-                              f"{threshold!r} and {margin!r}. Hint: threshold=0.2, margin=0.25.")
+        specs = _check_options(candidates, every, threshold, margin)
         self.specs = specs
         self.cands = {s: get_compressor(s) for s in specs}
         self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
@@ -330,11 +300,11 @@ class AutoCompressor(Compressor):
         x = flat if owed is None else flat + owed.to(flat.dtype)
         payload, inner = cand.compress(x, key)
         self.summable = cand.summable  # type: ignore[misc]  # for reduce_async, see above
-        return payload, AutoCtx(self.specs.index(spec), inner, _wire(inner, flat))
+        return payload, AutoCtx(self.specs.index(spec), inner, wire_values(inner, flat))
 
     def _cand(self, ctx: Any) -> tuple[Compressor, Any]:
         cand = self.cands[self.specs[ctx.choice]]
-        inner = ctx.inner if ctx.inner is not None or not ctx.wire else _rebuild(cand, ctx.wire)
+        inner = ctx.inner if ctx.inner is not None or not ctx.wire else rebuild_ctx(cand, ctx.wire)
         return cand, inner
 
     def next_round(self, reduced: list[torch.Tensor], ctx: Any) -> list[torch.Tensor] | None:

@@ -119,7 +119,10 @@ def probe_link(group: Any, world: int, bucket_bytes: Sequence[int],
         beta = t_large / large
     beta = max(beta, 1e-15)
     alpha = max(0.0, t_small - beta * small)
-    beta_half = max((t_half - alpha) / large, 1e-15)
+    # Same bytes in fp16 and fp32: the ratio of the two times carries gloo's software half
+    # sums without inheriting the intercept's noise (an overestimated alpha would otherwise
+    # make fp16 look cheaper than it is).
+    beta_half = max(beta * t_half / max(t_large, 1e-12), 1e-15)
     return LinkFit(alpha, beta, beta_half, world)
 
 
