@@ -25,9 +25,10 @@ from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError
 from parlay.launch import droppable_marker
 from parlay.launch import mark_droppable as _launch_mark_droppable
+from parlay.ps.shard_io import snapshot_steps
 from parlay.snapshot import SnapshotStore, run_key
 
-__all__ = ["agree_resume", "Resume", "open_snapshots", "mark_droppable", "server_loss_is_fatal",
+__all__ = ["agree_resume", "Resume", "resume_session", "open_snapshots", "mark_droppable", "server_loss_is_fatal",
            "HELD_SLOTS", "save_worker_state", "load_worker_state"]
 
 log = logging.getLogger("parlay.ps")
@@ -111,6 +112,30 @@ def _disk_step(held: list[set[int]], workers: list[int], relaxed: bool) -> int |
         if later and all(t in held[w] for w in later):
             return t
     return None
+
+
+def resume_session(session: Any, world: int) -> tuple[Resume, SnapshotStore | None]:
+    """Where a starting :class:`~parlay.ps.session.DistributedSession` resumes (agreed over
+    its ``ps_group`` of ``world`` ranks), and the in-memory snapshot store its rank keeps from
+    now on: ``sync`` servers, and workers whose caller snapshots (``snapshots=True``). A store
+    is emptied when the resume does not use it (its steps are older than the resumed one, or
+    of a lost future) and dropped on servers when no worker snapshots."""
+    s = session
+    disk = ((snapshot_steps(s.checkpoint_dir, s.rank) if s.checkpoint_dir else [])
+            if s.is_ps else s.resume_steps or [])
+    store = open_snapshots(s) if s.consistency.aggregate and (s.is_ps or s.snapshots) else None
+    snaps = store.steps() if store is not None else []
+    r = agree_resume(disk, snaps, is_worker=not s.is_ps,
+                     tagged=not s.is_ps and s.resume_steps is not None,
+                     snapshots=not s.is_ps and store is not None,
+                     relaxed=not s.consistency.aggregate, world=world, group=s.ps_group)
+    if store is not None and not r.from_snapshot and snaps:
+        store.clear()
+        store = open_snapshots(s)
+    if s.is_ps and store is not None and not r.snapshots:
+        store.clear()  # no worker snapshots: the servers' would never match one
+        store = None
+    return r, store
 
 
 def open_snapshots(session: Any) -> SnapshotStore | None:

@@ -136,17 +136,7 @@ class Server(ShardPersistence):
         self.ctx_template = probe(compressor, numel, dtype, self.key)[1]
         self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
         self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
-        version, clocks = 0, None
-        if from_memory and resume_step is not None and self.memory is not None:
-            version, clocks = self._load_memory(resume_step)
-        elif tagged and resume_step is not None:
-            version, clocks = self._load(self.snapshot_path(resume_step))
-        elif self.path and os.path.exists(self.path):
-            version, clocks = self._load(self.path)
-        if tagged and checkpoint_dir:  # later steps than the resumed one belong to a lost future
-            for t in snapshot_steps(checkpoint_dir, index):
-                if resume_step is None or t > resume_step:
-                    os.remove(self.snapshot_path(t))
+        version, clocks = self._resume(tagged, resume_step, from_memory)
         self.core = ServerCore(policy, len(worker_ranks), timeout, self._apply, time.monotonic(),
                                version=version, clocks=clocks, snapshot=self.snapshot)
         self.served = False
@@ -155,6 +145,22 @@ class Server(ShardPersistence):
         self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
                             for _ in worker_ranks]
         self._sends: dict[int, comm.Handle] = {}
+
+    def _resume(self, tagged: bool, step: int | None, from_memory: bool
+                ) -> tuple[int, list[int] | None]:
+        """Load the agreed ``step`` (or ``ps-<k>.pt``); returns (version, worker clocks)."""
+        version, clocks = 0, None
+        if from_memory and step is not None and self.memory is not None:
+            version, clocks = self._load_memory(step)
+        elif tagged and step is not None:
+            version, clocks = self._load(self.snapshot_path(step))
+        elif self.path and os.path.exists(self.path):
+            version, clocks = self._load(self.path)
+        if tagged and self.dir:  # later steps than the resumed one belong to a lost future
+            for t in snapshot_steps(self.dir, self.index):
+                if step is None or t > step:
+                    os.remove(self.snapshot_path(t))
+        return version, clocks
 
     # -- optimisation -------------------------------------------------------------------------
     def _apply(self, grads: list[torch.Tensor], lr_factor: float) -> None:

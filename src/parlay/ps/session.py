@@ -30,9 +30,9 @@ from parlay.errors import ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.options import check_session_args
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
-from parlay.ps.recovery import (agree_resume, load_worker_state, mark_droppable,
-                                open_snapshots, save_worker_state, server_loss_is_fatal)
-from parlay.ps.server import Server, snapshot_steps
+from parlay.ps.recovery import (load_worker_state, mark_droppable, resume_session,
+                                save_worker_state, server_loss_is_fatal)
+from parlay.ps.server import Server
 from parlay.ps.worker import Worker
 
 __all__ = ["DistributedSession"]
@@ -206,6 +206,12 @@ class DistributedSession:
         self._agree_resume(c.world_size)
         if self.on_agreed is not None:
             self.on_agreed()
+        self._join(workers, world[: c.num_ps])
+
+    def _join(self, workers: list[int], servers: list[int]) -> None:
+        """Servers load the agreed step and wait to serve; workers say hello (and, sitting a
+        resume out, goodbye)."""
+        c = runtime.cluster()
         if self.is_ps:
             self.server = Server(c.rank, self.plan, self.model, self.optimizer_cls,
                                  self.optimizer_args, self.consistency, self.compressor, workers,
@@ -219,7 +225,7 @@ class DistributedSession:
             if callable(bind):  # "auto" decides at the first push, agreed over the workers
                 bind(self.dp_group, collective=False)
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
-                                 world[: c.num_ps], self.ps_group, self.timeout)
+                                 servers, self.ps_group, self.timeout)
             self.worker.hello()
             if not self.consistency.aggregate:
                 mark_droppable(c.rank)
@@ -230,25 +236,9 @@ class DistributedSession:
                 self.worker.finish()
 
     def _agree_resume(self, world: int) -> None:
-        disk = ((snapshot_steps(self.checkpoint_dir, self.rank) if self.checkpoint_dir else [])
-                if self.is_ps else self.resume_steps or [])
-        if self.consistency.aggregate and (self.is_ps or self.snapshots):
-            self.snapshot_store = open_snapshots(self)
-        snaps = self.snapshot_store.steps() if self.snapshot_store is not None else []
-        r = agree_resume(disk, snaps, is_worker=not self.is_ps,
-                         tagged=not self.is_ps and self.resume_steps is not None,
-                         snapshots=not self.is_ps and self.snapshot_store is not None,
-                         relaxed=not self.consistency.aggregate, world=world,
-                         group=self.ps_group)
-        self.tagged, self.resumed_step, self.resumed_from_snapshot = r.tagged, r.step, \
-            r.from_snapshot
-        self.training_workers = r.training
-        if self.snapshot_store is not None and not r.from_snapshot and snaps:
-            self.snapshot_store.clear()  # older than the resumed step, or of a lost future
-            self.snapshot_store = open_snapshots(self)
-        if self.is_ps and self.snapshot_store is not None and not r.snapshots:
-            self.snapshot_store.clear()  # no worker snapshots: the servers' would never match
-            self.snapshot_store = None
+        r, self.snapshot_store = resume_session(self, world)
+        self.tagged, self.resumed_step = r.tagged, r.step
+        self.resumed_from_snapshot, self.training_workers = r.from_snapshot, r.training
 
     @property
     def sits_out(self) -> bool:
