@@ -99,6 +99,10 @@ def test_killed_rank_resumes_from_snapshots_bit_identical(tmp_path, reference, w
         got = torch.load(out / f"final-r{r}.pt", weights_only=True)
         assert all(torch.equal(a, b) for a, b in zip(got, reference[r])), f"rank {r} differs"
     assert not [f for f in shm.rglob("*") if f.is_file()], "snapshots are cleared at the end"
+    if disk:  # snapshots never asked the servers for a disk checkpoint: only checkpoint steps
+        steps = sorted(int(f.name.split(".step-")[1][:-3]) for f in (tmp_path / "ckpt" / "ps")
+                       .glob("ps-0.step-*.pt"))
+        assert steps and all(t % 3 == 0 or t == STEPS for t in steps), steps
 
 
 # -- the agreement rule -------------------------------------------------------------------------
