@@ -31,8 +31,8 @@ def _data(world: int):
     return x, x[..., :3].sin()
 
 
-def _sgd(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+def _sgd(params, lr=0.1):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def _loss(model, x, y, s, m, r):
@@ -41,13 +41,18 @@ def _loss(model, x, y, s, m, r):
 
 def _parlay(how: str):
     """Train with MICRO micro-batches per step: 'no_sync' (all but the last inside no_sync),
-    'no_sync_all' (every one inside, step() reduces), or 'passes' (backward_passes_per_step)."""
+    'no_sync_all' (every one inside, step() reduces), 'passes' (backward_passes_per_step), or
+    'set_passes' (set after construction with set_backward_passes_per_step, the passes
+    averaged and the learning rate times MICRO: the same SGD-with-momentum trajectory)."""
     r, world = parlay.rank(), parlay.size()
     model = _model()
     passes = MICRO if how == "passes" else 1
-    opt = parlay.DistributedOptimizer(_sgd(model.parameters()), model.named_parameters(),
-                                      backward_passes_per_step=passes, bucket_cap_mb=0.0002,
-                                      average_aggregated_gradients=False)
+    averaged = how == "set_passes"
+    opt = parlay.DistributedOptimizer(_sgd(model.parameters(), 0.1 * (MICRO if averaged else 1)),
+                                      model.named_parameters(), backward_passes_per_step=passes,
+                                      bucket_cap_mb=0.0002, average_aggregated_gradients=averaged)
+    if how == "set_passes":
+        opt.set_backward_passes_per_step(MICRO)
     x, y = _data(world)
     reductions = []
     for s in range(STEPS):
@@ -95,7 +100,8 @@ def _single(world: int):
 
 
 def _everything():
-    return {how: _parlay(how) for how in ("no_sync", "no_sync_all", "passes")}, _ddp()
+    return {how: _parlay(how) for how in ("no_sync", "no_sync_all", "passes", "set_passes")}, \
+        _ddp()
 
 
 def test_no_sync_equals_ddp_single_process_and_backward_passes_per_step():
