@@ -6,7 +6,8 @@ whose model and optimizer state are identical: all data-parallel ranks, or one p
 across its replicas). In each replica group with a rank lacking that step, the lowest holder
 broadcasts the replicated part of its state over c10d: a JSON description and then the tensors,
 so nothing is unpickled from the network. Holders resume exactly; the others get the model,
-optimizer and step, and the caller re-derives what is private to a rank.
+optimizer and step, and the caller re-derives what is private to a rank. Only when that saves
+more than one step over resuming exactly from the disk checkpoint (or the start).
 """
 from __future__ import annotations
 
@@ -114,13 +115,19 @@ def share_newest(store: SnapshotStore, group: Any, replica_group: Any, after: in
     Every rank of ``group`` must call this. Returns ``(step, state, exact)``: a rank that holds
     the step gets its own state (``exact``); a rank that does not gets ``replicated(state)`` of
     the lowest holder in its ``replica_group``. ``None`` when some replica group holds nothing
-    newer than ``after`` (every rank gets the same answer).
+    newer than ``after + 1`` (every rank gets the same answer): resuming exactly from ``after``
+    (the disk checkpoint, or the start) then costs at most the one step that an inexact resume
+    would save. That is the usual case after a kill: the killed rank's newest snapshot was not
+    committed yet while the survivors committed theirs, one step ahead, before they noticed.
     """
     me = comm.group_rank(group)
     head = comm.to_global_rank(replica_group, 0)
     rows = _gather(head, [s for s in store.steps() if s > after], group)
+    newest = _newest_covered(rows, set())
+    if newest is None or newest <= after + 1:
+        return None  # see above: sharing would save at most one step over an exact resume
     found = _load_newest(store, rows, me, group)
-    if found is None:
+    if found is None or found[0] <= after + 1:
         return None
     step, state, flags = found
     members = [r for r, row in enumerate(rows) if row[0] == head]
