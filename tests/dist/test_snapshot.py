@@ -257,6 +257,11 @@ def test_replica_sends_the_shared_state_to_a_rank_without_snapshots(tmp_path):
     out = run_world(_held_world, 4, str(tmp_path), {0: [4], 1: [], 2: [], 3: []}, {}, 0,
                     [[0, 2], [1, 3]], timeout=60)
     assert out == [None] * 4
+    # Step 4 is one step past the disk checkpoint (3): everyone resumes exactly from 3 instead
+    # (rank 3 was killed before committing step 4 while the others committed theirs).
+    out = run_world(_held_world, 4, str(tmp_path), {0: [3, 4], 1: [3, 4], 2: [3, 4], 3: [3]},
+                    {}, 3, [[0, 2], [1, 3]], timeout=60)
+    assert out == [None] * 4
 
 
 # ---------------------------------------------------------------------- snapshots vs checkpoints
