@@ -52,7 +52,7 @@ def _skewed_hook(rank: int):
 
 def _agree() -> dict:
     model = _mlp([784, 64, 32, 10])
-    auto = AutoCompressor(every=2)
+    auto = AutoCompressor(every=2, budget=1.0)  # measure again whenever the step moves
     auto.timing_hook = _skewed_hook(parlay.rank())
     opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                       named_parameters=model.named_parameters(),
@@ -211,7 +211,8 @@ def test_spec_parsing_and_errors():
     b = get_compressor("auto:candidates=none+topk:0.05+bf16,every=5,margin=0.3")
     assert b.specs == ["none", "topk:0.05", "bf16"] and b.every == 5 and b.margin == 0.3
     assert isinstance(parlay.Compression.auto(), AutoCompressor)
-    for bad in ("auto:candidates=ef", "auto:candidates=none+auto", "auto:every=0",
+    assert get_compressor("auto:budget=0.05").budget == 0.05
+    for bad in ("auto:candidates=ef", "auto:candidates=none+auto", "auto:every=0", "auto:budget=2",
                 "auto:bogus=1", "auto:candidates=fp16+fp16", "auto:margin=1.5"):
         with pytest.raises(ConfigError):
             get_compressor(bad)

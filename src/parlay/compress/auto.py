@@ -17,7 +17,9 @@ How it decides (:mod:`parlay.compress.autocost`):
    alpha-beta formulas of :mod:`parlay.plan.model`) and keeps the current choice unless another
    is predicted ``margin`` faster (hysteresis; the first choice is the first candidate, ``none``).
 3. Every ``every`` steps the median step time (MAX over ranks) is compared with the one after
-   the last decision; a change beyond ``threshold`` triggers a new measurement and decision.
+   the last decision; a change beyond ``threshold`` triggers a new measurement and decision,
+   unless measuring has already taken more than ``budget`` of the run's time (so on a fast
+   link, where there is little to win, deciding again never costs more than about 1%).
    The window after a switch is compared with the one before it: if the step got slower by
    more than ``threshold / 2``, the switch is undone (the model was wrong here), so auto never
    stays on a choice that measured slower than the one it left.
@@ -51,6 +53,7 @@ __all__ = ["AutoCompressor", "AutoCtx", "DEFAULT_CANDIDATES"]
 log = logging.getLogger("parlay.compress")
 
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01")
+
 _ALLOWED = ("none", "fp16", "bf16", "powersgd", "topk", "randomk")
 
 
@@ -86,6 +89,7 @@ class AutoCompressor(Compressor):
         threshold: Relative change of the step time that triggers a new decision.
         margin: A candidate must be predicted this fraction faster than the current one to
             replace it.
+        budget: Largest share of the run's time spent measuring before a new decision.
 
     Raises:
         ConfigError: Unknown or duplicate candidates, or options out of range.
@@ -99,8 +103,11 @@ class AutoCompressor(Compressor):
     decodes_into = True
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
-                 threshold: float = 0.2, margin: float = 0.25) -> None:
+                 threshold: float = 0.2, margin: float = 0.25, budget: float = 0.01) -> None:
         specs = _check_options(candidates, every, threshold, margin)
+        if not 0 <= float(budget) <= 1:
+            raise ConfigError(f"auto budget must be a fraction in [0, 1], got {budget!r}.")
+        self.budget = float(budget)
         self.specs = specs
         self.cands = {s: get_compressor(s) for s in specs}
         self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
@@ -131,6 +138,10 @@ class AutoCompressor(Compressor):
         # was undone; later predictions for it are scaled by this factor.
         self._penalty: dict[tuple[str, str], float] = {}
         self._fit: autocost.LinkFit | None = None
+        # Seconds spent measuring and deciding, and when the first step started: a new
+        # decision waits while measuring has cost more than BUDGET of the time so far.
+        self._spent = 0.0
+        self._t0: float | None = None
         self.last_prediction: dict[str, dict[str, float]] = {}
 
     # ------------------------------------------------------------------ binding
@@ -163,7 +174,7 @@ class AutoCompressor(Compressor):
         decides (it encodes with the choices it was copied with, else the first eligible
         candidate). A parameter server's setup probes such a copy on every rank, so the probe
         must not start a collective."""
-        twin = AutoCompressor(self.specs, self.every, self.threshold, self.margin)
+        twin = AutoCompressor(self.specs, self.every, self.threshold, self.margin, self.budget)
         twin.choices, twin._eligible = dict(self.choices), list(self._eligible)
         twin._world = 1
         for k, v in self._layouts.items():
@@ -210,6 +221,8 @@ class AutoCompressor(Compressor):
     def _on_lead(self, flat: torch.Tensor) -> None:
         """Start of a step (the first bucket's compress): step timing and its checks."""
         now = time.perf_counter()
+        if self._t0 is None:
+            self._t0 = now
         if self._t_last is not None:
             self._intervals.append(now - self._t_last)
         self._t_last = now
@@ -242,7 +255,14 @@ class AutoCompressor(Compressor):
         if self._ref is None:
             self._ref = step_s
         elif abs(step_s - self._ref) > self.threshold * self._ref:
-            self._calibrate(before=step_s)
+            elapsed = time.perf_counter() - (self._t0 or 0.0)
+            # The budget check uses the slowest rank's share, so every rank agrees on it.
+            share = torch.tensor([self._spent / max(elapsed, 1e-9)], dtype=torch.float64)
+            comm.allreduce(share, "max", group=self._group)
+            if float(share) > self.budget:
+                self._ref = step_s  # measured enough lately: take the new step as normal
+            else:
+                self._calibrate(before=step_s)
 
     def _probe(self, flat: torch.Tensor | None = None) -> None:
         sizes = [sum(int(torch.Size(s).numel()) for s in v) * 4 for v in self._layouts.values()]
@@ -252,7 +272,9 @@ class AutoCompressor(Compressor):
 
     def _calibrate(self, flat: torch.Tensor | None = None, before: float | None = None) -> None:
         """Measure the link now; every bucket decides again at its compress this step."""
+        t0 = time.perf_counter()
         self._probe(flat)
+        self._spent += time.perf_counter() - t0
         self.calibrations.append(self._step)
         self._decide_keys = set()
         self._ref = None
@@ -260,6 +282,7 @@ class AutoCompressor(Compressor):
             else None
 
     def _decide(self, key: str, flat: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         if self._fit is None:  # a bucket first seen after the first step
             self._probe(flat)
         shapes = self._layouts.get(key)
@@ -279,6 +302,7 @@ class AutoCompressor(Compressor):
         self._switch(key, cur, f"predicted {why}")
         if self._decide_keys is not None:
             self._decide_keys.add(key)
+        self._spent += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the protocol
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
@@ -360,7 +384,7 @@ class AutoCompressor(Compressor):
 
 def _make(*args: str) -> Compressor:
     o = parse_options(args, [], {"candidates": str, "every": int, "threshold": float,
-                                 "margin": float}, "auto")
+                                 "margin": float, "budget": float}, "auto")
     cands = o.pop("candidates", None)
     if cands is not None:
         o["candidates"] = [c for c in cands.split("+") if c]
