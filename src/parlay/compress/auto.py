@@ -285,12 +285,16 @@ class AutoCompressor(Compressor):
         t0 = time.perf_counter()
         if self._fit is None:  # a bucket first seen after the first step
             self._probe(flat)
+        assert self._fit is not None  # probed above or at this step's start
         shapes = self._layouts.get(key)
+        # A candidate whose codec alone costs more than dense could win by is timed once only.
+        enough = (autocost.predict_s("none", flat.numel(), self._fit, 0.0, shapes,
+                                     self._collective) / (1 - self.margin)
+                  if "none" in self._eligible else float("inf"))
         codec = [0.0 if s == "none" else self._time("codec", s, autocost.codec_seconds(
-            s, flat, key, self._world, shapes)) for s in self._eligible]
+            s, flat, key, self._world, shapes, enough=enough)) for s in self._eligible]
         t = torch.tensor(codec, dtype=torch.float64)
         comm.allreduce(t, "max", group=self._group)
-        assert self._fit is not None  # probed above or at this step's start
         pred = {s: autocost.predict_s(s, flat.numel(), self._fit, c, shapes, self._collective)
                 * self._penalty.get((key, s), 1.0) for s, c in zip(self._eligible, t.tolist())}
         self.last_prediction[key] = pred

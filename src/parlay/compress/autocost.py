@@ -157,13 +157,15 @@ def sample_layout(shapes: Sequence[tuple[int, ...]] | None, numel: int,
 
 
 def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
-                  shapes: Sequence[tuple[int, ...]] | None, repeats: int = 3) -> float:
+                  shapes: Sequence[tuple[int, ...]] | None, repeats: int = 3,
+                  enough: float = math.inf) -> float:
     """CPU seconds one rank spends on ``spec`` for this bucket per step: encode, further rounds
     (on its own payload, standing in for the sum) and decode, on a fresh instance (the
     optimizer's compressors keep their state untouched), timed on at most
     :data:`SAMPLE_NUMEL` leading elements (:func:`sample_layout`) and scaled to the bucket.
     The best of ``repeats`` runs: the later ones run warm, as every step after the first does,
-    and a burst of load from elsewhere on the machine does not decide."""
+    and a burst of load from elsewhere on the machine does not decide. Runs stop early once
+    the scaled time exceeds ``enough`` (a candidate already too slow to be chosen)."""
     n, layout = sample_layout(shapes, flat.numel())
     c = get_compressor(spec)
     if layout is not None:
@@ -183,6 +185,8 @@ def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
         else:
             c.aggregate([payload] * world, ctx)
         best = min(best, time.perf_counter() - t0)
+        if best * flat.numel() / max(1, n) > enough:
+            break
     return best * flat.numel() / max(1, n)
 
 
