@@ -18,8 +18,8 @@ How it decides (:mod:`parlay.compress.autocost`):
    is predicted ``margin`` faster (hysteresis; the first choice is the first candidate, ``none``).
 3. Every ``every`` steps the median step time (MAX over ranks) is compared with the one after
    the last decision; a change beyond ``threshold`` triggers a new measurement and decision,
-   unless measuring has already taken more than ``budget`` of the run's time (so on a fast
-   link, where there is little to win, deciding again never costs more than about 1%).
+   unless measuring has already taken more than ``budget`` (0.5%) of the time since the first
+   step (so on a fast link, where there is little to win, deciding again costs next to nothing).
    The window after a switch is compared with the one before it: if the step got slower by
    more than ``threshold / 2``, the switch is undone (the model was wrong here), so auto never
    stays on a choice that measured slower than the one it left.
@@ -103,7 +103,7 @@ class AutoCompressor(Compressor):
     decodes_into = True
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
-                 threshold: float = 0.2, margin: float = 0.25, budget: float = 0.01) -> None:
+                 threshold: float = 0.2, margin: float = 0.25, budget: float = 0.005) -> None:
         specs = _check_options(candidates, every, threshold, margin)
         if not 0 <= float(budget) <= 1:
             raise ConfigError(f"auto budget must be a fraction in [0, 1], got {budget!r}.")
