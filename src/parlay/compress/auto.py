@@ -101,6 +101,8 @@ class AutoCompressor(Compressor):
     summable = True
     point_to_point = True
     decodes_into = True
+    #: Every candidate encodes a*x as a times x's encoding (a > 0): scale before the sum.
+    homogeneous = True
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
                  threshold: float = 0.2, margin: float = 0.25, budget: float = 0.005) -> None:
