@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-__all__ = ["while_waiting", "idle_until"]
+__all__ = ["while_waiting", "discard", "idle_until"]
 
 _local = threading.local()
 
@@ -28,13 +28,22 @@ def while_waiting(work: Callable[[], bool]) -> None:
     queue.append(work)
 
 
+def discard(work: Callable[[], bool]) -> None:
+    """Unqueue ``work`` from this thread (its owner finished it): the queue keeps nothing alive
+    that is done."""
+    queue = getattr(_local, "queue", None)
+    if queue and work in queue:
+        queue.remove(work)
+
+
 def idle_until(done: Callable[[], bool]) -> None:
     """Run this thread's queued work until ``done()`` (polled between calls) or none is left."""
     queue = getattr(_local, "queue", None)
     while queue and not done():
+        work = queue[0]
         try:
-            more = queue[0]()
+            more = work()
         except Exception:  # noqa: BLE001 - see while_waiting
             more = False
-        if not more:
+        if not more and queue and queue[0] is work:
             queue.pop(0)

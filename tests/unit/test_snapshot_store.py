@@ -202,6 +202,8 @@ def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, mo
     assert store.steps() == [], "not committed before the deferred copy"
     opt.step()                                             # finishes the copy, then changes
     assert store.steps() == [1]
+    from parlay import idle
+    assert not idle._local.queue, "finished work is not kept queued (nor what it holds)"
     assert not torch.equal(model.weight, want["weight"])
     got = store.load(1)["model"]
     assert all(torch.equal(got[k], want[k]) for k in want), "the pre-step values were kept"

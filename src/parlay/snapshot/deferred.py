@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from parlay.idle import while_waiting
+from parlay.idle import discard, while_waiting
 
 __all__ = ["DeferredCopy", "CHUNK_BYTES", "settle_before_optimizer_steps"]
 
@@ -85,6 +85,7 @@ class DeferredCopy:
         with self._lock:
             while not self.done:
                 self._advance(chunked=False)
+        discard(self.step)  # on the thread that queued it, else done and dropped at its next wait
 
     def _advance(self, chunked: bool) -> None:
         try:
