@@ -106,12 +106,11 @@ class AutoCompressor(Compressor):
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
                  threshold: float = 0.2, margin: float = 0.25, budget: float = 0.005) -> None:
-        specs = _check_options(candidates, every, threshold, margin)
+        self.specs = _check_options(candidates, every, threshold, margin)
         if not 0 <= float(budget) <= 1:
             raise ConfigError(f"auto budget must be a fraction in [0, 1], got {budget!r}.")
         self.budget = float(budget)
-        self.specs = specs
-        self.cands = {s: get_compressor(s) for s in specs}
+        self.cands = {s: get_compressor(s) for s in self.specs}
         self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
         #: Bucket key -> the spec it uses now.
         self.choices: dict[str, str] = {}
@@ -122,7 +121,7 @@ class AutoCompressor(Compressor):
         #: ``hook(kind, name, seconds) -> seconds`` applied to every local time before it is
         #: reduced ("link", "codec", "step"); lets tests give ranks different timings.
         self.timing_hook: Any = None
-        self._eligible = list(specs)
+        self._eligible = list(self.specs)
         self._group: Any = None
         self._world = 0
         self._collective = True
@@ -136,14 +135,13 @@ class AutoCompressor(Compressor):
         self._ref: float | None = None
         self._verify: tuple[dict[str, str], float] | None = None
         self._decide_keys: set[str] | None = None
-        # (key, spec) -> how much slower the step measured than predicted after a switch to it
-        # was undone; later predictions for it are scaled by this factor.
+        # (key, spec) -> factor by which a switch to it, undone, measured slower: scales it.
         self._penalty: dict[tuple[str, str], float] = {}
         self._fit: autocost.LinkFit | None = None
-        # Seconds spent measuring and deciding, and when the first step started: a new
-        # decision waits while measuring has cost more than BUDGET of the time so far.
+        # Seconds spent measuring and deciding, and when the first step started (budget).
         self._spent = 0.0
         self._t0: float | None = None
+        self._measured = False
         self.last_prediction: dict[str, dict[str, float]] = {}
 
     # ------------------------------------------------------------------ binding
@@ -225,8 +223,9 @@ class AutoCompressor(Compressor):
         now = time.perf_counter()
         if self._t0 is None:
             self._t0 = now
-        if self._t_last is not None:
-            self._intervals.append(now - self._t_last)
+        if self._t_last is not None and not self._measured:
+            self._intervals.append(now - self._t_last)  # (a step that measured is no sample)
+        self._measured = False
         self._t_last = now
         self._step += 1
         self._decide_keys = None
@@ -276,6 +275,7 @@ class AutoCompressor(Compressor):
         """Measure the link now; every bucket decides again at its compress this step."""
         t0 = time.perf_counter()
         self._probe(flat)
+        self._measured = True
         self._spent += time.perf_counter() - t0
         self.calibrations.append(self._step)
         self._decide_keys = set()

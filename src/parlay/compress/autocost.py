@@ -79,11 +79,11 @@ def probe_sizes(bucket_bytes: Sequence[int]) -> tuple[int, int]:
 
 
 def _timed_allreduce(t: torch.Tensor, group: Any) -> float:
-    """Seconds of one allreduce of ``t``; on a fast link (under 50 ms) the best of three, as
+    """Seconds of one allreduce of ``t``; on a fast link (under 50 ms) the best of five, as
     the first of a size pays one-off costs and a loaded machine adds noise. Every rank repeats
     alike: the count depends only on the slowest rank's first time (a MAX allreduce)."""
     times = []
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         comm.allreduce(t, "sum", group=group)
         times.append(time.perf_counter() - t0)
