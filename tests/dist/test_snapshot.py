@@ -180,8 +180,8 @@ def _check(p, out: Path, reference, case: str, kill_rank: int, kill_step: int,
             assert torch.equal(got[k], want[k]), f"{k} differs from the uninterrupted run"
 
 
-# background: parameters and optimizer state copied by a thread during the next step (the
-# default where a core is free) rather than inline (the default on this 2-core machine).
+# background: parameters and optimizer state copied while the next step waits for its
+# gradient reduction (deferred, the default) rather than before save() returns (inline).
 @pytest.mark.parametrize("case, kill_rank, kill_step, background", [
     ("allreduce", 1, 4, False), ("allreduce", 0, 9, True), ("topk", 0, 5, True),
     ("topk", 1, 8, False), ("hybrid", 1, 4, True), ("hybrid", 0, 9, False)])
