@@ -126,9 +126,10 @@ def probe_link(group: Any, world: int, bucket_bytes: Sequence[int],
     return LinkFit(alpha, beta, beta_half, world)
 
 
-#: Codec costs are timed on at most this many leading elements of a bucket and scaled up:
+#: Codec costs are timed on at most this many leading elements of a bucket (16 MB of fp32:
+#: past the caches, as the whole bucket is) and scaled up:
 #: every candidate's work is linear in the elements (a matrix keeps its columns, loses rows).
-SAMPLE_NUMEL = 1 << 20
+SAMPLE_NUMEL = 1 << 22
 
 
 def sample_layout(shapes: Sequence[tuple[int, ...]] | None, numel: int,
