@@ -171,7 +171,9 @@ def test_port_in_use_shows_the_real_reason(tmp_path):
 
 WAIT_SCRIPT = textwrap.dedent("""
     import os, sys, threading
-    print("ready", os.environ["RANK"], flush=True)
+    # one write (one syscall): the ranks share the pipe, and unbuffered prints of
+    # several pieces interleave
+    os.write(1, ("ready %s\\n" % os.environ["RANK"]).encode())
     threading.Event().wait(90)      # until the launcher stops us
 """)
 
