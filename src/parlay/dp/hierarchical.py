@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parlay import comm
+from parlay import comm, runtime
 from parlay.compress.base import (AllOf, CommStats, Compressor, _nbytes, further_rounds,
                                   has_rounds)
 from parlay.errors import ConfigError
@@ -107,7 +107,7 @@ def _new_group(group: Any, members: tuple[int, ...]) -> Any:
     ranks = [comm.to_global_rank(group, r) for r in members]
     with comm.comm_errors("new_group"):
         # Only the members call: ranks of other groups (other stages, other hosts) need not.
-        return dist.new_group(ranks, use_local_synchronization=True)
+        return runtime.new_group(ranks, use_local_synchronization=True)
 
 
 class HierarchicalReducer:

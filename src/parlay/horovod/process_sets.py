@@ -161,7 +161,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         pset.process_set_id, _next_id = _next_id, _next_id + 1
         _sets[pset.process_set_id] = pset
     # Collective over the whole world, in the same order on every rank.
-    pset._group = dist.new_group(pset.ranks)
+    pset._group = runtime.new_group(pset.ranks)
     pset._engine = None
     pset._generation = gen
     return pset

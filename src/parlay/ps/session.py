@@ -195,9 +195,9 @@ class DistributedSession:
         workers = world[c.num_ps:]
         # Replies may wait out a lost peer's full timeout at the server first.
         with comm.comm_errors("DistributedSession start"):
-            self.ps_group = dist.new_group(world, backend="gloo",
+            self.ps_group = runtime.new_group(world, backend="gloo",
                                            timeout=_dt.timedelta(seconds=2 * self.timeout + 5))
-            self.dp_group = dist.new_group(workers)
+            self.dp_group = runtime.new_group(workers)
         for p in self.model.parameters():
             if not p.is_contiguous():
                 p.data = p.data.contiguous()

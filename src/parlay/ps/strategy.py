@@ -24,7 +24,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-import torch.distributed as dist
 
 from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager
@@ -197,11 +196,11 @@ class ParameterServerStrategy(Strategy):
         c = self._cluster()
         workers = self._ready().training_workers
         with comm.comm_errors("ps strategy groups"):
-            self._train_group = dist.new_group(workers)
+            self._train_group = runtime.new_group(workers)
             self._metrics_group = self._train_group
             if not get_consistency(self.options["consistency"]).aggregate:
                 for r in workers:
-                    g = dist.new_group([r])
+                    g = runtime.new_group([r])
                     if r == c.rank:
                         self._metrics_group = g
 
