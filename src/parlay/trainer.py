@@ -23,9 +23,9 @@ from parlay.metrics import MetricsLogger, default_metrics
 from parlay.nonfinite import NonFiniteGuard, check_policy, with_step
 from parlay.strategies import StepResult, Strategy, get_strategy
 from parlay.trainer_io import TrainerIO
-from parlay.trainer_support import (TrainerSession, TrainerState, check_positive,
-                                    check_trainer_args, choose_printer, default_lr,
-                                    start_message)
+from parlay.trainer_support import (TrainerSession, TrainerState, check_built,
+                                    check_positive, check_trainer_args, choose_printer,
+                                    default_lr, start_message)
 
 __all__ = ["Trainer", "TrainerState", "TrainerSession"]
 
@@ -35,6 +35,13 @@ log = logging.getLogger("parlay")
 class Trainer(TrainerIO):
     """Train ``build_training_func()``'s model on ``training_dataset`` across all processes.
 
+    The first five arguments are the seed's own (TensorLayer users pass them by position or
+    by name); every option after them is keyword-only, in five groups: *mode and schedule*
+    (``mode`` .. ``lr_schedule``), *data* (``shuffle`` .. ``build_validation_func``),
+    *precision and numerics* (``precision`` .. ``nonfinite``), *checkpoints and snapshots*
+    (``checkpoint_dir`` .. ``snapshot_every``) and *logging* (``log_step_size`` ..
+    ``progress``).
+
     Args:
         build_training_func: Returns ``(model, loss_fn)`` with ``loss_fn(output, target)``;
             called on every rank (the same function serves every mode).
@@ -42,68 +49,78 @@ class Trainer(TrainerIO):
         optimizer: A ``torch.optim.Optimizer`` class.
         optimizer_args: Its keyword arguments (``lr`` is the single-replica learning rate).
         batch_size: Samples per batch *per data-parallel replica*.
+
+    Keyword Args:
         mode: A registered strategy: ``"allreduce"``, ``"ps"`` or ``"hybrid"``.
+        strategy_options: Extra keyword options for the mode (e.g. ``{"consistency": "async"}``).
         num_epochs: Stop after this many epochs (with neither limit: one epoch).
         max_iteration: Stop after this many optimizer steps in total.
         scaling_learning_rate: Multiply the learning rate by the number of replicas (Goyal
             et al. 2017, "Accurate, Large Minibatch SGD"), reached by a linear warm-up.
         warmup_epochs: Length of that warm-up, in epochs (may be fractional; 0: none).
-        compression: Gradient compressor name or object (e.g. ``"fp16"``, ``"topk:0.01"``).
-        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
-        checkpoint_dir: Save checkpoints here and resume from the latest valid one.
-        checkpoint_every: Steps between checkpoints (None: at every epoch end). A final one
-            is always written when training stops.
-        validation_dataset: Dataset for :meth:`validate`.
-        build_validation_func: Returns ``fn(output, target) -> dict[str, tensor]`` of batch
-            means (default: loss and, for class scores, accuracy).
-        log_step_size: Steps between (reduced) loss logs.
-        prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread);
-            None: 2, or inline for in-memory tensor datasets (see :func:`build_loader`).
-        keep_last: Checkpoints kept.
-        metrics_path: JSONL metrics file (default: ``<checkpoint_dir>/metrics.jsonl`` when
-            checkpointing, else none).
-        num_workers: DataLoader worker processes (0: a loading thread in this process).
-        seed: Seeds model construction and the data order (same on every rank); None leaves
-            the global RNG alone (data order then uses seed 0).
-        grad_clip: Clip the global gradient norm (after averaging) to this value.
-        progress: Show the progress bar on the printing rank.
-        shuffle: Shuffle the training data each epoch.
-        drop_last: Drop the dataset's tail instead of padding it (see ShardedSampler).
-        validation_batch_size: Batch size for validation (default: ``batch_size``).
         lr_schedule: After the warm-up, ``"constant"`` or ``"cosine"`` (decay to 0 at the
             last step, Loshchilov & Hutter 2017).
-        strategy_options: Extra keyword options for the mode (e.g. ``{"consistency": "async"}``).
+        shuffle: Shuffle the training data each epoch.
+        drop_last: Drop the dataset's tail instead of padding it (see ShardedSampler).
+        seed: Seeds model construction and the data order (same on every rank); None leaves
+            the global RNG alone (data order then uses seed 0).
+        prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread);
+            None: 2, or inline for in-memory tensor datasets (see :func:`build_loader`).
+        num_workers: DataLoader worker processes (0: a loading thread in this process).
+        validation_dataset: Dataset for :meth:`validate`.
+        validation_batch_size: Batch size for validation (default: ``batch_size``).
+        build_validation_func: Returns ``fn(output, target) -> dict[str, tensor]`` of batch
+            means (default: loss and, for class scores, accuracy).
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
+        compression: Gradient compressor name or object (e.g. ``"fp16"``, ``"topk:0.01"``).
+        grad_clip: Clip the global gradient norm (after averaging) to this value.
         nonfinite: A step whose loss or averaged gradient holds a NaN or an infinity:
             ``"raise"`` a :class:`~parlay.errors.NonFiniteError` on every rank before the
             update (naming the step, rank and parameter), or ``"skip"`` it identically on
             every rank (counted in ``skipped_steps``). fp16 keeps GradScaler's overflow skips.
+        checkpoint_dir: Save checkpoints here and resume from the latest valid one.
+        checkpoint_every: Steps between checkpoints (None: at every epoch end). A final one
+            is always written when training stops.
+        keep_last: Checkpoints kept.
         snapshot_every: Steps between in-memory snapshots of every rank's training state (host
             shared memory, written off the critical path; 0/None: off). A job restarted by
             ``parlay run --max-restarts`` resumes from the newest one every rank holds when
             it is newer than the disk checkpoint, so it loses at most one step (see
             :mod:`parlay.snapshot`).
+        log_step_size: Steps between (reduced) loss logs.
+        metrics_path: JSONL metrics file (default: ``<checkpoint_dir>/metrics.jsonl`` when
+            checkpointing, else none).
+        progress: Show the progress bar on the printing rank.
 
     Raises:
         ConfigError: Bad arguments (with the expected value and a hint).
         CheckpointError: ``checkpoint_dir`` holds checkpoints of an incompatible run.
+        TypeError: An option after ``batch_size`` passed by position.
     """
 
     def __init__(self, build_training_func: Callable[[], tuple[nn.Module, Callable[..., Any]]],
                  training_dataset: Dataset, optimizer: type[torch.optim.Optimizer] = torch.optim.Adam,
-                 optimizer_args: dict[str, Any] | None = None, batch_size: int = 32,
-                 mode: str = "allreduce", num_epochs: int | None = None,
-                 max_iteration: int | None = None, scaling_learning_rate: bool = True,
-                 warmup_epochs: float = 1.0, compression: Any = None, precision: str = "fp32",
-                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 optimizer_args: dict[str, Any] | None = None, batch_size: int = 32, *,
+                 # mode and schedule
+                 mode: str = "allreduce", strategy_options: dict[str, Any] | None = None,
+                 num_epochs: int | None = None, max_iteration: int | None = None,
+                 scaling_learning_rate: bool = True, warmup_epochs: float = 1.0,
+                 lr_schedule: str = "constant",
+                 # data
+                 shuffle: bool = True, drop_last: bool = False, seed: int | None = 0,
+                 prefetch: int | None = None, num_workers: int = 0,
                  validation_dataset: Dataset | None = None,
+                 validation_batch_size: int | None = None,
                  build_validation_func: Callable[[], Callable[..., dict[str, Any]]] | None = None,
-                 log_step_size: int = 50, prefetch: int | None = None, *, keep_last: int = 3,
-                 metrics_path: str | None = None, num_workers: int = 0, seed: int | None = 0,
-                 grad_clip: float | None = None, progress: bool = True, shuffle: bool = True,
-                 drop_last: bool = False, validation_batch_size: int | None = None,
-                 lr_schedule: str = "constant", nonfinite: str = "raise",
-                 strategy_options: dict[str, Any] | None = None,
-                 snapshot_every: int | None = 1) -> None:
+                 # precision and numerics
+                 precision: str = "fp32", compression: Any = None,
+                 grad_clip: float | None = None, nonfinite: str = "raise",
+                 # checkpoints and snapshots
+                 checkpoint_dir: str | None = None, checkpoint_every: int | None = None,
+                 keep_last: int = 3, snapshot_every: int | None = 1,
+                 # logging
+                 log_step_size: int = 50, metrics_path: str | None = None,
+                 progress: bool = True) -> None:
         check_trainer_args(build_training_func, optimizer,
                            {"batch_size": batch_size, "log_step_size": log_step_size},
                            {"num_epochs": num_epochs, "max_iteration": max_iteration,
@@ -113,6 +130,24 @@ class Trainer(TrainerIO):
         check_policy(nonfinite)
         if not runtime.is_initialized():
             runtime.init()
+        self._set_schedule(mode, batch_size, num_epochs, max_iteration, lr_schedule,
+                           log_step_size, checkpoint_every, validation_dataset)
+        self.strategy: Strategy = self._make_strategy(mode, strategy_options, precision,
+                                                      compression, grad_clip, nonfinite)
+        model = self._build_model(build_training_func, optimizer, optimizer_args, seed,
+                                  checkpoint_dir, build_validation_func)
+        self._build_data(training_dataset, validation_batch_size, num_workers, prefetch,
+                         shuffle, seed, drop_last, scaling_learning_rate, warmup_epochs)
+        self._open_checkpoints(checkpoint_dir, keep_last, model, snapshot_every)
+        self._start_metrics(metrics_path, checkpoint_dir, progress)
+        base = (optimizer_args or {}).get("lr", default_lr(optimizer))
+        self._announce(start_message(self, mode, precision, compression, base, warmup_epochs))
+
+    # ------------------------------------------------------------------ construction steps
+    def _set_schedule(self, mode: str, batch_size: int, num_epochs: int | None,
+                      max_iteration: int | None, lr_schedule: str, log_step_size: int,
+                      checkpoint_every: int | None, validation_dataset: Dataset | None) -> None:
+        """Record the run's length and cadences (plain attributes, no communication)."""
         self.mode = mode
         self.lr_schedule = lr_schedule
         self.batch_size = batch_size
@@ -123,34 +158,17 @@ class Trainer(TrainerIO):
         self.validation_dataset = validation_dataset
         self.state = TrainerState()
         self.skipped_steps = 0
-        self.strategy: Strategy = get_strategy(mode, compression=compression, precision=precision,
-                                               grad_clip=grad_clip, **(strategy_options or {}))
-        if hasattr(self.strategy, "guard"):  # strategies that check for NaN/inf steps
-            self.strategy.guard = NonFiniteGuard(nonfinite)
-        model = self._build_model(build_training_func, optimizer, optimizer_args, seed,
-                                  checkpoint_dir, build_validation_func)
-        self._build_data(training_dataset, validation_batch_size, num_workers, prefetch,
-                         shuffle, seed, drop_last, scaling_learning_rate, warmup_epochs)
-        self._open_checkpoints(checkpoint_dir, keep_last, model, snapshot_every)
-        full, rest = divmod(self.total_steps, self.steps_per_epoch)
-        total = full * self.sampler.total_size + rest * batch_size * self.strategy.dp_size
-        if metrics_path is None and checkpoint_dir is not None:
-            metrics_path = f"{checkpoint_dir}/metrics.jsonl"
-        s = self.strategy
-        self.metrics = MetricsLogger(printer=choose_printer(s),
-                                     reduces=s.reports_loss and s.consumes_data,
-                                     group=s.dp_group, total_samples=total,
-                                     initial_samples=self.state.samples_seen,
-                                     jsonl_path=metrics_path, progress=progress)
-        base = (optimizer_args or {}).get("lr", default_lr(optimizer))
-        msg = start_message(self, mode, precision, compression, base, warmup_epochs)
-        log.info(msg)
-        self.metrics.print(msg)
-        self.metrics.write("start", mode=mode, dp_size=s.dp_size, batch_size=batch_size,
-                           lr_scale=self.lr_scale, warmup_steps=self.warmup_steps,
-                           step=self.state.step, epoch=self.state.epoch)
 
-    # ------------------------------------------------------------------ construction steps
+    @staticmethod
+    def _make_strategy(mode: str, options: dict[str, Any] | None, precision: str,
+                       compression: Any, grad_clip: float | None, nonfinite: str) -> Strategy:
+        """The mode's strategy, with the non-finite guard where the strategy checks steps."""
+        strategy = get_strategy(mode, compression=compression, precision=precision,
+                                grad_clip=grad_clip, **(options or {}))
+        if hasattr(strategy, "guard"):  # strategies that check for NaN/inf steps
+            strategy.guard = NonFiniteGuard(nonfinite)
+        return strategy
+
     def _build_model(self, build: Callable[[], Any], optimizer: type[torch.optim.Optimizer],
                      optimizer_args: dict[str, Any] | None, seed: int | None,
                      checkpoint_dir: str | None,
@@ -160,13 +178,7 @@ class Trainer(TrainerIO):
         s = self.strategy
         if seed is not None:
             torch.manual_seed(seed)
-        built = build()
-        if not (isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], nn.Module)
-                and callable(built[1])):
-            raise ConfigError(f"build_training_func() must return (model, loss_fn) with an "
-                              f"nn.Module and a callable loss_fn(output, target), got "
-                              f"{type(built).__name__}. Hint: return model, nn.CrossEntropyLoss().")
-        model, self.loss_fn = built
+        model, self.loss_fn = check_built(build())
         if checkpoint_dir is not None:
             s.use_checkpoint_dir(str(checkpoint_dir))
         s.setup(model, self.loss_fn, optimizer, dict(optimizer_args or {}))
@@ -200,6 +212,29 @@ class Trainer(TrainerIO):
         self._it: Any = None
         self.last_step: StepResult | None = None
         self._stopped = False
+
+    def _start_metrics(self, metrics_path: str | None, checkpoint_dir: str | None,
+                       progress: bool) -> None:
+        """The metrics logger: progress bar and console on the printing rank, JSONL file."""
+        s = self.strategy
+        full, rest = divmod(self.total_steps, self.steps_per_epoch)
+        total = full * self.sampler.total_size + rest * self.batch_size * s.dp_size
+        if metrics_path is None and checkpoint_dir is not None:
+            metrics_path = f"{checkpoint_dir}/metrics.jsonl"
+        self.metrics = MetricsLogger(printer=choose_printer(s),
+                                     reduces=s.reports_loss and s.consumes_data,
+                                     group=s.dp_group, total_samples=total,
+                                     initial_samples=self.state.samples_seen,
+                                     jsonl_path=metrics_path, progress=progress)
+
+    def _announce(self, msg: str) -> None:
+        """Log the start-up line, print it on the printing rank and record the run's start."""
+        log.info(msg)
+        self.metrics.print(msg)
+        self.metrics.write("start", mode=self.mode, dp_size=self.strategy.dp_size,
+                           batch_size=self.batch_size, lr_scale=self.lr_scale,
+                           warmup_steps=self.warmup_steps, step=self.state.step,
+                           epoch=self.state.epoch)
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -263,14 +298,18 @@ class Trainer(TrainerIO):
             raise with_step(e, self.state.step + 1) from None
         if res.skipped:
             self._note_skip()
-        n = len(y)
-        st = self.state
+        self._advance(len(y), res.loss, factor)
+        return res.loss
+
+    def _advance(self, n: int, loss: float | None, factor: float) -> None:
+        """Count a step of ``n`` samples per replica: log, close the epoch, checkpoint and
+        snapshot when due."""
+        st, s = self.state, self.strategy
         st.step += 1
         st.samples_seen += n * s.dp_size
         st.batch_in_epoch += 1
         self.sampler.advance(n)
-        self.metrics.step(res.loss if res.loss is None or math.isfinite(res.loss) else None,
-                          n, n * s.dp_size)
+        self.metrics.step(loss if loss is None or math.isfinite(loss) else None, n, n * s.dp_size)
         if st.step % self.log_step_size == 0:
             self.metrics.log(st.step, st.epoch, factor, console=True)
         epoch_done = st.batch_in_epoch >= self.steps_per_epoch
@@ -285,7 +324,6 @@ class Trainer(TrainerIO):
                 or (self.checkpoint_every is None and epoch_done)):
             self.save_checkpoint()
         self._snapshot_after_step()
-        return res.loss
 
     def _reached_end(self) -> bool:
         st = self.state
@@ -312,32 +350,6 @@ class Trainer(TrainerIO):
             self.close()
             return True
         return False
-
-    def train_and_validate_to_end(self, validate_every: int | None = None) -> dict[str, float]:
-        """Train until :meth:`should_stop`, validating every ``validate_every`` steps (default:
-        at every epoch end) and at the end.
-
-        Returns:
-            The last validation metrics (empty without a validation set, or on ranks that
-            do not report metrics).
-        """
-        check_positive("validate_every", validate_every)
-        last: dict[str, float] = {}
-        validated_at = -1
-        while not self._stopped and not self._reached_end():
-            if not self.strategy.consumes_data:
-                break
-            epoch = self.state.epoch
-            self.train_on_batch()
-            due = (self.state.step % validate_every == 0 if validate_every
-                   else self.state.epoch != epoch)
-            if self.validation_dataset is not None and due:
-                last, validated_at = self.validate(), self.state.step
-        if (self.validation_dataset is not None and self.strategy.consumes_data
-                and validated_at != self.state.step and not self._stopped):
-            last = self.validate()
-        self.should_stop()
-        return last
 
     def _note_skip(self) -> None:
         self.skipped_steps += 1

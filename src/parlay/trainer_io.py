@@ -1,14 +1,15 @@
-"""The Trainer's input and output across runs: validation over the replicas, disk checkpoints
-and in-memory snapshots. A mixin of :class:`parlay.trainer.Trainer`, kept apart so the loop
-reads at a glance; it uses the Trainer's attributes (``strategy``, ``state``, ``sampler``,
-``metrics``, ``_ckpt``, ...) and has no state of its own."""
+"""The Trainer's input and output across runs: validation over the replicas (and the loop that
+trains with validation in between), disk checkpoints and in-memory snapshots. A mixin of
+:class:`parlay.trainer.Trainer`, kept apart so the loop reads at a glance; it uses the
+Trainer's attributes (``strategy``, ``state``, ``sampler``, ``metrics``, ``_ckpt``, ...) and
+has no state of its own."""
 from __future__ import annotations
 
 import logging
 import time
 import warnings
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Callable
 
 import torch.nn as nn
 from torch.utils.data import Dataset
@@ -20,7 +21,7 @@ from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError
 from parlay.runinfo import trainer_identity
 from parlay.snapshot import open_for_trainer, optimizer_tensors, resume_trainer
-from parlay.trainer_support import TrainerState, evaluate, reduce_metrics
+from parlay.trainer_support import TrainerState, check_positive, evaluate, reduce_metrics
 
 __all__ = ["TrainerIO"]
 
@@ -42,7 +43,11 @@ class TrainerIO:
     _snap: Any
     _val_loader: Any
     _last_ckpt_step: int
+    _stopped: bool
     model: nn.Module | None
+    train_on_batch: Callable[[], Any]
+    should_stop: Callable[[], bool]
+    _reached_end: Callable[[], bool]
 
     # ------------------------------------------------------------------ validation
     def validate(self, dataset: Dataset | None = None) -> dict[str, float]:
@@ -88,6 +93,32 @@ class TrainerIO:
         self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch, result,
                                 seconds=time.perf_counter() - t0)
         return result
+
+    def train_and_validate_to_end(self, validate_every: int | None = None) -> dict[str, float]:
+        """Train until :meth:`should_stop`, validating every ``validate_every`` steps (default:
+        at every epoch end) and at the end.
+
+        Returns:
+            The last validation metrics (empty without a validation set, or on ranks that
+            do not report metrics).
+        """
+        check_positive("validate_every", validate_every)
+        last: dict[str, float] = {}
+        validated_at = -1
+        while not self._stopped and not self._reached_end():
+            if not self.strategy.consumes_data:
+                break
+            epoch = self.state.epoch
+            self.train_on_batch()
+            due = (self.state.step % validate_every == 0 if validate_every
+                   else self.state.epoch != epoch)
+            if self.validation_dataset is not None and due:
+                last, validated_at = self.validate(), self.state.step
+        if (self.validation_dataset is not None and self.strategy.consumes_data
+                and validated_at != self.state.step and not self._stopped):
+            last = self.validate()
+        self.should_stop()
+        return last
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:

@@ -12,7 +12,7 @@ import torch
 from parlay import comm, runtime
 from parlay.errors import ConfigError
 
-__all__ = ["TrainerState", "TrainerSession", "check_positive", "check_trainer_args",
+__all__ = ["TrainerState", "TrainerSession", "check_positive", "check_trainer_args", "check_built",
            "reduce_metrics", "choose_printer", "start_message", "evaluate", "SCHEDULES"]
 
 SCHEDULES = ("constant", "cosine")
@@ -92,6 +92,20 @@ def check_trainer_args(build: Any, optimizer: Any, ints: dict[str, Any],
         raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {lr_schedule!r}.")
     if seed is not None and (not isinstance(seed, int) or seed < 0):
         raise ConfigError(f"seed must be an int >= 0 or None, got {seed!r}.")
+
+
+def check_built(built: Any) -> tuple[Any, Callable[..., Any]]:
+    """``build_training_func()``'s result as ``(model, loss_fn)``.
+
+    Raises:
+        ConfigError: It is not an ``(nn.Module, callable)`` pair.
+    """
+    if not (isinstance(built, tuple) and len(built) == 2
+            and isinstance(built[0], torch.nn.Module) and callable(built[1])):
+        raise ConfigError(f"build_training_func() must return (model, loss_fn) with an "
+                          f"nn.Module and a callable loss_fn(output, target), got "
+                          f"{type(built).__name__}. Hint: return model, nn.CrossEntropyLoss().")
+    return built[0], built[1]
 
 
 def evaluate(strategy: Any, loader: Any, metric_fn: Callable[..., dict[str, Any]]

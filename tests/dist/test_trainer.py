@@ -1,6 +1,7 @@
 """Trainer on real gloo ranks: equivalence with hand-written loops, sharding, validation."""
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -251,6 +252,30 @@ def test_bad_arguments_raise_config_error():
         parlay.Trainer(_build, ds, strategy_options={"bogus": 1}, progress=False)
     with pytest.raises(ConfigError, match="lr_schedule"):
         parlay.Trainer(_build, ds, lr_schedule="step", progress=False)
+    parlay.shutdown()
+
+
+def test_seed_five_arguments_by_position_and_every_option_by_keyword():
+    # The seed's five, typed by position as TensorLayer users did, train; nothing after them
+    # may be positional (a shifted argument would silently land in the wrong option).
+    params = list(inspect.signature(parlay.Trainer).parameters.values())
+    assert [p.name for p in params[:5]] == ["build_training_func", "training_dataset",
+                                            "optimizer", "optimizer_args", "batch_size"]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params[:5])
+    assert len(params) > 20 and all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[5:])
+    ds = _dataset()
+    with pytest.raises(TypeError, match="positional"):
+        parlay.Trainer(_build, ds, torch.optim.SGD, {"lr": LR}, BATCH, "allreduce")
+    t = parlay.Trainer(_build, ds, torch.optim.SGD, {"lr": LR, "momentum": 0.9}, BATCH,
+                       max_iteration=3, progress=False)
+    assert t.batch_size == BATCH and t.mode == "allreduce"
+    group = t.strategy.optimizer.param_groups[0]
+    assert "SGD" in repr(t.strategy.optimizer) and (group["lr"], group["momentum"]) == (LR, 0.9)
+    steps = 0
+    while not t.session.should_stop():
+        t.train_on_batch()
+        steps += 1
+    assert steps == t.state.step == 3
     parlay.shutdown()
 
 
