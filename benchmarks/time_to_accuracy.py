@@ -139,7 +139,7 @@ def worker(data: str | None, target: float, eval_every: int, chunk: int, out: st
     # One-time imports are paid before either clock starts: the first torch.optim optimizer of a
     # process imports torch._dynamo (seconds on a loaded machine), which would otherwise be
     # charged to whichever side is built first.
-    import parlay.dp.strategy  # noqa: F401
+    import parlay.strategies.allreduce  # noqa: F401
     import parlay.trainer  # noqa: F401
 
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])

@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 import parlay
 from parlay import comm
-from parlay.dp.strategy import AllreduceStrategy
+from parlay.strategies.allreduce import AllreduceStrategy
 from parlay.strategies import available_strategies, register_strategy
 from parlay.testing import run_world
 

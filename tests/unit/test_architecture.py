@@ -1,9 +1,11 @@
 """Import contracts (``[tool.importlinter]`` in pyproject.toml), checked with import-linter.
 
-The contracts hold today: ``parlay.horovod`` is a leaf, the runtime knows no mode, and the
-layers run one way. The linter runs in a fresh interpreter (it imports nothing of parlay; it
-parses the sources), and a deliberately broken contract of each type must be reported, so the
-check cannot pass because the linter saw nothing.
+The contracts hold today: ``parlay.horovod`` is a leaf, the runtime knows no mode, the modes
+(``dp``, ``ps``, ``pipeline``) import neither each other (except pipeline -> dp) nor the loop
+(``parlay.strategies``, ``parlay.trainer``), and the layers run one way. The linter runs in a
+fresh interpreter (it imports nothing of parlay; it parses the sources), and a deliberately
+broken contract of each type must be reported, so the check cannot pass because the linter saw
+nothing.
 """
 from __future__ import annotations
 
@@ -42,7 +44,8 @@ def test_import_contracts_hold() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     ids = {c["id"] for c in config["tool"]["importlinter"]["contracts"]}
     assert {"horovod-leaf", "runtime-knows-no-mode", "layers", "env-taskspec-one-way",
-            "horovod-process-sets-below-basics"} <= ids
+            "horovod-process-sets-below-basics", "modes-independent",
+            "strategies-owned-by-trainer"} <= ids
     proc = _lint(ROOT / "pyproject.toml")
     report = proc.stdout + proc.stderr
     assert proc.returncode == 0, "an import contract is broken:\n" + report
@@ -50,7 +53,7 @@ def test_import_contracts_hold() -> None:
 
 
 # One deliberately broken contract per contract type used above, each on an import that exists
-# (dp imports comm; the core imports comm; comm imports errors).
+# (dp imports comm; the core imports comm; comm imports errors; the pipeline imports dp).
 BROKEN = {
     "protected": ("""
         [importlinter:contract:only-runtime-may-import-comm]
@@ -74,6 +77,14 @@ BROKEN = {
             parlay.errors
             parlay.comm
         """, "parlay.comm -> parlay.errors"),
+    "independence": ("""
+        [importlinter:contract:pipeline-without-dp]
+        name = pipeline and dp independent, no exception
+        type = independence
+        modules =
+            parlay.pipeline
+            parlay.dp
+        """, "parlay.pipeline.pipe -> parlay.dp."),
 }
 
 
@@ -84,50 +95,3 @@ def test_a_broken_contract_is_reported(kind: str, tmp_path: Path) -> None:
     report = proc.stdout + proc.stderr
     assert proc.returncode != 0, report
     assert "1 broken" in report and import_line in report, report
-
-
-# Contracts of the target layout that need the strategies/ restructure first. Strict: the day
-# one holds, this test fails (XPASS) and the contract moves into pyproject.toml.
-PENDING = {
-    "modes-independent": """
-        [importlinter:contract:modes-independent]
-        name = modes never import each other (except pipeline -> dp)
-        type = independence
-        modules =
-            parlay.dp
-            parlay.ps
-            parlay.pipeline
-        ignore_imports =
-            parlay.pipeline.** -> parlay.dp.**
-        unmatched_ignore_imports_alerting = none
-        """,
-    "strategies-owned-by-trainer": """
-        [importlinter:contract:strategies-owned-by-trainer]
-        name = modes never import the loop
-        type = forbidden
-        source_modules =
-            parlay.dp
-            parlay.ps
-            parlay.pipeline
-        forbidden_modules =
-            parlay.strategies
-            parlay.trainer
-        """,
-}
-
-
-class ContractBroken(AssertionError):
-    """The linter ran the contract and reported it broken (not a configuration error)."""
-
-
-@pytest.mark.xfail(strict=True, raises=ContractBroken,
-                   reason="modes still import parlay.strategies / each other; the strategies/ "
-                   "restructure makes these hold (then move them to pyproject.toml)")
-@pytest.mark.parametrize("name", sorted(PENDING))
-def test_pending_contracts_of_the_target_layout(name: str, tmp_path: Path) -> None:
-    proc = _lint(_ini(tmp_path, PENDING[name]))
-    report = proc.stdout + proc.stderr
-    if proc.returncode != 0:
-        if "0 kept, 1 broken" not in report:
-            pytest.fail("the pending contract did not run:\n" + report)
-        raise ContractBroken(report)

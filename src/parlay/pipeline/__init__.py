@@ -10,7 +10,7 @@ The public API is small::
 
 plus the pure :func:`partition` (how layers are split), :func:`theoretical_bubble` and the
 schedule registry. In the Trainer the same machinery is ``mode="hybrid"``
-(:mod:`parlay.pipeline.strategy`). Schedules are PyTorch's ``torch.distributed.pipelining``.
+(:mod:`parlay.strategies.hybrid`). Schedules are PyTorch's ``torch.distributed.pipelining``.
 """
 from parlay.pipeline.hybrid import HybridMesh, build_mesh
 from parlay.pipeline.partition import Partition, balance_by_cost, partition

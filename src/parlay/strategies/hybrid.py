@@ -14,57 +14,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parlay import comm, runtime
+from parlay import runtime
 from parlay.errors import ConfigError
-from parlay.nonfinite import NonFiniteGuard
 from parlay.pipeline.pipe import Pipeline
-from parlay.strategies import StepResult, Strategy, register_strategy
+from parlay.strategies.base import StepResult, register_strategy
+from parlay.strategies.template import PRECISIONS, StepTemplate, batch_size_of, to_device
 
 __all__ = ["HybridStrategy"]
 
-_PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-
-class _LossScaler:
-    """Dynamic fp16 loss scale shared by every rank (GradScaler's policy: halve on overflow,
-    double after ``interval`` clean steps). The overflow decision is a world-wide MAX of every
-    rank's inf/NaN flag, so all stages of all replicas skip the same steps."""
-
-    def __init__(self, init: float = 2.0 ** 16, interval: int = 2000) -> None:
-        self.scale, self.interval, self.clean = float(init), interval, 0
-
-    def found_inf(self, grads: list[torch.Tensor]) -> bool:
-        flag = torch.zeros(1)
-        for g in grads:
-            if not torch.isfinite(g).all():
-                flag.fill_(1.0)
-                break
-        comm.allreduce(flag, "max")
-        return bool(flag.item())
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self.clean = self.scale * 0.5, 0
-        else:
-            self.clean += 1
-            if self.clean >= self.interval:
-                self.scale, self.clean = self.scale * 2.0, 0
-
-    def state_dict(self) -> dict[str, float]:
-        return {"scale": self.scale, "clean": self.clean}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.scale, self.clean = float(state["scale"]), int(state["clean"])
-
-
-class HybridStrategy(Strategy):
+class HybridStrategy(StepTemplate):
     """Pipeline parallel within a replica, data parallel across replicas.
 
     Args:
         compression: Compressor for the data-parallel gradient allreduce (``"fp16"``, ...).
         precision: ``"fp32"``, ``"bf16"`` (autocast inside every stage) or ``"fp16"``
-            (autocast plus a dynamic loss scale whose overflow/skip decision is agreed by
-            every rank, so all stages skip the same steps).
+            (autocast plus the dynamic loss scale of
+            :class:`~parlay.strategies.template.LossScaler`, whose overflow/skip decision is
+            agreed by every rank of the world, so all stages skip the same steps).
         grad_clip: Clip the whole model's gradient norm (over every stage) after averaging.
         pp: Ranks per pipeline. Default: the stage count the launch was given
             (``parlay run --pp P``, i.e. ``runtime.cluster().pipeline_stages``), else 2.
@@ -93,25 +60,15 @@ class HybridStrategy(Strategy):
                               "compression, precision, grad_clip, pp, chunks, schedule, balance, "
                               "split_points, by, virtual_stages, activation_dtype, bucket_cap_mb, "
                               "loss_scale.")
-        if precision not in _PRECISIONS:
-            raise ConfigError(f"precision must be one of {sorted(_PRECISIONS)}, got "
-                              f"{precision!r}. Hint: 'bf16' needs no loss scaling.")
-        if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
-            raise ConfigError(f"grad_clip must be a positive number or None, got {grad_clip!r}.")
-        self.compression, self.precision, self.grad_clip = compression, precision, grad_clip
+        # Stages hold different gradients: the overflow flag is agreed over the world.
+        super().__init__(precision, grad_clip, loss_scale, scaler_group=None, scaler_agree=True)
+        self.compression = compression
         self._pp = pp
         self.options = dict(chunks=chunks, schedule=schedule, balance=balance,
                             split_points=split_points, by=by, virtual_stages=virtual_stages,
                             activation_dtype=activation_dtype)
         self.bucket_cap_mb = bucket_cap_mb
-        self.scaler = (_LossScaler(2.0 ** 16 if loss_scale is None else float(loss_scale))
-                       if precision == "fp16" else None)
         self.pipe: Pipeline | None = None
-        self.optimizer: Any = None
-        self._base_lrs: list[float] = []
-        #: The non-finite policy (set by ``Trainer(nonfinite=...)``); fp16 keeps its own
-        #: agreed overflow skipping.
-        self.guard = NonFiniteGuard("raise")
         self._bytes = {"fwd_bytes": 0, "bwd_bytes": 0, "fwd_dense_bytes": 0,
                        "bwd_dense_bytes": 0, "steps": 0}
 
@@ -162,73 +119,40 @@ class HybridStrategy(Strategy):
             raise ConfigError("mode 'hybrid' does not use parameter servers, but the cluster has "
                               f"{runtime.cluster().num_ps}. Hint: launch without --ps.")
         self.pipe = Pipeline(model, loss_fn, stages=self.pp,
-                             autocast_dtype=_PRECISIONS[self.precision], **self.options)
-        try:
-            opt = optimizer_cls(self.pipe.parameters(), **optimizer_args)
-        except TypeError as e:
-            raise ConfigError(f"could not build {getattr(optimizer_cls, '__name__', optimizer_cls)}"
-                              f" with optimizer_args={optimizer_args}: {e}") from e
+                             autocast_dtype=PRECISIONS[self.precision], **self.options)
+        opt = self._new_optimizer(optimizer_cls, self.pipe.parameters(), optimizer_args)
         self.optimizer = self.pipe.distributed_optimizer(
             opt, compression=self.compression, bucket_cap_mb=self.bucket_cap_mb)
-        self._base_lrs = [float(g["lr"]) for g in opt.param_groups]
 
     def _to(self, t: Any) -> Any:
-        dev = self._ready().device
-        if isinstance(t, torch.Tensor):
-            return t.to(dev, non_blocking=True)
-        if isinstance(t, (list, tuple)):
-            return type(t)(self._to(v) for v in t)
-        return t
+        return to_device(t, self._ready().device)
 
     def train_step(self, x: Any, y: Any) -> StepResult:
         pipe, opt = self._ready(), self.optimizer
         pipe.train(True)
         opt.zero_grad(set_to_none=True)
-        skipped = False
+        saved = None
         if self.scaler is not None:
-            pipe.loss_scale = self.scaler.scale
-            out = pipe.step(self._to(x), self._to(y))
-            opt.synchronize()                       # average over replicas first
-            grads = [p.grad for p in pipe.parameters() if p.grad is not None]
-            skipped = self.scaler.found_inf(grads)  # agreed by every rank
-            if not skipped:
-                for g in grads:
-                    g.div_(self.scaler.scale)
-                if self.grad_clip is not None:
-                    pipe.clip_grad_norm_(float(self.grad_clip))
-                with opt.skip_synchronize():
-                    opt.step()
-            self.scaler.update(skipped)
+            pipe.loss_scale = self.scaler.scale    # the pipeline scales its own backward
         else:
             saved = self.guard.snapshot(opt.compression)
-            out = pipe.step(self._to(x), self._to(y))
-            opt.synchronize()                       # average over replicas first
-            skipped = self._nonfinite(out, saved)
-            if not skipped:
-                if self.grad_clip is not None:
-                    pipe.clip_grad_norm_(float(self.grad_clip))
-                with opt.skip_synchronize():
-                    opt.step()
+        out = pipe.step(self._to(x), self._to(y))
+
+        def nonfinite() -> bool:
+            # Over every stage of every replica (the world): stages hold different gradients.
+            named = [(n, p.grad) for n, p in pipe.named_parameters() if p.grad is not None]
+            loss = float(out.loss.detach().float().item()) if out.loss is not None else None
+            return self._skip_nonfinite(loss, named, saved)
+
+        skipped = self._update(
+            lambda: [p.grad for p in pipe.parameters() if p.grad is not None], nonfinite,
+            pipe.clip_grad_norm_)
         b = self._bytes
         for k in ("fwd_bytes", "bwd_bytes", "fwd_dense_bytes", "bwd_dense_bytes"):
             b[k] += getattr(out, k)
         b["steps"] += 1
-        n = len(y) if hasattr(y, "__len__") else 1
         loss = float(out.loss.item()) if out.loss is not None else None
-        return StepResult(loss=loss, samples=n, skipped=skipped)
-
-    def _nonfinite(self, out: Any, saved: dict[str, Any] | None) -> bool:
-        """Agree over every stage of every replica (the world) whether the step went
-        non-finite; raise, or undo it (compression state back, gradients zeroed)."""
-        pipe, opt = self._ready(), self.optimizer
-        named = [(n, p.grad) for n, p in pipe.named_parameters() if p.grad is not None]
-        loss = float(out.loss.detach().float().item()) if out.loss is not None else None
-        if not self.guard.must_skip(loss, named):
-            return False
-        if saved is not None:
-            opt.compression.load_state_dict(saved)
-        opt.zero_grad(set_to_none=True)
-        return True
+        return StepResult(loss=loss, samples=batch_size_of(y), skipped=skipped)
 
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor | None:
@@ -241,18 +165,13 @@ class HybridStrategy(Strategy):
             for m, w in zip(pipe.modules, was):
                 m.train(w)
 
-    def set_lr_factor(self, factor: float) -> None:
-        for g, base in zip(self.optimizer.param_groups, self._base_lrs):
-            g["lr"] = base * factor
-
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         pipe = self._ready()
-        sd = {"model": pipe.state_dict(), "optimizer": self.optimizer.state_dict(),
-              "stages": list(pipe.stage_ids), "balance": list(pipe.partition.balance)}
-        if self.scaler is not None:
-            sd["scaler"] = self.scaler.state_dict()
-        return sd
+        return self._scaler_state({"model": pipe.state_dict(),
+                                   "optimizer": self.optimizer.state_dict(),
+                                   "stages": list(pipe.stage_ids),
+                                   "balance": list(pipe.partition.balance)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pipe = self._ready()
@@ -264,8 +183,7 @@ class HybridStrategy(Strategy):
                               "the same pp, schedule and balance.")
         pipe.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scaler is not None and "scaler" in state:
-            self.scaler.load_state_dict(state["scaler"])
+        self._load_scaler_state(state)
 
     def comm_stats(self) -> dict[str, float]:
         """Bytes between stages per step (wire and dense) and the data-parallel gradient bytes."""

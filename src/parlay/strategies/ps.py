@@ -18,12 +18,10 @@ server and every still-training worker holds, and workers lost before it sit out
 from __future__ import annotations
 
 import os
-
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
-
 
 from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager
@@ -32,7 +30,8 @@ from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.consistency import get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
 from parlay.ps.session import DistributedSession
-from parlay.strategies import StepResult, Strategy, register_strategy
+from parlay.strategies.base import StepResult, Strategy, register_strategy
+from parlay.strategies.template import autocast_context, batch_size_of, check_precision
 
 __all__ = ["ParameterServerStrategy"]
 
@@ -70,9 +69,7 @@ class ParameterServerStrategy(Strategy):
             raise ConfigError(f"mode 'ps' got unknown option(s) {sorted(unknown)}; it takes "
                               "compression, precision, consistency, checkpoint_dir, placement, "
                               "split_bytes, timeout, checkpoint_every, max_steps.")
-        if precision not in ("fp32", "bf16"):
-            raise ConfigError(f"mode 'ps' supports precision 'fp32' or 'bf16', got "
-                              f"{precision!r}. Hint: bf16 needs no loss scaling.")
+        check_precision(precision, "ps", supported=("fp32", "bf16"))
         if grad_clip is not None:
             raise ConfigError("mode 'ps' cannot clip the global gradient norm (gradients are "
                               "averaged on the servers, each holding a different shard). Hint: "
@@ -185,8 +182,6 @@ class ParameterServerStrategy(Strategy):
         if self.session.worker is not None:  # raise before a NaN reaches the servers
             self.session.worker.before_push = self.guard.check_local
         if self.session.worker is not None and self.precision == "bf16":
-            from parlay.dp.strategy import autocast_context
-
             dev = self._device
             self.session.worker.forward_context = lambda: autocast_context("bf16", dev)
 
@@ -221,8 +216,7 @@ class ParameterServerStrategy(Strategy):
         s = self._ready()
         assert self._loss_fn is not None
         loss = s.train_step((x, y), self._loss_fn)
-        n = len(y) if hasattr(y, "__len__") else 1
-        return StepResult(loss=loss, samples=n)
+        return StepResult(loss=loss, samples=batch_size_of(y))
 
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor | None:

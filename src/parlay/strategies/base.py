@@ -1,8 +1,9 @@
-"""Strategy protocol and registry: the one place the three modes meet.
+"""Strategy protocol, :class:`StepResult` and the mode registry: the one place the modes meet.
 
 The :class:`~parlay.trainer.Trainer` knows nothing about allreduce, parameter servers or
 pipelines; it asks the registry for ``mode`` and drives the returned :class:`Strategy`.
-A new mode is one class plus one :func:`register_strategy` call.
+A new mode is one class plus one :func:`register_strategy` call. The built-in modes live next
+to this module (``allreduce.py``, ``ps.py``, ``hybrid.py``) and register when first asked for.
 """
 from __future__ import annotations
 
@@ -130,8 +131,8 @@ class Strategy:
 
 
 # Built-in mode -> the module whose import registers it.
-_BUILTIN = {"allreduce": "parlay.dp.strategy", "ps": "parlay.ps.strategy",
-            "hybrid": "parlay.pipeline.strategy"}
+_BUILTIN = {"allreduce": "parlay.strategies.allreduce", "ps": "parlay.strategies.ps",
+            "hybrid": "parlay.strategies.hybrid"}
 
 
 def _load_builtin(only: str | None = None) -> None:

@@ -1,0 +1,23 @@
+"""How the :class:`~parlay.trainer.Trainer` trains a model across processes, one mode per
+strategy. Owned by the Trainer: the mode packages (:mod:`parlay.dp`, :mod:`parlay.ps`,
+:mod:`parlay.pipeline`) know nothing of it.
+
+- :mod:`~parlay.strategies.base`: the :class:`Strategy` protocol, :class:`StepResult` and the
+  registry of modes (:func:`get_strategy`, :func:`register_strategy`).
+- :mod:`~parlay.strategies.template`: what every mode shares: precision (autocast), the one
+  fp16 :class:`~parlay.strategies.template.LossScaler`, gradient clipping, optimizer
+  construction and the order of a data-parallel step (average, check, unscale, clip, step).
+- ``allreduce.py``, ``ps.py``, ``hybrid.py``: thin adapters over :mod:`parlay.dp`,
+  :mod:`parlay.ps` and :mod:`parlay.pipeline`, imported when their mode is first asked for
+  (the hybrid mode pulls in ``torch.distributed.pipelining``, seconds on a loaded machine).
+"""
+from parlay.strategies.base import (
+    _REGISTRY,
+    StepResult,
+    Strategy,
+    available_strategies,
+    get_strategy,
+    register_strategy,
+)
+
+__all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies"]

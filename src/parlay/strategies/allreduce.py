@@ -1,0 +1,169 @@
+"""The ``"allreduce"`` strategy: data parallel training with :class:`DistributedOptimizer`.
+
+Every rank holds the whole model; gradients are averaged (optionally compressed) by the
+bucketed, overlapped engine of :mod:`parlay.dp.optimizer`. Precision, the fp16 loss scale,
+clipping and the order of the update are the shared template's
+(:mod:`parlay.strategies.template`): gradients are averaged *before* the overflow check, so
+every rank sees the same averaged gradients, finds the same overflow and skips the same steps
+without a message.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from parlay import comm, runtime
+from parlay.dp.functions import broadcast_parameters
+from parlay.dp.optimizer import DistributedOptimizer
+from parlay.errors import ConfigError
+from parlay.strategies.base import StepResult, register_strategy
+from parlay.strategies.template import StepTemplate, autocast_context, batch_size_of, to_device
+
+__all__ = ["AllreduceStrategy"]
+
+
+class AllreduceStrategy(StepTemplate):
+    """Data parallel over every rank of the world (or ``process_group``).
+
+    Args:
+        compression: Gradient compressor name or object (see :mod:`parlay.compress`).
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a dynamic
+            loss scale, :class:`~parlay.strategies.template.LossScaler`).
+        grad_clip: Clip the global gradient norm to this value after averaging (None: off).
+        backward_passes_per_step: Passed to :class:`DistributedOptimizer`.
+        bucket_cap_mb: Passed to :class:`DistributedOptimizer`.
+        hierarchical: Passed to :class:`DistributedOptimizer`: ``True`` reduces inside each
+            host first (``"auto"``: when the ranks span hosts with several ranks each).
+        process_group: Group to train over (default: the world).
+        loss_scale: Initial fp16 loss scale (default 2**16).
+
+    Raises:
+        ConfigError: Bad precision, clip value, or an unknown option.
+    """
+
+    name = "allreduce"
+
+    def __init__(self, compression: Any = None, precision: str = "fp32",
+                 grad_clip: float | None = None, backward_passes_per_step: int = 1,
+                 bucket_cap_mb: float = 25, process_group: Any = None,
+                 loss_scale: float | None = None, hierarchical: bool | str = False,
+                 **unknown: Any) -> None:
+        if unknown:
+            raise ConfigError(f"mode 'allreduce' got unknown option(s) {sorted(unknown)}; it "
+                              "takes compression, precision, grad_clip, "
+                              "backward_passes_per_step, bucket_cap_mb, process_group, "
+                              "loss_scale, hierarchical.")
+        # The scaler checks gradients averaged over the whole group, identical on every rank:
+        # each rank finds the same overflow without a message.
+        super().__init__(precision, grad_clip, loss_scale, scaler_group=process_group,
+                         scaler_agree=False)
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.bucket_cap_mb = bucket_cap_mb
+        self.process_group = process_group
+        self.loss_scale = loss_scale
+        self.hierarchical = hierarchical
+        self.model: nn.Module | None = None
+        self._loss_fn: Callable[..., torch.Tensor] | None = None
+        self._device = torch.device("cpu")
+
+    # ------------------------------------------------------------------ topology
+    @property
+    def dp_size(self) -> int:
+        return comm.group_size(self.process_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return comm.group_rank(self.process_group)
+
+    @property
+    def dp_group(self) -> Any:
+        return self.process_group
+
+    @property
+    def train_group(self) -> Any:
+        return self.process_group
+
+    # ------------------------------------------------------------------ life cycle
+    def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
+              optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
+        self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
+        self.model = model.to(self._device)
+        self._loss_fn = loss_fn
+        opt = self._new_optimizer(optimizer_cls, self.model.parameters(), optimizer_args)
+        # Identical start on every rank, even if the model was built with different seeds.
+        # The optimizer was just built from the same arguments on every rank and holds no state
+        # yet, so there is nothing of it to broadcast (broadcast_optimizer_state would also
+        # send a pickled skeleton, which the training path never unpickles).
+        broadcast_parameters(self.model.state_dict(), root_rank=0, process_group=self.process_group)
+        self.optimizer = DistributedOptimizer(
+            opt, named_parameters=self.model.named_parameters(), compression=self.compression,
+            backward_passes_per_step=self.backward_passes_per_step,
+            bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group,
+            hierarchical=self.hierarchical)
+
+    def _ready(self) -> tuple[nn.Module, DistributedOptimizer, Callable[..., torch.Tensor]]:
+        if self.model is None or self.optimizer is None or self._loss_fn is None:
+            raise ConfigError("AllreduceStrategy.setup(...) must run before training.")
+        return self.model, self.optimizer, self._loss_fn
+
+    def train_step(self, x: Any, y: Any) -> StepResult:
+        model, opt, loss_fn = self._ready()
+        model.train()
+        x, y = to_device(x, self._device), to_device(y, self._device)
+        opt.zero_grad(set_to_none=True)
+        with autocast_context(self.precision, self._device):
+            loss = loss_fn(model(x), y)
+        saved = None
+        if self.scaler is not None:
+            self.scaler.scale_loss(loss).backward()
+        else:
+            saved = self.guard.snapshot(opt.compression)
+            self.guard.mark(loss).backward()
+
+        def nonfinite() -> bool:
+            named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+            return self._skip_nonfinite(float(loss.detach().float().item()), named, saved,
+                                        self.process_group, marked=True)
+
+        skipped = self._update(
+            lambda: [p.grad for p in model.parameters() if p.grad is not None], nonfinite,
+            lambda norm: torch.nn.utils.clip_grad_norm_(model.parameters(), norm))
+        return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
+                          skipped=skipped)
+
+    @torch.no_grad()
+    def eval_forward(self, x: Any) -> torch.Tensor:
+        model, _, _ = self._ready()
+        was_training = model.training
+        model.eval()
+        try:
+            with autocast_context(self.precision, self._device):
+                return model(to_device(x, self._device))
+        finally:
+            model.train(was_training)
+
+    def set_lr_factor(self, factor: float) -> None:
+        self._ready()
+        super().set_lr_factor(factor)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        model, opt, _ = self._ready()
+        return self._scaler_state({"model": model.state_dict(), "optimizer": opt.state_dict()})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        model, opt, _ = self._ready()
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        self._load_scaler_state(state)
+
+    def comm_stats(self) -> dict[str, float]:
+        """Gradient bytes per step before and after compression."""
+        _, opt, _ = self._ready()
+        return opt.comm_stats()
+
+
+register_strategy("allreduce", AllreduceStrategy)
