@@ -158,8 +158,10 @@ def _launch(ns: argparse.Namespace, target: list[str]) -> int:
     env = _launch_env(ns, single_node, run_dir)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # An id generated here is this job's alone: its snapshots go when the job does.
+    own_id = argv[argv.index("--rdzv-id") + 1] if single_node and not ns.rdzv_id else None
     try:
-        return run_torchrun(argv, run_dir)
+        return run_torchrun(argv, run_dir, own_id)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -195,13 +195,30 @@ def _parlay_agent(policy: DropPolicy) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------- running torchrun
-def run_torchrun(argv: list[str], run_dir: str) -> int:
+def run_torchrun(argv: list[str], run_dir: str, own_run_id: str | None = None) -> int:
     """Run ``torch.distributed.run`` with parlay's agent; report failures; return the exit code.
 
     Args:
         argv: torchrun's arguments (see :func:`parlay.cli.torchrun_argv`).
         run_dir: The job's ``PARLAY_RUN_DIR``.
+        own_run_id: A run id ``parlay run`` generated for this job (no later job can have
+            it): its in-memory snapshots are removed when this returns, and by the next
+            ``parlay run`` on the host should this process be killed
+            (:mod:`parlay.snapshot.owner`). ``None``: the user chose the id; snapshots stay
+            for a relaunch with it.
     """
+    from parlay.snapshot.owner import claim, sweep
+
+    sweep()  # runs whose launcher was killed before it could remove their snapshots
+    owner = claim(own_run_id) if own_run_id else None
+    try:
+        return _run_agent(argv, run_dir)
+    finally:
+        if owner is not None:
+            owner.release()
+
+
+def _run_agent(argv: list[str], run_dir: str) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

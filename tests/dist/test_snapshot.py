@@ -97,7 +97,7 @@ def _launch(tmp: Path, case: str, kill_rank: int = -1, kill_step: int = -1,
                         str(kill_rank), str(kill_step), "lose" if lose else "keep"],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    assert not [f for f in shm.rglob("*") if f.is_file()], "snapshots are cleared at the end"
+    assert list(shm.iterdir()) == [], "snapshots (and the launcher's owner file) go at the end"
     return p, out
 
 
@@ -310,3 +310,53 @@ def test_newer_of_snapshot_and_disk_checkpoint_wins(tmp_path, checkpoint_every, 
         assert all(torch.equal(p, q) for p, q in zip(params, want_params))
     if run_id == "job-a":
         assert not [f for f in (tmp_path / "shm").rglob("*") if f.is_file()], "cleared at the end"
+
+
+# ---------------------------------------------------------------------- a whole job killed
+HOLD = textwrap.dedent('''
+    import os, sys, torch
+    from parlay.snapshot import SnapshotStore, run_key
+    if sys.argv[1] == "hold":  # snapshot, then wait to be killed with the launcher
+        store = SnapshotStore(run_key("m"), int(os.environ["RANK"]))
+        store.save(1, {"w": torch.ones(2)})
+        print(f"ready {os.getpid()}", flush=True)
+        sys.stdin.read()
+''')
+
+
+def test_whole_job_sigkill_keeps_snapshots_until_the_next_launch_sweeps_them(tmp_path):
+    import signal
+
+    (tmp_path / "hold.py").write_text(HOLD)
+    shm = tmp_path / "shm"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                        "PARLAY_RUN_ID")}
+    env.update(PARLAY_SNAPSHOT_DIR=str(shm), OMP_NUM_THREADS="1")
+    user = shm / "my-job-0123456789ab" / "rank0"  # a run id the user chose: never swept
+    user.mkdir(parents=True)
+    cmd = [sys.executable, "-m", "parlay.cli", "run", "-n", "2", str(tmp_path / "hold.py")]
+    p = subprocess.Popen([*cmd, "hold"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        pids = []
+        while len(pids) < 2:
+            line = p.stdout.readline()
+            assert line, "the job ended before its ranks snapshotted"
+            if line.startswith("ready "):
+                pids.append(int(line.split()[1]))
+    finally:  # the launcher's group, then its workers (torchrun gives each its own session)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate(timeout=30)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    # Nothing removed them: a restart of the same run id could still read them.
+    runs = [d for d in shm.iterdir() if d.is_dir() and d.name != "my-job-0123456789ab"]
+    assert len(runs) == 1 and sorted(f.name for f in runs[0].rglob("snap-*")) == \
+        ["snap-0000000001.s0.json"] * 2
+    assert [f.name for f in shm.glob("*.owner")] == [runs[0].name[:-13] + ".owner"]
+    # The next job on the host finds that run's processes all gone and sweeps it.
+    q = subprocess.run([*cmd, "pass"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert q.returncode == 0, q.stderr[-3000:]
+    assert sorted(p.name for p in shm.iterdir()) == ["my-job-0123456789ab"]

@@ -12,7 +12,6 @@ import hashlib
 import logging
 import os
 import random
-import re
 import warnings
 from typing import Any
 
@@ -22,6 +21,7 @@ import torch
 
 from parlay import comm, runtime
 from parlay.errors import CheckpointError, ConfigError
+from parlay.snapshot.owner import run_name
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
@@ -55,7 +55,7 @@ def run_key(identity: str) -> str | None:
     else:
         return None
     digest = hashlib.sha1(f"{FORMAT_VERSION}|{identity}".encode()).hexdigest()[:12]
-    return f"{re.sub(r'[^A-Za-z0-9._-]', '_', run)[:100]}-{digest}"
+    return f"{run_name(run)}-{digest}"
 
 
 _REPORT = 16  # newest steps each rank reports when the ranks agree where to resume
@@ -63,17 +63,16 @@ _REPORT = 16  # newest steps each rank reports when the ranks agree where to res
 
 def _gather_steps(steps: list[int], group: Any) -> list[set[int]]:
     world = comm.group_size(group)
-    row = torch.full((_REPORT,), -1, dtype=torch.int64)
     newest = steps[-_REPORT:]
-    if newest:
-        row[: len(newest)] = torch.tensor(newest, dtype=torch.int64)
-    out = torch.empty(world * _REPORT, dtype=torch.int64)
+    dev = comm.group_device(group)  # a NCCL-only group gathers CUDA tensors only
+    row = torch.tensor(newest + [-1] * (_REPORT - len(newest)), dtype=torch.int64, device=dev)
+    out = torch.empty(world * _REPORT, dtype=torch.int64, device=dev)
     comm.allgather_into(out, row, group=group)
     return [{v for v in r if v >= 0} for r in out.view(world, _REPORT).tolist()]
 
 
 def _everyone(ok: bool, group: Any) -> bool:
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=comm.group_device(group))
     comm.allreduce(t, "min", group=group)
     return bool(t.item())
 

@@ -35,7 +35,6 @@ import mmap
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ import torch
 from parlay.errors import CheckpointError, ConfigError
 from parlay.snapshot.codec import decode, encode, layout, read_data, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
+from parlay.snapshot.owner import default_root, hold
 
 __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
@@ -52,17 +52,6 @@ log = logging.getLogger("parlay")
 FORMAT_VERSION = 1  #: Bumped when the snapshot layout changes incompatibly.
 _META = re.compile(r"^snap-(\d{10})\.s(\d+)\.json$")
 _MKDIR_TRIES = 20  # tries to create a rank's folder while other ranks clear the run folder
-
-
-def default_root() -> Path:
-    """``$PARLAY_SNAPSHOT_DIR``, else ``/dev/shm/parlay`` (host memory), else a temp folder."""
-    env = os.environ.get("PARLAY_SNAPSHOT_DIR")
-    if env:
-        return Path(env).expanduser()
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm / "parlay"
-    return Path(tempfile.gettempdir()) / "parlay-snapshots"
 
 
 class SnapshotStore:
@@ -92,6 +81,7 @@ class SnapshotStore:
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.directory = self.root / key / f"rank{self.rank}"
         self._make_folder()
+        self._owner_fd = hold(self.root, key)  # a sweep leaves this run alone while it is held
         for stale in self.directory.glob(".*.tmp*"):
             stale.unlink(missing_ok=True)  # left by a process killed while writing
         for step, slot in self._committed():
@@ -313,3 +303,6 @@ class SnapshotStore:
             self.directory.parent.rmdir()
         except OSError:
             pass
+        if self._owner_fd >= 0:
+            os.close(self._owner_fd)
+            self._owner_fd = -1

@@ -1,0 +1,187 @@
+"""Who owns a run's snapshot folders, and sweeping the folders whose owner is gone.
+
+Snapshots must outlive the processes that wrote them (a restarted job reads them), so the death
+of a rank removes nothing. Folders of a run are removed
+
+* by the Trainer when training ends (:meth:`~parlay.snapshot.SnapshotStore.clear`);
+* by ``parlay run`` when it exits, for a run id it generated itself: no later job can have
+  that id, so nothing could ever read them again;
+* by the next ``parlay run`` on the host, for generated ids whose launcher is gone (killed
+  with SIGKILL, by the OOM killer, or with its whole process group): the launcher holds an
+  shared ``flock`` on ``<root>/<run>.owner`` for its lifetime, so does every rank's
+  :class:`~parlay.snapshot.SnapshotStore` of that run (workers may outlive a killed launcher),
+  and the kernel drops a lock when its process dies, however it dies. An exclusive lock that
+  can be taken means every process of the run is gone. (A lock, not a pid: pids are reused,
+  and a pid in another container's namespace says nothing here.)
+
+Run ids a user chose (``PARLAY_RUN_ID``, ``SLURM_JOB_ID``, ``parlay run --rdzv-id``) have no
+owner file and are never swept: relaunching the job with the same id resumes from them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no owner files, nothing swept
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "default_root"]
+
+log = logging.getLogger("parlay")
+
+_OWNER = ".owner"
+_STALE_TMP_S = 60.0  # a claim's temporary file older than this was left by a dead launcher
+_DIGEST = r"-[0-9a-f]{12}"  # what run_key appends to the run name
+
+
+def default_root() -> Path:
+    """``$PARLAY_SNAPSHOT_DIR``, else ``/dev/shm/parlay`` (host memory), else a temp folder."""
+    env = os.environ.get("PARLAY_SNAPSHOT_DIR")
+    if env:
+        return Path(env).expanduser()
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / "parlay"
+    return Path(tempfile.gettempdir()) / "parlay-snapshots"
+
+
+def run_name(run_id: str) -> str:
+    """The part of a snapshot key (a folder name) that names run ``run_id``."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:100]
+
+
+def _folders(root: Path, name: str) -> list[Path]:
+    pattern = re.compile(re.escape(name) + _DIGEST)
+    return [d for d in root.iterdir() if d.is_dir() and pattern.fullmatch(d.name)]
+
+
+def _remove_run(root: Path, name: str) -> None:
+    for d in _folders(root, name):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+class RunOwner:
+    """The lock a live launcher holds on its run's snapshot folders (see :func:`claim`)."""
+
+    def __init__(self, root: Path, name: str, fd: int) -> None:
+        self.root, self.name, self._fd = root, name, fd
+
+    @property
+    def path(self) -> Path:
+        """The owner file."""
+        return self.root / f"{self.name}{_OWNER}"
+
+    def release(self) -> None:
+        """Remove the run's snapshot folders and the owner file, then drop the lock."""
+        if self._fd < 0:
+            return
+        try:
+            _remove_run(self.root, self.name)
+            self.path.unlink(missing_ok=True)
+        except OSError as e:
+            log.debug("could not remove the snapshots of run %s: %s", self.name, e)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def claim(run_id: str, root: str | os.PathLike[str] | None = None) -> RunOwner | None:
+    """Make this process the owner of run ``run_id``'s snapshot folders until it exits or calls
+    :meth:`RunOwner.release`; ``None`` where it cannot (no ``fcntl``, folder not writable:
+    the run then simply has no owner and is never swept).
+
+    The owner file is locked before it gets its name (a temporary file renamed into place),
+    so a concurrent :func:`sweep` never sees it unlocked.
+    """
+    if fcntl is None:
+        return None
+    base = Path(root).expanduser() if root is not None else default_root()
+    name = run_name(run_id)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=base, prefix=f".{name}.", suffix=".tmp")
+    except OSError as e:
+        log.debug("no owner file for run %s in %s: %s", name, base, e)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        os.replace(tmp, base / f"{name}{_OWNER}")
+    except OSError as e:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        log.debug("no owner file for run %s in %s: %s", name, base, e)
+        return None
+    return RunOwner(base, name, fd)
+
+
+def hold(root: Path, key: str) -> int:
+    """A shared lock on the owner file of snapshot key ``key``'s run, held by a rank while it
+    keeps snapshots (released when the fd is closed or the process dies); ``-1`` when the run
+    has no owner file (a user-chosen id: never swept)."""
+    m = re.fullmatch(r"(.+)" + _DIGEST, key)
+    if fcntl is None or m is None:
+        return -1
+    try:
+        fd = os.open(root / f"{m.group(1)}{_OWNER}", os.O_RDONLY)
+    except OSError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # blocks only while a sweep checks it (microseconds)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _owner_gone(path: Path) -> bool:
+    """Whether ``path``'s lock is free (its owner died); a free lock is left unlocked again."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # removed meanwhile by another sweep or its owner
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False  # held: the owner lives
+    finally:
+        os.close(fd)
+    return True
+
+
+def sweep(root: str | os.PathLike[str] | None = None) -> list[str]:
+    """Remove the snapshot folders of every run whose owner is gone; returns their names.
+
+    Folders without an owner file (ids a user chose) are left alone.
+    """
+    if fcntl is None:
+        return []
+    base = Path(root).expanduser() if root is not None else default_root()
+    if not base.is_dir():
+        return []
+    gone = []
+    try:
+        for path in base.glob(f"*{_OWNER}"):
+            name = path.name[: -len(_OWNER)]
+            if _owner_gone(path):
+                _remove_run(base, name)
+                path.unlink(missing_ok=True)
+                gone.append(name)
+        now = time.time()
+        for tmp in base.glob(".*.tmp"):  # a launcher killed while claiming
+            if now - tmp.stat().st_mtime > _STALE_TMP_S and _owner_gone(tmp):
+                tmp.unlink(missing_ok=True)
+    except OSError as e:  # another sweep raced us: the next one finishes the job
+        log.debug("snapshot sweep of %s stopped: %s", base, e)
+    if gone:
+        log.info("removed the snapshots of %d run(s) whose launcher is gone: %s", len(gone),
+                 ", ".join(gone))
+    return gone
