@@ -161,8 +161,12 @@ class LossScaler:
         if self.found_inf(grads):
             return True
         inv = 1.0 / self.scale
+        dense = [g for g in grads if not g.is_sparse]
+        if dense:  # one fused launch per device and dtype, as GradScaler's unscale_
+            torch._foreach_mul_(dense, inv)
         for g in grads:
-            g.mul_(inv)
+            if g.is_sparse:
+                g.mul_(inv)
         return False
 
     def update(self, skipped: bool) -> None:
