@@ -314,17 +314,18 @@ def test_newer_of_snapshot_and_disk_checkpoint_wins(tmp_path, checkpoint_every, 
 
 # ---------------------------------------------------------------------- a whole job killed
 HOLD = textwrap.dedent('''
-    import os, sys, torch
+    import os, signal, sys, torch
     from parlay.snapshot import SnapshotStore, run_key
     if sys.argv[1] == "hold":  # snapshot, then wait to be killed with the launcher
         store = SnapshotStore(run_key("m"), int(os.environ["RANK"]))
         store.save(1, {"w": torch.ones(2)})
         print(f"ready {os.getpid()}", flush=True)
-        sys.stdin.read()
+        signal.pause()
 ''')
 
 
 def test_whole_job_sigkill_keeps_snapshots_until_the_next_launch_sweeps_them(tmp_path):
+    import contextlib
     import signal
 
     (tmp_path / "hold.py").write_text(HOLD)
@@ -336,8 +337,8 @@ def test_whole_job_sigkill_keeps_snapshots_until_the_next_launch_sweeps_them(tmp
     user = shm / "my-job-0123456789ab" / "rank0"  # a run id the user chose: never swept
     user.mkdir(parents=True)
     cmd = [sys.executable, "-m", "parlay.cli", "run", "-n", "2", str(tmp_path / "hold.py")]
-    p = subprocess.Popen([*cmd, "hold"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen([*cmd, "hold"], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
         pids = []
         while len(pids) < 2:
@@ -347,9 +348,10 @@ def test_whole_job_sigkill_keeps_snapshots_until_the_next_launch_sweeps_them(tmp
                 pids.append(int(line.split()[1]))
     finally:  # the launcher's group, then its workers (torchrun gives each its own session)
         os.killpg(p.pid, signal.SIGKILL)
-        p.communicate(timeout=30)
         for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        p.communicate(timeout=30)  # EOF once the workers, which share the pipe, are dead
     # Nothing removed them: a restart of the same run id could still read them.
     runs = [d for d in shm.iterdir() if d.is_dir() and d.name != "my-job-0123456789ab"]
     assert len(runs) == 1 and sorted(f.name for f in runs[0].rglob("snap-*")) == \
