@@ -233,10 +233,14 @@ class CheckpointManager:
             return 1
         return comm.group_size(self.group)
 
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        """``values`` as int64 on the device the group reduces (CUDA for NCCL alone)."""
+        return torch.tensor(values, dtype=torch.int64, device=comm.group_device(self.group))
+
     def _all(self, ok: bool) -> bool:
         if self._world() == 1:
             return ok
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        t = self._tensor([1 if ok else 0])
         comm.allreduce(t, "min", group=self.group)
         return bool(t.item())
 
@@ -289,17 +293,17 @@ class CheckpointManager:
         files any rank holds."""
         if self._world() == 1:
             return mine, len(mine)
-        counts = torch.tensor([len(mine)], dtype=torch.int64)
+        counts = self._tensor([len(mine)])
         comm.allreduce(counts, "max", group=self.group)
         # -1 pads an empty list: no rank sends a zero-size tensor.
-        everyone = comm.allgather(torch.tensor(mine or [-1], dtype=torch.int64), group=self.group)
+        everyone = comm.allgather(self._tensor(mine or [-1]), group=self.group)
         held = collections.Counter(everyone.tolist())
         return (sorted(s for s, n in held.items() if n == self._world() and s >= 0),
                 int(counts.item()))
 
     def _new_run_id(self) -> str:
         """A fresh run id, drawn by the group's first rank and sent to the others as a tensor."""
-        t = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
+        t = self._tensor([secrets.randbits(62)])
         if self._world() > 1:
             comm.broadcast(t, src=0, group=self.group)
         return f"{int(t.item()):016x}"
@@ -311,11 +315,12 @@ class CheckpointManager:
                    if saved is not None and self.identity is not None else None)
         rid = saved.get("run_id") if saved is not None else None
         h = int(hashlib.sha256(str(rid).encode()).hexdigest()[:15], 16)
-        t = torch.tensor([0 if problem else 1, h, -h], dtype=torch.int64)
+        t = self._tensor([0 if problem else 1, h, -h])
         if self._world() > 1:
             comm.allreduce(t, "min", group=self.group)
-        mixed = int(t[1]) != -int(t[2])
-        if problem or int(t[0]) == 0 or mixed:
+        agreed, low, neg_high = t.tolist()
+        mixed = low != -neg_high
+        if problem or agreed == 0 or mixed:
             why = problem or ("its files were written by different runs (each rank's file of "
                               "one step must come from one run)" if mixed else
                               "another rank found its file incompatible (see that rank's error)")

@@ -25,7 +25,7 @@ __all__ = [
     "Handle", "comm_errors", "allreduce", "allgather", "allgather_into", "broadcast",
     "broadcast_object", "allgather_object", "barrier", "send", "recv", "group_rank",
     "group_size", "to_global_rank", "ReduceOp", "REDUCE_OPS", "reduce_op", "c10d_op",
-    "all_gather_single", "reduce_scatter_single",
+    "all_gather_single", "reduce_scatter_single", "group_device",
 ]
 
 
@@ -246,6 +246,26 @@ def group_rank(group: Any = None) -> int:
     return dist.get_rank(group)
 
 
+def group_device(group: Any = None) -> torch.device:
+    """Where the tensors of a collective over ``group`` live: CPU when the group has a CPU
+    transport (gloo, MPI, ``"auto"``'s ``cpu:gloo,cuda:nccl``; or no group), else (NCCL alone)
+    this rank's CUDA device. Build flags, counts and metrics to reduce over ``group`` on it."""
+    try:  # the config names the transports even where get_backend says "undefined"
+        config = str(dist.get_backend_config(group))
+    except (RuntimeError, ValueError, AttributeError):  # no process group, or not a member
+        return torch.device("cpu")
+    kinds = {part.split(":")[0].strip() for part in config.split(",") if ":" in part}
+    if "cpu" in kinds or not (kinds or "nccl" in config):
+        return torch.device("cpu")
+    from parlay import runtime  # runtime imports comm's users; import lazily
+
+    dev = runtime.device() if runtime.is_initialized() else torch.device("cpu")
+    if dev.type != "cpu":
+        return dev
+    return torch.device("cuda", torch.cuda.current_device()) if "cuda" in kinds or not kinds \
+        else torch.device(sorted(kinds)[0])
+
+
 def to_global_rank(group: Any, group_rank_: int) -> int:
     """Global rank of member ``group_rank_`` of ``group``."""
     if group is None or group is dist.GroupMember.WORLD:
@@ -343,8 +363,8 @@ def allgather_object(obj: Any, group: Any = None) -> list[Any]:
 def barrier(group: Any = None) -> None:
     """Block until every rank of ``group`` reached the barrier (within the timeout)."""
     with comm_errors("barrier", group=group):
-        # all_reduce instead of dist.barrier: the latter may pick a device on NCCL.
-        t = torch.zeros(1)
+        # all_reduce instead of dist.barrier: the latter guesses a device on NCCL.
+        t = torch.zeros(1, device=group_device(group))
         dist.all_reduce(t, group=group)
 
 

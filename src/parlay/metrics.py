@@ -48,7 +48,8 @@ def reduce_meters(meters: list[Meter], group: Any = None) -> list[float]:
     """Means of ``meters`` over every rank of ``group`` (one allreduce; weighted by counts)."""
     flat = torch.tensor([v for m in meters for v in (m.sum, m.count)], dtype=torch.float64)
     if torch.distributed.is_initialized() and comm.group_size(group) > 1:
-        comm.allreduce(flat, "sum", group=group)
+        # float64 sums stay exact for counts; NCCL-only groups need the tensor on the GPU.
+        flat = comm.allreduce(flat.to(comm.group_device(group)), "sum", group=group).cpu()
     pairs = flat.view(-1, 2).tolist()
     return [s / c if c else math.nan for s, c in pairs]
 

@@ -123,10 +123,11 @@ class NonFiniteGuard:
             return False
         me = comm.group_rank(group) if dist else 0
         flags = torch.tensor([me if local_bad else _NONE, -1 if grads_bad else 0],
-                             dtype=torch.int64)
+                             dtype=torch.int64, device=comm.group_device(group))
         if dist:
             comm.allreduce(flags, "min", group=group)
-        first, bad = int(flags[0]), int(flags[1]) < 0 or int(flags[0]) != _NONE
+        first, grads_flag = flags.tolist()
+        bad = grads_flag < 0 or first != _NONE
         if not bad:
             return False
         rank = None

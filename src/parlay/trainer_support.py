@@ -131,17 +131,18 @@ def reduce_metrics(sums: dict[str, float], count: int, group: Any) -> dict[str, 
     unpickled). Ranks without samples take the others' metric names; ranks with samples must
     agree on them (checked with one max over the UTF-8 codes and one over their negation)."""
     names = sorted(sums) if count else []
+    dev = comm.group_device(group)  # a NCCL-only group reduces CUDA tensors only
     if comm.group_size(group) > 1:
-        code = torch.tensor(list("\0".join(names).encode()), dtype=torch.int64)
-        width = comm.allreduce(torch.tensor([code.numel()]), "max", group=group)
-        both = torch.full((2, max(1, int(width.item()))), -1, dtype=torch.int64)
+        code = torch.tensor(list("\0".join(names).encode()), dtype=torch.int64, device=dev)
+        width = comm.allreduce(torch.tensor([code.numel()], device=dev), "max", group=group)
+        both = torch.full((2, max(1, int(width.item()))), -1, dtype=torch.int64, device=dev)
         if names:
             both[0].fill_(256)  # padding differs from every byte: lengths must agree too
             both[0, : code.numel()] = code
             both[1] = -both[0]
         else:
             both[1].fill_(-1000)  # below any -code: ranks without samples do not vote
-        comm.allreduce(both, "max", group=group)
+        both = comm.allreduce(both, "max", group=group).cpu()
         hi, lo = both[0], -both[1]
         if not torch.equal(hi, lo) and bool((hi >= 0).any()):
             raise ConfigError(f"the replicas computed different validation metrics (this rank: "
@@ -151,7 +152,7 @@ def reduce_metrics(sums: dict[str, float], count: int, group: Any) -> dict[str, 
         names = raw.decode().split("\0") if raw else []
     vec = torch.tensor([float(count)] + [sums.get(n, 0.0) for n in names], dtype=torch.float64)
     if comm.group_size(group) > 1:
-        comm.allreduce(vec, "sum", group=group)
+        vec = comm.allreduce(vec.to(dev), "sum", group=group).cpu()
     total = vec[0].item()
     result = {n: vec[i + 1].item() / max(total, 1.0) for i, n in enumerate(names)}
     result["samples"] = float(total)
@@ -164,10 +165,12 @@ def choose_printer(strategy: Any) -> bool:
     if not strategy.consumes_data:
         return False
     me = runtime.rank()
-    low = torch.tensor([me if strategy.reports_loss else 2 ** 62, me], dtype=torch.int64)
+    low = torch.tensor([me if strategy.reports_loss else 2 ** 62, me], dtype=torch.int64,
+                       device=comm.group_device(strategy.train_group))
     if comm.group_size(strategy.train_group) > 1:
         comm.allreduce(low, "min", group=strategy.train_group)
-    return me == (int(low[0]) if int(low[0]) != 2 ** 62 else int(low[1]))
+    reporter, lowest = low.tolist()
+    return me == (reporter if reporter != 2 ** 62 else lowest)
 
 
 def start_message(t: Any, mode: str, precision: str, compression: Any, base_lr: Any,

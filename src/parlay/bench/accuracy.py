@@ -142,7 +142,7 @@ def train_compressors(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
             acc = float((model(prep(xte)).argmax(1) == yte).float().mean()) * 100
             finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
             checksum = torch.tensor([sum(float(p.double().sum()) for p in model.parameters())],
-                                    dtype=torch.float64)
+                                    dtype=torch.float64, device=parlay.comm.group_device())
         sums = parlay.comm.allgather(checksum).view(torch.int64)  # bitwise: NaN == NaN here
         st = opt.comm_stats()
         rows.append({"compressor": run["name"], "test_acc": acc, "wall_s": run["time"],

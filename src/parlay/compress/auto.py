@@ -238,9 +238,7 @@ class AutoCompressor(Compressor):
             self._intervals = []
 
     def _check(self, local: float) -> None:
-        t = torch.tensor([self._time("step", "median", local)], dtype=torch.float64)
-        comm.allreduce(t, "max", group=self._group)
-        step_s = float(t)
+        step_s = autocost.agreed_max([self._time("step", "median", local)], self._group)[0]
         if self._verify is not None:
             before_choices, before = self._verify
             self._verify = None
@@ -258,9 +256,8 @@ class AutoCompressor(Compressor):
         elif abs(step_s - self._ref) > self.threshold * self._ref:
             elapsed = time.perf_counter() - (self._t0 or 0.0)
             # The budget check uses the slowest rank's share, so every rank agrees on it.
-            share = torch.tensor([self._spent / max(elapsed, 1e-9)], dtype=torch.float64)
-            comm.allreduce(share, "max", group=self._group)
-            if float(share) > self.budget:
+            share = autocost.agreed_max([self._spent / max(elapsed, 1e-9)], self._group)[0]
+            if share > self.budget:
                 self._ref = step_s  # measured enough lately: take the new step as normal
             else:
                 self._calibrate(before=step_s)
@@ -295,10 +292,9 @@ class AutoCompressor(Compressor):
                   if "none" in self._eligible else float("inf"))
         codec = [0.0 if s == "none" else self._time("codec", s, autocost.codec_seconds(
             s, flat, key, self._world, shapes, enough=enough)) for s in self._eligible]
-        t = torch.tensor(codec, dtype=torch.float64)
-        comm.allreduce(t, "max", group=self._group)
+        codec = autocost.agreed_max(codec, self._group)
         pred = {s: autocost.predict_s(s, flat.numel(), self._fit, c, shapes, self._collective)
-                * self._penalty.get((key, s), 1.0) for s, c in zip(self._eligible, t.tolist())}
+                * self._penalty.get((key, s), 1.0) for s, c in zip(self._eligible, codec)}
         self.last_prediction[key] = pred
         cur = self.choices.get(key, self._eligible[0])
         best = min(pred, key=lambda s: (pred[s], self._eligible.index(s)))

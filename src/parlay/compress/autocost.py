@@ -78,6 +78,14 @@ def probe_sizes(bucket_bytes: Sequence[int]) -> tuple[int, int]:
     return large // 4, large
 
 
+def agreed_max(values: Sequence[float], group: Any) -> list[float]:
+    """Each of ``values``' maximum over ``group`` (one float64 allreduce, on the group's
+    device: CUDA for a NCCL-only group)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=comm.group_device(group))
+    comm.allreduce(t, "max", group=group)
+    return t.tolist()
+
+
 def _timed_allreduce(t: torch.Tensor, group: Any) -> float:
     """Seconds of one allreduce of ``t``; on a fast link (under 50 ms) the best of five, as
     the first of a size pays one-off costs and a loaded machine adds noise. Every rank repeats
@@ -86,12 +94,11 @@ def _timed_allreduce(t: torch.Tensor, group: Any) -> float:
     for _ in range(5):
         t0 = time.perf_counter()
         comm.allreduce(t, "sum", group=group)
+        if t.is_cuda:  # NCCL's wait only orders streams: time the transfer itself
+            torch.cuda.synchronize(t.device)
         times.append(time.perf_counter() - t0)
-        if len(times) == 1:
-            first = torch.tensor([times[0]], dtype=torch.float64)
-            comm.allreduce(first, "max", group=group)
-            if float(first) > 0.05:
-                break
+        if len(times) == 1 and agreed_max(times, group)[0] > 0.05:
+            break
     return min(times)
 
 
@@ -103,15 +110,14 @@ def probe_link(group: Any, world: int, bucket_bytes: Sequence[int],
         The fit from the slowest rank's times (identical on every rank).
     """
     small, large = probe_sizes(bucket_bytes)
-    buf = torch.zeros(large // 4)
-    comm.allreduce(torch.zeros(1), "sum", group=group)  # line the ranks up first
+    dev = comm.group_device(group)  # CUDA for a NCCL-only group
+    buf = torch.zeros(large // 4, device=dev)
+    comm.allreduce(torch.zeros(1, device=dev), "sum", group=group)  # line the ranks up first
     times = [_timed_allreduce(buf[: small // 4], group), _timed_allreduce(buf, group),
-             _timed_allreduce(torch.zeros(large // 2, dtype=torch.float16), group)]
+             _timed_allreduce(torch.zeros(large // 2, dtype=torch.float16, device=dev), group)]
     if hook is not None:
         times = [hook("link", name, t) for name, t in zip(("small", "large", "half"), times)]
-    t = torch.tensor(times, dtype=torch.float64)
-    comm.allreduce(t, "max", group=group)
-    t_small, t_large, t_half = t.tolist()
+    t_small, t_large, t_half = agreed_max(times, group)
     # The slope between two sizes is the cost per byte; when noise makes it implausible (no
     # larger than zero), the larger size alone bounds it.
     beta = (t_large - t_small) / (large - small)

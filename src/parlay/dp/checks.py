@@ -104,10 +104,10 @@ def _text(text: str, src: int, group: Any, size: int = 512) -> str:
     """Broadcast a short text from group rank ``src`` as UTF-8 bytes in a tensor (decoded as
     text, never unpickled)."""
     raw = text.encode()[:size]
-    buf = torch.zeros(size, dtype=torch.uint8)
-    buf[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+    buf = torch.tensor(list(raw) + [0] * (size - len(raw)), dtype=torch.uint8,
+                       device=comm.group_device(group))
     comm.broadcast(buf, src=src, group=group)
-    return bytes(buf.tolist()).rstrip(b"\0").decode(errors="replace")
+    return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any) -> None:
@@ -122,19 +122,20 @@ def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any) -> None
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
     hs = [_hash(e) for e in mine]
     total = _hash(tuple(hs))
-    t = torch.tensor([len(mine), total, -len(mine), -total], dtype=torch.int64)
+    dev = comm.group_device(group)  # a NCCL-only group reduces CUDA tensors only
+    t = torch.tensor([len(mine), total, -len(mine), -total], dtype=torch.int64, device=dev)
     comm.allreduce(t, "min", group=group)
-    if int(t[0]) == -int(t[2]) and int(t[1]) == -int(t[3]):
+    fewest, low, neg_most, neg_high = t.tolist()
+    if fewest == -neg_most and low == -neg_high:
         return
-    longest = -int(t[2])
-    own = torch.full((longest,), -1, dtype=torch.int64)
-    own[:len(hs)] = torch.tensor(hs, dtype=torch.int64)
+    longest = -neg_most
+    own = torch.tensor(hs + [-1] * (longest - len(hs)), dtype=torch.int64, device=dev)
     ref = own.clone()
     comm.broadcast(ref, src=0, group=group)
     differs = (own != ref).nonzero()
     world, me = comm.group_size(group), comm.group_rank(group)
     none = longest * world + world
-    key = torch.tensor([int(differs[0]) * world + me if len(differs) else none])
+    key = torch.tensor([int(differs[0]) * world + me if len(differs) else none], device=dev)
     comm.allreduce(key, "min", group=group)
     k, r = divmod(int(key), world)
     entry = f"{mine[k] if k < len(mine) else None}|{len(mine)}"

@@ -86,6 +86,8 @@ def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
         groups[(t.dtype, t.device)].append(t)
     for ts in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in ts])
+        if flat.device.type == "cpu":  # NCCL alone carries no CPU tensors (e.g. Adam's step)
+            flat = flat.to(comm.group_device(process_group))
         comm.broadcast(flat, src=root_rank, group=process_group)
         off = 0
         with torch.no_grad():
@@ -184,6 +186,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     tensors: list[torch.Tensor] = []
     skeleton = _strip_tensors(optimizer.state_dict(), tensors) if me == root else None
     skeleton = comm.broadcast_object(skeleton, src=root, group=group)
+    # Every rank sends or receives on the first parameter's device, so the fused broadcasts
+    # match (root's Adam steps live on the CPU, its buffers on the parameters' device).
+    dev = next((p.device for g in optimizer.param_groups for p in g["params"]),
+               torch.device("cpu"))
     if me != root:
         metas: list[tuple[int, tuple[int, ...], str]] = []
 
@@ -198,12 +204,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                     collect(v)
         collect(skeleton)
         metas.sort()
-        dev = next((p.device for g in optimizer.param_groups for p in g["params"]),
-                   torch.device("cpu"))
         tensors = [torch.empty(shape, dtype=getattr(torch, dt), device=dev)
                    for _, shape, dt in metas]
     else:
-        tensors = [t.detach().clone() for t in tensors]
+        tensors = [t.detach().to(dev, copy=True) for t in tensors]
     coalesced_broadcast(tensors, root, group)
     if me != root:
         optimizer.load_state_dict(_fill_tensors(skeleton, tensors))

@@ -97,8 +97,9 @@ def _node_rank() -> int:
 
 def discover(group: Any = None) -> Topology:
     """Which members of ``group`` share a host (a collective over ``group``)."""
-    mine = torch.tensor([_node_rank()], dtype=torch.int64)
-    every = torch.empty(comm.group_size(group), dtype=torch.int64)
+    dev = comm.group_device(group)  # a NCCL-only group gathers CUDA tensors only
+    mine = torch.tensor([_node_rank()], dtype=torch.int64, device=dev)
+    every = torch.empty(comm.group_size(group), dtype=torch.int64, device=dev)
     comm.allgather_into(every, mine, group=group)
     return Topology.from_node_ids(every.tolist())
 

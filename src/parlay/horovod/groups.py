@@ -60,9 +60,7 @@ class TorchGroup(Group):
         self.global_ranks = dist.get_process_group_ranks(group)
 
     def control_device(self) -> torch.device:
-        if dist.get_backend(self.group) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
+        return comm.group_device(self.group)
 
     def all_reduce(self, t: torch.Tensor, op: int) -> None:
         with comm.comm_errors("allreduce"):

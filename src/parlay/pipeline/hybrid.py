@@ -186,6 +186,6 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
 
 def mean_over(value: float | torch.Tensor, group: Any) -> float:
     """Average a scalar over ``group`` (a collective over its members)."""
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=comm.group_device(group))
     comm.allreduce(t, "avg", group=group)
     return float(t.item())

@@ -148,7 +148,7 @@ class Pipeline:
         if self.partition.method == "time" and dist.get_world_size() > 1:
             # Profiles differ between ranks; everyone must cut the model the same way. Only
             # numbers travel (tensors, never a pickle): the layer names are the same model's.
-            self.partition = _agree_on_partition(self.partition, self.device)
+            self.partition = _agree_on_partition(self.partition, comm.group_device())
         self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
         self.modules: list[StageModule] = []
         for s in self.stage_ids:
@@ -348,7 +348,8 @@ class Pipeline:
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         for g in grads:
             sq += g.detach().double().pow(2).sum().cpu()
-        comm.allreduce(sq, "sum", group=self.mesh.pp_group)
+        sq = comm.allreduce(sq.to(comm.group_device(self.mesh.pp_group)), "sum",
+                            group=self.mesh.pp_group).cpu()
         norm = float(sq.sqrt().item())
         if norm > max_norm:
             coef = max_norm / (norm + 1e-6)

@@ -84,9 +84,11 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
         newest = sorted(set(int(t) for t in steps))[-n:]
         return newest + [-1] * (n - len(newest))
 
+    dev = comm.group_device(group)  # the ps group is gloo; a NCCL-only one would need CUDA
     row = torch.tensor([int(tagged), int(snapshots), int(is_worker)]
-                       + slots(disk, HELD_SLOTS) + slots(snaps, _SNAP_SLOTS), dtype=torch.int64)
-    out = torch.empty(world * row.numel(), dtype=torch.int64)
+                       + slots(disk, HELD_SLOTS) + slots(snaps, _SNAP_SLOTS), dtype=torch.int64,
+                       device=dev)
+    out = torch.empty(world * row.numel(), dtype=torch.int64, device=dev)
     rows = comm.allgather_into(out, row, group=group).view(world, -1).tolist()
     any_tagged = any(r[0] for r in rows)
     any_snap = any(r[1] for r in rows)

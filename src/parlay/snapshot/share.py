@@ -31,12 +31,11 @@ _WIDTH = 17  # replica-group id + the newest 16 steps of each rank
 
 def _gather(head: int, values: list[int], group: Any) -> list[list[int]]:
     world = comm.group_size(group)
-    row = torch.full((_WIDTH,), -1, dtype=torch.int64)
-    row[0] = head
     tail = values[-(_WIDTH - 1):]
-    if tail:
-        row[1: 1 + len(tail)] = torch.tensor(tail, dtype=torch.int64)
-    out = torch.empty(world * _WIDTH, dtype=torch.int64)
+    dev = comm.group_device(group)  # a NCCL-only group gathers CUDA tensors only
+    row = torch.tensor([head] + tail + [-1] * (_WIDTH - 1 - len(tail)), dtype=torch.int64,
+                       device=dev)
+    out = torch.empty(world * _WIDTH, dtype=torch.int64, device=dev)
     comm.allgather_into(out, row, group=group)
     return out.view(world, _WIDTH).tolist()
 
@@ -67,20 +66,22 @@ def _broadcast(payload: dict[str, Any] | None, src: int, group: Any) -> dict[str
         skeleton = encode(payload, tensors)
         desc = json.dumps({"skeleton": skeleton, "tensors": [
             [str(t.dtype), list(t.shape)] for t in tensors]}).encode()
-    size = torch.tensor([len(desc)], dtype=torch.int64)
+    dev = comm.group_device(group)  # CUDA for a NCCL-only group; the state returns on CPU
+    size = torch.tensor([len(desc)], dtype=torch.int64, device=dev)
     comm.broadcast(size, src, group)
-    buf = (torch.frombuffer(bytearray(desc), dtype=torch.uint8) if payload is not None
-           else torch.empty(int(size.item()), dtype=torch.uint8))
+    buf = (torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(dev) if payload is not None
+           else torch.empty(int(size.item()), dtype=torch.uint8, device=dev))
     comm.broadcast(buf, src, group)
-    meta = json.loads(bytes(buf.tolist()).decode())
+    meta = json.loads(bytes(buf.cpu().tolist()).decode())
     if payload is not None:
-        tensors = [t.to("cpu").contiguous() for t in tensors]
+        tensors = [t.to(dev).contiguous() for t in tensors]
     else:
-        tensors = [torch.empty(shape, dtype=_dtype(name)) for name, shape in meta["tensors"]]
+        tensors = [torch.empty(shape, dtype=_dtype(name), device=dev)
+                   for name, shape in meta["tensors"]]
     for t in tensors:
         if t.numel():
             comm.broadcast(t, src, group)
-    return decode(meta["skeleton"], tensors)
+    return decode(meta["skeleton"], [t.cpu() for t in tensors])
 
 
 def _load_newest(store: SnapshotStore, rows: list[list[int]], me: int,
@@ -98,8 +99,9 @@ def _load_newest(store: SnapshotStore, rows: list[list[int]], me: int,
                 state = store.load(step)
             except CheckpointError as e:
                 log.warning("rank %d: %s", store.rank, e)
-        flag = torch.tensor([1 if state is not None else (0 if holds else -1)])
-        flags = torch.empty(len(rows), dtype=torch.int64)
+        dev = comm.group_device(group)
+        flag = torch.tensor([1 if state is not None else (0 if holds else -1)], device=dev)
+        flags = torch.empty(len(rows), dtype=torch.int64, device=dev)
         comm.allgather_into(flags, flag, group=group)
         flag_list = flags.tolist()
         bad |= {(r, step) for r, f in enumerate(flag_list) if f == 0}

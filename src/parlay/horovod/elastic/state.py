@@ -69,7 +69,8 @@ def _broadcast_tree(tree: Any, root: int = 0) -> Any:
     """``tree`` of rank ``root`` on every rank, as bytes in a tensor, loaded ``weights_only``."""
     if runtime.size() == 1:
         return tree
-    n = torch.zeros(1, dtype=torch.int64)
+    dev = comm.group_device()  # CUDA for a NCCL-only world
+    n = torch.zeros(1, dtype=torch.int64, device=dev)
     data = b""
     if runtime.rank() == root:
         buf = io.BytesIO()
@@ -77,16 +78,17 @@ def _broadcast_tree(tree: Any, root: int = 0) -> Any:
         data = buf.getvalue()
         n[0] = len(data)
     comm.broadcast(n, src=root)
-    raw = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if runtime.rank() == root
-           else torch.empty(int(n.item()), dtype=torch.uint8))
+    raw = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev) if runtime.rank() == root
+           else torch.empty(int(n.item()), dtype=torch.uint8, device=dev))
     comm.broadcast(raw, src=root)
     if runtime.rank() == root:
         return tree
-    return torch.load(io.BytesIO(raw.numpy().tobytes()), map_location="cpu", weights_only=True)
+    return torch.load(io.BytesIO(raw.cpu().numpy().tobytes()), map_location="cpu",
+                      weights_only=True)
 
 
 def _all_min(value: int) -> int:
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=comm.group_device())
     if runtime.size() > 1:
         comm.allreduce(t, "min")
     return int(t.item())
