@@ -147,8 +147,9 @@ class LossScaler:
         bad = not all_finite(grads)
         if not self.agree or not torch.distributed.is_initialized():
             return bad
-        dev = grads[0].device if grads else torch.device("cpu")
-        flag = torch.full((1,), 1.0 if bad else 0.0, device=dev)
+        # The group's device, not the gradients': a NCCL-only group carries CUDA tensors only,
+        # also from a rank without gradients.
+        flag = torch.full((1,), 1.0 if bad else 0.0, device=comm.group_device(self.group))
         comm.allreduce(flag, "max", group=self.group)
         return bool(flag.item())
 
