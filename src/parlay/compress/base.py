@@ -41,7 +41,7 @@ from parlay.errors import ConfigError
 from parlay.registry import Registry
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
-           "reduce_async", "CommStats", "has_rounds", "AllOf"]
+           "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle"]
 
 
 class Compressor:
@@ -232,18 +232,17 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
     if compressor.summable:
         works = [comm.allreduce(p, "sum", group=group, async_op=True) for p in payload]
+        rounds = Rounds(compressor, ctx, payload, works, group, stats)
 
         def finish() -> torch.Tensor:
-            reduced = payload
-            for w in works:
-                w.wait()
-            reduced = further_rounds(compressor, reduced, ctx, stats,
-                                     lambda nxt: [comm.allreduce(p, "sum", group=group) for p in nxt])
+            reduced = rounds.result()
             if into is not None and getattr(compressor, "decodes_into", False):
                 out = compressor.decompress(reduced, ctx, out=into)
             else:
                 out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
+        if has_rounds(compressor):  # the rounds wait for their own works
+            return RoundsHandle(AllOf([], settled=False), "allreduce", finish, rounds)
     else:
         outs = [p.new_empty((world * p.numel(),)) for p in payload]
         works = [comm.allgather_into(o, p.reshape(-1), group=group, async_op=True)
@@ -262,6 +261,52 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
 
     return comm.Handle(AllOf(works, settled=not has_rounds(compressor)),
                        "allreduce" if compressor.summable else "allgather", finish)
+
+
+class Rounds:
+    """A summable compressor's collective rounds, run one at a time: :meth:`advance` waits for
+    the round in flight and starts the next without waiting for it, so a caller holding many
+    buckets can start every bucket's second round (PowerSGD's Q) before it waits for any, and
+    the link carries bucket k's while bucket k+1's is computed."""
+
+    def __init__(self, compressor: Compressor, ctx: Any, payload: list[torch.Tensor],
+                 works: list[comm.Handle], group: Any, stats: CommStats | None) -> None:
+        self.compressor, self.ctx, self.group, self.stats = compressor, ctx, group, stats
+        self.payload, self.works, self.done = payload, works, False
+
+    def advance(self) -> None:
+        """Finish the round in flight and start the next (if any)."""
+        if self.done:
+            return
+        for w in self.works:
+            w.wait()
+        more = getattr(self.compressor, "next_round", None)  # duck-typed ones may lack it
+        nxt = more(self.payload, self.ctx) if more is not None else None
+        if nxt is None:
+            self.works, self.done = [], True
+            return
+        if self.stats is not None:
+            self.stats.add_wire(_nbytes(nxt))
+        self.payload = nxt
+        self.works = [comm.allreduce(p, "sum", group=self.group, async_op=True) for p in nxt]
+
+    def result(self) -> list[torch.Tensor]:
+        """Run the remaining rounds; the last reduced payload."""
+        while not self.done:
+            self.advance()
+        return self.payload
+
+
+class RoundsHandle(comm.Handle):
+    """The handle of a reduction with further rounds; :meth:`advance` starts the next one."""
+
+    def __init__(self, work: Any, op: str, finish: Callable[[], Any], rounds: Rounds) -> None:
+        super().__init__(work, op, finish)
+        self.rounds = rounds
+
+    def advance(self) -> None:
+        """Wait for the round in flight and start the next, without waiting for it."""
+        self.rounds.advance()
 
 
 class AllOf:

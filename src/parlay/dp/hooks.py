@@ -196,6 +196,12 @@ class GradientBuckets:
                     self._fill(i)
             self._launch(b)
         self._next = len(buckets)
+        # Start every bucket's further round (PowerSGD's Q) before waiting for any: the link
+        # then carries bucket b's while bucket b+1's is computed. Same order on every rank.
+        for h in self._handles:
+            advance = getattr(h, "advance", None)
+            if advance is not None:
+                advance()
         for b, h in enumerate(self._handles):
             if h is not None:
                 self._hand_back(b, h.wait())
