@@ -223,6 +223,11 @@ class ServerCore:
             self.version += 1
         return self._release(now)
 
+    def heard(self, w: int, now: float) -> None:
+        """Part of a push of worker ``w`` arrived: its silence deadline starts again."""
+        if self.state[w] == RUN:
+            self.deadline[w] = now + self.timeout
+
     def done(self, w: int, now: float) -> list[Reply]:
         """Worker ``w`` finished training."""
         if self.state[w] == LOST:

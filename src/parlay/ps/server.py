@@ -27,6 +27,7 @@ import torch.nn as nn
 from parlay import comm
 from parlay.compress.base import Compressor
 from parlay.errors import CommError, ConfigError
+from parlay.ps.chunks import ChunkedServing, chunk_bounds, chunk_bytes, chunk_numel, cut_pieces
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
 from parlay.ps.shard_io import SNAPSHOTS_KEPT, ShardPersistence, snapshot_steps
@@ -66,7 +67,7 @@ def lost_message(kind: int, peer_index: int, peer_rank: int, timeout: float, whe
             "survive lost workers.")
 
 
-class Server(ShardPersistence):
+class Server(ShardPersistence, ChunkedServing):
     """Serve one shard of the parameters.
 
     Args:
@@ -114,15 +115,19 @@ class Server(ShardPersistence):
         numel = plan.numel(index)
         self.flat = torch.empty(numel, dtype=dtype)
         self.grad = torch.zeros(numel, dtype=dtype)
-        self.params: list[nn.Parameter] = []
         for p in self.pieces:
             src = named[p.name].detach().reshape(-1)[p.start: p.start + p.length]
             self.flat[p.offset: p.offset + p.length].copy_(src)
-            param = nn.Parameter(self.flat[p.offset: p.offset + p.length].view(p.shape))
-            param.grad = self.grad[p.offset: p.offset + p.length].view(p.shape)
-            self.params.append(param)
-        if not self.params:  # an empty shard still keeps versions in step with the others
-            self.params.append(nn.Parameter(torch.zeros(0, dtype=dtype)))
+        per_chunk = chunk_numel(numel, self.flat.element_size(), chunk_bytes(),
+                                policy.aggregate, compressor, optimizer_cls)
+        cut: list[tuple[nn.Parameter, int]] = []
+        for off, length, shape, k in cut_pieces(self.pieces, chunk_bounds(numel, per_chunk)):
+            param = nn.Parameter(self.flat[off: off + length].view(shape))
+            param.grad = self.grad[off: off + length].view(shape)
+            cut.append((param, k))
+        if not cut:  # an empty shard still keeps versions in step with the others
+            cut.append((nn.Parameter(torch.zeros(0, dtype=dtype)), 0))
+        self.params: list[nn.Parameter] = [p for p, _ in cut]
         try:
             self.optimizer = optimizer_cls(self.params, **optimizer_args)
         except (TypeError, ValueError) as e:
@@ -130,6 +135,7 @@ class Server(ShardPersistence):
                               f"{getattr(optimizer_cls, '__name__', optimizer_cls)} with "
                               f"optimizer_args={optimizer_args}: {e}") from e
         self.base_lrs = [g.get("lr") for g in self.optimizer.param_groups]
+        self._init_chunks(per_chunk, cut)
         # Pushes carry their compressor context's values (wire.encode_ctx); its structure comes
         # from a template made by a probe compress at setup.
         self.key = f"ps{index}"
@@ -163,7 +169,20 @@ class Server(ShardPersistence):
         return version, clocks
 
     # -- optimisation -------------------------------------------------------------------------
-    def _apply(self, grads: list[torch.Tensor], lr_factor: float) -> None:
+    def _apply(self, grads: list[Any], lr_factor: float) -> None:
+        if self.chunk_numel:  # chunked pushes: ``grads`` are worker indices
+            self._finish_chunked_round(grads, lr_factor)
+        else:
+            self._apply_whole(grads, lr_factor)
+        if self.memory is not None:  # sync: the version this update makes is a worker step
+            self.snapshot_memory(self.core.version + 1)
+
+    def _set_lr(self, lr_factor: float) -> None:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            if base is not None:
+                group["lr"] = base * lr_factor
+
+    def _apply_whole(self, grads: list[torch.Tensor], lr_factor: float) -> None:
         if len(grads) == 1:
             self.grad.copy_(grads[0])
         else:
@@ -172,12 +191,8 @@ class Server(ShardPersistence):
             for g in grads[1:]:
                 self.grad.add_(g)
             self.grad.div_(len(grads))
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
-            if base is not None:
-                group["lr"] = base * lr_factor
+        self._set_lr(lr_factor)
         self.optimizer.step()
-        if self.memory is not None:  # sync: the version this update makes is a worker step
-            self.snapshot_memory(self.core.version + 1)
 
     def copy_to_model(self) -> None:
         """Write this shard's values into the server's copy of the model (its own pieces only)."""
@@ -200,6 +215,10 @@ class Server(ShardPersistence):
                 self._q.put(("gone", w, e))
                 return
             msg = unpack(buf, clone=True)
+            if msg.op == Op.PUSH and msg.extra:  # chunked: the chunks follow on their own tags
+                if not self._receive_chunks(w, msg):
+                    return
+                continue
             self._q.put(("msg", w, msg))
             if msg.op in (Op.DONE, Op.FAIL):  # its last message
                 return
@@ -210,9 +229,12 @@ class Server(ShardPersistence):
         if prev is not None:
             self._wait_sent(w, prev)  # the worker got it: it has since sent us another message
         c = self.core
-        if r.kind == "params":
+        chunked = self._hdr.pop(w, None) is not None
+        if r.kind == "params" and chunked:  # the values went ahead in chunks
+            msg = Message(Op.PARAMS, self.index, c.clocks[w], c.version, float(r.code), extra=1)
+        elif r.kind == "params":  # a hello learns the chunk size (0: pushes are not chunked)
             msg = Message(Op.PARAMS, self.index, c.clocks[w], c.version, float(r.code),
-                          tensors=[self.flat])
+                          extra=self.chunk_numel, tensors=[self.flat])
         elif r.kind == "bye":
             msg = Message(Op.BYE, self.index, c.clocks[w], c.version)
         elif r.kind == "saved":
@@ -241,6 +263,9 @@ class Server(ShardPersistence):
         if msg.op == Op.PUSH:
             if c.failure is not None or c.state[w] == LOST:
                 return c.push(w, msg.step, msg.version, None, 1.0, now)
+            if msg.extra:
+                self._chunk_header(w, msg)
+                return []
             if self.flat.numel():
                 ctx = decode_ctx(msg.tensors[-1], self.ctx_template)
                 grad = self.compressor.decompress(msg.tensors[:-1], ctx)
@@ -288,6 +313,8 @@ class Server(ShardPersistence):
             if item is not None and item[0] == "gone":
                 log.debug("ps%d: worker %d's connection closed: %s", self.index, item[1], item[2])
                 replies += c.lose(item[1], Err.GONE, now)
+            elif item is not None and item[0] == "chunk":
+                replies += self._chunk_arrived(item[1], item[2], now)
             elif item is not None:
                 replies += self._handle(item[1], item[2], now)
             replies += c.expire(now)
@@ -316,11 +343,16 @@ class Server(ShardPersistence):
             if w not in c.lost:
                 self._wait_sent(w, h)
         self._sends.clear()
+        self._drain_chunk_sends(c.lost)
         # Workers told of a failure leave, which ends their receivers; wait a little for that.
         end = time.monotonic() + min(5.0, self.timeout)
         for t in threads:
             t.join(timeout=max(0.0, end - time.monotonic()))
-        self.save()
+        if self.torn:  # a sync round broke after some of its chunks were applied
+            log.warning("ps%d: not saving ps-%d.pt: the last update was cut short mid-way "
+                        "(the previous checkpoint stays the newest)", self.index, self.index)
+        else:
+            self.save()
         self.copy_to_model()
         if c.failure is None and len(c.lost) < c.num_workers:
             self.drop_memory()  # training is over: give the memory back

@@ -7,6 +7,11 @@ server holding a header whose payload will not come, and the server's any-source
 (gloo ``recv(src=None)``) takes whole messages in arrival order. gloo accepts a message smaller
 than the posted buffer, so receivers post one buffer of the largest size they can get.
 No pickling: only tensors and integers cross the wire.
+
+A ``sync`` dense push may instead be chunked (:mod:`parlay.ps.chunks`): a PUSH header whose
+``extra`` is the number of chunks, then each chunk of the flat gradient as a raw tensor tagged
+``TAG_PUSH_CHUNK + k``; the parameters come back as raw chunks tagged ``TAG_REPLY_CHUNK + k``,
+then a PARAMS header without payload. Per-chunk tags keep every chunk's receive unambiguous.
 """
 from __future__ import annotations
 
@@ -21,12 +26,18 @@ import torch
 from parlay.errors import CommError, ConfigError
 
 __all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
-           "TAG_PUSH", "TAG_REPLY", "encode_ctx", "decode_ctx", "probe", "push_capacity"]
+           "TAG_PUSH", "TAG_REPLY", "TAG_PUSH_CHUNK", "TAG_REPLY_CHUNK", "MAX_CHUNKS", "encode_ctx", "decode_ctx", "probe", "push_capacity"]
 
 #: Tag of worker -> server messages (any-source on the server).
 TAG_PUSH = 0x5053
 #: Tag of server -> worker replies.
 TAG_REPLY = 0x5054
+#: Chunk ``k`` of a chunked push travels with tag ``TAG_PUSH_CHUNK + k`` ...
+TAG_PUSH_CHUNK = 0x10000
+#: ... and chunk ``k`` of the parameters that answer it with ``TAG_REPLY_CHUNK + k``.
+TAG_REPLY_CHUNK = 0x20000
+#: Most chunks per push (each needs a tag of its own).
+MAX_CHUNKS = 0x10000
 
 MAX_TENSORS = 4
 _MAX_DIMS = 3

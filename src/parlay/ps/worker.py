@@ -3,7 +3,10 @@
 Workers keep no optimizer state. One step: forward, backward, copy each server's slice of the
 gradients into a flat CPU buffer, compress it, push it (one atomic message per server, see
 :mod:`parlay.ps.wire`), then wait for every server's reply, which carries the parameters
-released by the consistency policy, and copy them into the model.
+released by the consistency policy, and copy them into the model. In ``sync`` mode without
+compression the servers ask (in their first reply) for chunked pushes: every chunk of every
+server's slice is posted at once, and the parameters come back chunk by chunk while later
+chunks still go up (see :mod:`parlay.ps.chunks`).
 """
 from __future__ import annotations
 
@@ -20,10 +23,11 @@ import torch.nn as nn
 from parlay import comm
 from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError, ConfigError
+from parlay.ps.chunks import chunk_bounds
 from parlay.ps.plan import ShardPlan
 from parlay.ps.server import lost_message
-from parlay.ps.wire import (TAG_PUSH, TAG_REPLY, Err, Message, Op, capacity, encode_ctx, pack,
-                            push_capacity, unpack)
+from parlay.ps.wire import (TAG_PUSH, TAG_PUSH_CHUNK, TAG_REPLY, TAG_REPLY_CHUNK, Err, Message,
+                            Op, capacity, encode_ctx, pack, push_capacity, unpack)
 
 __all__ = ["Worker"]
 
@@ -67,6 +71,9 @@ class Worker:
             nbytes = numel * self.grads[s].element_size()
             self.reply_bufs.append(torch.empty(capacity(nbytes), dtype=torch.uint8))
         self.versions = [0] * plan.num_servers
+        #: Per server, the chunks of a push (``None``: one message), as the server asked.
+        self.bounds: list[list[tuple[int, int]] | None] = [None] * plan.num_servers
+        self.pulled: list[torch.Tensor | None] = [None] * plan.num_servers
         self.step = 0
         self.lr_factor = 1.0
         self.histogram: collections.Counter[int] = collections.Counter()
@@ -86,28 +93,62 @@ class Worker:
     # -- protocol -----------------------------------------------------------------------------
     def _exchange(self, op: int, payloads: list[list[torch.Tensor]] | None,
                   what: str, extra: int = 0) -> list[Message]:
-        recvs = [comm.recv(self.reply_bufs[s], src=r, tag=TAG_REPLY, group=self.group,
-                           async_op=True) for s, r in enumerate(self.server_ranks)]
+        chunked = op == Op.PUSH and any(b is not None for b in self.bounds)
+        recvs = [(s, comm.recv(self.reply_bufs[s], src=r, tag=TAG_REPLY, group=self.group,
+                               async_op=True)) for s, r in enumerate(self.server_ranks)]
+        pulls = self._post_chunks(recv=True) if chunked else []
         sends = []
         for s, r in enumerate(self.server_ranks):
+            n = len(self.bounds[s] or ()) if chunked else 0
             msg = Message(op, self.index, self.step, self.versions[s], self.lr_factor,
-                          extra=self.plan.fingerprint() if op == Op.HELLO else extra,
-                          tensors=payloads[s] if payloads is not None else [])
+                          extra=self.plan.fingerprint() if op == Op.HELLO else n or extra,
+                          tensors=payloads[s] if payloads is not None and not n else [])
             out = pack(msg, self.push_bufs[s])
-            sends.append(comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True))
+            sends.append((s, comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True)))
+        if chunked:
+            sends += self._post_chunks(recv=False)
+        self._wait(sends + recvs, what)
+        replies = [unpack(buf) for buf in self.reply_bufs]
+        self._check(replies, what)
+        self._wait(pulls, what)
+        return replies
+
+    def _post_chunks(self, recv: bool) -> list[tuple[int, comm.Handle]]:
+        """Post every chunk's send (of the gradient) or receive (of the parameters), chunk
+        ``k`` of every server before chunk ``k + 1`` of any, so all servers start at once."""
+        out = []
+        longest = max(len(b) for b in self.bounds if b is not None)
+        for k in range(longest):
+            for s, r in enumerate(self.server_ranks):
+                bounds = self.bounds[s]
+                if bounds is None or k >= len(bounds):
+                    continue
+                a, b = bounds[k]
+                if recv:
+                    pulled = self.pulled[s]
+                    assert pulled is not None
+                    h = comm.recv(pulled[a:b], src=r, tag=TAG_REPLY_CHUNK + k, group=self.group,
+                                  async_op=True)
+                else:
+                    h = comm.send(self.grads[s][a:b], r, tag=TAG_PUSH_CHUNK + k,
+                                  group=self.group, async_op=True)
+                out.append((s, h))
+        return out
+
+    def _wait(self, works: list[tuple[int, comm.Handle]], what: str) -> None:
+        """Wait for ``(server, handle)`` pairs in order; a failure names the server."""
         s = 0
         try:
-            for s, h in enumerate(sends):
+            for s, h in works:
                 h.wait()
-            replies = []
-            for s, (h, buf) in enumerate(zip(recvs, self.reply_bufs)):
-                h.wait()
-                replies.append(unpack(buf))
         except CommError as e:
             r = self.server_ranks[s]
             raise CommError(f"{what} on worker {self.index} (rank {self.rank}): parameter server "
                             f"{s} (rank {r}) did not answer: {e}", op=e.op, rank=self.rank,
                             peer=r) from e
+
+    def _check(self, replies: list[Message], what: str) -> None:
+        """Raise the error a server's reply reports, if any."""
         for s, m in enumerate(replies):
             if m.op == Op.ERROR and int(m.scalar) == Err.MISMATCH:
                 self.told_error = True
@@ -127,12 +168,12 @@ class Worker:
                 raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
                                              m.extra, self.timeout, f"{what} (step {self.step})"),
                                 op="ps " + what, rank=self.rank, peer=m.extra)
-        return replies
 
-    def _load(self, replies: list[Message]) -> None:
+    def _load(self, replies: list[Message], chunked: bool = False) -> None:
         with torch.no_grad():
             for s, m in enumerate(replies):
-                flat = m.tensors[0]
+                pulled = self.pulled[s]
+                flat = pulled if chunked and pulled is not None else m.tensors[0]
                 for p, start, length, off in self.slices[s]:
                     p.view(-1)[start: start + length].copy_(flat[off: off + length])
                 self.versions[s] = m.version
@@ -145,7 +186,12 @@ class Worker:
 
     def hello(self) -> None:
         """First pull: take the servers' parameters (and step, when resuming)."""
-        self._load(self._exchange(Op.HELLO, None, "first pull"))
+        replies = self._exchange(Op.HELLO, None, "first pull")
+        for s, m in enumerate(replies):  # the server's chunk size (0: one message per push)
+            numel = self.plan.numel(s)
+            self.bounds[s] = chunk_bounds(numel, m.extra) if m.extra > 0 else None
+            self.pulled[s] = torch.empty(numel, dtype=self.dtype) if m.extra > 0 else None
+        self._load(replies)
 
     def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float:
         """Forward, backward, push the gradients, pull the released parameters.
@@ -173,11 +219,12 @@ class Worker:
                     g[off: off + length].zero_()
                 else:
                     g[off: off + length].copy_(p.grad.reshape(-1)[start: start + length])
-            payloads.append(self._encode(g, f"ps{s}") if g.numel() else [])
+            chunked = self.bounds[s] is not None  # sent as it is, in chunks
+            payloads.append(self._encode(g, f"ps{s}") if g.numel() and not chunked else [])
         replies = self._exchange(Op.PUSH, payloads, "push")
         for m in replies:
             self.histogram[int(m.scalar)] += 1
-        self._load(replies)
+        self._load(replies, chunked=True)
         return float(loss.detach())
 
     def _encode(self, flat: torch.Tensor, key: str) -> list[torch.Tensor]:
