@@ -13,8 +13,9 @@ import torch.nn as nn
 
 from parlay.cli import main
 from parlay.errors import ConfigError
-from parlay.plan import (ClusterSpec, Costs, Link, Workload, allgather_s, allreduce_s,
-                         link_bytes, predict, rank_configs, recommend, wire_bytes)
+from parlay.plan import (ClusterSpec, Costs, Link, Workload, allgather_s, allreduce_s, codec_s,
+                         link_bytes, predict, rank_configs, recommend, wire_bytes, wire_rounds)
+from parlay.plan.model import rounds_s
 from parlay.plan.units import parse_bandwidth, parse_count, parse_latency
 
 pytestmark = pytest.mark.timeout(60)
@@ -388,9 +389,138 @@ def test_model_fits_the_measured_run_on_shaped_links() -> None:
                      activation_numel=1024, shapes=tuple(SUITE))
         c = ClusterSpec(workers // local, local, link, loop, overlap=0.0)
         extra = {"server_link": link} if mode == "ps" else {}
+        if mode == "hybrid":  # stages balanced by parameters, as parlay cuts them
+            extra = {"layer_costs": [math.prod(a) + b[0] for a, b in zip(SUITE[::2], SUITE[1::2])]}
         pred = predict(w, c, mode, comp, MEASURED_COSTS, **opts, **extra).step_s
         errs[(net, name)] = abs(pred - measured) / measured
     slow = [e for (net, _), e in errs.items() if net == "100mbit"]
     assert sorted(errs.values())[len(errs) // 2] <= 0.10, errs
     assert max(slow) <= 0.25, errs  # link-bound: the physics, little CPU noise
     assert max(errs.values()) <= 0.25, errs
+
+
+# ------------------------------------------------------------------ measured in the same run
+@pytest.mark.parametrize("spec", ["fp16", "bf16", "topk:0.01", "randomk:0.01", "powersgd:4"])
+def test_codec_time_measured_now_replaces_the_calibrated_one(spec: str) -> None:
+    from parlay.plan.insitu import with_codec_time
+
+    costs = with_codec_time(Costs(), spec, 2.9e6, 2, 0.037)
+    assert codec_s(spec, 2.9e6, 2, costs) == pytest.approx(0.037)
+    assert costs.alpha_s == Costs().alpha_s  # nothing else moves
+    assert with_codec_time(Costs(), "none", 2.9e6, 2, 0.037) == Costs()
+    with pytest.raises(ConfigError, match="numel > 0"):
+        with_codec_time(Costs(), spec, 0, 2, 0.01)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_link_probe_recovers_the_link_it_was_timed_on(world: int) -> None:
+    from parlay.plan.insitu import probe_link
+
+    truth, alpha, numel = Link(3e9, 0.0, 1.0), 2e-4, 2_000_000
+    costs = dataclasses.replace(Costs(), alpha_s=alpha, half_sum_s_per_elem=7e-9)
+    tiny = allreduce_s(4, world, truth, alpha) - allreduce_s(4, world, truth)
+    dense = allreduce_s(numel * 4, world, truth, alpha, costs.sum_s_per_elem / 4)
+    half = rounds_s(wire_rounds("fp16", numel, world), world, truth, costs, half=True)
+    link, got = probe_link(tiny, dense, numel * 4, world,
+                           dataclasses.replace(costs, alpha_s=1.0, half_sum_s_per_elem=1.0),
+                           half_s=half)
+    assert got.alpha_s == pytest.approx(alpha)
+    assert link.bandwidth_bps == pytest.approx(truth.bandwidth_bps, rel=1e-3)
+    assert got.half_sum_s_per_elem == pytest.approx(7e-9, rel=1e-3)
+    # the fitted pieces predict the probes back
+    assert allreduce_s(numel * 4, world, link, got.alpha_s, got.sum_s_per_elem / 4) == \
+        pytest.approx(dense, rel=1e-3)
+    with pytest.raises(ConfigError, match="world >= 2"):
+        probe_link(tiny, dense, numel * 4, 1, costs)
+
+
+def test_scale_cpu_scales_only_cpu_constants() -> None:
+    from parlay.plan.insitu import scale_cpu
+
+    c = scale_cpu(Costs(), 2.0)
+    assert c.cast_s_per_elem == 2 * Costs().cast_s_per_elem
+    assert c.queue_s == Costs().queue_s and c.incast_efficiency == Costs().incast_efficiency
+    with pytest.raises(ConfigError, match="load factor"):
+        scale_cpu(Costs(), 0.0)
+
+
+def test_pipeline_pace_is_set_by_its_slowest_stage() -> None:
+    from parlay.plan.modes import bottleneck_share
+
+    assert bottleneck_share(None, 2) == 0.5 and bottleneck_share([1, 1, 1, 1], 2) == 0.5
+    suite = [784 * 1024 + 1024, 1024 * 1024 + 1024, 1024 * 1024 + 1024, 1024 * 10 + 10]
+    assert bottleneck_share(suite, 2) == pytest.approx(sum(suite[:2]) / sum(suite))
+    assert bottleneck_share([5, 1, 1, 1], 3) == pytest.approx(5 / 8)
+    w = _w(params=sum(suite), batch=64, per_sample=1e-3, layers=4)
+    c = ClusterSpec(1, 2, Link(1e9))
+    even = predict(w, c, "hybrid", costs=FREE, stages=2, chunks=4).terms
+    real = predict(w, c, "hybrid", costs=FREE, stages=2, chunks=4, layer_costs=suite).terms
+    skew = 2 * bottleneck_share(suite, 2)
+    assert real["compute"] == pytest.approx(even["compute"] * skew)
+    pipe = real["compute"] + real["bubble"]
+    assert even["compute"] + even["bubble"] < pipe <= (4 + 1) / 4 * real["compute"] + 1e-12
+
+
+def _bench_point(**kw: object) -> dict:
+    shapes = [list(s) for s in SUITE]
+    p = dict(net="loopback", launch="dp", contestant="powersgd:4", mode="allreduce",
+             compressor="powersgd:4", opts={}, params=sum(math.prod(s) for s in SUITE),
+             batch=64, layers=4, activation_numel=1024, shapes=shapes, world=2, workers=2,
+             hosts=1, ranks_per_host=2, link_bps=None, compute_step_s=0.08,
+             compute_s_per_sample=0.08 / 64, step_s=0.2, samples_s=640.0)
+    p.update(kw)
+    return p
+
+
+def test_bench_predicts_from_what_it_timed_next_to_the_point_never_its_step(
+        monkeypatch) -> None:
+    from parlay.bench import predict as bp
+    from parlay.plan.calibrate import Calibration
+
+    cal = Calibration(Costs(), Link(3e9, 0.0, 1.0), 1e10)
+    monkeypatch.setattr(bp, "_calibration", [cal])
+    base = bp.predict_point(_bench_point())
+    timed = bp.predict_point(_bench_point(codec="powersgd:4", codec_s=0.123,
+                                          probe_tiny_s=2e-3, probe_dense_s=0.05))
+    assert timed["terms"]["codec"] == pytest.approx(0.123)
+    assert timed["terms"]["codec"] != pytest.approx(base["terms"]["codec"])
+    # a dense point on the probed loopback: 2 ring steps of alpha plus the buffer's time
+    dense = bp.predict_point(_bench_point(contestant="none", compressor="none",
+                                          probe_tiny_s=2e-3, probe_dense_s=0.05))
+    assert dense["terms"]["comm"] == pytest.approx(0.05, rel=0.02)
+    for p in (_bench_point(codec="powersgd:4", codec_s=0.123), _bench_point()):
+        again = bp.predict_point(dict(p, step_s=99.0, samples_s=1.0))
+        assert again == bp.predict_point(p)  # the measured step is never an input
+
+
+def test_pipeline_replay_matches_the_closed_form_and_exposes_slow_links() -> None:
+    from parlay.plan.pipesim import pipeline_s, stage_order
+
+    assert stage_order("1f1b", 0, 2, 4) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1),
+                                            ("F", 3), ("B", 2), ("B", 3)]
+    for sched in ("gpipe", "1f1b"):
+        for p, m in ((2, 4), (4, 4), (4, 16)):  # equal stages, free links: (m+p-1) slots
+            assert pipeline_s([1.0] * p, [2.0] * p, m, 0.0, sched) == pytest.approx(
+                (m + p - 1) * 3.0)
+        # a link far slower than a micro-batch sets the pace: every transfer is waited for
+        slow = pipeline_s([1.0, 1.0], [2.0, 2.0], 4, 50.0, sched)
+        assert slow >= 4 * 50.0
+    # GPipe sends all activations, then all gradients; 1F1B's cross the link both ways at once
+    assert pipeline_s([1.0, 1.0], [2.0, 2.0], 8, 5.0, "1f1b") < \
+        pipeline_s([1.0, 1.0], [2.0, 2.0], 8, 5.0, "gpipe")
+    # an unequal split: the slower stage sets the pace
+    assert pipeline_s([2.0, 1.0], [4.0, 2.0], 4, 0.0, "gpipe") >= 4 * 6.0
+
+
+def test_hybrid_takes_a_measured_stage_transfer() -> None:
+    w = _w(params=4e6, batch=64, per_sample=1e-3, layers=4, activation_numel=1024)
+    c = ClusterSpec(2, 1, Link(100e6, 50e-6))
+    est = predict(w, c, "hybrid", costs=FREE, stages=2, chunks=4)
+    fast = predict(w, c, "hybrid", costs=FREE, stages=2, chunks=4, transfer_s=1e-4)
+    slow = predict(w, c, "hybrid", costs=FREE, stages=2, chunks=4, transfer_s=0.2)
+    assert fast.terms.get("activations", 0.0) < est.terms["activations"] < \
+        slow.terms["activations"]
+    gpipe = predict(w, c, "hybrid", costs=FREE, stages=2, chunks=4, transfer_s=0.2,
+                    schedule="gpipe")
+    assert gpipe.terms["activations"] >= 8 * 0.2 - w.compute_s  # waits for all 8 in turn
+    assert slow.terms["activations"] < gpipe.terms["activations"]  # 1F1B overlaps the two ways

@@ -58,28 +58,69 @@ def predict_point(p: dict[str, Any]) -> dict[str, Any] | None:
                        compute_s_per_sample=p["compute_s_per_sample"], layers=p["layers"],
                        activation_numel=p["activation_numel"],
                        shapes=tuple(tuple(s) for s in p["shapes"]))
-    local = cal.loopback
+    local, costs = _in_run(p, cal.loopback, cal.costs)
     inter = (plan.Link(float(p["link_bps"]), _LINK_LATENCY_S) if p["link_bps"] else local)
     per_host = min(p["ranks_per_host"], p["workers"])  # parameter servers are not ranks here
     cl = plan.ClusterSpec(nodes=max(1, p["workers"] // per_host), ranks_per_node=per_host,
                           inter=inter, intra=local, overlap=local_overlap(p["world"]))
     opts = dict(p["opts"])
+    if p["mode"] == "hybrid" and "layer_costs" not in opts:
+        opts["layer_costs"] = _layer_costs(p["shapes"])
+    if p["mode"] == "hybrid" and p.get("probe_act_s") is not None:
+        # One message timed next to the step holds the software costs of now; a shaped
+        # link's token bucket lets one message through at burst speed, which a step's
+        # back-to-back transfers do not get: never less than the link's rate allows.
+        act = p["activation_numel"] * p["batch"] * p["world"] / opts.get("chunks", 4) * 4
+        rate = inter.transfer_s(act) if p["link_bps"] else 0.0
+        opts["transfer_s"] = costs.pipe_op_s + max(p["probe_act_s"], rate)
     if p["mode"] == "ps":
         opts["server_link"] = inter
-    if p["compressor"] == "auto":  # auto should do as well as the best fixed choice
+    comp = p["compressor"]
+    if comp == "auto" and p.get("chose"):  # what auto ran, when one choice for every bucket
+        chosen = {c.partition("=")[2] for c in str(p["chose"]).split()}
+        comp = chosen.pop() if len(chosen) == 1 and "" not in chosen else "auto"
+    if comp == "auto":  # undecided or mixed: auto should do as well as the best fixed choice
         preds = []
-        for comp in plan.COMPRESSORS:
+        for c in plan.COMPRESSORS:
             try:
-                preds.append(plan.predict(wl, cl, p["mode"], comp, cal.costs, **opts))
+                preds.append(plan.predict(wl, cl, p["mode"], c, costs, **opts))
             except ValueError:  # ConfigError: a combination the mode cannot run
                 continue
         pred = min(preds, key=lambda q: q.step_s)
     else:
-        pred = plan.predict(wl, cl, p["mode"], p["compressor"], cal.costs, **opts)
+        pred = plan.predict(wl, cl, p["mode"], comp, costs, **opts)
     return {"step_s": float(pred.step_s), "samples_per_s": float(pred.samples_per_s),
             "dominant": str(pred.dominant) + (f" ({pred.compressor})" if p["compressor"] ==
                                               "auto" else ""),
             "terms": {str(k): float(v) for k, v in dict(pred.terms).items()}}
+
+
+def _layer_costs(shapes: list[list[int]]) -> list[float]:
+    """Parameters per layer of the benchmark MLP (a weight matrix and the vectors after it):
+    what parlay balances pipeline stages on by default."""
+    out: list[float] = []
+    for s in shapes:
+        n = float(math.prod(s))
+        if len(s) >= 2 or not out:
+            out.append(n)
+        else:
+            out[-1] += n
+    return out
+
+
+def _in_run(p: dict[str, Any], loopback: Any, costs: Any) -> tuple[Any, Any]:
+    """The loopback link and constants, with what was timed next to this point's steps in
+    place of the cached calibration (measured at another moment, under another load): its
+    compressor's encode and decode, and (ranks on one machine) a tiny and a gradient-sized
+    allreduce. Never the point's own step time."""
+    from parlay.plan.insitu import probe_link, with_codec_time
+
+    if p.get("probe_dense_s") and p.get("probe_tiny_s") is not None:
+        loopback, costs = probe_link(p["probe_tiny_s"], p["probe_dense_s"], 4 * p["params"],
+                                     p["world"], costs, p.get("probe_half_s"))
+    if p.get("codec_s") is not None and p.get("codec"):
+        costs = with_codec_time(costs, p["codec"], p["params"], p["world"], p["codec_s"])
+    return loopback, costs
 
 
 def attach_predictions(points: list[dict[str, Any]]) -> str | None:
@@ -109,7 +150,15 @@ def _scored(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [p for p in points if p.get("rel_err") is not None]
 
 
-def _order_stats(points: list[dict[str, Any]]) -> tuple[float, float, int]:
+def _speed(p: dict[str, Any], key: str, normalised: bool) -> float:
+    """A point's step time (``key``: measured or predicted), as a multiple of its own
+    compute-only step timed next to it when ``normalised``: points of one configuration were
+    measured minutes apart, and on shared cores a busier minute would otherwise decide."""
+    return p[key] / p["compute_step_s"] if normalised else p[key]
+
+
+def _order_stats(points: list[dict[str, Any]], normalised: bool = False
+                 ) -> tuple[float, float, int]:
     """(fraction of pairs ordered right, fraction of configurations whose predicted fastest is
     the measured fastest or within TIE of it, configurations). A configuration is one launch
     on one link: the same workload on the same hardware, run several ways."""
@@ -121,36 +170,36 @@ def _order_stats(points: list[dict[str, Any]]) -> tuple[float, float, int]:
         if len(grp) < 2:
             continue
         configs += 1
-        for i, a in enumerate(grp):
-            for b in grp[i + 1:]:
+        meas = [_speed(p, "step_s", normalised) for p in grp]
+        pred = [_speed(p, "predicted_step_s", normalised) for p in grp]
+        for i in range(len(grp)):
+            for j in range(i + 1, len(grp)):
                 pairs += 1
-                tie = abs(a["samples_s"] - b["samples_s"]) <= TIE * max(a["samples_s"],
-                                                                         b["samples_s"])
-                same = (a["predicted_step_s"] < b["predicted_step_s"]) == (
-                    a["step_s"] < b["step_s"])
-                right += tie or same
-        best = max(p["samples_s"] for p in grp)
-        pick = min(grp, key=lambda p: p["predicted_step_s"])
-        first_ok += pick["samples_s"] >= (1 - TIE) * best
+                tie = abs(meas[i] - meas[j]) <= TIE * min(meas[i], meas[j])
+                right += tie or (pred[i] < pred[j]) == (meas[i] < meas[j])
+        pick = min(range(len(grp)), key=lambda k: pred[k])
+        first_ok += meas[pick] <= min(meas) / (1 - TIE)
     return (right / pairs if pairs else math.nan, first_ok / configs if configs else math.nan,
             configs)
 
 
-def recommendations(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def recommendations(points: list[dict[str, Any]],
+                    normalised: bool = False) -> list[dict[str, Any]]:
     """Per link: the model's pick among parlay's ways to run the data-parallel launch (every
-    mode and compressor on the same hosts) against the best one measured."""
+    mode and compressor on the same hosts) against the best one measured; ``normalised``:
+    both as fractions of each point's own compute-only limit (see :func:`_speed`)."""
     out = []
     for net in dict.fromkeys(p["net"] for p in points):
         cands = [p for p in _scored(points) if p["net"] == net and p["launch"] == "dp"
                  and p["contestant"] != "ddp"]
         if not cands:
             continue
-        pick = min(cands, key=lambda p: p["predicted_step_s"])
-        best = max(cands, key=lambda p: p["samples_s"])
+        pick = min(cands, key=lambda p: _speed(p, "predicted_step_s", normalised))
+        best = min(cands, key=lambda p: _speed(p, "step_s", normalised))
+        key = "of_limit" if normalised else "samples_s"
         out.append({"net": net, "recommended": pick["contestant"],
                     "recommended_samples_s": pick["samples_s"], "best": best["contestant"],
-                    "best_samples_s": best["samples_s"],
-                    "ratio": pick["samples_s"] / best["samples_s"]})
+                    "best_samples_s": best["samples_s"], "ratio": pick[key] / best[key]})
     return out
 
 
@@ -158,11 +207,16 @@ def summary(points: list[dict[str, Any]]) -> dict[str, Any]:
     """Median and largest relative error, order agreement and recommendation quality."""
     errs = [abs(p["rel_err"]) for p in _scored(points)]
     pairs, first, configs = _order_stats(points)
+    npairs, nfirst, _ = _order_stats(points, normalised=True)
     recs = recommendations(points)
+    nrecs = recommendations(points, normalised=True)
     return {"points": len(points), "predicted_points": len(errs),
             "median_rel_err": median(errs) if errs else None,
             "max_rel_err": max(errs) if errs else None,
             "order_pairs_right": pairs, "fastest_first_right": first, "configurations": configs,
-            "recommendations": recs,
+            "order_pairs_right_normalised": npairs, "fastest_first_right_normalised": nfirst,
+            "recommendations": recs, "recommendations_normalised": nrecs,
             "recommended_within_5pct": (all(r["ratio"] >= 0.95 for r in recs) if recs
-                                        else None)}
+                                        else None),
+            "recommended_within_5pct_normalised": (all(r["ratio"] >= 0.95 for r in nrecs)
+                                                   if nrecs else None)}

@@ -53,12 +53,22 @@ def _mode(name: str, world: int, spec: dict[str, Any]) -> tuple[str, str, dict[s
         return "hybrid", "none", {"stages": world, "schedule": name[5:],
                                   "chunks": int(spec.get("chunks", 4))}
     if name.startswith("ps:"):
-        return "ps", "none", {"consistency": name[3:], "servers": int(spec["servers"])}
+        return "ps", "none", {"consistency": name[3:], "servers": int(spec["servers"]),
+                              "chunk_bytes": _ps_chunk_bytes()}
     if name == "hier":
         return "hierarchical", "none", {}
     if name in ("ddp", "none", "parlay", "flat"):
         return "allreduce", "none", {}
     return "allreduce", name, {}
+
+
+def _ps_chunk_bytes() -> int:
+    """Chunk size of the parameter servers' pipelined sync pushes in this parlay (0: none)."""
+    try:
+        from parlay.ps.chunks import chunk_bytes
+    except ImportError:  # a parlay whose servers take each push whole
+        return 0
+    return int(chunk_bytes())
 
 
 def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: str,
@@ -92,10 +102,25 @@ def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: 
                  limit_samples_s=limit, steps=agg["steps"], nic_tx_MB=agg["nic_tx_MB"],
                  wire_MB=agg.get("wire_MB"), expected_MB=agg.get("expected_MB"))
         p["of_limit"] = p["samples_s"] / limit
+        p.update(_probed(rows, name))
         chose = [r["chose"] for r in rows if r["contestant"] == name and "chose" in r]
         if chose:
             p["chose"] = chose[0]
         out.append(p)
+    return out
+
+
+def _probed(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The CPU-side probes timed next to this contestant's steps (codec, loopback link)."""
+    mine = [r for r in rows if r["contestant"] == name]
+    out: dict[str, Any] = {}
+    for k in ("codec_s", "probe_tiny_s", "probe_dense_s", "probe_half_s", "probe_act_s"):
+        vals = sorted(r[k] for r in mine if r.get(k) is not None)
+        if vals:
+            out[k] = vals[len(vals) // 2]
+    codec = [r["codec"] for r in mine if r.get("codec")]
+    if codec:
+        out["codec"] = codec[0]
     return out
 
 
@@ -119,7 +144,8 @@ def _launches(cfg: dict[str, Any], net: str) -> list[tuple[str, dict, int, int, 
     ps = dict(base, kind="ps", servers=2, consistencies=["sync", "stale:2", "async"])
     hier = dict(base, kind="dp", contestants=["compute", "flat", "hier"])
     if net == "loopback":  # hierarchical needs several hosts
-        return [("dp", dp, 1, 2, 0), ("ps", ps, 1, 4, 2)]
+        # One machine: the "link" is CPU work, timed next to every step as the codec is.
+        return [("dp", dict(dp, probe_link=True), 1, 2, 0), ("ps", ps, 1, 4, 2)]
     return [("dp", dp, 2, 1, 0), ("ps", ps, 4, 1, 2), ("hier", hier, 2, 2, 0)]
 
 

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable
 
 from parlay.bench.common import MODELS
+from parlay.bench.probes import codec_spec, timed_next_to
 
 __all__ = ["run_spec", "main"]
 
@@ -150,23 +151,24 @@ def _slowest(times: list[float]) -> list[float]:
 
 
 def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any,
-           compute: Callable | None = None) -> tuple:
-    """Time ``n`` steps, each between barriers; with ``compute``, a compute-only step before
-    each (same moment, same load: the machine's cores are shared with other processes, whose
-    load drifts). Returns (median s per step, median compute-only s or None, NIC before,
-    after, comm_stats before and after)."""
+           probes: dict[str, Callable] | None = None) -> tuple:
+    """Time ``n`` steps, each between barriers; before each, every probe once (the
+    compute-only step, the codec, link probes): same moment, same load, since the machine's
+    cores are shared with other processes whose load drifts. Returns (median s per step,
+    {probe: median s}, NIC before, after, comm_stats before and after); each median is of
+    the per-step maximum over the ranks."""
     from parlay import comm
 
     before = opt.comm_stats() if opt is not None else None
     steps: list[float] = []
-    comps: list[float] = []
+    probed: dict[str, list[float]] = {k: [] for k in probes or {}}
     comm.barrier()
     nic0 = _nic()
     for _ in range(n):
-        if compute is not None:
+        for k, fn in (probes or {}).items():
             t0 = time.perf_counter()
-            compute()
-            comps.append(time.perf_counter() - t0)
+            fn()
+            probed[k].append(time.perf_counter() - t0)
             comm.barrier()
         t0 = time.perf_counter()
         step(x, y)
@@ -174,8 +176,8 @@ def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any,
         comm.barrier()
     nic1 = _nic()
     dt = statistics.median(_slowest(steps))
-    dc = statistics.median(_slowest(comps)) if compute is not None else None
-    return dt, dc, nic0, nic1, (before, opt.comm_stats() if opt is not None else None)
+    med = {k: statistics.median(_slowest(v)) for k, v in probed.items()}
+    return dt, med, nic0, nic1, (before, opt.comm_stats() if opt is not None else None)
 
 
 def _steps_in_budget(first_s: float, steps: int, budget: float) -> int:
@@ -196,21 +198,30 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
     xs, ys = (x.repeat(parlay.size(), 1), y.repeat(parlay.size())) if pipe else (x, y)
     if pipe:  # the timeline of the first step, replaced by the first timed one if any
         step.recorder.on = True  # type: ignore[attr-defined]
-    compute = lambda: cstep(x, y)  # noqa: E731 - this point's own compute-only limit
+    compute = {"compute": lambda: cstep(x, y)}  # this point's own compute-only limit
     first = _timed(step, xs, ys, 1, opt, compute)
     # "auto" measures before it decides: give it room to settle before timing.
     for _ in range(int(spec.get("warmup", 1)) - 1 + (2 if name == "auto" else 0)):
         step(xs, ys)
+    probes = timed_next_to(name, spec, opt, cstep, x, y)
     # Every rank runs the same number of steps: first[0] is already the slowest rank's.
     n = _steps_in_budget(first[0], int(spec.get("steps", 3)), float(spec.get("budget", 8)))
     if pipe:
         step.recorder.on = True  # type: ignore[attr-defined]
-    dt, paired, nic0, nic1, stats = first if n == 0 else _timed(step, xs, ys, n, opt, compute)
+    dt, probed, nic0, nic1, stats = first if n == 0 else _timed(step, xs, ys, n, opt, probes)
     n = max(n, 1)
     samples = batch * parlay.size()  # pipeline: the same global batch through one replica
     row: dict[str, Any] = dict(contestant=name, step_s=dt, samples_s=samples / dt, steps=n,
                                nic_tx=(nic1["tx"] - nic0["tx"]) / n,
-                               nic_rx=(nic1["rx"] - nic0["rx"]) / n, compute_step_s=paired)
+                               nic_rx=(nic1["rx"] - nic0["rx"]) / n,
+                               compute_step_s=probed["compute"])
+    if "codec" in probed:  # the probes' own medians, measured in this run
+        row["codec_s"], row["codec"] = probed["codec"], codec_spec(name, opt)
+    if "act" in probed:  # a round trip: two transfers
+        row["probe_act_s"] = probed["act"] / 2
+    if "dense" in probed:
+        row["probe_tiny_s"], row["probe_dense_s"] = probed["tiny"], probed["dense"]
+        row["probe_half_s"] = probed.get("half")
     if opt is not None:
         row["wire_bytes"] = (stats[1]["wire_bytes"] - stats[0]["wire_bytes"]) / n
         row["cross_host_bytes"] = stats[1].get("cross_host_bytes_per_step", 0.0)

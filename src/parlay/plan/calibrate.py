@@ -26,7 +26,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from parlay.plan.model import Costs, Link
 
@@ -148,38 +148,53 @@ def _measure_link(numel: int, repeats: int, budget_s: float) -> dict[str, float]
     return out
 
 
-def _codec_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
-    """Per-element encode + decode costs of every compressor, timed in this process."""
+def codec_timer(spec: str, shapes: Sequence[Sequence[int]], world: int = 2,
+                grad: Any = None) -> Callable[[], None]:
+    """A callable doing one encode and decode of a gradient bucket with compressor ``spec``:
+    what one rank's step spends on compression (run once here, so the first call is warm).
+
+    Args:
+        spec: A compression string (``"topk:0.01"``).
+        shapes: The bucket's parameter shapes (PowerSGD factors each matrix).
+        world: Ranks whose payloads a non-summable compressor aggregates.
+        grad: The flat gradient to encode (default: random, of the shapes' size).
+    """
+    import math
+
     import torch
 
     from parlay.compress import get_compressor
+
+    g = grad if grad is not None else torch.randn(sum(math.prod(s) for s in shapes))
+    comp = get_compressor(spec)
+    comp.set_layout("b", [tuple(s) for s in shapes])
+
+    def once() -> None:
+        payload, ctx = comp.compress(g, "b")
+        if comp.summable:  # the reduced payload: same size and cost as this rank's
+            red = payload
+            nxt = comp.next_round(red, ctx)
+            while nxt is not None:
+                red = nxt
+                nxt = comp.next_round(red, ctx)
+            comp.decompress(red, ctx)
+        else:
+            comp.aggregate([payload] * world, ctx)
+    once()
+    return once
+
+
+def _codec_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
+    """Per-element encode + decode costs of every compressor, timed in this process."""
+    import torch
 
     side = max(8, int((numel // 4) ** 0.5))
     shapes = [(side, side)] * 4
     n = side * side * 4
     g = torch.randn(n)
-
-    def run(spec: str, world: int = 2) -> Callable[[], None]:
-        comp = get_compressor(spec)
-        comp.set_layout("b", shapes)
-
-        def once() -> None:
-            payload, ctx = comp.compress(g, "b")
-            if comp.summable:  # the reduced payload: same size and cost as this rank's
-                red = payload
-                nxt = comp.next_round(red, ctx)
-                while nxt is not None:
-                    red = nxt
-                    nxt = comp.next_round(red, ctx)
-                comp.decompress(red, ctx)
-            else:
-                comp.aggregate([payload] * world, ctx)
-        once()
-        return once
-
     each = budget_s / 6
-    t = {s: _typical(run(s), repeats, each) for s in ("fp16", "topk:0.01", "randomk:0.01",
-                                                   "powersgd:1", "powersgd:8")}
+    t = {s: _typical(codec_timer(s, shapes, 2, g), repeats, each)
+         for s in ("fp16", "topk:0.01", "randomk:0.01", "powersgd:1", "powersgd:8")}
     vals = torch.randn(max(1, n // 100))
     idx = torch.randint(n, vals.shape)
     out = torch.zeros(n)

@@ -9,12 +9,15 @@ left exposed after overlapping backward), ``push`` / ``pull`` / ``apply`` (param
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 from parlay.errors import ConfigError
 from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, Workload,
                                codec_s, parse_compressor, rounds_s, wire_rounds)
+from parlay.plan.pipesim import pipeline_s
 
-__all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "exposed"]
+__all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "exposed",
+           "bottleneck_share", "stage_shares"]
 
 FORWARD_SHARE = 1.0 / 3.0   # forward ~ 1/3 of forward + backward (backward ~ 2x forward)
 HALF = ("fp16", "bf16")
@@ -32,6 +35,40 @@ def exposed(comm_s: float, backward_s: float, buckets: int, overlap: float) -> f
     nb = max(1, buckets)
     ideal = max(comm_s / nb, comm_s - backward_s * (nb - 1) / nb)
     return comm_s - overlap * (comm_s - ideal)
+
+
+def stage_shares(layer_costs: Sequence[float] | None, stages: int) -> list[float]:
+    """Each stage's share of the total cost when ``layer_costs`` are cut into ``stages``
+    contiguous runs making the largest as small as possible (parlay's balance); equal shares
+    when the costs are unknown or fewer than the stages."""
+    c = [max(0.0, float(x)) for x in (layer_costs or ())]
+    total, n = sum(c), len(c)
+    if stages <= 1 or n < stages or total <= 0:
+        return [1.0 / max(1, stages)] * max(1, stages)
+    prefix = [0.0]
+    for x in c:
+        prefix.append(prefix[-1] + x)
+    # best[s][i]: the smallest bottleneck of the first i layers cut into s runs; cut: where
+    # the last of those runs starts
+    best = [[math.inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                v = max(best[s - 1][j], prefix[i] - prefix[j])
+                if v < best[s][i]:
+                    best[s][i], cut[s][i] = v, j
+    shares, i = [], n
+    for s in range(stages, 0, -1):
+        shares.append((prefix[i] - prefix[cut[s][i]]) / total)
+        i = cut[s][i]
+    return shares[::-1]
+
+
+def bottleneck_share(layer_costs: Sequence[float] | None, stages: int) -> float:
+    """The costliest stage's share of the total (see :func:`stage_shares`)."""
+    return max(stage_shares(layer_costs, stages))
 
 
 def _buckets(w: Workload, bucket_bytes: float) -> int:
@@ -98,7 +135,7 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
 
 def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
              consistency: str = "sync", servers: int | None = None,
-             server_link: Link | None = None) -> dict[str, float]:
+             server_link: Link | None = None, chunk_bytes: float = 0.0) -> dict[str, float]:
     """Sharded parameter servers: each worker pushes its (compressed) gradient split over the
     servers and pulls the dense parameters back (:mod:`parlay.ps`).
 
@@ -106,7 +143,10 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     sequence, each bounded by the busier of a worker's link (one model) and a server's link
     (``workers / servers`` models). ``async`` and ``stale`` (with equal workers the staleness
     bound rarely binds) run workers independently: a worker's own push-then-pull chain, or the
-    servers' links if all workers together keep them busier.
+    servers' links if all workers together keep them busier. With ``chunk_bytes`` (``sync``,
+    dense pushes: parlay's pipelined pushes, ``PARLAY_PS_CHUNK_BYTES``) each server returns a
+    chunk as soon as every worker's copy of it is in, so pulls overlap pushes and only the
+    last chunk's return and update follow the longer of the two.
 
     Raises:
         ConfigError: PowerSGD (it needs collective rounds) or an unknown consistency.
@@ -139,7 +179,13 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     apply = w.params / ns * (costs.apply_s_per_elem + nw * costs.sum_s_per_elem)
     terms = _split_compute(w, enc)
     if mode == "sync":
-        terms.update(push=push, apply=apply, pull=pull)
+        chunks = math.ceil(pull_b / ns / chunk_bytes) if chunk_bytes and spec.name == "none" \
+            else 1
+        if chunks > 1:  # both directions busy at once; the last chunk comes back after
+            last = min(push, pull) / chunks
+            terms.update(push=push, apply=apply / chunks, pull=max(0.0, pull - push) + last)
+        else:
+            terms.update(push=push, apply=apply, pull=pull)
         return terms
     # workers drift apart but meet again at the servers: their pushes still collide
     push_w /= into_server
@@ -161,13 +207,20 @@ def _incast(senders: int, per_sender_bytes: float, link: Link, costs: Costs) -> 
 
 def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, stages: int = 2,
                  chunks: int | None = None, schedule: str = "1f1b",
-                 bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
+                 bucket_bytes: float = DEFAULT_BUCKET_BYTES,
+                 layer_costs: Sequence[float] | None = None,
+                 transfer_s: float | None = None) -> dict[str, float]:
     """``stages`` pipeline stages x ``world / stages`` replicas over the same global batch.
 
-    GPipe and 1F1B leave the same bubble, ``(p-1)/(m+p-1)`` of the pipeline's time; each of
-    the ``m+p-1`` slots also waits for one activation and one gradient transfer between
-    stages. Each stage averages its ``1/p`` of the gradients over its replicas after the
-    drain. A replica's stages share a host when they fit (parlay's default placement).
+    The step is replayed op by op (:func:`parlay.plan.pipesim.pipeline_s`): with equal
+    stages and free links GPipe and 1F1B leave the same bubble, ``(p-1)/(m+p-1)`` of the
+    pipeline's time; transfers between stages (one activation or its gradient per
+    micro-batch, plus ``pipe_op_s``) add what they cannot hide. With ``layer_costs`` (compute
+    per layer, e.g. parameters: how parlay balances stages by default) each stage gets its
+    share, and the slowest sets the pace. Each stage averages its ``1/p`` of the gradients
+    over its replicas after the drain. A replica's stages share a host when they fit
+    (parlay's default placement). ``transfer_s`` (measured: one activation between two
+    stages, software costs included) replaces the link's estimate.
 
     Raises:
         ConfigError: More stages than layers or ranks, ranks not a multiple of stages, more
@@ -193,16 +246,21 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
     loc = c.ranks_per_node
     pp_local = loc % p == 0 or c.nodes == 1
     act_link = c.local if pp_local else c.inter
-    slot = w.compute_s / m                # one micro-batch, one stage: forward + backward
+    # one micro-batch on each stage: forward + backward
+    slots = [w.compute_s * share * p / m for share in stage_shares(layer_costs, p)]
+    slot = max(slots)
     act_bytes = w.act_numel * per_replica / m * w.bytes_per_element
     transfer = costs.pipe_op_s + act_link.transfer_s(act_bytes) if p > 1 else 0.0
-    # Transfers between two stages queue on their link. GPipe sends its m activations, then
-    # its m gradients (2(m+p-2) on the critical path, counting the hops of the fill); 1F1B
-    # interleaves them, so activations and gradients cross the link in opposite directions
-    # at once and half of them hide (measured on the simulated cluster: 4 of 8 at m=4, p=2).
-    exposed_transfers = (2 if schedule == "gpipe" else 1) * (m + p - 2)
-    terms = {"compute": w.compute_s, "bubble": (p - 1) * slot,
-             "activations": exposed_transfers * transfer}
+    if transfer_s is not None and p > 1:
+        transfer = float(transfer_s)
+    # Replayed op by op: unequal stages and transfers slower than a micro-batch change the
+    # pace, not only the fill and drain (GPipe sends its m activations, then its m gradients;
+    # 1F1B interleaves them, so the two directions of a link carry them at once).
+    fwd = [x * FORWARD_SHARE for x in slots]
+    bwd = [x * (1 - FORWARD_SHARE) for x in slots]
+    free = pipeline_s(fwd, bwd, m, 0.0, schedule)
+    terms = {"compute": m * slot, "bubble": max(0.0, free - m * slot),
+             "activations": max(0.0, pipeline_s(fwd, bwd, m, transfer, schedule) - free)}
     if replicas > 1:
         stage = Workload(w.params / p, w.batch, w.compute_s_per_sample, shapes=None,
                          bytes_per_element=w.bytes_per_element)
