@@ -286,15 +286,13 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
         world_size: Explicit world size; needs ``rank``.
         local_rank: Explicit local rank (default 0).
         local_world_size: Explicit local size (default 1 without ``local_rank``, else the world).
-        master_addr: Rendezvous host; overrides any source (explicit default: ``MASTER_ADDR``
-            or ``127.0.0.1``).
+        master_addr: Rendezvous host; overrides any source (default ``MASTER_ADDR``/127.0.0.1).
         master_port: Rendezvous port; overrides any source (explicit default: ``MASTER_PORT``,
             required when ``world_size > 1``).
         num_ps: Parameter servers; overrides ``PARLAY_NUM_PS`` (and ``TF_CONFIG``'s ps count).
 
     Returns:
         The detected :class:`ClusterEnv`.
-
     Raises:
         ConfigError: Partial, malformed, out-of-range or conflicting variables, an evaluator
             ``TF_CONFIG``, or ``num_ps``/``PARLAY_NUM_PS`` outside ``0..world_size-1``.

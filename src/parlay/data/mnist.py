@@ -154,19 +154,16 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     """Load an MNIST split, downloading and verifying the files when needed.
 
     Args:
-        root: Folder holding (or to receive) the four ``*-ubyte.gz`` files. Default:
-            ``PARLAY_DATA_DIR``, else ``~/.cache/parlay/mnist`` (``XDG_CACHE_HOME`` respected).
+        root: Folder of the four ``*-ubyte.gz`` files (default ``PARLAY_DATA_DIR``, else the cache).
         train: The 60,000-image training split (else the 10,000-image test split).
         download: Fetch missing files from ``mirrors``.
-        verify: Check the files' MD5s: ``True`` against the published ones, ``False`` not at
-            all (e.g. for your own IDX files), or a ``{file name: md5}`` mapping.
+        verify: Check MD5s: ``True`` (the published ones), ``False``, or ``{file name: md5}``.
         mirrors: Base URLs to try in order.
         bundled: With no ``root``, read the copy shipped with parlay when ``PARLAY_DATA_DIR``
-            (or the cache) lacks the files, before trying to download.
+            (or the cache) lacks the files, before downloading.
 
     Returns:
         An :class:`MNIST` dataset of normalised float32 images and int64 labels.
-
     Raises:
         ConfigError: The files are missing and could not be downloaded (the message says where
             to put them), or an MD5 does not match.

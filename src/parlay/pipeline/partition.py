@@ -261,6 +261,23 @@ def _from_split_points(names: list[str], split_points: Sequence[str], stages: in
     return [b - a for a, b in zip(cuts, cuts[1:])]
 
 
+def _check_inputs(model: nn.Module, by: str, balance: Any, split_points: Any) -> list[str]:
+    """The layer names of ``model``, after checking what :func:`partition` was given."""
+    if not isinstance(model, nn.Sequential):
+        raise ConfigError(
+            f"partition expects an nn.Sequential, got {type(model).__name__}. Hint: express "
+            "the model as nn.Sequential(...) of its layers, or give parlay.pipeline.Pipeline "
+            "split_points=[...] naming submodules, which traces the model instead.")
+    names = [n for n, _ in model.named_children()]
+    if not names:
+        raise ConfigError("the nn.Sequential has no layers to split.")
+    if by not in _BYS:
+        raise ConfigError(f"by must be one of {_BYS}, got {by!r}.")
+    if balance is not None and split_points is not None:
+        raise ConfigError("give either balance or split_points, not both.")
+    return names
+
+
 def partition(model: nn.Module, stages: int | None = None, *,
               balance: Sequence[int] | None = None, split_points: Sequence[str] | None = None,
               sample: Any = None, by: str = "auto", repeats: int = 3) -> Partition:
@@ -284,18 +301,7 @@ def partition(model: nn.Module, stages: int | None = None, *,
             sum to the layer count, unknown split points, ``by="time"`` without a sample, or
             (when ``sample`` is given) a stage boundary that carries no tensor.
     """
-    if not isinstance(model, nn.Sequential):
-        raise ConfigError(
-            f"partition expects an nn.Sequential, got {type(model).__name__}. Hint: express "
-            "the model as nn.Sequential(...) of its layers, or give parlay.pipeline.Pipeline "
-            "split_points=[...] naming submodules, which traces the model instead.")
-    names = [n for n, _ in model.named_children()]
-    if not names:
-        raise ConfigError("the nn.Sequential has no layers to split.")
-    if by not in _BYS:
-        raise ConfigError(f"by must be one of {_BYS}, got {by!r}.")
-    if balance is not None and split_points is not None:
-        raise ConfigError("give either balance or split_points, not both.")
+    names = _check_inputs(model, by, balance, split_points)
     layers = [m for _, m in model.named_children()]
     costs: list[float] = []
     if split_points is not None:

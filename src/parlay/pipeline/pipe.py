@@ -27,9 +27,10 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
-from parlay import comm
+from parlay import comm, runtime
 from parlay.errors import ConfigError
 from parlay.pipeline.hybrid import HybridMesh, build_mesh, mean_over
 from parlay.pipeline.partition import Partition, check_boundaries, partition
@@ -53,6 +54,35 @@ from parlay.pipeline.step import (
 from parlay.pipeline.trace import as_sequential, original_name
 
 __all__ = ["Pipeline", "StepOutput"]
+
+
+def _check_args(chunks: Any, loss_reduction: str, loss_fn: Any) -> None:
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ConfigError(f"chunks (micro-batches per batch) must be an int >= 1, got {chunks!r}.")
+    if loss_reduction not in ("mean", "sum"):
+        raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError("loss_fn must be callable(output, target), got "
+                          f"{type(loss_fn).__name__}.")
+
+
+def _virtual_stages(virtual_stages: Any, spec: ScheduleSpec, schedule: str) -> int:
+    v = virtual_stages if virtual_stages is not None else (2 if spec.multi_stage else 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ConfigError(f"virtual_stages must be an int >= 1, got {v!r}.")
+    if v > 1 and not spec.multi_stage:
+        raise ConfigError(f"virtual_stages={v} needs schedule='interleaved', got "
+                          f"schedule={schedule!r}.")
+    return v
+
+
+def _default_mesh(stages: int | None, dp: int | None) -> HybridMesh:
+    if not dist.is_initialized():
+        raise ConfigError("the pipeline needs a process group. Hint: call parlay.init() first.")
+    if stages is None:
+        world = dist.get_world_size()
+        stages = world // dp if dp else world
+    return build_mesh(stages, dp)
 
 
 class Pipeline:
@@ -105,50 +135,18 @@ class Pipeline:
                  loss_reduction: str = "mean", sync_parameters: bool = True,
                  autocast_dtype: torch.dtype | None = None,
                  mesh: HybridMesh | None = None) -> None:
-        import torch.distributed as dist
-
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ConfigError(f"chunks (micro-batches per batch) must be an int >= 1, got {chunks!r}.")
-        if loss_reduction not in ("mean", "sum"):
-            raise ConfigError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}.")
-        if loss_fn is not None and not callable(loss_fn):
-            raise ConfigError(f"loss_fn must be callable(output, target), got {type(loss_fn).__name__}.")
+        _check_args(chunks, loss_reduction, loss_fn)
         self.spec: ScheduleSpec = get_schedule(schedule)
-        v = virtual_stages if virtual_stages is not None else (2 if self.spec.multi_stage else 1)
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ConfigError(f"virtual_stages must be an int >= 1, got {v!r}.")
-        if v > 1 and not self.spec.multi_stage:
-            raise ConfigError(f"virtual_stages={v} needs schedule='interleaved', got "
-                              f"schedule={schedule!r}.")
+        v = _virtual_stages(virtual_stages, self.spec, schedule)
         self.wire_dtype = wire_dtype(activation_dtype)
-        if mesh is None:
-            if not dist.is_initialized():
-                raise ConfigError("the pipeline needs a process group. Hint: call parlay.init() first.")
-            world = dist.get_world_size()
-            if stages is None:
-                stages = world // dp if dp else world
-            mesh = build_mesh(stages, dp)
-        self.mesh = mesh
+        self.mesh = mesh = mesh if mesh is not None else _default_mesh(stages, dp)
         self.chunks, self.virtual_stages = chunks, v
         self.loss_reduction = loss_reduction
         self.num_stages = mesh.pp * v
-        self.device = torch.device("cpu")
-        from parlay import runtime
-
-        if runtime.is_initialized():
-            self.device = runtime.device()
+        self.device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
         self.traced = not isinstance(model, nn.Sequential)
         self.seq = as_sequential(model, split_points, sample)
-        explicit = balance is not None or split_points is not None
-        by_time = not explicit and (by == "time" or (by == "auto" and sample is not None))
-        self.partition: Partition = partition(
-            self.seq, self.num_stages, balance=balance,
-            split_points=split_points if not self.traced else None,
-            sample=sample if by_time else None, by="time" if by_time else "params")
-        if self.partition.method == "time" and dist.get_world_size() > 1:
-            # Profiles differ between ranks; everyone must cut the model the same way. Only
-            # numbers travel (tensors, never a pickle): the layer names are the same model's.
-            self.partition = _agree_on_partition(self.partition, comm.group_device())
+        self.partition: Partition = self._cut(balance, split_points, sample, by)
         self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
         self.modules: list[StageModule] = []
         for s in self.stage_ids:
@@ -169,6 +167,20 @@ class Pipeline:
             from parlay.dp.functions import broadcast_parameters
 
             broadcast_parameters(self.state_dict(), root_rank=0, process_group=mesh.dp_group)
+
+    def _cut(self, balance: list[int] | None, split_points: list[str] | None, sample: Any,
+             by: str) -> Partition:
+        """The partition of ``self.seq`` into stages, agreed by every rank when timed."""
+        explicit = balance is not None or split_points is not None
+        by_time = not explicit and (by == "time" or (by == "auto" and sample is not None))
+        part = partition(self.seq, self.num_stages, balance=balance,
+                         split_points=split_points if not self.traced else None,
+                         sample=sample if by_time else None, by="time" if by_time else "params")
+        if part.method == "time" and dist.get_world_size() > 1:
+            # Profiles differ between ranks; everyone must cut the model the same way. Only
+            # numbers travel (tensors, never a pickle): the layer names are the same model's.
+            part = _agree_on_partition(part, comm.group_device())
+        return part
 
     # ------------------------------------------------------------------ structure
     @property

@@ -113,6 +113,66 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, port: int, q:
             pass
 
 
+class _Reports:
+    """What the ranks of one :func:`run_world` reported: results, errors, deaths, hangs."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.results: dict[int, Any] = {}
+        self.failures: dict[int, RankFailure] = {}
+
+    def _open(self, r: int) -> bool:
+        return r not in self.results and r not in self.failures
+
+    def _take(self, r: int, kind: str, payload: bytes, tb: str) -> None:
+        if kind == "ok":
+            self.results[r] = pickle.loads(payload)
+        else:
+            self.failures[r] = RankFailure(r, "error", pickle.loads(payload), tb)
+
+    def collect(self, q: Any, procs: list[Any], deadline: float, timeout: float) -> None:
+        """Read reports until every rank has one; a dead rank or the deadline makes its own."""
+        while len(self.results) + len(self.failures) < self.world_size:
+            try:
+                self._take(*q.get(timeout=0.2))
+                continue
+            except _queue.Empty:
+                pass
+            for r, p in enumerate(procs):
+                if self._open(r) and not p.is_alive() and p.exitcode not in (None, 0):
+                    # Drain a report that may still be in flight before calling it a death.
+                    try:
+                        self._take(*q.get(timeout=0.5))
+                        continue
+                    except _queue.Empty:
+                        pass
+                    self.failures[r] = RankFailure(r, "died", None, f"rank {r} exited with code "
+                                                   f"{p.exitcode} without reporting a result")
+            if time.monotonic() > deadline:
+                for r in range(self.world_size):
+                    if self._open(r):
+                        self.failures[r] = RankFailure(r, "hung", None,
+                                                       f"rank {r} did not finish within {timeout} s")
+                return
+
+    def outcome(self, return_exceptions: bool) -> list[Any]:
+        """Per-rank results; raise :class:`WorldError` for failures unless asked to return them."""
+        failures = self.failures
+        if failures and not return_exceptions:
+            first = min(failures)
+            parts = [f"rank {r} {f.kind}:\n{f.traceback}" for r, f in sorted(failures.items())]
+            err = WorldError(f"{len(failures)} of {self.world_size} ranks failed (first: rank "
+                             f"{first})\n" + "\n".join(parts), failures)
+            exc = failures[first].exc
+            if exc is not None:
+                raise err from exc
+            raise err
+        return [self.results[r] if r in self.results else
+                (failures[r].exc if failures[r].exc is not None
+                 else WorldError(failures[r].traceback, {r: failures[r]}))
+                for r in range(self.world_size)]
+
+
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               comm_timeout: float = 30.0, env: Mapping[str, str] | None = None,
               threads: int = 1, return_exceptions: bool = False,
@@ -150,41 +210,10 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
              for r in range(world_size)]
     for p in procs:
         p.start()
-    results: dict[int, Any] = {}
-    failures: dict[int, RankFailure] = {}
+    reports = _Reports(world_size)
     deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(failures) < world_size:
-            try:
-                r, kind, payload, tb = q.get(timeout=0.2)
-            except _queue.Empty:
-                for r, p in enumerate(procs):
-                    if (not p.is_alive() and r not in results and r not in failures
-                            and p.exitcode not in (None, 0)):
-                        # Drain a report that may still be in flight before calling it a death.
-                        try:
-                            r2, kind2, payload2, tb2 = q.get(timeout=0.5)
-                            if kind2 == "ok":
-                                results[r2] = pickle.loads(payload2)
-                            else:
-                                failures[r2] = RankFailure(r2, "error", pickle.loads(payload2), tb2)
-                            continue
-                        except _queue.Empty:
-                            pass
-                        failures[r] = RankFailure(r, "died", None,
-                                                  f"rank {r} exited with code {p.exitcode} "
-                                                  "without reporting a result")
-                if time.monotonic() > deadline:
-                    for r in range(world_size):
-                        if r not in results and r not in failures:
-                            failures[r] = RankFailure(r, "hung", None,
-                                                      f"rank {r} did not finish within {timeout} s")
-                    break
-                continue
-            if kind == "ok":
-                results[r] = pickle.loads(payload)
-            else:
-                failures[r] = RankFailure(r, "error", pickle.loads(payload), tb)
+        reports.collect(q, procs, deadline, timeout)
     finally:
         release.set()
         for p in procs:
@@ -195,20 +224,4 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.join()
         q.close()
         q.join_thread()
-    if failures and not return_exceptions:
-        first = min(failures)
-        parts = [f"rank {r} {f.kind}:\n{f.traceback}" for r, f in sorted(failures.items())]
-        err = WorldError(f"{len(failures)} of {world_size} ranks failed (first: rank {first})\n"
-                         + "\n".join(parts), failures)
-        exc = failures[first].exc
-        if exc is not None:
-            raise err from exc
-        raise err
-    out: list[Any] = []
-    for r in range(world_size):
-        if r in results:
-            out.append(results[r])
-        else:
-            f = failures[r]
-            out.append(f.exc if f.exc is not None else WorldError(f.traceback, {r: f}))
-    return out
+    return reports.outcome(return_exceptions)
