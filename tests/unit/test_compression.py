@@ -13,6 +13,7 @@ import torch
 import parlay
 from parlay.compress import (BF16, FP16, ErrorFeedback, PowerSGD, RandomK, TopK, available,
                              get_compressor)
+from parlay.compress.base import local_round_trip
 from parlay.compress.feedback import warmup_density
 from parlay.compress.sparse import exact_topk, random_indices
 from parlay.errors import ConfigError
@@ -42,6 +43,24 @@ def dyadic(n, seed, scale=64):
     """float64 values k/1024 with |k| < scale*1024: every sum below is exact."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(-scale * 1024, scale * 1024, (n,), generator=g).double() / 1024
+
+
+@pytest.mark.parametrize("spec,world", [("none", 1), ("fp16", 1), ("bf16", 1), ("topk:0.1", 3),
+                                         ("powersgd:2", 1)])
+def test_local_round_trip_is_one_rank_of_the_protocol(spec, world):
+    # What codec timing runs: one rank's encode, further rounds and decode (for allgather
+    # compressors, world copies of its payload) must be what reduce_async decodes for a world
+    # of identical ranks. The 1e6 entry overflows fp16, so fp16 needs its fp32 retry round.
+    flat = dyadic(600, 7).index_put_((torch.tensor([3]),), torch.tensor(1e6, dtype=torch.float64))
+    mine = get_compressor(spec)
+    comps = [get_compressor(spec) for _ in range(world)]
+    for c in [mine, *comps]:
+        c.set_layout("b", [(20, 30)])
+    want = simulate(comps, [flat] * world, "b")[0]
+    got = local_round_trip(mine, flat, "b", world)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if spec == "fp16":
+        assert got[3] == 1e6
 
 
 # ------------------------------------------------------------------------ casts

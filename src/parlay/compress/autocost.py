@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from parlay import comm
-from parlay.compress.base import get_compressor
+from parlay.compress.base import get_compressor, local_round_trip
 from parlay.plan import model
 
 __all__ = ["LinkFit", "probe_link", "codec_seconds", "sample_layout", "predict_s",
@@ -181,16 +181,7 @@ def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
-        payload, ctx = c.compress(part, key)
-        if c.summable:
-            reduced = payload
-            nxt = c.next_round(reduced, ctx)
-            while nxt is not None:
-                reduced = nxt
-                nxt = c.next_round(reduced, ctx)
-            c.decompress(reduced, ctx)
-        else:
-            c.aggregate([payload] * world, ctx)
+        local_round_trip(c, part, key, world)
         best = min(best, time.perf_counter() - t0)
         if best * flat.numel() / max(1, n) > enough:
             break

@@ -41,7 +41,8 @@ from parlay.errors import ConfigError
 from parlay.registry import Registry
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
-           "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle"]
+           "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle",
+           "local_round_trip"]
 
 
 class Compressor:
@@ -202,6 +203,24 @@ def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any
             stats.add_wire(_nbytes(nxt))
         reduced = reduce(nxt)
     return reduced
+
+
+def local_round_trip(compressor: Compressor, flat: torch.Tensor, key: str,
+                     world: int = 1) -> torch.Tensor:
+    """One rank's codec work on a bucket, with no collective: what timing a codec measures.
+
+    A summable compressor encodes ``flat``, runs its further rounds on its own payload (standing
+    in for the group's sum) and decodes; any other decodes ``world`` copies of its payload, as
+    after an allgather.
+
+    Returns:
+        The decoded bucket (``world`` times ``flat``'s encoding for an allgather compressor).
+    """
+    payload, ctx = compressor.compress(flat, key)
+    if compressor.summable:
+        reduced = further_rounds(compressor, payload, ctx, None, lambda nxt: nxt)
+        return compressor.decompress(reduced, ctx)
+    return compressor.aggregate([payload] * world, ctx)
 
 
 def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: Any = None,
