@@ -9,10 +9,11 @@ from typing import Any
 
 import torch
 
-# One table and median for the scripts here and for `parlay bench` (which ships in the package).
-from parlay.bench.common import median, table
+# One table, median and MLP for the scripts here and for `parlay bench` (which ships in the
+# package).
+from parlay.bench.common import median, mlp, table
 
-__all__ = ["median", "table", "write_json"]
+__all__ = ["median", "mlp", "table", "write_json"]
 
 
 def write_json(path: str | None, name: str, ratios: dict[str, float],

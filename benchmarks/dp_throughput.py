@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, table, write_json  # noqa: E402
+from _common import median, mlp as _mlp, table, write_json  # noqa: E402
 
 import parlay  # noqa: E402
 from parlay.testing import run_world  # noqa: E402
@@ -29,14 +29,6 @@ MODELS = {
     "small": ([784, 800, 800, 10], 500),
     "big": ([784, 4096, 4096, 4096, 10], 64),
 }
-
-
-def _mlp(widths: list[int]) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
 
 
 class _Naive:

@@ -8,19 +8,12 @@ import torch.nn as nn
 
 import parlay
 from parlay import comm
+from parlay.bench.common import mlp as _mlp
 from parlay.compress import AutoCompressor, get_compressor, reduce_async
 from parlay.errors import ConfigError
 from parlay.testing import run_world
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _mlp(widths: list[int]) -> nn.Module:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for a, b in zip(widths[:-1], widths[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
 
 
 def _train(opt: parlay.DistributedOptimizer, model: nn.Module, steps: int) -> None:
