@@ -356,7 +356,8 @@ def test_validation_metrics_reduce_as_tensors_and_ranks_must_agree_on_names():
 
 
 # -- async/stale with checkpoints: survivors go on checkpointing after a loss --------------------
-CKPT_DROP = '''
+# Kill scripts here and in test_ps_snapshot.py start with ``t``: 12 steps, a checkpoint every 2.
+PS_CKPT_TRAINER = '''
     import os, signal, sys
     import torch, torch.nn as nn
     from torch.utils.data import TensorDataset
@@ -373,6 +374,8 @@ CKPT_DROP = '''
                        optimizer_args={"lr": 0.05}, batch_size=2, num_epochs=1, progress=False,
                        mode="ps", checkpoint_dir=ckpt_dir, checkpoint_every=2,
                        strategy_options={"consistency": consistency})
+'''
+CKPT_DROP = PS_CKPT_TRAINER + '''
     while not t.should_stop():
         if parlay.rank() == 2 and t.state.step == 3:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -20,7 +20,7 @@ import torch
 from parlay.ps.consistency import Reply, ServerCore, get_consistency
 from parlay.ps.recovery import agree_resume
 from parlay.testing import run_world
-from tests.dist.test_ps_restart import ROOT, _parlay_run
+from tests.dist.test_ps_restart import PS_CKPT_TRAINER, ROOT, _parlay_run
 from tests.dist.test_snapshot import _run_script
 
 pytestmark = pytest.mark.timeout(150)
@@ -143,24 +143,8 @@ def test_ranks_agree_on_one_step_and_who_trains():
 
 
 # -- async: a server lost after a worker was dropped -------------------------------------------
-DROP_THEN_SERVER = '''
-    import os, signal, sys
-    import torch, torch.nn as nn
-    from torch.utils.data import TensorDataset
-    import parlay
-
-    ckpt_dir, consistency = sys.argv[1], sys.argv[2]
+DROP_THEN_SERVER = PS_CKPT_TRAINER + '''
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(48, 5, generator=g)
-
-    def build():
-        return nn.Linear(5, 2), nn.MSELoss()
-
-    t = parlay.Trainer(build, TensorDataset(x, x[:, :2].clone()), optimizer=torch.optim.SGD,
-                       optimizer_args={"lr": 0.05}, batch_size=2, num_epochs=1, progress=False,
-                       mode="ps", checkpoint_dir=ckpt_dir, checkpoint_every=2,
-                       strategy_options={"consistency": consistency})
     rank, s = parlay.rank(), t.strategy.session
     if s.server is not None and attempt == 0:
         apply = s.server.core._apply
