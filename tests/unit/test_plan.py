@@ -524,3 +524,19 @@ def test_hybrid_takes_a_measured_stage_transfer() -> None:
                     schedule="gpipe")
     assert gpipe.terms["activations"] >= 8 * 0.2 - w.compute_s  # waits for all 8 in turn
     assert slow.terms["activations"] < gpipe.terms["activations"]  # 1F1B overlaps the two ways
+
+
+def test_codecs_retimed_now_on_the_models_own_shapes() -> None:
+    from parlay.plan.calibrate import retime_codecs
+
+    shapes = [(256, 128), (256,), (10, 256), (10,)]
+    slow = dataclasses.replace(Costs(), cast_s_per_elem=1.0, topk_s_per_elem=1.0,
+                               powersgd_s_per_elem=1.0)
+    t0 = time.perf_counter()
+    got = retime_codecs(slow, shapes, ["none", "fp16", "bf16", "topk:0.01", "powersgd:4"])
+    assert time.perf_counter() - t0 < 5.0
+    n = sum(math.prod(s) for s in shapes)
+    for spec in ("fp16", "topk:0.01", "powersgd:4"):  # a real timing, not the 1 s/element
+        assert 0 < codec_s(spec, n, 2, got) < 1.0
+    assert got.randomk_s_per_elem == slow.randomk_s_per_elem  # not asked for: untouched
+    assert retime_codecs(slow, shapes, ["none"]) == slow

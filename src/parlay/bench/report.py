@@ -84,6 +84,13 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         out.append(f"  - {r['net']}: recommended `{r['recommended']}` "
                    f"({r['recommended_samples_s']:.0f} samples/s), best measured `{r['best']}` "
                    f"({r['best_samples_s']:.0f}): {r['ratio']:.2f}x of the best")
+    if s.get("recommendations_normalised"):
+        out.append(f"- the same with every point as a fraction of its own compute-only step "
+                   f"(timed next to it: load drifts between points): pairs ordered right "
+                   f"{100 * s['order_pairs_right_normalised']:.0f}%, fastest first in "
+                   f"{100 * s['fastest_first_right_normalised']:.0f}%; recommended vs best: "
+                   + ", ".join(f"{r['net']} `{r['recommended']}` {r['ratio']:.2f}x"
+                               for r in s["recommendations_normalised"]))
     return out
 
 

@@ -30,7 +30,8 @@ from typing import Any, Callable, Sequence
 
 from parlay.plan.model import Costs, Link
 
-__all__ = ["Calibration", "calibrate", "load_costs", "cache_path", "local_overlap"]
+__all__ = ["Calibration", "calibrate", "load_costs", "cache_path", "local_overlap",
+           "codec_timer", "retime_codecs"]
 
 _VERSION = 2  # bump when what is measured changes: older caches are re-measured
 
@@ -182,6 +183,46 @@ def codec_timer(spec: str, shapes: Sequence[Sequence[int]], world: int = 2,
             comp.aggregate([payload] * world, ctx)
     once()
     return once
+
+
+def retime_codecs(costs: Costs, shapes: Sequence[Sequence[int]], compressors: Sequence[str],
+                  world: int = 2, sample_numel: int = 1 << 22, repeats: int = 3) -> Costs:
+    """``costs`` with each compressor's encode and decode re-timed now, on this model's own
+    parameter shapes (up to ``sample_numel`` elements of them: the cost is per element), so
+    the machine's load at this moment, not at calibration, sets the codec terms.
+
+    Args:
+        costs: Constants to update (see :func:`parlay.plan.insitu.with_codec_time`).
+        shapes: The model's parameter shapes.
+        compressors: Compression strings; ``none`` and repeats are skipped, and ``bf16``
+            shares fp16's constant (one cast cost in the model).
+        world: Ranks whose payloads top-k aggregates.
+        sample_numel: Most elements timed.
+        repeats: Timed runs each (the median counts).
+    """
+    import math
+
+    from parlay.plan.insitu import with_codec_time
+    from parlay.plan.model import parse_compressor
+
+    sample: list[Sequence[int]] = []
+    for s in shapes:
+        if sum(math.prod(x) for x in sample) + math.prod(s) > sample_numel and sample:
+            break
+        sample.append(s)
+    numel = sum(math.prod(x) for x in sample)
+    if not numel:
+        return costs
+    seen: set[str] = set()
+    for spec in compressors:
+        c = parse_compressor(spec)
+        kind = "fp16" if c.name in ("fp16", "bf16") else c.name
+        if kind == "none" or kind in seen:
+            continue
+        seen.add(kind)
+        t = _typical(codec_timer(str(c), sample, world), repeats, 2.0)
+        costs = with_codec_time(costs, str(c), numel, world, t)
+    return costs
 
 
 def _codec_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:

@@ -220,6 +220,13 @@ def run_plan(ns: argparse.Namespace) -> int:
         comps = [c.strip() for c in ns.compressors.split(",") if c.strip()]
         opts = _mode_options(ns, workload, cluster)
         costs = calib.costs if calib is not None else Costs()
+        if ns.script and calib is not None and workload.shapes:
+            from parlay.plan.calibrate import retime_codecs
+
+            # the model was just profiled: time the codecs now too, under the same load
+            costs = retime_codecs(costs, workload.shapes, comps, cluster.world)
+            notes.append("compression's CPU costs timed now on the script's own parameter "
+                         "shapes")
         ranked = _rank(workload, cluster, modes, comps, costs, opts)
     except PlanInputError:
         raise
