@@ -14,12 +14,13 @@ counters (``/sys/class/net/eth0/statistics``) around the timed steps, next to wh
 * ``ps``: 4 workers and 4 parameter-server shards, each process on its own 100 Mbit/s host,
   a wide model with a small batch, vs ring allreduce among 4 workers on 4 hosts.
 
-    python benchmarks/cluster.py [--quick] [--json PATH]        # needs root and iproute2
+    python benchmarks/cluster.py [--quick] [--json PATH] [--rows dp,hier,ps]   # root, iproute2
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -28,6 +29,7 @@ from _common import table, write_json  # noqa: E402
 
 # The worker side (contestants, timing, NIC counters) and the launcher live in parlay.bench,
 # shared with `parlay bench`; this script keeps its own rows and targets.
+from parlay.bench.common import MODELS  # noqa: E402
 from parlay.bench.launch import launch_cluster, model_bytes, per_host  # noqa: E402
 from parlay.compress import available  # noqa: E402
 
@@ -45,11 +47,19 @@ def _dp_rows(rate: str | None, model: str, steps: dict, clusters: list[dict],
     tag = rate or "unshaped"
     by = {n: dict(per_host(rows, n, model_bytes(model)), row="dp 2x1", rate=tag)
           for n in DP_CONTESTANTS}
-    for r in by.values():
+    for n, r in by.items():
         r["of_limit"] = r["samples_s"] / by["compute"]["samples_s"]
+        # Against the compute-only step timed between this contestant's own steps (same
+        # moment, same load): steadier on a shared machine whose load drifts between rows.
+        paired = [x["compute_step_s"] for x in rows
+                  if x["contestant"] == n and x.get("compute_step_s")]
+        if paired:
+            r["of_paired"] = r["samples_s"] * statistics.median(paired) / steps_batch(model)
     ratios[f"parlay_over_ddp@{tag}"] = by["parlay"]["samples_s"] / by["ddp"]["samples_s"]
     for name in DP_CONTESTANTS[1:]:
         ratios[f"{name}_of_limit@{tag}"] = by[name]["of_limit"]
+        if "of_paired" in by[name]:
+            ratios[f"{name}_of_paired_limit@{tag}"] = by[name]["of_paired"]
     ratios[f"fp16_over_dense@{tag}"] = by["fp16"]["samples_s"] / by["parlay"]["samples_s"]
     if "auto" in by:  # auto must match dense on a fast link and the best fixed choice on any
         fixed = ("parlay", "fp16", "powersgd:4", "topk:0.01")
@@ -60,6 +70,11 @@ def _dp_rows(rate: str | None, model: str, steps: dict, clusters: list[dict],
         by["auto"]["chose"] = next((r["chose"] for r in rows
                                     if r["contestant"] == "auto" and "chose" in r), "")
     return list(by.values())
+
+
+def steps_batch(model: str) -> int:
+    """Samples per step of one rank of the 2 x 1 dp rows (2 ranks)."""
+    return 2 * MODELS[model][1]
 
 
 def _hier_rows(model: str, steps: dict, clusters: list[dict],
@@ -100,6 +115,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--rows", default="dp,hier,ps",
+                    help="comma-separated subset of dp, hier, ps (default: all)")
+    ap.add_argument("--rates", default="100mbit,1gbit,unshaped",
+                    help="links of the dp rows (default: 100mbit,1gbit,unshaped)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # plumbing check
     ns = ap.parse_args()
     from parlay.testing.cluster import unavailable_reason
@@ -112,19 +131,23 @@ def main() -> None:
     results: list[dict] = []
     ratios: dict[str, float] = {}
     clusters: list[dict] = []
-    for rate in ("100mbit", "1gbit", None):
-        results += _dp_rows(rate, "tiny" if ns.smoke else "big", steps, clusters, ratios)
-    results += _hier_rows("tiny" if ns.smoke else "big", steps, clusters, ratios)
-    results += _ps_rows("tiny" if ns.smoke else "wide-quick" if ns.quick else "wide", steps,
-                        clusters, ratios, ns.quick)
-    print(table(results, ["row", "rate", "contestant", "samples_s", "of_limit", "step_s",
-                          "steps", "nic_tx_MB", "expected_MB", "nic/expected"]))
+    rows = set(ns.rows.split(","))
+    for rate in ns.rates.split(",") if "dp" in rows else ():
+        results += _dp_rows(None if rate == "unshaped" else rate,
+                            "tiny" if ns.smoke else "big", steps, clusters, ratios)
+    if "hier" in rows:
+        results += _hier_rows("tiny" if ns.smoke else "big", steps, clusters, ratios)
+    if "ps" in rows:
+        results += _ps_rows("tiny" if ns.smoke else "wide-quick" if ns.quick else "wide",
+                            steps, clusters, ratios, ns.quick)
+    print(table(results, ["row", "rate", "contestant", "samples_s", "of_limit", "of_paired",
+                          "step_s", "steps", "nic_tx_MB", "expected_MB", "nic/expected"]))
     for r in results:
         if r.get("chose"):
             print(f"auto at {r['rate']} chose: {r['chose']} (best fixed: {r['best_fixed']})")
     print("\nratios:")
     for k, v in ratios.items():
-        print(f"  {k:32s} {v:.3f}")
+        print(f"  {k:38s} {v:.3f}")
     print(f"\nlinks: {[c.get('link_mbit_s') for c in clusters]} Mbit/s measured; "
           f"netem: {clusters[0]['netem']}; wall {time.perf_counter() - t_start:.0f} s")
     write_json(ns.json, "cluster", ratios, results, clusters=clusters, quick=ns.quick)
