@@ -174,6 +174,7 @@ def _launch(ns: argparse.Namespace, target: list[str]) -> int:
 def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
     import torch
 
+    from parlay import runtime
     from parlay.env import detect
     from parlay.errors import ConfigError
 
@@ -182,13 +183,12 @@ def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
     except ConfigError as e:
         print(f"parlay env: {e}", file=sys.stderr)
         return 2
+    backend, device = runtime.resolve_backend("auto", c.local_rank)    # as parlay.init() picks
     info = dict(rank=c.rank, world_size=c.world_size, local_rank=c.local_rank,
                 local_world_size=c.local_world_size, node_rank=c.node_rank,
                 num_nodes=c.num_nodes, role=c.role, num_ps=c.num_ps, source=c.source,
                 pipeline_stages=c.pipeline_stages, master=f"{c.master_addr}:{c.master_port}",
-                backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo",
-                device=f"cuda:{c.local_rank}" if torch.cuda.is_available() else "cpu",
-                torch=torch.__version__)
+                backend=backend, device=str(device), torch=torch.__version__)
     if ns.json:
         print(json.dumps(info))
     else:

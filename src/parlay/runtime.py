@@ -23,7 +23,7 @@ from parlay.errors import CommError, ConfigError
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "timeout",
-    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix", "generation", "new_group",
+    "cluster", "DEFAULT_TIMEOUT_S", "store_prefix", "generation", "new_group", "resolve_backend",
 ]
 
 log = logging.getLogger("parlay")
@@ -96,6 +96,19 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
 
 
 def _choose_backend(requested: str, local_rank: int) -> tuple[str, torch.device]:
+    requested, dev = resolve_backend(requested, local_rank)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    return requested, dev
+
+
+def resolve_backend(requested: str, local_rank: int) -> tuple[str, torch.device]:
+    """The backend string and device ``init(backend=requested)`` would use on this process,
+    without initialising anything (``parlay env`` shows the same answer).
+
+    Raises:
+        ConfigError: An unknown backend, or one this process cannot run.
+    """
     if requested not in _BACKENDS:
         raise ConfigError(f"backend must be one of {_BACKENDS}, got {requested!r}.")
     has_cuda = torch.cuda.is_available()
@@ -109,11 +122,8 @@ def _choose_backend(requested: str, local_rank: int) -> tuple[str, torch.device]
     if requested == "mpi" and not dist.is_mpi_available():
         raise ConfigError("backend='mpi' needs a PyTorch built with MPI. Hint: use 'auto'.")
     if has_cuda and "nccl" in requested:
-        dev = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
-    return requested, dev
+        return requested, torch.device("cuda", local_rank % torch.cuda.device_count())
+    return requested, torch.device("cpu")
 
 
 def _host_for_url(host: str) -> str:

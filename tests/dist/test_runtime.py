@@ -194,3 +194,37 @@ def test_shutdown_then_init_in_a_loop_without_an_agent_store(world):
     out = run_world(_reinit_loop, world, 10, timeout=80)
     base = sum(range(world))
     assert out == [[float(base + world * i) for i in range(10)]] * world
+
+
+def _env_says_what_init_chose():
+    import contextlib
+    import io
+    import json
+
+    from parlay import runtime
+    from parlay.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["env", "--json"]) == 0
+    shown = json.loads(out.getvalue())
+    return (shown["rank"], shown["backend"], shown["device"], runtime.rank(), runtime.backend(),
+            str(runtime.device()))
+
+
+def test_parlay_env_shows_the_backend_and_device_init_chose():
+    for rank, (shown_rank, shown_backend, shown_device, rt_rank, rt_backend, rt_device) in \
+            enumerate(run_world(_env_says_what_init_chose, 2)):
+        assert shown_rank == rt_rank == rank
+        assert (shown_backend, shown_device) == (rt_backend, rt_device)
+
+
+def test_resolve_backend_refuses_what_this_process_cannot_run():
+    from parlay import runtime
+
+    with pytest.raises(parlay.ConfigError, match="backend must be one of"):
+        runtime.resolve_backend("tcp", 0)
+    if not torch.cuda.is_available():
+        with pytest.raises(parlay.ConfigError, match="needs CUDA"):
+            runtime.resolve_backend("nccl", 0)
+        assert runtime.resolve_backend("auto", 3) == ("gloo", torch.device("cpu"))
