@@ -540,3 +540,32 @@ def test_codecs_retimed_now_on_the_models_own_shapes() -> None:
         assert 0 < codec_s(spec, n, 2, got) < 1.0
     assert got.randomk_s_per_elem == slow.randomk_s_per_elem  # not asked for: untouched
     assert retime_codecs(slow, shapes, ["none"]) == slow
+
+
+# A held-out `parlay bench --quick` run (load 11-16 on 2 cores), 100 Mbit/s, 2 hosts x 1 rank:
+# (contestant, compute-only step, compressor timed next to the steps, its codec seconds,
+# measured step). The model saw none of these steps; it gets each point's compute and codec
+# as the bench times them beside the step.
+HELD_OUT_100MBIT = [
+    ("none", 0.1183, None, None, 1.099), ("bf16", 0.1499, "bf16", 0.01, 0.7087),
+    ("fp16", 0.135, "fp16", 0.0445, 0.7547), ("powersgd:4", 0.1618, "powersgd:4", 0.1269, 0.2952),
+    ("randomk:0.01", 0.0883, "randomk:0.01", 0.0409, 0.1722),
+    ("topk:0.01", 0.0765, "topk:0.01", 0.063, 0.1507),
+    ("auto", 0.0682, "topk:0.01", 0.0504, 0.1329),
+]
+
+
+def test_codecs_timed_in_the_run_predict_a_held_out_slow_link(monkeypatch) -> None:
+    from parlay.bench import predict as bp
+    from parlay.plan.calibrate import Calibration
+
+    monkeypatch.setattr(bp, "_calibration", [Calibration(MEASURED_COSTS, Link(3e9, 0, 1), 1e10)])
+    errs = {}
+    for name, compute, codec, codec_time, measured in HELD_OUT_100MBIT:
+        p = _bench_point(net="100mbit", contestant=name, compressor=name, link_bps=100e6,
+                         hosts=2, ranks_per_host=1, compute_step_s=compute,
+                         compute_s_per_sample=compute / 64, step_s=measured, codec=codec,
+                         codec_s=codec_time, chose=f"bucket0={codec}" if name == "auto" else None)
+        errs[name] = abs(bp.predict_point(p)["step_s"] - measured) / measured
+    assert sorted(errs.values())[len(errs) // 2] <= 0.10, errs
+    assert max(errs.values()) <= 0.25, errs

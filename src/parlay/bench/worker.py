@@ -269,6 +269,7 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append(dict(contestant="compute", step_s=paired, samples_s=0.0, steps=steps,
                              nic_tx=0, nic_rx=0, compute_step_s=paired))
         times: list[float] = []
+        comps: list[float] = []  # a compute-only step before each: same moment, same load
         nic: list[dict[str, int]] = []
         # sync: one update per round of all workers; otherwise one per push.
         total = (warmup + steps) * (1 if consistency == "sync" else task.num_workers)
@@ -279,6 +280,10 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
             while not sess.should_stop():
                 if len(times) == warmup:
                     nic.append(_nic())
+                if task.is_worker and len(times) >= warmup:
+                    t0 = time.perf_counter()
+                    cstep(x, y)
+                    comps.append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 sess.train_step((x, y), nn.functional.cross_entropy)
                 times.append(time.perf_counter() - t0)
@@ -289,7 +294,8 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(dict(contestant=f"ps:{consistency}", step_s=dt,
                          samples_s=task.num_workers * batch / dt, steps=n,
                          nic_tx=(end["tx"] - nic[0]["tx"]) / n,
-                         nic_rx=(end["rx"] - nic[0]["rx"]) / n, compute_step_s=paired))
+                         nic_rx=(end["rx"] - nic[0]["rx"]) / n,
+                         compute_step_s=statistics.median(comps) if comps else paired))
     return rows
 
 
