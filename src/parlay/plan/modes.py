@@ -181,11 +181,7 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     if mode == "sync":
         chunks = math.ceil(pull_b / ns / chunk_bytes) if chunk_bytes and spec.name == "none" \
             else 1
-        if chunks > 1:  # both directions busy at once; the last chunk comes back after
-            last = min(push, pull) / chunks
-            terms.update(push=push, apply=apply / chunks, pull=max(0.0, pull - push) + last)
-        else:
-            terms.update(push=push, apply=apply, pull=pull)
+        terms.update(_sync_terms(push, pull, apply, chunks))
         return terms
     # workers drift apart but meet again at the servers: their pushes still collide
     push_w /= into_server
@@ -197,12 +193,39 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     return terms
 
 
+def _sync_terms(push: float, pull: float, apply: float, chunks: int) -> dict[str, float]:
+    """Push, apply, pull of a sync step; in ``chunks`` pipelined chunks both directions are
+    busy at once and only the last chunk's update and return follow the longer one."""
+    if chunks <= 1:
+        return {"push": push, "apply": apply, "pull": pull}
+    last = min(push, pull) / chunks
+    return {"push": push, "apply": apply / chunks, "pull": max(0.0, pull - push) + last}
+
+
 def _incast(senders: int, per_sender_bytes: float, link: Link, costs: Costs) -> float:
     """Efficiency left on ``link`` when ``senders`` send ``per_sender_bytes`` into it at once."""
     if senders <= 1 or math.isinf(link.bandwidth_bps):
         return 1.0
     queue_bytes = link.bandwidth_bps / 8 * costs.queue_s
     return costs.incast_efficiency if per_sender_bytes > queue_bytes else 1.0
+
+
+def _pipeline_terms(compute_s: float, p: int, m: int, transfer: float, schedule: str,
+                    layer_costs: Sequence[float] | None) -> tuple[dict[str, float], float]:
+    """compute, bubble and activations of one pipeline replica, and its slowest slot.
+
+    Replayed op by op: unequal stages and transfers slower than a micro-batch change the
+    pace, not only the fill and drain (GPipe sends its m activations, then its m gradients;
+    1F1B interleaves them, so the two directions of a link carry them at once).
+    """
+    # one micro-batch on each stage: forward + backward
+    slots = [compute_s * share * p / m for share in stage_shares(layer_costs, p)]
+    slot = max(slots)
+    fwd = [x * FORWARD_SHARE for x in slots]
+    bwd = [x * (1 - FORWARD_SHARE) for x in slots]
+    free = pipeline_s(fwd, bwd, m, 0.0, schedule)
+    return {"compute": m * slot, "bubble": max(0.0, free - m * slot),
+            "activations": max(0.0, pipeline_s(fwd, bwd, m, transfer, schedule) - free)}, slot
 
 
 def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, stages: int = 2,
@@ -246,21 +269,11 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
     loc = c.ranks_per_node
     pp_local = loc % p == 0 or c.nodes == 1
     act_link = c.local if pp_local else c.inter
-    # one micro-batch on each stage: forward + backward
-    slots = [w.compute_s * share * p / m for share in stage_shares(layer_costs, p)]
-    slot = max(slots)
     act_bytes = w.act_numel * per_replica / m * w.bytes_per_element
     transfer = costs.pipe_op_s + act_link.transfer_s(act_bytes) if p > 1 else 0.0
     if transfer_s is not None and p > 1:
         transfer = float(transfer_s)
-    # Replayed op by op: unequal stages and transfers slower than a micro-batch change the
-    # pace, not only the fill and drain (GPipe sends its m activations, then its m gradients;
-    # 1F1B interleaves them, so the two directions of a link carry them at once).
-    fwd = [x * FORWARD_SHARE for x in slots]
-    bwd = [x * (1 - FORWARD_SHARE) for x in slots]
-    free = pipeline_s(fwd, bwd, m, 0.0, schedule)
-    terms = {"compute": m * slot, "bubble": max(0.0, free - m * slot),
-             "activations": max(0.0, pipeline_s(fwd, bwd, m, transfer, schedule) - free)}
+    terms, slot = _pipeline_terms(w.compute_s, p, m, transfer, schedule, layer_costs)
     if replicas > 1:
         stage = Workload(w.params / p, w.batch, w.compute_s_per_sample, shapes=None,
                          bytes_per_element=w.bytes_per_element)
