@@ -105,8 +105,11 @@ def _ps_rows(model: str, steps: dict, clusters: list[dict],
                                  **dict(steps, **({"steps": 2} if quick else {}))},
                                 8, "100mbit", 1, flags=("--ps", "4"))
     clusters.append(info)
+    from parlay.ps.chunks import chunk_bytes
+
+    # Sync pushes go as pipelined chunks of this many bytes (PARLAY_PS_CHUNK_BYTES; 0: whole).
     ps = dict(per_host(rows, "ps:sync", model_bytes(model)), row="ps-vs-ring 4 workers",
-              rate="100mbit", contestant="ps (4 shards)")
+              rate="100mbit", contestant="ps (4 shards)", chunk_bytes=chunk_bytes())
     ratios["ps_over_ring@100mbit"] = ps["samples_s"] / ring["samples_s"]
     return [ring, ps]
 

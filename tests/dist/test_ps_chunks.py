@@ -13,7 +13,7 @@ import torch.nn as nn
 import parlay
 from parlay.errors import CommError, ConfigError
 from parlay.ps import DistributedSession
-from parlay.ps.chunks import CHUNK_ENV, chunk_bounds, chunk_bytes, cut_pieces
+from parlay.ps.chunks import CHUNK_ENV, DEFAULT_CHUNK_BYTES, chunk_bounds, chunk_bytes, cut_pieces
 from parlay.ps.plan import ShardPlan
 from parlay.testing import WorldError, run_world
 
@@ -136,6 +136,6 @@ def test_chunk_layout_and_setting():
     assert [(o, n) for o, n, _, _ in cut] == [(0, 5), (5, 5), (10, 2), (12, 3), (15, 4)]
     assert [k for *_, k in cut] == [0, 1, 2, 2, 3]
     assert cut_pieces(plan.pieces(0), [(0, 19)])[0][2] == (3, 4)
-    assert chunk_bytes({}) == 512 * 1024 and chunk_bytes({CHUNK_ENV: "0"}) == 0
+    assert chunk_bytes({}) == DEFAULT_CHUNK_BYTES and chunk_bytes({CHUNK_ENV: "0"}) == 0
     with pytest.raises(ConfigError, match=CHUNK_ENV):
         chunk_bytes({CHUNK_ENV: "lots"})

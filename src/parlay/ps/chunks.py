@@ -17,7 +17,7 @@ a chunk's update is an optimizer step over whole parameters. Only for torch's el
 optimizers (:data:`ELEMENTWISE`: SGD, Adam, AdamW, RMSprop, ...) is that the same as one step
 over the shard; with any other optimizer (Adafactor, LAMB, a custom one) pushes stay unchunked.
 
-``PARLAY_PS_CHUNK_BYTES`` sets the chunk size (default 512 KiB; ``0`` turns chunking off).
+``PARLAY_PS_CHUNK_BYTES`` sets the chunk size (default 256 KiB; ``0`` turns chunking off).
 Async and stale pushes stay single atomic messages: they are applied as they arrive, and a
 worker lost mid-push must leave nothing of it applied.
 """
@@ -51,7 +51,7 @@ _FOREVER = _dt.timedelta(days=365)
 CHUNK_ENV = "PARLAY_PS_CHUNK_BYTES"
 #: Default chunk size: small next to a shard (a deep pipeline), large next to the per-message
 #: cost (a few hundred microseconds of Python and one gloo rendezvous).
-DEFAULT_CHUNK_BYTES = 512 * 1024
+DEFAULT_CHUNK_BYTES = 256 * 1024
 
 
 #: Optimizers whose update of an element depends on that element alone (state included), so a

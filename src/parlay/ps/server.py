@@ -120,13 +120,7 @@ class Server(ShardPersistence, ChunkedServing):
             self.flat[p.offset: p.offset + p.length].copy_(src)
         per_chunk = chunk_numel(numel, self.flat.element_size(), chunk_bytes(),
                                 policy.aggregate, compressor, optimizer_cls)
-        cut: list[tuple[nn.Parameter, int]] = []
-        for off, length, shape, k in cut_pieces(self.pieces, chunk_bounds(numel, per_chunk)):
-            param = nn.Parameter(self.flat[off: off + length].view(shape))
-            param.grad = self.grad[off: off + length].view(shape)
-            cut.append((param, k))
-        if not cut:  # an empty shard still keeps versions in step with the others
-            cut.append((nn.Parameter(torch.zeros(0, dtype=dtype)), 0))
+        cut = self._parameters(per_chunk)
         self.params: list[nn.Parameter] = [p for p, _ in cut]
         try:
             self.optimizer = optimizer_cls(self.params, **optimizer_args)
@@ -151,6 +145,19 @@ class Server(ShardPersistence, ChunkedServing):
         self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
                             for _ in worker_ranks]
         self._sends: dict[int, comm.Handle] = {}
+
+    def _parameters(self, per_chunk: int) -> list[tuple[nn.Parameter, int]]:
+        """The optimizer's parameters: views of ``flat`` (gradients: of ``grad``), the plan's
+        pieces cut at chunk bounds, each with its chunk index."""
+        cut: list[tuple[nn.Parameter, int]] = []
+        bounds = chunk_bounds(self.flat.numel(), per_chunk)
+        for off, length, shape, k in cut_pieces(self.pieces, bounds):
+            param = nn.Parameter(self.flat[off: off + length].view(shape))
+            param.grad = self.grad[off: off + length].view(shape)
+            cut.append((param, k))
+        if not cut:  # an empty shard still keeps versions in step with the others
+            cut.append((nn.Parameter(torch.zeros(0, dtype=self.flat.dtype)), 0))
+        return cut
 
     def _resume(self, tagged: bool, step: int | None, from_memory: bool
                 ) -> tuple[int, list[int] | None]:

@@ -111,7 +111,13 @@ class ShardPersistence:
                 "Hint: resume with the same model, --ps count and worker count, or use a new "
                 "checkpoint_dir.")
         self.flat.copy_(sd["flat"])
-        self.optimizer.load_state_dict(sd["optimizer"])
+        try:
+            self.optimizer.load_state_dict(sd["optimizer"])
+        except ValueError as e:  # the server's parameters are cut at the sync chunk bounds
+            raise CheckpointError(f"{what}: its optimizer state does not fit this server's "
+                                  f"parameters ({e}). Hint: resume with the same optimizer, "
+                                  "consistency and PARLAY_PS_CHUNK_BYTES as the run that "
+                                  "wrote it.") from e
         log.info("ps%d resumed from %s at version %d", self.index, what, sd["version"])
         return int(sd["version"]), [int(c) for c in sd["clocks"]]
 
