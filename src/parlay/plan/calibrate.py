@@ -164,23 +164,14 @@ def codec_timer(spec: str, shapes: Sequence[Sequence[int]], world: int = 2,
 
     import torch
 
-    from parlay.compress import get_compressor
+    from parlay.compress.base import get_compressor, local_round_trip
 
     g = grad if grad is not None else torch.randn(sum(math.prod(s) for s in shapes))
     comp = get_compressor(spec)
     comp.set_layout("b", [tuple(s) for s in shapes])
 
     def once() -> None:
-        payload, ctx = comp.compress(g, "b")
-        if comp.summable:  # the reduced payload: same size and cost as this rank's
-            red = payload
-            nxt = comp.next_round(red, ctx)
-            while nxt is not None:
-                red = nxt
-                nxt = comp.next_round(red, ctx)
-            comp.decompress(red, ctx)
-        else:
-            comp.aggregate([payload] * world, ctx)
+        local_round_trip(comp, g, "b", world)
     once()
     return once
 
