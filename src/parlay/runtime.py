@@ -103,12 +103,8 @@ def _choose_backend(requested: str, local_rank: int) -> tuple[str, torch.device]
 
 
 def resolve_backend(requested: str, local_rank: int) -> tuple[str, torch.device]:
-    """The backend string and device ``init(backend=requested)`` would use on this process,
-    without initialising anything (``parlay env`` shows the same answer).
-
-    Raises:
-        ConfigError: An unknown backend, or one this process cannot run.
-    """
+    """The backend and device ``init(backend=requested)`` picks here, initialising nothing
+    (``parlay env`` shows it); ``ConfigError`` for a backend this process cannot run."""
     if requested not in _BACKENDS:
         raise ConfigError(f"backend must be one of {_BACKENDS}, got {requested!r}.")
     has_cuda = torch.cuda.is_available()
