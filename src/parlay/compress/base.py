@@ -58,6 +58,11 @@ class Compressor:
     summable: ClassVar[bool] = True
     #: False when decoding needs further collective rounds (PowerSGD): reduce_async only.
     point_to_point: ClassVar[bool] = True
+    #: Collective rounds every reduction takes (PowerSGD: 2). Reductions of such compressors
+    #: return a :class:`RoundsHandle`, whose ``advance()`` lets a caller start the next round
+    #: of many buckets before it waits for any. A further round that only sometimes happens
+    #: (fp16's overflow retry) does not count: advancing would only wait for the first.
+    rounds: ClassVar[int] = 1
     #: True when ``decompress`` (summable) or ``aggregate`` (not) accept ``out=``: a tensor
     #: shaped like the bucket to decode into instead of allocating (see reduce_async's into).
     decodes_into: ClassVar[bool] = False
@@ -244,6 +249,7 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         A handle whose ``wait()`` returns the reduced flat tensor (dtype of ``flat``). Further
         rounds (:meth:`Compressor.next_round`) run inside ``wait()`` (``is_completed()`` is
         False until then). ``name``: the collective (``"allreduce"`` or ``"allgather"``).
+        For compressors with ``rounds > 1`` it is a :class:`RoundsHandle`.
     """
     world = comm.group_size(group)
     payload, ctx = compressor.compress(flat, key)
@@ -260,26 +266,26 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
             else:
                 out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
-        if has_rounds(compressor):  # the rounds wait for their own works
+        if getattr(compressor, "rounds", 1) > 1:  # the rounds wait for their own works
             return RoundsHandle(AllOf([], settled=False), "allreduce", finish, rounds)
-    else:
-        outs = [p.new_empty((world * p.numel(),)) for p in payload]
-        works = [comm.allgather_into(o, p.reshape(-1), group=group, async_op=True)
-                 for o, p in zip(outs, payload)]
+        return comm.Handle(AllOf(works, settled=not has_rounds(compressor)), "allreduce", finish)
+    outs = [p.new_empty((world * p.numel(),)) for p in payload]
+    works = [comm.allgather_into(o, p.reshape(-1), group=group, async_op=True)
+             for o, p in zip(outs, payload)]
 
-        def finish() -> torch.Tensor:
-            for w in works:
-                w.wait()
-            per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
-                        for r in range(world)]
-            if into is not None and getattr(compressor, "decodes_into", False):
-                out = compressor.aggregate(per_rank, ctx, out=into)
-            else:
-                out = compressor.aggregate(per_rank, ctx)
-            return out.div_(world) if average else out
+    def finish_gather() -> torch.Tensor:
+        for w in works:
+            w.wait()
+        per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
+                    for r in range(world)]
+        if into is not None and getattr(compressor, "decodes_into", False):
+            out = compressor.aggregate(per_rank, ctx, out=into)
+        else:
+            out = compressor.aggregate(per_rank, ctx)
+        return out.div_(world) if average else out
 
-    return comm.Handle(AllOf(works, settled=not has_rounds(compressor)),
-                       "allreduce" if compressor.summable else "allgather", finish)
+    return comm.Handle(AllOf(works, settled=not has_rounds(compressor)), "allgather",
+                       finish_gather)
 
 
 class Rounds:

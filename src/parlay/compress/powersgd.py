@@ -108,6 +108,7 @@ class PowerSGD(Compressor):
     summable = True
     point_to_point = False
     decodes_into = True
+    rounds = 2
     #: Linear in the bucket (P, Q and the residual scale with it): a caller may scale the
     #: bucket before the sum instead of the result after it (one pass over it fewer).
     homogeneous = True
