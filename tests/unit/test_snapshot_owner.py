@@ -93,7 +93,7 @@ def test_sweep_spares_live_runs_and_ids_a_user_chose(tmp_path, monkeypatch):
     assert mine.steps() == [5]
 
 
-def test_a_store_of_a_dead_run_is_swept_but_a_cleared_one_leaves_nothing(tmp_path, monkeypatch):
+def test_a_finished_run_leaves_nothing_behind(tmp_path, monkeypatch):
     owner = claim("done", tmp_path)
     assert owner is not None
     store = SnapshotStore(_key("done", monkeypatch), 0, root=tmp_path)
