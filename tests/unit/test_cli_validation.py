@@ -12,7 +12,7 @@ def launches(monkeypatch):
     """Record launches instead of starting processes; a rejected input must never get here."""
     calls: list[list[str]] = []
 
-    def fake(argv, run_dir):
+    def fake(argv, run_dir, own_id=None):
         calls.append(argv)
         return 0
 
