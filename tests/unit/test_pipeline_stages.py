@@ -66,7 +66,7 @@ def test_hybrid_takes_the_launch_stage_count_unless_given():
 @pytest.fixture
 def launches(monkeypatch):
     calls: list[list[str]] = []
-    monkeypatch.setattr(parlay.launch, "run_torchrun", lambda argv, run_dir: calls.append(argv)
+    monkeypatch.setattr(parlay.launch, "run_torchrun", lambda argv, run_dir, own_id=None: calls.append(argv)
                         or 0)
     return calls
 
