@@ -139,7 +139,8 @@ def _cmd_run(ns: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _launch_env(ns: argparse.Namespace, single_node: bool, run_dir: str) -> dict[str, str]:
-    env = {"PARLAY_NUM_PS": str(ns.ps), "PARLAY_RUN_DIR": run_dir}
+    env = {"PARLAY_NUM_PS": str(ns.ps), "PARLAY_RUN_DIR": run_dir,
+           "PARLAY_LAUNCHER_PID": str(os.getpid())}  # ranks die with this process
     if ns.pp is not None:
         env["PARLAY_PP"] = str(ns.pp)
     names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") \

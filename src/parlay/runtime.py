@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.distributed as dist
 
+from parlay import lifeline
 from parlay.env import ClusterEnv, detect
 from parlay.errors import CommError, ConfigError
 
@@ -150,6 +151,7 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     if _rt is not None:
         return
     td = _as_timedelta(timeout)
+    lifeline.bind_to_launcher()  # a rank of `parlay run` never outlives its launcher
     cluster = detect(environ, **explicit)  # type: ignore[arg-type]
     if dist.is_available() and dist.is_initialized():
         be = str(dist.get_backend())

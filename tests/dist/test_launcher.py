@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -242,3 +243,49 @@ def test_droppable_worker_is_dropped_and_others_finish(tmp_path, mark):
         assert p.returncode == 1
         assert "rank 1 failed (killed by SIGKILL" in p.stderr, p.stderr[-3000:]
         assert "droppable" not in p.stderr
+
+
+INIT_WAIT_SCRIPT = textwrap.dedent("""
+    import os, threading
+    import parlay
+    parlay.init()
+    os.write(1, ("ready %d\\n" % os.getpid()).encode())
+    threading.Event().wait(90)      # until something stops us
+""")
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"    # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_end_with_a_killed_launcher(tmp_path):
+    """torchrun puts each worker in its own session: without the lifeline a SIGKILLed launcher
+    leaves them running (re-parented to init), training on beside any relaunch."""
+    script = tmp_path / "wait.py"
+    script.write_text(INIT_WAIT_SCRIPT)
+    proc = subprocess.Popen([sys.executable, "-m", "parlay.cli", "run", "-n", "2", str(script)],
+                            cwd=ROOT, env=_clean_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pids = []
+    try:
+        pids = [int(proc.stdout.readline().split()[1]) for _ in range(2)]
+        proc.kill()                       # the launcher alone, as the OOM killer would
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 20
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)               # polling the kernel's process table, not a sync
+        assert not any(_alive(p) for p in pids), f"ranks {pids} outlived their launcher"
+    finally:
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
