@@ -1,13 +1,13 @@
 """The simulated cluster harness: hosts reach each other, links are shaped, nothing is left."""
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
 
+from parlay.testing import process_alive
 from parlay.testing.cluster import Cluster, ClusterError, parse_rate, unavailable_reason
 
 _WHY = unavailable_reason()
@@ -22,16 +22,6 @@ def _netns() -> set[str]:
 
 def _links() -> str:
     return subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie of a process we do not own still answers kill(0); it is dead for our purpose.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split(")")[-1].split()[0] != "Z"
 
 
 def test_parse_rate():
@@ -120,7 +110,7 @@ def test_everything_is_removed_when_interrupted(sig):
     p.send_signal(sig)
     p.wait(timeout=30)
     assert not {n for n in _netns() if n.startswith(tag + "-")}
-    assert not _alive(sleeper)
+    assert not process_alive(sleeper)
 
 
 def test_a_killed_creator_is_swept_by_the_next_cluster():

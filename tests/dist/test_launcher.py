@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from parlay.cli import _split_parse, build_parser, main, torchrun_argv
-from parlay.testing import free_port
+from parlay.testing import free_port, process_alive
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -254,14 +254,6 @@ INIT_WAIT_SCRIPT = textwrap.dedent("""
 """)
 
 
-def _alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"    # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_ranks_end_with_a_killed_launcher(tmp_path):
     """torchrun puts each worker in its own session: without the lifeline a SIGKILLed launcher
@@ -277,9 +269,9 @@ def test_ranks_end_with_a_killed_launcher(tmp_path):
         proc.kill()                       # the launcher alone, as the OOM killer would
         proc.wait(timeout=30)
         deadline = time.monotonic() + 20
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)               # polling the kernel's process table, not a sync
-        assert not any(_alive(p) for p in pids), f"ranks {pids} outlived their launcher"
+        assert not any(process_alive(p) for p in pids), f"ranks {pids} outlived their launcher"
     finally:
         for p in pids:
             try:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from parlay.errors import ParlayError
 
-__all__ = ["run_world", "free_port", "WorldError", "RankFailure"]
+__all__ = ["run_world", "free_port", "process_alive", "WorldError", "RankFailure"]
 
 
 class WorldError(ParlayError):
@@ -57,6 +57,16 @@ def free_port() -> int:
 
 
 _ctx: Any = None
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (ended, not yet reaped by a parent that may not be
+    ours) counts as ended."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def _context() -> Any:
