@@ -135,8 +135,9 @@ LISTEN_SCRIPT = textwrap.dedent("""
 
     parlay.init()
     parlay.comm.allreduce(torch.ones(1))      # gloo's sockets are up
-    print("LISTEN", parlay.rank(), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],
-          ",".join(listening(os.getpid())), ",".join(listening(os.getppid())), flush=True)
+    row = ["LISTEN", str(parlay.rank()), os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"],
+           ",".join(listening(os.getpid())), ",".join(listening(os.getppid()))]
+    os.write(1, (" ".join(row) + "\\n").encode())     # one write: the ranks share the pipe
     parlay.comm.barrier()
     parlay.shutdown()
 """)
@@ -281,3 +282,24 @@ def test_ranks_end_with_a_killed_launcher(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+SPLICE_SCRIPT = textwrap.dedent("""
+    import parlay
+    parlay.init()
+    parlay.comm.barrier()
+    for i in range(2000):
+        print(f"line {parlay.rank()} {i}", "x" * 40)    # three writes each when unbuffered
+""")
+
+
+def test_ranks_write_whole_lines_under_pythonunbuffered(tmp_path):
+    """Under PYTHONUNBUFFERED two ranks' prints spliced mid-line (thousands of 4000 lines here)."""
+    script = tmp_path / "splice.py"
+    script.write_text(SPLICE_SCRIPT)
+    p = _run("run", "-n", "2", str(script), env={"PYTHONUNBUFFERED": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    bad = [ln for ln in lines if not re.fullmatch(r"line [01] \d+ x{40}", ln)]
+    assert not bad, bad[:5]
+    assert len(lines) == 4000
