@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional  # noqa: F401  before any group: see init()'s atexit note
 
 from parlay import lifeline
 from parlay.env import ClusterEnv, detect
@@ -57,7 +58,7 @@ _generation = 0
 #: layers such as parlay.horovod can set up and tear down per-group state (background threads,
 #: subgroups) without this module knowing them. Append with :func:`on_init` / :func:`on_shutdown`.
 _init_hooks: list[Callable[[], None]] = []
-_exit_registered: list[bool] = []  # shutdown() is registered with atexit once
+_exit_registered: list[bool] = []  # _at_exit is registered once
 _shutdown_hooks: list[Callable[[], None]] = []
 
 
@@ -178,8 +179,9 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
             "and MASTER_PORT is free on the master.", op="init", rank=cluster.rank) from e
     _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=True)
     if not _exit_registered:
-        # Tear the group down before the interpreter finalises: gloo groups destroyed during
-        # finalisation aborted processes at exit now and then ("terminate called").
+        # Destroy the group (joining its gloo threads) before finalisation ("terminate called"
+        # at exit otherwise); torch.distributed.nn.functional is imported above, as if imported
+        # later (first torch.optim optimizer) its `group=group.WORLD` defaults pin the group.
         atexit.register(_at_exit)
         _exit_registered.append(True)
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
@@ -366,8 +368,7 @@ def cross_size() -> int:
 
 
 def is_chief() -> bool:
-    """True on the one process that logs, saves checkpoints and prints (global rank 0 of the
-    training ranks: the first worker when parameter servers are present)."""
+    """True on the one process that logs, saves checkpoints and prints (the first worker)."""
     c = _get().cluster
     return c.rank == c.num_ps
 
@@ -394,7 +395,6 @@ def timeout() -> _dt.timedelta:
 
 def new_group(ranks: Any = None, **kwargs: Any) -> Any:
     """``torch.distributed.new_group`` bounded by the configured timeout (torch's default for a
-    new group is 30 minutes, not the default group's), so a silent peer in a subgroup surfaces
-    as an error as fast as one in the default group."""
+    new group is 30 minutes), so a silent peer in a subgroup surfaces as fast as in the world."""
     kwargs.setdefault("timeout", timeout())
     return dist.new_group(ranks, **kwargs)

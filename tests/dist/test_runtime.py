@@ -228,3 +228,42 @@ def test_resolve_backend_refuses_what_this_process_cannot_run():
         with pytest.raises(parlay.ConfigError, match="needs CUDA"):
             runtime.resolve_backend("nccl", 0)
         assert runtime.resolve_backend("auto", 3) == ("gloo", torch.device("cpu"))
+
+
+
+JOIN_SCRIPT = """
+import gc, os, sys
+import torch, parlay
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+before = threads()
+parlay.init()
+model = torch.nn.Linear(4, 2)       # the first torch.optim optimizer imports dynamo, late
+opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                  named_parameters=model.named_parameters())
+model(torch.randn(3, 4)).sum().backward()
+opt.step()
+parlay.shutdown()
+gc.collect()
+os.write(1, f"threads {before} {threads()}\\n".encode())
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
+def test_shutdown_joins_the_groups_threads_while_the_model_lives(tmp_path):
+    """A group that outlives shutdown keeps gloo threads that free tensors under the GIL: at
+    interpreter exit they aborted the process now and then ("terminate called", 1 run in 4 of
+    the TensorLayer example). torch.distributed.nn.functional, imported after init, pinned the
+    world group in its defaults."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "join.py"
+    script.write_text(JOIN_SCRIPT)
+    p = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "2", str(script)],
+                       capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("threads")]
+    assert len(rows) == 2 and all(before == after for _, before, after in rows), p.stdout
