@@ -11,6 +11,14 @@ Ranks of one job share the launcher's stdout and stderr. Under ``PYTHONUNBUFFERE
 many containers and CI runners) ``print`` writes a line's text and its newline separately, so two
 ranks' lines could splice into one. A bound rank writes whole lines instead: its streams become
 line buffered, one ``write`` per line, flushed at every newline as before.
+
+A rank's exit: ``parlay.shutdown()`` (also run at exit) destroys every group, which joins its
+gloo threads, unless an object still holds the group (a pipeline stage or a parameter server
+keeps its subgroups as long as the Trainer lives, so to the end of a script). Such a group's
+threads outlive the interpreter's atexit stage, and one that frees a just-finished operation's
+tensors during finalisation needs the GIL, can no longer take it and aborts the process
+("terminate called without an active exception"). :func:`settle_groups` gives those threads a
+moment with the GIL released before finalisation.
 """
 from __future__ import annotations
 
@@ -18,9 +26,13 @@ import ctypes
 import os
 import signal
 import sys
-from typing import Mapping
+import time
+import weakref
+from typing import Any, Mapping
 
-__all__ = ["bind_to_launcher", "whole_lines"]
+__all__ = ["bind_to_launcher", "whole_lines", "track_groups", "settle_groups"]
+
+_groups: list[weakref.ref] = []
 
 _PR_SET_PDEATHSIG = 1
 
@@ -63,3 +75,28 @@ def whole_lines(streams=None) -> None:
             reconfigure(line_buffering=True, write_through=False)
         except (OSError, ValueError):
             pass
+
+
+def track_groups(groups: Any = None) -> None:
+    """Remember ``groups`` (default: every group torch has registered) weakly, so that
+    :func:`settle_groups` sees which outlived their destruction."""
+    if groups is None:
+        from torch.distributed import distributed_c10d
+
+        world = getattr(distributed_c10d, "_world", None)
+        groups = list(getattr(world, "pg_map", {}))
+    for group in groups:
+        try:
+            _groups.append(weakref.ref(group))
+        except TypeError:  # not weak-referenceable: nothing to settle for it
+            pass
+
+
+def settle_groups(wait_s: float = 0.02) -> int:
+    """After the groups were destroyed: the number of tracked groups still alive (held by an
+    object); when there are any, release the GIL for ``wait_s`` so that their threads finish
+    freeing what they hold while the interpreter can still serve them."""
+    _groups[:] = [ref for ref in _groups if ref() is not None]
+    if _groups:
+        time.sleep(wait_s)
+    return len(_groups)

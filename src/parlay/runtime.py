@@ -89,11 +89,9 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
     elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         seconds = float(timeout)
     else:
-        raise ConfigError(f"timeout must be seconds (int/float) or a datetime.timedelta, "
-                          f"got {type(timeout).__name__}.")
+        raise ConfigError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}.")
     if not seconds > 0:
-        raise ConfigError(f"timeout must be positive, got {seconds} s. "
-                          "Hint: use a few minutes, e.g. timeout=300.")
+        raise ConfigError(f"timeout must be positive, got {seconds} s. Hint: e.g. timeout=300.")
     return _dt.timedelta(seconds=seconds)
 
 
@@ -310,6 +308,7 @@ def shutdown() -> None:
         _run_hooks(_shutdown_hooks)
     rt, _rt = _rt, None
     if rt is not None and rt.owns_group and dist.is_initialized():
+        lifeline.track_groups()  # every group, weakly, to see which outlive their destruction
         dist.destroy_process_group()
 
 
@@ -317,6 +316,7 @@ def _at_exit() -> None:
     """Destroy the group, then drop the kept rendezvous stores, before finalisation."""
     try:
         shutdown()
+        lifeline.settle_groups()  # groups an object still holds: see parlay.lifeline
     finally:
         _stores.clear()
 
