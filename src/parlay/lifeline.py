@@ -48,6 +48,7 @@ def bind_to_launcher(environ: Mapping[str, str] | None = None) -> bool:
     pid = env.get("PARLAY_LAUNCHER_PID", "")
     if not sys.platform.startswith("linux") or not pid.isdigit() or os.getppid() != int(pid):
         return False
+    whole_lines()  # a rank of `parlay run`, whether or not the kernel binds it below
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
@@ -56,7 +57,6 @@ def bind_to_launcher(environ: Mapping[str, str] | None = None) -> bool:
         return False
     if os.getppid() != int(pid):  # the launcher died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
-    whole_lines()
     return True
 
 
@@ -85,6 +85,7 @@ def track_groups(groups: Any = None) -> None:
 
         world = getattr(distributed_c10d, "_world", None)
         groups = list(getattr(world, "pg_map", {}))
+    _prune()  # an init/shutdown loop leaves no trail of dead references
     for group in groups:
         try:
             _groups.append(weakref.ref(group))
@@ -96,7 +97,11 @@ def settle_groups(wait_s: float = 0.02) -> int:
     """After the groups were destroyed: the number of tracked groups still alive (held by an
     object); when there are any, release the GIL for ``wait_s`` so that their threads finish
     freeing what they hold while the interpreter can still serve them."""
-    _groups[:] = [ref for ref in _groups if ref() is not None]
+    _prune()
     if _groups:
         time.sleep(wait_s)
     return len(_groups)
+
+
+def _prune() -> None:
+    _groups[:] = [ref for ref in _groups if ref() is not None]

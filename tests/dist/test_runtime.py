@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -230,9 +232,8 @@ def test_resolve_backend_refuses_what_this_process_cannot_run():
         assert runtime.resolve_backend("auto", 3) == ("gloo", torch.device("cpu"))
 
 
-
 JOIN_SCRIPT = """
-import gc, os, sys
+import gc, os
 import torch, parlay
 
 def threads():
@@ -257,9 +258,6 @@ def test_shutdown_joins_the_groups_threads_while_the_model_lives(tmp_path):
     interpreter exit they aborted the process now and then ("terminate called", 1 run in 4 of
     the TensorLayer example). torch.distributed.nn.functional, imported after init, pinned the
     world group in its defaults."""
-    import subprocess
-    import sys
-
     script = tmp_path / "join.py"
     script.write_text(JOIN_SCRIPT)
     p = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "2", str(script)],
