@@ -9,13 +9,16 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   and resumed), and the steps lost (computed before the kill, computed again after it). Side by
   side: in-memory snapshots (``snapshot_every=1``) vs the anchor, disk checkpoints alone
   (``snapshot_every=0, checkpoint_every=--ckpt-every``), i.e. what torchrun gives by itself.
-* overhead: one run of the same Trainer with snapshots off, on with every tensor copied before
-  ``save`` returns (``PARLAY_SNAPSHOT_BACKGROUND=0``), and on with the parameters and optimizer
-  state copied while the rank waits for the gradient reduction of the next step (the default,
-  :mod:`parlay.snapshot.deferred`), in rotating chunks of ``--chunk`` timed steps (so load from
+* overhead: one run of the same Trainer with snapshots off; with a full copy of the state every
+  step, copied before ``save`` returns (inline, ``PARLAY_SNAPSHOT_BACKGROUND=0``) or while the
+  rank waits for the gradient reduction of the next step (deferred,
+  :mod:`parlay.snapshot.deferred`); and with the gradient journal (the default where it
+  applies, :mod:`parlay.snapshot.journal`: a deferred full copy every ``base_every`` steps, each
+  step's gradients in between). Modes rotate in chunks of ``--chunk`` timed steps (so load from
   other processes hits all alike; before each chunk, untimed, the previous mode's deferred copy
-  is finished and one step taken); the ratios of the median step times (wall clock, and the training
-  thread's CPU time, which other processes on the machine disturb less). Also the time
+  is finished and one step taken, in which the journal takes its base). Ratios of the mean step
+  times (the journal's cost comes once per base, which a median would not see; medians are
+  printed beside), wall clock and the training thread's CPU time. Also the time
   ``SnapshotStore.save`` takes on the caller's thread for this model's state (and the deferred
   copy, which overlaps communication) vs a plain ``torch.save`` of it to /dev/shm.
 
@@ -91,15 +94,21 @@ def worker_recovery(a: argparse.Namespace) -> None:
     Path(a.out, f"rec-a{attempt}-r{rank}.json").write_text(json.dumps(rec))
 
 
-MODES = {"off": None, "inline": "0", "deferred": None}  # PARLAY_SNAPSHOT_BACKGROUND per mode
+# PARLAY_SNAPSHOT_BACKGROUND per mode. inline, deferred: a full copy of the state every step;
+# journal: a full copy every base_every steps and each step's gradients in between (the default
+# where it applies, parlay.snapshot.journal).
+MODES = {"off": None, "inline": "0", "deferred": None, "journal": None}
 
 
 def worker_overhead(a: argparse.Namespace) -> None:
     import parlay
+    from parlay.snapshot import GradientJournal
 
     t = _trainer(a, len(MODES) * (a.chunk + 1) * (a.pairs + 1), 1, None)
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {m: [] for m in MODES}
+    journal = t._snap if isinstance(t._snap, GradientJournal) else None  # noqa: SLF001
+    store = journal.store if journal is not None else t._snap  # noqa: SLF001
+    times: dict[str, list[float]] = {m: [] for m in MODES if journal is not None or m != "journal"}
+    cpu: dict[str, list[float]] = {m: [] for m in times}
     order = list(times)
     for pair in range(a.pairs + 1):  # round 0 warms up (first slot files, allocator)
         for mode in order:
@@ -109,6 +118,9 @@ def worker_overhead(a: argparse.Namespace) -> None:
                 os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
             if t._snap is not None:  # noqa: SLF001 - the last mode's deferred copy, untimed
                 t._snap.wait()  # noqa: SLF001
+            # The journal after steps it did not see takes a base at once (untimed, below),
+            # then one every base_every steps: a chunk of base_every steps pays one base.
+            t._snap = journal if mode == "journal" else store  # noqa: SLF001
             for i in range(a.chunk + 1):  # the first step of a chunk is not timed either
                 t0, c0 = time.perf_counter(), time.thread_time()
                 t.train_on_batch()
@@ -117,8 +129,8 @@ def worker_overhead(a: argparse.Namespace) -> None:
                     cpu[mode].append(time.thread_time() - c0)
         order = order[1:] + order[:1]
     t.should_stop()
-    Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({"wall": times,
-                                                                           "cpu": cpu}))
+    Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({
+        "wall": times, "cpu": cpu, "base_every": journal.base_every if journal else 0}))
 
 
 # ---------------------------------------------------------------------- driver
@@ -216,7 +228,7 @@ def main() -> None:
     a = p.parse_args()
     a.kill_step = a.kill_step or (24 if a.quick else 60)
     a.ckpt_every = a.ckpt_every or (16 if a.quick else 50)
-    a.chunk = a.chunk or 4
+    a.chunk = a.chunk or 16
     a.pairs = a.pairs or (8 if a.quick else 30)
     a.repeats = a.repeats or (1 if a.quick else 3)
     if a.worker:
@@ -228,13 +240,16 @@ def main() -> None:
         over, launches = _overheads(a, tmp)
     cost = save_cost(5 if a.quick else 20)
     print()
-    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "cpu_ratio",
-                       "launch_ratios", "steps_each"]))
+    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "median_ratio",
+                       "cpu_ratio", "launch_ratios", "steps_each"]))
+    print("ratio: mean step time over mean step time with snapshots off (a base every "
+          f"{launches[0]['base_every']} steps costs the journal its copy once per chunk of "
+          f"{a.chunk}); median_ratio: the same of medians")
     print()
     print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
-    ratios.update({"step_time_inline_snapshots_vs_off": over[0]["ratio"],
-                   "step_time_deferred_snapshots_vs_off": over[1]["ratio"],
-                   "save_vs_torch_save": cost["save_ms"] / cost["torch_save_ms"]})
+    ratios.update({f"step_time_{row['overhead'].split(', ')[1].split()[0]}_snapshots_vs_off":
+                   row["ratio"] for row in over})
+    ratios["save_vs_torch_save"] = cost["save_ms"] / cost["torch_save_ms"]
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
     walls = [t["wall"] for t in launches]
     write_json(a.json, "recovery", ratios, runs + over + [cost],
@@ -266,7 +281,7 @@ def _recoveries(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]],
 
 def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], list[Any]]:
     """``--repeats`` launches of the overhead worker; per mode, the median over launches of each
-    launch's ratio of median step times (rank 0), and every launch's ratio (the spread)."""
+    launch's ratio of mean step times (rank 0), and every launch's ratio (the spread)."""
     launches = []
     for i in range(a.repeats):
         out = tmp / f"ovh{i}"
@@ -274,16 +289,19 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
         _launch(a, out, "--worker", "overhead")
         launches.append(json.loads((out / "overhead-r0.json").read_text()))
 
-    def ratio(run: dict[str, Any], kind: str, mode: str) -> float:
-        return median(run[kind][mode]) / median(run[kind]["off"])
+    def ratio(run: dict[str, Any], kind: str, mode: str, stat: Any = statistics.fmean) -> float:
+        return stat(run[kind][mode]) / stat(run[kind]["off"])
 
     rows = []
-    for mode in ("inline", "deferred"):
+    for mode in [m for m in ("inline", "deferred", "journal") if m in launches[0]["wall"]]:
         walls = [ratio(run, "wall", mode) for run in launches]
-        rows.append({"overhead": f"snapshot_every=1, {mode} copy vs off",
-                     "step_ms_on": 1e3 * median([median(r["wall"][mode]) for r in launches]),
-                     "step_ms_off": 1e3 * median([median(r["wall"]["off"]) for r in launches]),
+        rows.append({"overhead": f"snapshot_every=1, {mode} vs off",
+                     "step_ms_on": 1e3 * median([statistics.fmean(r["wall"][mode])
+                                                 for r in launches]),
+                     "step_ms_off": 1e3 * median([statistics.fmean(r["wall"]["off"])
+                                                  for r in launches]),
                      "ratio": median(walls), "launch_ratios": [round(w, 4) for w in walls],
+                     "median_ratio": median([ratio(run, "wall", mode, median) for run in launches]),
                      "cpu_ratio": median([ratio(run, "cpu", mode) for run in launches]),
                      "steps_each": sum(len(r["wall"][mode]) for r in launches)})
     return rows, launches

@@ -157,7 +157,6 @@ class Trainer(TrainerIO):
         self.checkpoint_every = checkpoint_every
         self.validation_dataset = validation_dataset
         self.state = TrainerState()
-        self.skipped_steps = 0
 
     @staticmethod
     def _make_strategy(mode: str, options: dict[str, Any] | None, precision: str,
@@ -352,7 +351,7 @@ class Trainer(TrainerIO):
         return False
 
     def _note_skip(self) -> None:
-        self.skipped_steps += 1
+        self.state.skipped_steps += 1
         msg = (f"step {self.state.step + 1} was skipped on every rank: its loss or gradient was "
                f"not finite ({self.skipped_steps} skipped so far; under fp16 a loss-scale "
                "overflow, which GradScaler expects now and then)")
@@ -388,6 +387,12 @@ class Trainer(TrainerIO):
         serve until the workers finish."""
         while not self.should_stop():
             self.train_on_batch()
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank (non-finite under ``nonfinite="skip"``, fp16 overflows),
+        restored with checkpoints and snapshots."""
+        return self.state.skipped_steps
 
     @property
     def model(self) -> nn.Module | None:

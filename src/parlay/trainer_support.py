@@ -27,12 +27,15 @@ class TrainerState:
         step: Optimizer steps taken.
         samples_seen: Training samples consumed over all replicas.
         batch_in_epoch: Batches of the current epoch already consumed by each replica.
+        skipped_steps: Steps skipped on every rank (non-finite, fp16 overflow), counted across
+            restarts.
     """
 
     epoch: int = 0
     step: int = 0
     samples_seen: int = 0
     batch_in_epoch: int = 0
+    skipped_steps: int = 0
 
 
 class TrainerSession:

@@ -219,6 +219,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.step(closure) if closure is not None else self._opt.step()
 
     # ----------------------------------------------------------------- public API
+    @property
+    def wrapped(self) -> torch.optim.Optimizer:
+        """The ``torch.optim`` optimizer this one steps after the reduction."""
+        return self._opt
+
+    @property
+    def gradient_buckets(self) -> GradientBuckets | None:
+        """The buckets each step's gradients are reduced in (``None``: gradients stay local).
+        With ``gradient_as_bucket_view`` every ``p.grad`` the wrapped optimizer steps on is a
+        view into them; :meth:`GradientBuckets.use_buffers` moves them between steps."""
+        return self._buckets
+
     def synchronize(self) -> None:
         """Finish the gradient reduction now: launch what is left, wait, write gradients back.
 

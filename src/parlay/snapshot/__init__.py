@@ -4,11 +4,12 @@
 (:mod:`parlay.snapshot.store`); :func:`agree` makes the ranks resume from the same step
 (:mod:`parlay.snapshot.resume`).
 """
-from parlay.snapshot.resume import (agree, open_for_trainer, optimizer_tensors, resume_trainer,
-                                    run_key)
+from parlay.snapshot.journal import GradientJournal
+from parlay.snapshot.resume import (agree, journal_for_trainer, open_for_trainer,
+                                    optimizer_tensors, resume_trainer, run_key, trainer_head)
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore, default_root
 
 __all__ = ["SnapshotStore", "agree", "run_key", "open_for_trainer", "resume_trainer",
-           "optimizer_tensors",
+           "optimizer_tensors", "GradientJournal", "journal_for_trainer", "trainer_head",
            "default_root",
            "FORMAT_VERSION"]

@@ -9,6 +9,7 @@ goes to a JSON commit record.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -17,7 +18,7 @@ import torch
 
 from parlay.errors import CheckpointError
 
-__all__ = ["encode", "decode", "layout", "read_data", "write_atomic"]
+__all__ = ["encode", "decode", "layout", "read_data", "write_atomic", "map_shared"]
 
 
 _PLAIN = frozenset({type(None), bool, int, float, str})
@@ -107,3 +108,30 @@ def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
         raise CheckpointError(f"could not write snapshot file {path}: {e}. Hint: host shared "
                               "memory (/dev/shm) may be full; set PARLAY_SNAPSHOT_DIR or "
                               "snapshot_every=0.") from e
+
+
+#: Marks a data file of :func:`map_shared` (bumped when its layout changes incompatibly).
+DATA_VERSION = 1
+
+
+def map_shared(path: Path, tensors: list[torch.Tensor], lay: str) -> list[torch.Tensor]:
+    """Writable CPU views, mapped ``MAP_SHARED``, of the data file ``path`` holding tensors of
+    the dtypes and shapes of ``tensors`` (layout ``lay``): a copy into them is a write to the
+    file. The file is (re)written, atomically, from ``tensors`` when it is missing, unreadable
+    or of another layout.
+
+    Raises:
+        CheckpointError: The file could not be written.
+    """
+    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+        try:
+            data = torch.load(path, mmap=True, weights_only=True)
+            ok = isinstance(data, dict) and data.get("layout") == lay
+        except Exception:  # noqa: BLE001 - missing or unreadable: write it afresh
+            ok = False
+        if not ok:
+            fresh = {"parlay_snapshot_data": DATA_VERSION, "layout": lay,
+                     "tensors": [t.to("cpu", copy=True) for t in tensors]}
+            write_atomic(path, lambda tmp: torch.save(fresh, tmp))
+            data = torch.load(path, mmap=True, weights_only=True)
+    return data["tensors"]

@@ -22,11 +22,13 @@ import torch
 from parlay import comm, runtime
 from parlay.errors import CheckpointError, ConfigError
 from parlay.snapshot.owner import run_name
+from parlay.compress.base import NoneCompressor
+from parlay.snapshot.journal import GradientJournal, base_every_for
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
 __all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "optimizer_tensors",
-           "SUPPORTED_MODES"]
+           "journal_for_trainer", "trainer_head", "SUPPORTED_MODES"]
 
 log = logging.getLogger("parlay")
 
@@ -251,3 +253,54 @@ def optimizer_tensors(strategy: Any) -> set[int]:
     ptrs.update(v.data_ptr() for st in opt.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor))
     return ptrs
+
+
+def trainer_head(trainer: Any) -> dict[str, Any]:
+    """What of a Trainer's state a step changes besides the model and the optimizer: counters,
+    sampler position, RNG, loss scale (a gradient journal's record)."""
+    from parlay.checkpoint import rng_state
+
+    head = {"trainer": dict(vars(trainer.state)), "sampler": trainer.sampler.state_dict(),
+            "rng": rng_state()}
+    scaler = getattr(trainer.strategy, "scaler", None)
+    if scaler is not None:
+        head["scaler"] = scaler.state_dict()
+    return head
+
+
+def _with_head(trainer: Any, head: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's full snapshot state now, with ``head``'s parts put in."""
+    state = trainer._training_state(snapshot=True)  # noqa: SLF001
+    state.update(trainer=head["trainer"], sampler=head["sampler"], rng=head["rng"])
+    if "scaler" in head:
+        state["strategy"] = {**state["strategy"], "scaler": head["scaler"]}
+    return state
+
+
+def journal_for_trainer(trainer: Any, store: SnapshotStore) -> SnapshotStore | GradientJournal:
+    """``store`` as bases of a :class:`~parlay.snapshot.journal.GradientJournal` where that is
+    exact and needs no copy: a snapshot every step, data parallel (``"allreduce"``) on CPU with
+    gradients that are views of the optimizer's buckets and no stateful compressor, and a
+    ``base_every`` >= 2 (:func:`~parlay.snapshot.journal.base_every_for`). Otherwise ``store``.
+    """
+    s = trainer.strategy
+    opt = getattr(s, "optimizer", None)
+    buckets = getattr(opt, "gradient_buckets", None)
+    if trainer.snapshot_every != 1 or s.name != "allreduce" or buckets is None or \
+            not isinstance(opt.compression, NoneCompressor) or \
+            not all(v is not None for v in buckets.views) or \
+            not all(b.device.type == "cpu" for b in buckets.buffers):
+        return store
+    every = base_every_for(sum(b.numel() * b.element_size() for b in buckets.buffers))
+    if every < 2:
+        return store
+    try:
+        journal = GradientJournal(store, buckets, opt.wrapped, trainer_head(trainer),
+                                  trainer._load, lambda head: _with_head(trainer, head), every)  # noqa: SLF001
+        log.info("in-memory snapshots: a full copy every %d steps, each step's gradients in "
+                 "between (gradient journal, %d slots in %s)", every, journal.n_slots,
+                 store.directory)
+        return journal
+    except CheckpointError as e:
+        log.info("gradient journal off (%s): full snapshots every step", e)
+        return store

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import re
 import shutil
@@ -41,7 +40,8 @@ from typing import Any
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
-from parlay.snapshot.codec import decode, encode, layout, read_data, write_atomic
+from parlay.snapshot.codec import (decode, encode, layout, map_shared, read_data,
+                                   write_atomic)
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
 from parlay.snapshot.owner import default_root, hold
 
@@ -130,6 +130,14 @@ class SnapshotStore:
         """Steps with a committed snapshot on this rank, ascending."""
         return [step for step, _ in self._committed()]
 
+    def drop_after(self, step: int) -> None:
+        """Delete the committed snapshots newer than ``step`` (a timeline that was not
+        resumed: training continues from ``step``)."""
+        self._settle()
+        for old in [h for h in self._committed() if h[0] > step]:
+            self._meta_path(*old).unlink(missing_ok=True)
+        self._held = self._committed()
+
     # ------------------------------------------------------------------ writing
     def _slot_for_next(self) -> int:
         used = {slot for _, slot in self._held}
@@ -152,20 +160,9 @@ class SnapshotStore:
         if cached is not None and cached[0] == lay:
             return cached[1]
         self._maps.pop(slot, None)
-        path = self._data_path(slot)
-        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
-            try:
-                data = torch.load(path, mmap=True, weights_only=True)
-                ok = isinstance(data, dict) and data.get("layout") == lay
-            except Exception:  # noqa: BLE001 - missing or unreadable: write it afresh
-                ok = False
-            if not ok:
-                fresh = {"parlay_snapshot_data": FORMAT_VERSION, "layout": lay,
-                         "tensors": [t.to("cpu", copy=True) for t in tensors]}
-                write_atomic(path, lambda tmp: torch.save(fresh, tmp))
-                data = torch.load(path, mmap=True, weights_only=True)
-        self._maps[slot] = (lay, data["tensors"])
-        return data["tensors"]
+        views = map_shared(self._data_path(slot), tensors, lay)
+        self._maps[slot] = (lay, views)
+        return views
 
     def save(self, step: int, state: dict[str, Any], *,
              defer: frozenset[int] | set[int] = frozenset()) -> None:
