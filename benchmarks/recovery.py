@@ -229,7 +229,7 @@ def main() -> None:
     a.kill_step = a.kill_step or (24 if a.quick else 60)
     a.ckpt_every = a.ckpt_every or (16 if a.quick else 50)
     a.chunk = a.chunk or 16
-    a.pairs = a.pairs or (8 if a.quick else 30)
+    a.pairs = a.pairs or (4 if a.quick else 15)
     a.repeats = a.repeats or (1 if a.quick else 3)
     if a.worker:
         (worker_recovery if a.worker == "recovery" else worker_overhead)(a)

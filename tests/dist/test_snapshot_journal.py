@@ -180,3 +180,9 @@ def test_rng_state_reflects_every_draw():
     second = (random.random(), float(np.random.rand()))
     set_rng_state(before)
     assert (random.random(), float(np.random.rand())) == first != second
+    # NumPy's legacy Gaussian cache is used up without moving the generator: still seen.
+    np.random.randn()
+    cached = rng_state()["numpy"]
+    np.random.randn()
+    used = rng_state()["numpy"]
+    assert (cached["has_gauss"], used["has_gauss"]) == (1, 0) and cached["pos"] == used["pos"]

@@ -15,7 +15,8 @@ the journal keeps
   the optimizer reads) are pointed, from one step to the next, at the next of
   ``base_every + 2`` slots of host shared memory (``grad-<slot>.pt``, mapped ``MAP_SHARED``),
   so the step's own reduction writes its journal entry;
-* a small **record** per step, in the same slot, written after the step: the learning rates,
+* a small **record** per step, in the same slot, taken at the end of the step and written
+  while the next step waits for its gradient reduction (:mod:`parlay.idle`): the learning rates,
   whether the optimizer stepped (an fp16 overflow or a non-finite skip does not) and the rest
   of the Trainer's state (counters, sampler position, loss scale, RNG states: ~16 KB), as JSON
   and tensors, then committed by storing the step number last. No file is created, renamed or
@@ -44,7 +45,8 @@ import numpy as np
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
-from parlay.snapshot.codec import decode, encode, layout, map_shared
+from parlay.idle import discard, while_waiting
+from parlay.snapshot.codec import layout, map_shared
 from parlay.snapshot.store import SnapshotStore
 
 __all__ = ["GradientJournal", "base_every_for", "JOURNAL_BUDGET", "JOURNAL_VERSION"]
@@ -94,10 +96,12 @@ class GradientJournal:
         buckets: The optimizer's gradient buckets (``params``, ``buffers``, ``views``,
             ``in_flight``, :meth:`use_buffers`, :meth:`views_in`).
         optimizer: The optimizer that consumes the gradients (replayed on resume).
-        head: A state of the kind :meth:`after_step` records (its tensors fix the slots'
+        head: A record's state as :meth:`after_step` gets it: ``(plain, tensors)``, a dict of
+            JSON values and a list of CPU tensors (their dtypes and shapes fix the slots'
             layout).
         load_base: Loads a full state (a base) into the trainer.
-        compose: The trainer's full state as of now, with a record's state put in.
+        compose: ``compose(plain, tensors)``: the trainer's full state as of now, with a
+            record's state put in.
         base_every: Steps between bases (>= 2).
 
     Raises:
@@ -105,16 +109,17 @@ class GradientJournal:
     """
 
     def __init__(self, store: SnapshotStore, buckets: Any, optimizer: torch.optim.Optimizer,
-                 head: dict[str, Any], load_base: Callable[[dict[str, Any]], None],
-                 compose: Callable[[dict[str, Any]], dict[str, Any]], base_every: int) -> None:
+                 head: tuple[dict[str, Any], list[torch.Tensor]],
+                 load_base: Callable[[dict[str, Any]], None],
+                 compose: Callable[[dict[str, Any], list[torch.Tensor]], dict[str, Any]],
+                 base_every: int) -> None:
         self.store, self.buckets, self.optimizer = store, buckets, optimizer
         self._load_base, self._compose = load_base, compose
         self.base_every = int(base_every)
         self.n_slots = self.base_every + 2
         self.active = True
         self._nbuf = len(buckets.buffers)
-        head_tensors: list[torch.Tensor] = []
-        encode(head, head_tensors)
+        head_tensors = [t.detach() for t in head[1]]
         self._head_sig = [(t.dtype, t.shape) for t in head_tensors]
         # A slot: the buckets, the record's tensors, its JSON bytes, and (step, JSON length):
         # step -1 while nothing is committed in it.
@@ -135,6 +140,8 @@ class GradientJournal:
                     for t in self._slots]
         self._last_base: int | None = None
         self._slot, self._expect = 0, -1  # the buckets' slot, and the step it was handed for
+        self._pending: tuple[Any, ...] | None = None  # a record taken, not written yet
+        self._broken = False  # a record could not be written: the journal goes off
 
     # ------------------------------------------------------------------ the store's face
     @property
@@ -170,6 +177,7 @@ class GradientJournal:
 
     def steps(self) -> list[int]:
         """Steps this rank can resume at: its bases, and each step its records reach from one."""
+        self._flush()
         records = self._committed()
         out = set()
         for base in self.store.steps():
@@ -208,7 +216,7 @@ class GradientJournal:
         finally:
             for p in params:
                 p.grad = None
-        return self._compose(decode(entries[-1][0]["skeleton"], entries[-1][1][self._nbuf:]))
+        return self._compose(entries[-1][0]["head"], list(entries[-1][1][self._nbuf:]))
 
     def _read(self, step: int, slot: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
         tensors = self._slots[slot]
@@ -250,65 +258,92 @@ class GradientJournal:
         self.buckets.use_buffers(self._slots[slot][:self._nbuf], self._views[slot])
         self._slot, self._expect = slot, step
 
-    def after_step(self, step: int, stepped: bool, head: Callable[[], dict[str, Any]],
+    def after_step(self, step: int, stepped: bool,
+                   head: Callable[[], tuple[dict[str, Any], list[torch.Tensor]]],
                    full: Callable[[], dict[str, Any]], defer: Callable[[], set[int]]) -> None:
         """Record ``step`` (its gradients are in the current slot already); take a base when
         one is due (every ``base_every`` steps, the first step that cannot be replayed, or for
         good once the journal is off); hand the buckets the next slot.
 
+        What the record holds is taken now; it is written into the slot while this thread next
+        waits for communication (:mod:`parlay.idle`: the next step's gradient reduction), at the
+        latest by the next call, :meth:`wait` or :meth:`close`.
+
         Raises:
-            CheckpointError: A record or base could not be written.
+            CheckpointError: A base could not be written.
         """
-        # A step not journalled since the last (snapshot_every changed in between) breaks the
-        # chain of records: the next base is due now.
+        self._flush()  # the previous step's record, if no wait wrote it
+        # A step not journalled since the last (snapshot_every changed in between) or a record
+        # that could not be written breaks the chain of records: the next base is due now.
         due = (not self.active or self._last_base is None or step != self._expect
                or step - self._last_base >= self.base_every)
-        if self.active and not self._record(step, stepped, head()):
-            self._stop()
-            due = True
+        if self.active:
+            pending = None if self._broken else self._capture(step, stepped, head())
+            if pending is None:
+                self._stop()
+                due = True
+            else:
+                self._pending = pending
+                while_waiting(self._write_pending)
         if due:
             self.store.save(step, full(), defer=defer())
             self._last_base = step
         if self.active:
             self._use_slot(step + 1)
 
-    def _record(self, step: int, stepped: bool, head: dict[str, Any]) -> bool:
-        """Write ``step``'s record (its gradients are in the current slot); False when the step
-        cannot be journalled exactly."""
-        slot = self._slot
-        views = self.buckets.views
+    def _capture(self, step: int, stepped: bool,
+                 head: tuple[dict[str, Any], list[torch.Tensor]]) -> tuple[Any, ...] | None:
+        """What ``step``'s record holds; ``None`` when the step cannot be journalled exactly."""
         if stepped and not all(p.grad is not None and v is not None
                                and p.grad.data_ptr() == v.data_ptr()
-                               for p, v in zip(self.buckets.params, views)):
+                               for p, v in zip(self.buckets.params, self.buckets.views)):
             log.info("gradient journal off: the optimizer stepped on gradients that are not "
                      "its buckets' views (full snapshots from now on)")
-            return False
+            return None
         lrs = [g["lr"] for g in self.optimizer.param_groups]
-        tensors: list[torch.Tensor] = []
-        skeleton = encode(head, tensors)
+        plain, tensors = head
         if [(t.dtype, t.shape) for t in tensors] != self._head_sig or \
                 not all(type(lr) in (int, float) for lr in lrs):
             log.info("gradient journal off: the recorded state changed shape (full snapshots "
                      "from now on)")
-            return False
-        text = json.dumps({"parlay_journal": JOURNAL_VERSION, "key": self.store.key,
-                           "step": int(step), "stepped": bool(stepped), "lrs": lrs,
-                           "skeleton": skeleton}).encode()
-        if len(text) > RECORD_BYTES:
-            log.info("gradient journal off: a record needs %d bytes (full snapshots from now "
-                     "on)", len(text))
-            return False
-        heads, meta, commit = self._np[slot]
-        for d, src in zip(heads, tensors):
-            np.copyto(d, src.numpy(), casting="no")
-        meta[:len(text)] = np.frombuffer(text, dtype=np.uint8)
-        commit[1] = len(text)
-        commit[0] = step  # the commit: stored last
-        return True
+            return None
+        return self._slot, step, stepped, lrs, plain, tensors
+
+    def _write_pending(self) -> bool:
+        """The pending record, written while this thread waits (:func:`while_waiting`)."""
+        self._flush()
+        return False
+
+    def _flush(self) -> None:
+        """Write the pending record into its slot and commit it (the step number, stored
+        last); a record that cannot be written breaks the chain (``_broken``)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        discard(self._write_pending)
+        slot, step, stepped, lrs, plain, tensors = pending
+        try:
+            text = json.dumps({"parlay_journal": JOURNAL_VERSION, "key": self.store.key,
+                               "step": int(step), "stepped": bool(stepped), "lrs": lrs,
+                               "head": plain}).encode()
+            if len(text) > RECORD_BYTES:
+                raise ValueError(f"a record needs {len(text)} bytes, a slot has {RECORD_BYTES}")
+            heads, meta, commit = self._np[slot]
+            for d, src in zip(heads, tensors):
+                d[...] = src.numpy()
+            meta[:len(text)] = np.frombuffer(text, dtype=np.uint8)
+            commit[1] = len(text)
+            commit[0] = step  # the commit: stored last
+        except (TypeError, ValueError, RuntimeError) as e:
+            log.info("gradient journal off: step %d could not be recorded (%s); full snapshots "
+                     "from now on", step, e)
+            self._broken = True
 
     def _stop(self) -> None:
         """Journal off for good: the buckets get private buffers, the records go."""
         self.active = False
+        self._pending = None
+        discard(self._write_pending)
         if not self.buckets.in_flight:
             self.buckets.use_buffers([torch.zeros_like(b) for b in self.buckets.buffers])
         for slot in range(self.n_slots):
@@ -316,12 +351,16 @@ class GradientJournal:
 
     # ------------------------------------------------------------------ teardown
     def wait(self) -> None:
-        """Finish the pending base copy (see :meth:`SnapshotStore.wait`)."""
+        """Write the pending record and finish the pending base copy (see
+        :meth:`SnapshotStore.wait`)."""
+        self._flush()
         self.store.wait()
 
     def close(self) -> None:
-        """Finish the pending base; the buckets get private buffers again (the slots stay)."""
+        """Write the pending record, finish the pending base; the buckets get private buffers
+        again (the slots stay)."""
         try:
+            self._flush()
             self.store.close()
         finally:
             if self.active and not self.buckets.in_flight:

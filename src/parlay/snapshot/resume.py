@@ -255,25 +255,35 @@ def optimizer_tensors(strategy: Any) -> set[int]:
     return ptrs
 
 
-def trainer_head(trainer: Any) -> dict[str, Any]:
-    """What of a Trainer's state a step changes besides the model and the optimizer: counters,
-    sampler position, RNG, loss scale (a gradient journal's record)."""
+def trainer_head(trainer: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """What of a Trainer's state a step changes besides the model and the optimizer (counters,
+    sampler position, loss scale, RNG states) as a gradient journal records it: JSON values,
+    and the RNG states' tensors."""
     from parlay.checkpoint import rng_state
 
-    head = {"trainer": dict(vars(trainer.state)), "sampler": trainer.sampler.state_dict(),
-            "rng": rng_state()}
+    rng = rng_state()
+    numpy, python = dict(rng["numpy"]), dict(rng["python"])
+    cuda = list(rng.get("cuda", ()))
+    tensors = [rng["torch"], numpy.pop("keys"), python.pop("state"), *cuda]
+    plain = {"trainer": dict(vars(trainer.state)), "sampler": trainer.sampler.state_dict(),
+             "numpy": numpy, "python": python, "cuda": len(cuda) if "cuda" in rng else None}
     scaler = getattr(trainer.strategy, "scaler", None)
     if scaler is not None:
-        head["scaler"] = scaler.state_dict()
-    return head
+        plain["scaler"] = scaler.state_dict()
+    return plain, tensors
 
 
-def _with_head(trainer: Any, head: dict[str, Any]) -> dict[str, Any]:
-    """The trainer's full snapshot state now, with ``head``'s parts put in."""
+def _with_head(trainer: Any, plain: dict[str, Any],
+               tensors: list[torch.Tensor]) -> dict[str, Any]:
+    """The trainer's full snapshot state now, with a record's parts (:func:`trainer_head`)."""
     state = trainer._training_state(snapshot=True)  # noqa: SLF001
-    state.update(trainer=head["trainer"], sampler=head["sampler"], rng=head["rng"])
-    if "scaler" in head:
-        state["strategy"] = {**state["strategy"], "scaler": head["scaler"]}
+    rng = {"torch": tensors[0], "numpy": {**plain["numpy"], "keys": tensors[1]},
+           "python": {**plain["python"], "state": tensors[2]}}
+    if plain.get("cuda") is not None:
+        rng["cuda"] = tensors[3:3 + int(plain["cuda"])]
+    state.update(trainer=plain["trainer"], sampler=plain["sampler"], rng=rng)
+    if "scaler" in plain:
+        state["strategy"] = {**state["strategy"], "scaler": plain["scaler"]}
     return state
 
 
@@ -295,8 +305,9 @@ def journal_for_trainer(trainer: Any, store: SnapshotStore) -> SnapshotStore | G
     if every < 2:
         return store
     try:
-        journal = GradientJournal(store, buckets, opt.wrapped, trainer_head(trainer),
-                                  trainer._load, lambda head: _with_head(trainer, head), every)  # noqa: SLF001
+        journal = GradientJournal(
+            store, buckets, opt.wrapped, trainer_head(trainer), trainer._load,  # noqa: SLF001
+            lambda plain, tensors: _with_head(trainer, plain, tensors), every)
         log.info("in-memory snapshots: a full copy every %d steps, each step's gradients in "
                  "between (gradient journal, %d slots in %s)", every, journal.n_slots,
                  store.directory)
