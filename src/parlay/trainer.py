@@ -162,6 +162,10 @@ class Trainer(TrainerIO):
     def _make_strategy(mode: str, options: dict[str, Any] | None, precision: str,
                        compression: Any, grad_clip: float | None, nonfinite: str) -> Strategy:
         """The mode's strategy, with the non-finite guard where the strategy checks steps."""
+        twice = sorted({"compression", "precision", "grad_clip"} & set(options or {}))
+        if twice:
+            raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "
+                              f"Hint: pass them as Trainer({twice[0]}=...).")
         strategy = get_strategy(mode, compression=compression, precision=precision,
                                 grad_clip=grad_clip, **(options or {}))
         if hasattr(strategy, "guard"):  # strategies that check for NaN/inf steps

@@ -250,6 +250,8 @@ def test_bad_arguments_raise_config_error():
         parlay.Trainer(_build, ds, batch_size=0, progress=False)
     with pytest.raises(ConfigError, match="unknown option"):
         parlay.Trainer(_build, ds, strategy_options={"bogus": 1}, progress=False)
+    with pytest.raises(ConfigError, match=r"sets \['grad_clip'\], which are Trainer arguments"):
+        parlay.Trainer(_build, ds, strategy_options={"grad_clip": 1.0}, progress=False)
     with pytest.raises(ConfigError, match="lr_schedule"):
         parlay.Trainer(_build, ds, lr_schedule="step", progress=False)
     parlay.shutdown()

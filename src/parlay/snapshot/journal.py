@@ -213,10 +213,13 @@ class GradientJournal:
                     for p, g in zip(params, self.buckets.views_in(tensors[:self._nbuf])):
                         p.grad = g
                     self.optimizer.step()
+            return self._compose(entries[-1][0]["head"], list(entries[-1][1][self._nbuf:]))
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise CheckpointError(f"journal of step {step} in {self.directory} could not be "
+                                  f"replayed ({type(e).__name__}: {e}).") from e
         finally:
             for p in params:
                 p.grad = None
-        return self._compose(entries[-1][0]["head"], list(entries[-1][1][self._nbuf:]))
 
     def _read(self, step: int, slot: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
         tensors = self._slots[slot]
@@ -227,10 +230,13 @@ class GradientJournal:
         except (ValueError, RuntimeError, RecursionError) as e:
             raise CheckpointError(f"journal record of step {step} in {self._slot_path(slot)} is "
                                   f"unreadable ({e}).") from e
+        lrs = record.get("lrs") if isinstance(record, dict) else None
         if not (isinstance(record, dict) and record.get("parlay_journal") == JOURNAL_VERSION
                 and record.get("key") == self.store.key and record.get("step") == step
-                and int(commit[0]) == step
-                and len(record.get("lrs", ())) == len(self.optimizer.param_groups)):
+                and int(commit[0]) == step and isinstance(record.get("stepped"), bool)
+                and isinstance(record.get("head"), dict) and isinstance(lrs, list)
+                and len(lrs) == len(self.optimizer.param_groups)
+                and all(type(lr) in (int, float) for lr in lrs)):
             raise CheckpointError(f"{self._slot_path(slot)} holds no journal record of step "
                                   f"{step} of run {self.store.key!r} (corrupt). Hint: delete the "
                                   "folder.")
@@ -273,11 +279,13 @@ class GradientJournal:
             CheckpointError: A base could not be written.
         """
         self._flush()  # the previous step's record, if no wait wrote it
-        # A step not journalled since the last (snapshot_every changed in between) or a record
-        # that could not be written breaks the chain of records: the next base is due now.
-        due = (not self.active or self._last_base is None or step != self._expect
+        # Only a step whose slot was handed out for it has its gradients there. A step not
+        # journalled since the last (start() not called, snapshot_every changed in between) or
+        # a record that could not be written breaks the chain: a base is due now.
+        journalled = self.active and step == self._expect
+        due = (not journalled or self._last_base is None
                or step - self._last_base >= self.base_every)
-        if self.active:
+        if journalled:
             pending = None if self._broken else self._capture(step, stepped, head())
             if pending is None:
                 self._stop()
@@ -368,6 +376,7 @@ class GradientJournal:
                 self.active = False
 
     def clear(self) -> None:
-        """Delete this rank's snapshots and journal."""
+        """Delete this rank's snapshots and journal, and unmap the slots."""
         self.close()
         self.store.clear()
+        self._slots, self._views, self._np = [], [], []
