@@ -35,7 +35,10 @@ def _numpy_raw() -> bytes | None:
 
 def _numpy_state() -> dict[str, Any]:
     # Unchanged raw bytes with no cached Gaussian mean no draw since the last read (a draw
-    # moves pos; only the legacy Gaussian cache can be used up without one).
+    # moves pos; only the legacy Gaussian cache can be used up without one). The one change the
+    # bytes do not show is a state set from outside that differs from the last read only in
+    # that cache: set_rng_state() forgets the last read; np.random.set_state() by hand to such
+    # a state is not seen until the generator next moves.
     raw = _numpy_raw()
     prev = _last.get("numpy")
     if prev is not None and raw is not None and raw == prev[0] and not prev[1]["has_gauss"]:
@@ -68,6 +71,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(st: dict[str, Any]) -> None:
     """Restore what :func:`rng_state` returned."""
+    _last.clear()  # a restored state may differ from the last read only in NumPy's Gaussian
     torch.set_rng_state(st["torch"])
     n = st["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],

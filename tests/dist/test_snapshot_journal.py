@@ -153,11 +153,15 @@ def test_base_every_is_read_from_the_environment_and_checked(monkeypatch):
     assert base_every_for(1 << 20) == MAX_BASE_EVERY
     assert base_every_for(JOURNAL_BUDGET // 6) == 4           # 6 slots fit: a base every 4
     assert base_every_for(JOURNAL_BUDGET // 3) == 0           # 3 slots: no journal
-    for value, want in (("7", 7), ("1", 0), ("0", 0)):
+    for value, want in (("7", 7), ("1", 0), ("0", 0), (" 3 ", 3)):
         monkeypatch.setenv("PARLAY_SNAPSHOT_BASE_EVERY", value)
         assert base_every_for(1 << 40) == want
+    monkeypatch.setenv("PARLAY_SNAPSHOT_BASE_EVERY", "-2")
+    with pytest.raises(ConfigError, match="expected an integer >= 0, got -2"):
+        base_every_for(1)
     monkeypatch.setenv("PARLAY_SNAPSHOT_BASE_EVERY", "often")
-    with pytest.raises(ConfigError, match="PARLAY_SNAPSHOT_BASE_EVERY must be an int >= 0"):
+    with pytest.raises(ConfigError, match="PARLAY_SNAPSHOT_BASE_EVERY: expected an integer, "
+                       "got 'often'"):
         base_every_for(1)
 
 
@@ -188,3 +192,5 @@ def test_rng_state_reflects_every_draw():
     np.random.randn()
     used = rng_state()["numpy"]
     assert (cached["has_gauss"], used["has_gauss"]) == (1, 0) and cached["pos"] == used["pos"]
+    set_rng_state({**before, "numpy": cached})  # the same bytes, the Gaussian cached again
+    assert rng_state()["numpy"]["has_gauss"] == 1

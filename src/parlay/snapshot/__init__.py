@@ -1,7 +1,10 @@
 """In-memory snapshots of the training state, for restarts that lose at most one step.
 
 :class:`SnapshotStore` keeps one rank's newest snapshots in host shared memory
-(:mod:`parlay.snapshot.store`); :func:`agree` makes the ranks resume from the same step
+(:mod:`parlay.snapshot.store`); a :class:`GradientJournal` keeps them as a full snapshot every
+few steps plus each step's averaged gradients, which the optimizer's buckets reduce straight
+into shared memory, and replays the optimizer on resume (:mod:`parlay.snapshot.journal`: data
+parallel on CPU); :func:`agree` makes the ranks resume from the same step
 (:mod:`parlay.snapshot.resume`).
 """
 from parlay.snapshot.journal import GradientJournal

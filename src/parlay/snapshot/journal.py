@@ -44,7 +44,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from parlay.errors import CheckpointError, ConfigError
+from parlay._validate import int_var
+from parlay.errors import CheckpointError
 from parlay.idle import discard, while_waiting
 from parlay.snapshot.codec import layout, map_shared
 from parlay.snapshot.store import SnapshotStore
@@ -70,15 +71,10 @@ def base_every_for(grad_bytes: int) -> int:
     Raises:
         ConfigError: The variable is not an int >= 0.
     """
-    env = os.environ.get("PARLAY_SNAPSHOT_BASE_EVERY", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = -1
-        if n < 0:
-            raise ConfigError(f"PARLAY_SNAPSHOT_BASE_EVERY must be an int >= 0 (steps between "
-                              f"full in-memory snapshots; 0: a full one every step), got {env!r}.")
+    name = "PARLAY_SNAPSHOT_BASE_EVERY"
+    raw = os.environ.get(name, "").strip()
+    if raw:  # steps between full in-memory snapshots; 0: a full one every step
+        n = int_var({name: raw}, name) or 0
         return n if n >= 2 else 0
     fits = JOURNAL_BUDGET // max(1, grad_bytes) - 2
     return int(min(MAX_BASE_EVERY, fits)) if fits >= 2 else 0
