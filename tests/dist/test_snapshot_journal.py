@@ -194,3 +194,10 @@ def test_rng_state_reflects_every_draw():
     assert (cached["has_gauss"], used["has_gauss"]) == (1, 0) and cached["pos"] == used["pos"]
     set_rng_state({**before, "numpy": cached})  # the same bytes, the Gaussian cached again
     assert rng_state()["numpy"]["has_gauss"] == 1
+    # Python's gauss() likewise caches its second value in the instance, outside the generator.
+    random.gauss(0.0, 1.0)
+    cached = rng_state()["python"]
+    random.gauss(0.0, 1.0)
+    used = rng_state()["python"]
+    assert cached["gauss"] is not None and used["gauss"] is None
+    assert torch.equal(cached["state"], used["state"])

@@ -26,8 +26,9 @@ Resuming at step ``t`` loads the newest base ``b <= t`` whose records ``b+1 .. t
 there and replays the optimizer over them (~1 ms a step for the MLP), then takes ``t``'s record
 for the rest. A slot is reused only after its commit is withdrawn (step number -1), and a
 record is committed only after its step, so a process killed at any point leaves every
-committed record's gradients intact; with ``base_every + 2`` slots the records back to the newest committed base always
-survive (a base is committed during the step after it, see :mod:`parlay.snapshot.deferred`).
+committed record's gradients intact; with ``base_every + 2`` slots the records back to the
+newest committed base always survive (a base is committed during the step after it, see
+:mod:`parlay.snapshot.deferred`).
 
 Used only where it is exact and zero-copy: CPU data parallelism whose gradients are bucket
 views, without a stateful compressor, ``snapshot_every=1``. Anything else keeps full snapshots.
