@@ -23,8 +23,8 @@ from parlay.metrics import MetricsLogger, default_metrics
 from parlay.nonfinite import NonFiniteGuard, check_policy, with_step
 from parlay.strategies import StepResult, Strategy, get_strategy
 from parlay.trainer_io import TrainerIO
-from parlay.trainer_support import (TrainerSession, TrainerState, check_built,
-                                    check_positive, check_trainer_args, choose_printer,
+from parlay.trainer_support import (TrainerSession, TrainerState, check_built, check_positive,
+                                    check_strategy_options, check_trainer_args, choose_printer,
                                     default_lr, start_message)
 
 __all__ = ["Trainer", "TrainerState", "TrainerSession"]
@@ -162,10 +162,7 @@ class Trainer(TrainerIO):
     def _make_strategy(mode: str, options: dict[str, Any] | None, precision: str,
                        compression: Any, grad_clip: float | None, nonfinite: str) -> Strategy:
         """The mode's strategy, with the non-finite guard where the strategy checks steps."""
-        twice = sorted({"compression", "precision", "grad_clip"} & set(options or {}))
-        if twice:
-            raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "
-                              f"Hint: pass them as Trainer({twice[0]}=...).")
+        check_strategy_options(options)
         strategy = get_strategy(mode, compression=compression, precision=precision,
                                 grad_clip=grad_clip, **(options or {}))
         if hasattr(strategy, "guard"):  # strategies that check for NaN/inf steps
@@ -394,8 +391,7 @@ class Trainer(TrainerIO):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped on every rank (non-finite under ``nonfinite="skip"``, fp16 overflows),
-        restored with checkpoints and snapshots."""
+        """Steps skipped on every rank (non-finite, fp16 overflow); restored on resume."""
         return self.state.skipped_steps
 
     @property

@@ -12,7 +12,8 @@ import torch
 from parlay import comm, runtime
 from parlay.errors import ConfigError
 
-__all__ = ["TrainerState", "TrainerSession", "check_positive", "check_trainer_args", "check_built",
+__all__ = ["TrainerState", "TrainerSession", "check_positive", "check_trainer_args",
+           "check_strategy_options", "check_built",
            "reduce_metrics", "choose_printer", "start_message", "evaluate", "SCHEDULES"]
 
 SCHEDULES = ("constant", "cosine")
@@ -95,6 +96,18 @@ def check_trainer_args(build: Any, optimizer: Any, ints: dict[str, Any],
         raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {lr_schedule!r}.")
     if seed is not None and (not isinstance(seed, int) or seed < 0):
         raise ConfigError(f"seed must be an int >= 0 or None, got {seed!r}.")
+
+
+def check_strategy_options(options: dict[str, Any] | None) -> None:
+    """``strategy_options`` may not repeat what the Trainer passes to every strategy.
+
+    Raises:
+        ConfigError: It sets ``compression``, ``precision`` or ``grad_clip``.
+    """
+    twice = sorted({"compression", "precision", "grad_clip"} & set(options or {}))
+    if twice:
+        raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "
+                          f"Hint: pass them as Trainer({twice[0]}=...).")
 
 
 def check_built(built: Any) -> tuple[Any, Callable[..., Any]]:

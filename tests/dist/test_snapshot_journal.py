@@ -112,13 +112,13 @@ def _choices(tmp: str) -> list:
             # on, and the buckets get private memory again.
             t.train_on_batch()
             t.model.weight.register_hook(lambda g: g.clone())
-            real_step = t.strategy.optimizer.wrapped.step
+            real_step = t.strategy.optimizer.optimizer.step
 
             def step_on_copies(*a: object, **k: object) -> object:
                 for p in t.model.parameters():
                     p.grad = p.grad.clone()
                 return real_step(*a, **k)
-            t.strategy.optimizer.wrapped.step = step_on_copies
+            t.strategy.optimizer.optimizer.step = step_on_copies
             t.train_on_batch()
             t._snap.wait()  # the base of step 2 is committed
             got += f" active={t._snap.active} bases={t._snap.store.steps()}"

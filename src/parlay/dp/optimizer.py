@@ -106,10 +106,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  op: int = ReduceOp.Average, compression: Any = None,
                  backward_passes_per_step: int = 1, bucket_cap_mb: float = 25,
                  gradient_predivide_factor: float = 1.0, process_group: Any = None, *,
-                 average_aggregated_gradients: bool = True,
-                 check_consistency: bool = True,
-                 gradient_as_bucket_view: bool = True,
-                 overlap: bool = True, hierarchical: bool | str = False) -> None:
+                 average_aggregated_gradients: bool = True, check_consistency: bool = True,
+                 gradient_as_bucket_view: bool = True, overlap: bool = True,
+                 hierarchical: bool | str = False) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise ConfigError("the optimizer is already a DistributedOptimizer; wrap it once.")
         op = check_arguments(optimizer, op, backward_passes_per_step, bucket_cap_mb,
@@ -134,8 +133,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._hierarchical_arg = hierarchical
         self._stats = CommStats()
         self._steps = 0
-        self._synchronized = False
-        self._should_synchronize = True
+        self._synchronized, self._should_synchronize = False, True
         self._buckets: GradientBuckets | None = None
         self._install()
 
@@ -219,18 +217,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.step(closure) if closure is not None else self._opt.step()
 
     # ----------------------------------------------------------------- public API
-    @property
-    def wrapped(self) -> torch.optim.Optimizer:
-        """The ``torch.optim`` optimizer this one steps after the reduction."""
-        return self._opt
-
-    @property
-    def gradient_buckets(self) -> GradientBuckets | None:
-        """The buckets each step's gradients are reduced in (``None``: gradients stay local).
-        With ``gradient_as_bucket_view`` every ``p.grad`` the wrapped optimizer steps on is a
-        view into them; :meth:`GradientBuckets.use_buffers` moves them between steps."""
-        return self._buckets
-
     def synchronize(self) -> None:
         """Finish the gradient reduction now: launch what is left, wait, write gradients back.
 
@@ -399,6 +385,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def plan(self) -> BucketPlan:
         """The bucket plan (read-only)."""
         return self._plan
+
+    @property
+    def gradient_buckets(self) -> GradientBuckets | None:
+        """The buckets gradients are reduced in (``None``: they stay local)."""
+        return self._buckets
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer cannot be pickled; save state_dict() instead.")

@@ -164,9 +164,9 @@ class GradientJournal:
     def _withdraw(self, slot: int) -> None:
         self._np[slot][2][0] = -1
 
-    def _chain(self, step: int) -> int | None:
-        """The newest base from which the records reach ``step``, or ``None``."""
-        records = self._committed()
+    def _chain(self, step: int, records: dict[int, int]) -> int | None:
+        """The newest base from which ``records`` (:meth:`_committed`) reach ``step``, or
+        ``None``."""
         for base in sorted((b for b in self.store.steps() if b <= step), reverse=True):
             if all(t in records for t in range(base + 1, step + 1)):
                 return base
@@ -191,14 +191,14 @@ class GradientJournal:
         Raises:
             CheckpointError: No base reaches ``step``, or a record or slot is unreadable.
         """
-        base = self._chain(step)
+        records = self._committed()
+        base = self._chain(step, records)
         if base is None:
             raise CheckpointError(f"rank {self.rank} holds no snapshot of step {step} in "
                                   f"{self.directory} (it has {self.steps()}).")
         state = self.store.load(base)
         if base == step:
             return state
-        records = self._committed()
         entries = [self._read(t, records[t]) for t in range(base + 1, step + 1)]
         self._load_base(state)
         params = self.buckets.params
@@ -250,7 +250,7 @@ class GradientJournal:
                 self._withdraw(slot)
         # The base the records reach this step from counts as the last one (the next base is
         # due base_every steps after it, so the records back to it are never overwritten).
-        self._last_base = self._chain(step)
+        self._last_base = self._chain(step, self._committed())
         self._use_slot(step + 1)
 
     def _use_slot(self, step: int) -> None:
@@ -349,10 +349,14 @@ class GradientJournal:
         self.active = False
         self._pending = None
         discard(self._write_pending)
-        if not self.buckets.in_flight:
-            self.buckets.use_buffers([torch.zeros_like(b) for b in self.buckets.buffers])
+        self._release_buckets()
         for slot in range(self.n_slots):
             self._withdraw(slot)
+
+    def _release_buckets(self) -> None:
+        """The buckets go back to private memory (between steps; the slots keep their data)."""
+        if not self.buckets.in_flight:
+            self.buckets.use_buffers([b.clone() for b in self.buckets.buffers])
 
     # ------------------------------------------------------------------ teardown
     def wait(self) -> None:
@@ -368,8 +372,8 @@ class GradientJournal:
             self._flush()
             self.store.close()
         finally:
-            if self.active and not self.buckets.in_flight:
-                self.buckets.use_buffers([b.clone() for b in self.buckets.buffers])
+            if self.active:
+                self._release_buckets()
                 self.active = False
 
     def clear(self) -> None:

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from parlay import comm, runtime
-from parlay.errors import CheckpointError, ConfigError
-from parlay.snapshot.owner import run_name
 from parlay.compress.base import NoneCompressor
+from parlay.errors import CheckpointError, ConfigError
+from parlay.rngstate import rng_state
 from parlay.snapshot.journal import GradientJournal, base_every_for
+from parlay.snapshot.owner import run_name
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
@@ -159,8 +160,6 @@ def replicated_part(state: dict[str, Any]) -> dict[str, Any]:
 def _complete(trainer: Any, shared: dict[str, Any]) -> dict[str, Any]:
     """A full Trainer state from a replica's shared part: the sampler position follows from the
     step, the RNG is re-seeded from (seed, rank, step), the residuals restart at zero."""
-    from parlay.checkpoint import rng_state
-
     st = shared["trainer"]
     seed = int(hashlib.sha1(f"{trainer.sampler.seed}|{runtime.rank()}|{st['step']}".encode())
                .hexdigest()[:8], 16)
@@ -259,8 +258,6 @@ def trainer_head(trainer: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
     """What of a Trainer's state a step changes besides the model and the optimizer (counters,
     sampler position, loss scale, RNG states) as a gradient journal records it: JSON values,
     and the RNG states' tensors."""
-    from parlay.checkpoint import rng_state
-
     rng = rng_state()
     numpy, python = dict(rng["numpy"]), dict(rng["python"])
     cuda = list(rng.get("cuda", ()))
@@ -306,7 +303,7 @@ def journal_for_trainer(trainer: Any, store: SnapshotStore) -> SnapshotStore | G
         return store
     try:
         journal = GradientJournal(
-            store, buckets, opt.wrapped, trainer_head(trainer), trainer._load,  # noqa: SLF001
+            store, buckets, opt.optimizer, trainer_head(trainer), trainer._load,  # noqa: SLF001
             lambda plain, tensors: _with_head(trainer, plain, tensors), every)
         log.info("in-memory snapshots: a full copy every %d steps, each step's gradients in "
                  "between (gradient journal, %d slots in %s)", every, journal.n_slots,
