@@ -104,19 +104,23 @@ def _child() -> tuple[subprocess.Popen[str], str, int]:
     return p, tag, int(pid)
 
 
+# Setting up and removing namespaces runs a dozen `ip` and `tc` commands each; under a full
+# suite on two shared cores that once took over a minute (alone: about 5 s).
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_everything_is_removed_when_interrupted(sig):
     p, tag, sleeper = _child()
     p.send_signal(sig)
-    p.wait(timeout=30)
+    p.wait(timeout=120)
     assert not {n for n in _netns() if n.startswith(tag + "-")}
     assert not process_alive(sleeper)
 
 
+@pytest.mark.timeout(180)
 def test_a_killed_creator_is_swept_by_the_next_cluster():
     p, tag, _ = _child()
     p.kill()
-    p.wait(timeout=30)
+    p.wait(timeout=120)
     assert {n for n in _netns() if n.startswith(tag + "-")}  # SIGKILL cannot clean up
     with Cluster(hosts=1):
         assert not {n for n in _netns() if n.startswith(tag + "-")}

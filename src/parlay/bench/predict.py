@@ -6,6 +6,7 @@ its prediction is ``None`` and the report says so.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -52,6 +53,7 @@ def predict_point(p: dict[str, Any]) -> dict[str, Any] | None:
     if plan is None or p["mode"] == "compute":
         return None
     from parlay.plan.calibrate import local_overlap
+    from parlay.testing.cluster import tbf_burst
 
     cal = _costs()
     wl = plan.Workload(params=p["params"], batch=p["batch"],
@@ -59,7 +61,8 @@ def predict_point(p: dict[str, Any]) -> dict[str, Any] | None:
                        activation_numel=p["activation_numel"],
                        shapes=tuple(tuple(s) for s in p["shapes"]))
     local, costs = _in_run(p, cal.loopback, cal.costs)
-    inter = (plan.Link(float(p["link_bps"]), _LINK_LATENCY_S) if p["link_bps"] else local)
+    inter = (plan.Link(float(p["link_bps"]), _LINK_LATENCY_S,
+                       burst_bytes=tbf_burst(p["link_bps"])) if p["link_bps"] else local)
     per_host = min(p["ranks_per_host"], p["workers"])  # parameter servers are not ranks here
     cl = plan.ClusterSpec(nodes=max(1, p["workers"] // per_host), ranks_per_node=per_host,
                           inter=inter, intra=local, overlap=local_overlap(p["world"]))
@@ -68,11 +71,9 @@ def predict_point(p: dict[str, Any]) -> dict[str, Any] | None:
         opts["layer_costs"] = _layer_costs(p["shapes"])
     if p["mode"] == "hybrid" and p.get("probe_act_s") is not None:
         # One message timed next to the step holds the software costs of now; a shaped
-        # link's token bucket lets one message through at burst speed, which a step's
-        # back-to-back transfers do not get: never less than the link's rate allows.
-        act = p["activation_numel"] * p["batch"] * p["world"] / opts.get("chunks", 4) * 4
-        rate = inter.transfer_s(act) if p["link_bps"] else 0.0
-        opts["transfer_s"] = costs.pipe_op_s + max(p["probe_act_s"], rate)
+        # link's token bucket lets one message through at burst speed, and the model's
+        # shaper paces the step's back-to-back transfers to the link's rate.
+        opts["transfer_s"] = costs.pipe_op_s + p["probe_act_s"]
     if p["mode"] == "ps":
         opts["server_link"] = inter
     comp = p["compressor"]
@@ -111,13 +112,19 @@ def _layer_costs(shapes: list[list[int]]) -> list[float]:
 def _in_run(p: dict[str, Any], loopback: Any, costs: Any) -> tuple[Any, Any]:
     """The loopback link and constants, with what was timed next to this point's steps in
     place of the cached calibration (measured at another moment, under another load): its
-    compressor's encode and decode, and (ranks on one machine) a tiny and a gradient-sized
-    allreduce. Never the point's own step time."""
-    from parlay.plan.insitu import probe_link, with_codec_time
+    compressor's encode and decode, a copy of the gradient, and (ranks on one machine) a tiny
+    and a gradient-sized allreduce or the servers' exchange. Never the point's own step
+    time."""
+    from parlay.plan.insitu import exchange_link, probe_link, with_codec_time
 
     if p.get("probe_dense_s") and p.get("probe_tiny_s") is not None:
         loopback, costs = probe_link(p["probe_tiny_s"], p["probe_dense_s"], 4 * p["params"],
                                      p["world"], costs, p.get("probe_half_s"))
+    if p.get("probe_copy_s"):  # the gradient's copy, timed now
+        costs = dataclasses.replace(costs,
+                                    copy_s_per_byte=p["probe_copy_s"] / (4 * p["params"]))
+    if p.get("probe_ps_s"):  # parameter servers on one machine: their exchange, timed now
+        loopback = exchange_link(p["probe_ps_s"], 4 * p["params"])
     if p.get("codec_s") is not None and p.get("codec"):
         costs = with_codec_time(costs, p["codec"], p["params"], p["world"], p["codec_s"])
     return loopback, costs

@@ -37,8 +37,9 @@ def codec_spec(name: str, opt: Any) -> str | None:
 def timed_next_to(name: str, spec: dict[str, Any], opt: Any, cstep: Callable, x: Any,
             y: Any) -> dict[str, Callable]:
     """What to time next to each step of ``name``: its compute-only step, its compressor's
-    encode and decode on a gradient of the model's shapes, and (``probe_link``: ranks on one
-    machine, where the link is CPU work) a tiny and a gradient-sized allreduce."""
+    encode and decode on a gradient of the model's shapes, a copy of the gradient, and
+    (``probe_link``: ranks on one machine, where the link is CPU work) a tiny and a
+    gradient-sized allreduce."""
     import torch
     import torch.distributed as dist
 
@@ -52,6 +53,10 @@ def timed_next_to(name: str, spec: dict[str, Any], opt: Any, cstep: Callable, x:
         out["codec"] = codec_timer(comp, shapes[::-1], dist.get_world_size())
     if name.startswith("pipe:"):
         out["act"] = _act_ping(widths, spec)
+    else:  # the gradient's copies into a bucket (memory bandwidth now)
+        n = sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+        src, dst = torch.ones(n), torch.empty(n)
+        out["copy"] = lambda: dst.copy_(src)
     if spec.get("probe_link") and not name.startswith("pipe:"):
         tiny = torch.zeros(1)
         dense = torch.zeros(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
@@ -87,3 +92,28 @@ def _act_ping(widths: list[int], spec: dict[str, Any]) -> Callable:
             dist.send(buf, peer)
     ping()  # warm: the connection between this pair
     return ping
+
+
+def ps_exchange(is_server: bool, params: int) -> Callable:
+    """One dense push and one dense pull between every worker and every parameter server, all
+    at once (an unchunked parameter-server step's traffic, without its requests): on one
+    machine, where the "link" is CPU copies shared by every process, the rate the
+    parameter-server terms should use now. Every rank of the launch calls it together."""
+    import torch
+    import torch.distributed as dist
+
+    roles: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(roles, bool(is_server))
+    servers = [r for r, s in enumerate(roles) if s]
+    peers = [r for r, s in enumerate(roles) if s != is_server]
+    bufs = [torch.zeros(max(1, params // max(1, len(servers)))) for _ in peers]
+
+    def post(op: Callable) -> None:
+        for w in [op(b, p) for b, p in zip(bufs, peers)]:
+            w.wait()
+
+    def exchange() -> None:
+        post(dist.irecv if is_server else dist.isend)  # the pushes
+        post(dist.isend if is_server else dist.irecv)  # the pulls
+    exchange()  # warm: the connections between every worker and server
+    return exchange

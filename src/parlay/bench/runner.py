@@ -114,7 +114,8 @@ def _probed(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
     """The CPU-side probes timed next to this contestant's steps (codec, loopback link)."""
     mine = [r for r in rows if r["contestant"] == name]
     out: dict[str, Any] = {}
-    for k in ("codec_s", "probe_tiny_s", "probe_dense_s", "probe_half_s", "probe_act_s"):
+    for k in ("codec_s", "probe_tiny_s", "probe_dense_s", "probe_half_s", "probe_act_s",
+              "probe_ps_s", "probe_copy_s"):
         vals = sorted(r[k] for r in mine if r.get(k) is not None)
         if vals:
             out[k] = vals[len(vals) // 2]
@@ -145,7 +146,8 @@ def _launches(cfg: dict[str, Any], net: str) -> list[tuple[str, dict, int, int, 
     hier = dict(base, kind="dp", contestants=["compute", "flat", "hier"])
     if net == "loopback":  # hierarchical needs several hosts
         # One machine: the "link" is CPU work, timed next to every step as the codec is.
-        return [("dp", dict(dp, probe_link=True), 1, 2, 0), ("ps", ps, 1, 4, 2)]
+        return [("dp", dict(dp, probe_link=True), 1, 2, 0),
+                ("ps", dict(ps, probe_link=True), 1, 4, 2)]
     return [("dp", dp, 2, 1, 0), ("ps", ps, 4, 1, 2), ("hier", hier, 2, 2, 0)]
 
 
@@ -199,7 +201,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
         nets: ``loopback`` and/or tc rates (``1gbit``, ``100mbit``) or ``unshaped``.
         quick: Few timed steps per point and the compression benchmark's quick settings.
         model: A :data:`parlay.bench.common.MODELS` name.
-        steps: Timed steps per point (default 3 quick, 10 full).
+        steps: Timed steps per point (default 5 quick, 10 full).
         budget: Seconds of timed steps per point (a slower first step is the measurement).
         accuracy: Also train MNIST with every compressor (accuracy vs bytes per step).
         accuracy_samples: Training images for it (default 12k quick, all 60k full).
@@ -214,7 +216,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    cfg = {"model": model, "steps": steps or (3 if quick else 10),
+    cfg = {"model": model, "steps": steps or (5 if quick else 10),
            "budget": budget or (5.0 if quick else 30.0),
            "compressors": compressor_specs() if compressors is None else list(compressors)}
     notes: list[str] = []

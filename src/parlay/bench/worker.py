@@ -28,8 +28,8 @@ import sys
 import time
 from typing import Any, Callable
 
-from parlay.bench.common import MODELS
-from parlay.bench.probes import codec_spec, timed_next_to
+from parlay.bench.common import MODELS, model_params
+from parlay.bench.probes import codec_spec, ps_exchange, timed_next_to
 
 __all__ = ["run_spec", "main"]
 
@@ -217,6 +217,8 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
                                compute_step_s=probed["compute"])
     if "codec" in probed:  # the probes' own medians, measured in this run
         row["codec_s"], row["codec"] = probed["codec"], codec_spec(name, opt)
+    if "copy" in probed:
+        row["probe_copy_s"] = probed["copy"]
     if "act" in probed:  # a round trip: two transfers
         row["probe_act_s"] = probed["act"] / 2
     if "dense" in probed:
@@ -262,9 +264,12 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
     warmup, steps = int(spec.get("warmup", 1)), int(spec.get("steps", 3))
     rows = []
     cstep, _ = _contestant("compute", widths)
+    # On one machine: the servers' dense traffic, timed before each session (every rank).
+    exchange = ps_exchange(task.is_ps, model_params(widths)) if spec.get("probe_link") else None
     for consistency in spec["consistencies"]:
         # The compute-only limit of one worker in this same crowded world, timed right before.
         paired = _compute_only(cstep, x, y, warmup, steps) if task.is_worker else 0.0
+        probe_ps = _median_time(exchange, steps) if exchange is not None else None
         if task.is_worker and not rows:
             rows.append(dict(contestant="compute", step_s=paired, samples_s=0.0, steps=steps,
                              nic_tx=0, nic_rx=0, compute_step_s=paired))
@@ -296,7 +301,23 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
                          nic_tx=(end["tx"] - nic[0]["tx"]) / n,
                          nic_rx=(end["rx"] - nic[0]["rx"]) / n,
                          compute_step_s=statistics.median(comps) if comps else paired))
+        if probe_ps is not None:
+            rows[-1]["probe_ps_s"] = probe_ps
     return rows
+
+
+def _median_time(fn: Callable, n: int) -> float:
+    """Median seconds of ``n`` calls of a collective probe, each between barriers."""
+    from parlay import comm
+
+    times = []
+    for _ in range(max(1, n)):
+        comm.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    comm.barrier()
+    return statistics.median(times)
 
 
 def _compute_only(step: Callable, x: Any, y: Any, warmup: int, steps: int) -> float:

@@ -127,8 +127,7 @@ def _link_rank(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
            "f16": timed(torch.ones(numel, dtype=torch.float16))}
     dist.barrier()
     out.update(_codec_costs(numel, repeats, budget_s * 0.7))
-    flops, apply, add = _cpu_costs(numel, repeats, budget_s * 0.3)
-    out.update(flops=flops, apply_s_per_elem=apply, sum_s_per_elem=add)
+    out.update(_cpu_costs(numel, repeats, budget_s * 0.3))
     return out
 
 
@@ -239,22 +238,24 @@ def _codec_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
             "powersgd_s_per_elem_rank": per_rank}
 
 
-def _cpu_costs(numel: int, repeats: int, budget_s: float) -> tuple[float, float, float]:
-    """(FLOP/s of a single-thread matmul, SGD update s/elem, fp32 sum s/elem)."""
+def _cpu_costs(numel: int, repeats: int, budget_s: float) -> dict[str, float]:
+    """FLOP/s of a single-thread matmul, SGD update s/elem, fp32 sum s/elem, copy s/byte."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         a = torch.randn(256, 256)
-        mm = _typical(lambda: a @ a, repeats * 4, budget_s / 3)
+        mm = _typical(lambda: a @ a, repeats * 4, budget_s / 4)
         p, d = torch.zeros(numel), torch.randn(numel)
-        apply = _typical(lambda: p.add_(d, alpha=-0.1), repeats, budget_s / 3) / numel
+        apply = _typical(lambda: p.add_(d, alpha=-0.1), repeats, budget_s / 4) / numel
         acc = torch.zeros(numel)
-        add = _typical(lambda: acc.add_(d), repeats, budget_s / 3) / numel
+        add = _typical(lambda: acc.add_(d), repeats, budget_s / 4) / numel
+        copy = _typical(lambda: acc.copy_(d), repeats, budget_s / 4) / (4 * numel)
     finally:
         torch.set_num_threads(threads)
-    return 2 * 256 ** 3 / mm, apply, add
+    return {"flops": 2 * 256 ** 3 / mm, "apply_s_per_elem": apply, "sum_s_per_elem": add,
+            "copy_s_per_byte": copy}
 
 
 def calibrate(budget_s: float = 4.0, links: bool = True, numel: int = 1 << 22,
@@ -281,8 +282,7 @@ def calibrate(budget_s: float = 4.0, links: bool = True, numel: int = 1 << 22,
         loop = Link(fields.pop("loopback_bps"), 0.0, 1.0)
     else:
         fields = _codec_costs(numel, repeats, budget_s * 0.7)
-        flops, apply, add = _cpu_costs(numel, repeats, budget_s * 0.3)
-        fields.update(flops=flops, apply_s_per_elem=apply, sum_s_per_elem=add)
+        fields.update(_cpu_costs(numel, repeats, budget_s * 0.3))
     flops = fields.pop("flops")
     costs = dataclasses.replace(Costs(), **fields)
     cal = Calibration(costs, loop, flops, time.perf_counter() - t0, links)

@@ -17,7 +17,7 @@ import dataclasses
 from parlay.errors import ConfigError
 from parlay.plan.model import Costs, Link, parse_compressor
 
-__all__ = ["with_codec_time", "probe_link", "scale_cpu"]
+__all__ = ["with_codec_time", "probe_link", "exchange_link", "scale_cpu"]
 
 
 def with_codec_time(costs: Costs, compressor: str, numel: float, world: int,
@@ -90,6 +90,21 @@ def probe_link(tiny_s: float, dense_s: float, nbytes: float, world: int,
         extra = max(0.0, half_s - tiny_s - per_byte * steps / world * numel * 2)
         out = dataclasses.replace(out, half_sum_s_per_elem=extra / ((world - 1) / world * numel))
     return link, out
+
+
+def exchange_link(seconds: float, nbytes: float) -> Link:
+    """The link a timed parameter-server exchange implies: each worker pushed ``nbytes``
+    (split over the servers, every worker at once) and pulled as many back in ``seconds``.
+    On one machine both directions are copies on the same shared cores, so the rate is
+    fitted over the two together (payload goodput, efficiency 1).
+
+    Raises:
+        ConfigError: Non-positive ``seconds`` or ``nbytes``.
+    """
+    if not seconds > 0 or not nbytes > 0:
+        raise ConfigError(f"an exchange probe needs seconds > 0 and nbytes > 0, got "
+                          f"seconds={seconds!r}, nbytes={nbytes!r}.")
+    return Link(8.0 * 2 * nbytes / seconds, 0.0, 1.0)
 
 
 # CPU-bound per-element constants: they scale with how busy the cores are.

@@ -40,11 +40,15 @@ class Link:
         latency_s: One-way latency per message, seconds (alpha's network part).
         efficiency: Fraction of the line rate left for payload (TCP/IP and Ethernet headers;
             1.0 for a rate measured as payload goodput, as calibration does).
+        burst_bytes: A token-bucket shaper's burst (``tc tbf``, a cloud NIC's burst credit):
+            this many bytes pass at once after the link has rested long enough to refill
+            them at its rate. 0 (default): a plain link.
     """
 
     bandwidth_bps: float
     latency_s: float = 0.0
     efficiency: float = TCP_EFFICIENCY
+    burst_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bandwidth_bps, (int, float)) and self.bandwidth_bps > 0):
@@ -56,6 +60,9 @@ class Link:
                               f"{self.latency_s!r}. Hint: 50e-6 for 50 us.")
         if not 0 < self.efficiency <= 1:
             raise ConfigError(f"link efficiency must be in (0, 1], got {self.efficiency!r}.")
+        if not (isinstance(self.burst_bytes, (int, float)) and 0 <= self.burst_bytes < math.inf):
+            raise ConfigError(f"link burst must be a finite number of bytes >= 0, got "
+                              f"{self.burst_bytes!r}. Hint: 0 for a link without a shaper.")
 
     @property
     def beta(self) -> float:
@@ -65,6 +72,12 @@ class Link:
     def transfer_s(self, nbytes: float, messages: int = 1) -> float:
         """Time to send ``nbytes`` in ``messages`` messages over this link."""
         return messages * self.latency_s + nbytes * self.beta
+
+    def credit_bytes(self, rested_s: float) -> float:
+        """Bytes of the burst refilled after the link rested ``rested_s`` seconds."""
+        if not self.burst_bytes or math.isinf(self.bandwidth_bps):
+            return 0.0
+        return min(self.burst_bytes, max(0.0, rested_s) * self.bandwidth_bps / 8)
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,8 @@ class Costs:
             other's data).
         pipe_op_s: Fixed cost of one stage-to-stage send or receive of a pipeline schedule
             (``torch.distributed.pipelining``'s per-micro-batch bookkeeping).
+        copy_s_per_byte: Copying one byte in memory (CPU): gradients into a bucket or a push
+            buffer, the bucket's averaging pass, pulled parameters into the model.
     """
 
     alpha_s: float = 100e-6
@@ -208,6 +223,7 @@ class Costs:
     queue_s: float = 0.05
     duplex_efficiency: float = 0.93
     pipe_op_s: float = 1e-3
+    copy_s_per_byte: float = 0.1e-9
 
 
 @dataclass(frozen=True)
@@ -358,20 +374,25 @@ def allgather_s(nbytes: float, world: int, link: Link, alpha_s: float = 0.0) -> 
 
 
 def rounds_s(rounds: Sequence[Round], world: int, link: Link, costs: Costs,
-             messages: int = 1, half: bool = False) -> float:
-    """Time of a reduction's collectives over one ring, split into ``messages`` buckets."""
+             messages: int = 1, half: bool = False, rested_s: float = 0.0) -> float:
+    """Time of a reduction's collectives over one ring, split into ``messages`` buckets; a
+    link with a burst that rested ``rested_s`` (the compute between two steps' reductions)
+    sends that much of it at once."""
+    credit = link.credit_bytes(rested_s)
     if link.efficiency < 1.0:  # a network link, not the measured loopback
         link = Link(link.bandwidth_bps, link.latency_s,
                     link.efficiency * costs.duplex_efficiency)
-    total = 0.0
+    total = wire = 0.0
     for r in rounds:
         if r.kind == "allgather":
             total += allgather_s(r.nbytes, world, link, costs.alpha_s * messages)
+            wire += (world - 1) * r.nbytes * link.beta
         else:
             per_byte = (costs.half_sum_s_per_elem / 2 if half else costs.sum_s_per_elem / 4)
             total += allreduce_s(r.nbytes, world, link, costs.alpha_s * messages, per_byte)
+            wire += 2 * (world - 1) / world * r.nbytes * link.beta if world > 1 else 0.0
         total += (messages - 1) * 2 * (world - 1) * link.latency_s if world > 1 else 0.0
-    return total
+    return total - min(wire, credit * link.beta)
 
 
 def codec_s(compressor: "str | CompressorSpec | None", numel: float, world: int,

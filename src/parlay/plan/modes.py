@@ -2,9 +2,10 @@
 
 Every function returns ``{term: seconds}`` whose values add up to the predicted step time, so
 the largest term is what a user should attack. Terms: ``compute`` (forward and backward),
-``codec`` (compression's CPU work), ``comm`` / ``comm-intra`` / ``comm-inter`` (communication
-left exposed after overlapping backward), ``push`` / ``pull`` / ``apply`` (parameter servers),
-``bubble`` and ``activations`` (pipelines).
+``codec`` (compression's CPU work), ``copies`` (gradients into buckets or push buffers),
+``comm`` / ``comm-intra`` / ``comm-inter`` (communication left exposed after overlapping
+backward), ``push`` / ``pull`` / ``apply`` (parameter servers), ``bubble`` and
+``activations`` (pipelines).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ __all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", 
 
 FORWARD_SHARE = 1.0 / 3.0   # forward ~ 1/3 of forward + backward (backward ~ 2x forward)
 HALF = ("fp16", "bf16")
+COPY_PASSES = 2  # gradient into the bucket (or push buffer), then averaged (or pulled back)
 
 
 def exposed(comm_s: float, backward_s: float, buckets: int, overlap: float) -> float:
@@ -75,10 +77,14 @@ def _buckets(w: Workload, bucket_bytes: float) -> int:
     return max(1, math.ceil(w.grad_bytes / bucket_bytes))
 
 
-def _split_compute(w: Workload, codec: float) -> dict[str, float]:
+def _split_compute(w: Workload, codec: float, costs: Costs | None = None) -> dict[str, float]:
+    """compute, codec and (with ``costs``) copies: the gradient copied into a bucket or push
+    buffer and one more pass over it (the bucket's average; a server's pulled parameters)."""
     terms = {"compute": w.compute_s}
     if codec:
         terms["codec"] = codec
+    if costs is not None and costs.copy_s_per_byte:
+        terms["copies"] = COPY_PASSES * w.grad_bytes * costs.copy_s_per_byte
     return terms
 
 
@@ -94,8 +100,10 @@ def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     link = c.inter if c.nodes > 1 else c.local
     nb = _buckets(w, bucket_bytes)
     rounds = wire_rounds(spec, w.params, n, w.shapes, w.bytes_per_element)
-    comm = rounds_s(rounds, n, link, costs, messages=nb, half=spec.name in HALF)
-    terms = _split_compute(w, codec_s(spec, w.params, n, costs) if n > 1 else 0.0)
+    comm = rounds_s(rounds, n, link, costs, messages=nb, half=spec.name in HALF,
+                    rested_s=w.compute_s)
+    terms = _split_compute(w, codec_s(spec, w.params, n, costs) if n > 1 else 0.0,
+                           costs if n > 1 else None)
     terms["comm"] = exposed(comm, w.compute_s * (1 - FORWARD_SHARE), nb, c.overlap)
     return terms
 
@@ -123,8 +131,10 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
         intra = 2 * ((loc - 1) * (costs.alpha_s * nb + c.local.latency_s)
                      + (loc - 1) / loc * payload * c.local.beta)
     # l parallel rings of payload/l each: together 2(n-1)/n of the payload on the host link
-    inter = rounds_s(rounds, n, c.inter, costs, messages=nb, half=half) if n > 1 else 0.0
-    terms = _split_compute(w, codec_s(spec, w.params, c.world, costs) if c.world > 1 else 0.0)
+    inter = (rounds_s(rounds, n, c.inter, costs, messages=nb, half=half, rested_s=w.compute_s)
+             if n > 1 else 0.0)
+    terms = _split_compute(w, codec_s(spec, w.params, c.world, costs) if c.world > 1 else 0.0,
+                           costs if c.world > 1 else None)
     total = intra + inter
     left = exposed(total, w.compute_s * (1 - FORWARD_SHARE), nb, c.overlap)
     if total > 0:
@@ -146,7 +156,8 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     servers' links if all workers together keep them busier. With ``chunk_bytes`` (``sync``,
     dense pushes: parlay's pipelined pushes, ``PARLAY_PS_CHUNK_BYTES``) each server returns a
     chunk as soon as every worker's copy of it is in, so pulls overlap pushes and only the
-    last chunk's return and update follow the longer of the two.
+    last chunk's return and update follow the longer of the two (on a network link: on one
+    machine both directions are the same cores' copies).
 
     Raises:
         ConfigError: PowerSGD (it needs collective rounds) or an unknown consistency.
@@ -177,15 +188,17 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     pull = max(pull_w, nw * pull_b / ns * slink.beta) + msgs
     enc = codec_s(spec, w.params, 1, costs) if spec.name != "none" else 0.0
     apply = w.params / ns * (costs.apply_s_per_elem + nw * costs.sum_s_per_elem)
-    terms = _split_compute(w, enc)
+    terms = _split_compute(w, enc, costs)
     if mode == "sync":
-        chunks = math.ceil(pull_b / ns / chunk_bytes) if chunk_bytes and spec.name == "none" \
-            else 1
+        # On one machine (the measured loopback, efficiency 1) both directions are copies on
+        # the same shared cores: chunks cannot overlap them.
+        piped = chunk_bytes and spec.name == "none" and wlink.efficiency < 1.0
+        chunks = math.ceil(pull_b / ns / chunk_bytes) if piped else 1
         terms.update(_sync_terms(push, pull, apply, chunks))
         return terms
     # workers drift apart but meet again at the servers: their pushes still collide
     push_w /= into_server
-    own = w.compute_s + enc + push_w + pull_w + 2 * msgs + apply
+    own = sum(terms.values()) + push_w + pull_w + 2 * msgs + apply
     servers_busy = nw * max(push_b / into_server, pull_b) / ns * slink.beta
     terms.update(push=push_w + msgs, apply=apply, pull=pull_w + msgs)
     if servers_busy > own:
@@ -211,7 +224,9 @@ def _incast(senders: int, per_sender_bytes: float, link: Link, costs: Costs) -> 
 
 
 def _pipeline_terms(compute_s: float, p: int, m: int, transfer: float, schedule: str,
-                    layer_costs: Sequence[float] | None) -> tuple[dict[str, float], float]:
+                    layer_costs: Sequence[float] | None,
+                    shaper: tuple[float, float, float] | None = None
+                    ) -> tuple[dict[str, float], float]:
     """compute, bubble and activations of one pipeline replica, and its slowest slot.
 
     Replayed op by op: unequal stages and transfers slower than a micro-batch change the
@@ -225,7 +240,8 @@ def _pipeline_terms(compute_s: float, p: int, m: int, transfer: float, schedule:
     bwd = [x * (1 - FORWARD_SHARE) for x in slots]
     free = pipeline_s(fwd, bwd, m, 0.0, schedule)
     return {"compute": m * slot, "bubble": max(0.0, free - m * slot),
-            "activations": max(0.0, pipeline_s(fwd, bwd, m, transfer, schedule) - free)}, slot
+            "activations": max(0.0, pipeline_s(fwd, bwd, m, transfer, schedule, shaper)
+                               - free)}, slot
 
 
 def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, stages: int = 2,
@@ -243,7 +259,9 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
     share, and the slowest sets the pace. Each stage averages its ``1/p`` of the gradients
     over its replicas after the drain. A replica's stages share a host when they fit
     (parlay's default placement). ``transfer_s`` (measured: one activation between two
-    stages, software costs included) replaces the link's estimate.
+    stages, software costs included) replaces the link's estimate; on a link with a burst
+    (a token-bucket shaper) it is a transfer's cost besides the shaper's pacing, which the
+    replay adds.
 
     Raises:
         ConfigError: More stages than layers or ranks, ranks not a multiple of stages, more
@@ -271,9 +289,14 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
     act_link = c.local if pp_local else c.inter
     act_bytes = w.act_numel * per_replica / m * w.bytes_per_element
     transfer = costs.pipe_op_s + act_link.transfer_s(act_bytes) if p > 1 else 0.0
+    shaper = None
+    if act_link.burst_bytes and p > 1:  # the shaper paces the bytes; the rest is per message
+        shaper = (act_bytes, act_link.bandwidth_bps * act_link.efficiency / 8,
+                  act_link.burst_bytes)
+        transfer = costs.pipe_op_s + act_link.latency_s
     if transfer_s is not None and p > 1:
         transfer = float(transfer_s)
-    terms, slot = _pipeline_terms(w.compute_s, p, m, transfer, schedule, layer_costs)
+    terms, slot = _pipeline_terms(w.compute_s, p, m, transfer, schedule, layer_costs, shaper)
     if replicas > 1:
         stage = Workload(w.params / p, w.batch, w.compute_s_per_sample, shapes=None,
                          bytes_per_element=w.bytes_per_element)
@@ -282,8 +305,10 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         rings = p if pp_local else loc  # rings sharing one host link
         nb = _buckets(stage, bucket_bytes)
         rounds = wire_rounds(spec, stage.params, replicas, None, w.bytes_per_element)
-        comm = rounds_s(rounds, replicas, link, costs, nb, spec.name in HALF)
+        comm = rounds_s(rounds, replicas, link, costs, nb, spec.name in HALF,
+                        rested_s=terms["compute"])
         comm *= rings if spans else 1
         terms["codec"] = codec_s(spec, stage.params, replicas, costs)
+        terms["copies"] = COPY_PASSES * stage.grad_bytes * costs.copy_s_per_byte
         terms["comm"] = exposed(comm, slot * (1 - FORWARD_SHARE), nb, c.overlap)
     return {k: v for k, v in terms.items() if v or k == "compute"}

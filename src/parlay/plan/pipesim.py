@@ -44,13 +44,29 @@ def _input_ready(kind: str, s: int, i: int, p: int, st: dict) -> float | None:
         return None
     key = (kind, min(s, src))
     start = max(sent, st["free"][s], st["link"].get(key, 0.0))
-    st["link"][key] = start + st["t"]
-    st["arrive"][(kind, s, i)] = start + st["t"]
-    return start + st["t"]
+    end = start + st["t"] + _token_wait(st, key, start)
+    st["link"][key] = end
+    st["arrive"][(kind, s, i)] = end
+    return end
+
+
+def _token_wait(st: dict, key: tuple, start: float) -> float:
+    """Extra seconds a message starting at ``start`` waits for a token-bucket shaper on its
+    link and direction (0 without one): the bucket refills at the rate while the link rests
+    and holds at most the burst."""
+    if st["tb"] is None:
+        return 0.0
+    size, rate, burst = st["tb"]
+    have, since = st["tokens"].get(key, (burst, start))
+    have = min(burst, have + (start - since) * rate)
+    wait = max(0.0, size - have) / rate
+    st["tokens"][key] = (0.0, start + wait) if wait else (have - size, start)
+    return wait
 
 
 def pipeline_s(fwd: Sequence[float], bwd: Sequence[float], chunks: int, transfer_s: float,
-               schedule: str = "1f1b") -> float:
+               schedule: str = "1f1b",
+               shaper: tuple[float, float, float] | None = None) -> float:
     """Seconds for one step of ``len(fwd)`` stages over ``chunks`` micro-batches.
 
     Args:
@@ -60,12 +76,15 @@ def pipeline_s(fwd: Sequence[float], bwd: Sequence[float], chunks: int, transfer
         transfer_s: One activation (or its gradient) from one stage to the next.
         schedule: ``"gpipe"`` or ``"1f1b"`` (whose backward also waits until the forward
             sent just before it has arrived: torch posts them as one batch).
+        shaper: ``(message bytes, bytes/s, burst bytes)`` of a token-bucket shaped link
+            (each direction its own bucket, full at the start): a message also waits for
+            the tokens it lacks. ``transfer_s`` is then the rest of a transfer's cost.
     """
     p = len(fwd)
     orders = [stage_order(schedule, s, p, chunks) for s in range(p)]
     nxt = [0] * p
     st: dict = {"p": p, "t": transfer_s, "free": [0.0] * p, "done": {}, "arrive": {},
-                "link": {}}
+                "link": {}, "tb": shaper, "tokens": {}}
     left = sum(len(o) for o in orders)
     while left:
         progressed = False

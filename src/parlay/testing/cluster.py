@@ -39,9 +39,17 @@ from typing import Any, Mapping, Sequence
 from parlay.testing._netns import (_IFNAME, _PREFIX, _SINK, _SOURCE, ClusterError, _kill_inside,
                                    _sh, parse_rate, sweep_stale, unavailable_reason)
 
-__all__ = ["Cluster", "ClusterError", "unavailable_reason", "parse_rate", "sweep_stale"]
+__all__ = ["Cluster", "ClusterError", "unavailable_reason", "parse_rate", "sweep_stale",
+           "tbf_burst"]
 
 _counter = itertools.count()
+
+
+def tbf_burst(rate_bps: int) -> int:
+    """Bytes of the token bucket the harness gives a link of ``rate_bps``: a whole GSO segment
+    (64 KiB) and a timer tick's worth of tokens (HZ may be 100), or tbf stalls or drops
+    instead of shaping. That many bytes pass at once after the link has rested."""
+    return max(64 * 1024, int(rate_bps) // 8 // 100)
 
 
 class Cluster:
@@ -163,9 +171,7 @@ class Cluster:
                 parent = ["parent", "1:1"]
         if self.rate_bps is None:
             return
-        # The bucket must hold a whole GSO segment (64 KiB) and a timer tick's worth of tokens
-        # (HZ may be 100), or tbf stalls or drops instead of shaping.
-        burst = max(64 * 1024, self.rate_bps // 8 // 100)
+        burst = tbf_burst(self.rate_bps)
         _sh(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, *parent, "tbf",
              "rate", str(self.rate_bps), "burst", str(burst), "latency", self.latency])
 
