@@ -41,8 +41,7 @@ class Link:
         efficiency: Fraction of the line rate left for payload (TCP/IP and Ethernet headers;
             1.0 for a rate measured as payload goodput, as calibration does).
         burst_bytes: A token-bucket shaper's burst (``tc tbf``, a cloud NIC's burst credit):
-            this many bytes pass at once after the link has rested long enough to refill
-            them at its rate. 0 (default): a plain link.
+            bytes that pass at once once the link has rested long enough to refill them.
     """
 
     bandwidth_bps: float
@@ -72,12 +71,6 @@ class Link:
     def transfer_s(self, nbytes: float, messages: int = 1) -> float:
         """Time to send ``nbytes`` in ``messages`` messages over this link."""
         return messages * self.latency_s + nbytes * self.beta
-
-    def credit_bytes(self, rested_s: float) -> float:
-        """Bytes of the burst refilled after the link rested ``rested_s`` seconds."""
-        if not self.burst_bytes or math.isinf(self.bandwidth_bps):
-            return 0.0
-        return min(self.burst_bytes, max(0.0, rested_s) * self.bandwidth_bps / 8)
 
 
 @dataclass(frozen=True)
@@ -194,14 +187,12 @@ class Costs:
         ps_request_s: A parameter server's fixed cost per worker request (message packing,
             hand-off between its receiving threads and its update loop).
         incast_efficiency: Fraction of a link's rate left when several senders converge on
-            it at once (servers receiving every worker's push, a worker pulling from every
-            server) and each sends more than the port's queue holds: the queue overflows and
-            TCP backs off (incast).
+            it (pushes into a server, pulls into a worker) each sending more than the port's
+            queue holds: the queue overflows and TCP backs off (incast).
         queue_s: How long a link's queue is, in seconds of its rate (tc tbf's ``latency``;
             shallow datacenter switches hold far less).
-        duplex_efficiency: Fraction of a network link's rate a ring collective gets when both
-            directions are busy at once (each direction's acknowledgements queue behind the
-            other's data).
+        duplex_efficiency: Fraction of a network link's rate a ring collective gets with both
+            directions busy (each one's acknowledgements queue behind the other's data).
         pipe_op_s: Fixed cost of one stage-to-stage send or receive of a pipeline schedule
             (``torch.distributed.pipelining``'s per-micro-batch bookkeeping).
         copy_s_per_byte: Copying one byte in memory (CPU): gradients into a bucket or a push
@@ -346,13 +337,14 @@ def wire_bytes(compressor: "str | CompressorSpec | None", numel: float, world: i
 def link_bytes(compressor: "str | CompressorSpec | None", numel: float, world: int,
                shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Bytes one rank sends over its link per reduction (ring collectives)."""
+    return _ring_bytes(wire_rounds(compressor, numel, world, shapes), world)
+
+
+def _ring_bytes(rounds: Sequence[Round], world: int) -> float:
     if world <= 1:
         return 0.0
-    total = 0.0
-    for r in wire_rounds(compressor, numel, world, shapes):
-        total += (world - 1) * r.nbytes if r.kind == "allgather" else \
-            2 * (world - 1) / world * r.nbytes
-    return total
+    return sum((world - 1) * r.nbytes if r.kind == "allgather" else
+               2 * (world - 1) / world * r.nbytes for r in rounds)
 
 
 def allreduce_s(nbytes: float, world: int, link: Link, alpha_s: float = 0.0,
@@ -376,23 +368,20 @@ def allgather_s(nbytes: float, world: int, link: Link, alpha_s: float = 0.0) -> 
 def rounds_s(rounds: Sequence[Round], world: int, link: Link, costs: Costs,
              messages: int = 1, half: bool = False, rested_s: float = 0.0) -> float:
     """Time of a reduction's collectives over one ring, split into ``messages`` buckets; a
-    link with a burst that rested ``rested_s`` (the compute between two steps' reductions)
-    sends that much of it at once."""
-    credit = link.credit_bytes(rested_s)
+    link with a burst sends what ``rested_s`` (e.g. the compute between steps) refilled at once."""
+    credit = min(link.burst_bytes, max(0.0, rested_s) * link.bandwidth_bps / 8)  # refilled
     if link.efficiency < 1.0:  # a network link, not the measured loopback
         link = Link(link.bandwidth_bps, link.latency_s,
                     link.efficiency * costs.duplex_efficiency)
-    total = wire = 0.0
+    total = 0.0
     for r in rounds:
         if r.kind == "allgather":
             total += allgather_s(r.nbytes, world, link, costs.alpha_s * messages)
-            wire += (world - 1) * r.nbytes * link.beta
         else:
             per_byte = (costs.half_sum_s_per_elem / 2 if half else costs.sum_s_per_elem / 4)
             total += allreduce_s(r.nbytes, world, link, costs.alpha_s * messages, per_byte)
-            wire += 2 * (world - 1) / world * r.nbytes * link.beta if world > 1 else 0.0
         total += (messages - 1) * 2 * (world - 1) * link.latency_s if world > 1 else 0.0
-    return total - min(wire, credit * link.beta)
+    return total - min(_ring_bytes(rounds, world), credit) * link.beta
 
 
 def codec_s(compressor: "str | CompressorSpec | None", numel: float, world: int,
