@@ -102,3 +102,31 @@ def test_exchange_probe_gives_the_link_that_repeats_it() -> None:
     for bad in ((0.0, 1e6), (0.01, 0.0), (-1.0, 1e6)):
         with pytest.raises(ConfigError, match="exchange probe"):
             exchange_link(*bad)
+
+
+def _plan_json(capsys, *extra: str) -> dict:
+    import json
+
+    from parlay.cli import main
+
+    argv = ["plan", "--model-params", "3e6", "--batch", "64", "--nodes", "2", "--compute-ms",
+            "25", "--layers", "4", "--activation-numel", "1024", "--modes", "allreduce,hybrid",
+            "--no-calibrate", "--json", *extra]
+    assert main(argv) == 0
+    return {(p["mode"], p["compressor"]): p["step_s"]
+            for p in json.loads(capsys.readouterr().out)["predictions"]}
+
+
+def test_plan_burst_speeds_up_what_fits_in_it_and_refuses_nonsense(capsys) -> None:
+    plain = _plan_json(capsys, "--bandwidth", "100mbit")
+    shaped = _plan_json(capsys, "--bandwidth", "100mbit", "--burst", "125k")
+    assert shaped.keys() == plain.keys()
+    for key in plain:
+        assert shaped[key] <= plain[key] + 1e-12
+    # a small payload (top-k: 1% of 3M values and their indices) goes out within the burst
+    assert shaped[("allreduce", "topk:0.01")] < plain[("allreduce", "topk:0.01")]
+    for bad, words in ((["--bandwidth", "100mbit", "--burst", "-5"], "--burst"),
+                       (["--bandwidth", "100mbit", "--burst", "lots"], "--burst"),
+                       (["--burst", "125k"], "--bandwidth 100mbit --burst 125k")):
+        with pytest.raises(ConfigError, match=words):
+            _plan_json(capsys, *bad)

@@ -73,6 +73,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--bandwidth", help="each host's network link, e.g. 10gbit, 100mbit, 25Gbps "
                                        "(default: this machine's loopback)")
     c.add_argument("--latency", default="0", help="link latency, e.g. 50us (default 0)")
+    c.add_argument("--burst", help="bytes a token-bucket shaped link (tc tbf, cloud burst "
+                   "credit) sends at once after resting, e.g. 125k (default: none)")
     c.add_argument("--intra-bandwidth", help="between ranks of one host (default: free)")
     c.add_argument("--overlap", default="1", help="fraction of backward that communication "
                    "can hide behind: 1 for GPUs, 0 for CPU ranks using every core")
@@ -128,8 +130,13 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
     nodes = _int(ns.nodes, "--nodes")
     local = _int(ns.ranks_per_node, "--gpus-per-node")
     world = nodes * local
+    burst = parse_count(ns.burst, "--burst") if ns.burst else 0.0
+    if burst and ns.bandwidth is None:
+        raise ConfigError("--burst shapes a network link: give its rate too. Hint: "
+                          "--bandwidth 100mbit --burst 125k")
     if ns.bandwidth is not None:
-        inter = Link(parse_bandwidth(ns.bandwidth), parse_latency(ns.latency))
+        inter = Link(parse_bandwidth(ns.bandwidth), parse_latency(ns.latency),
+                     burst_bytes=burst)
     elif calib is not None:
         inter = Link(calib.loopback.bandwidth_bps, parse_latency(ns.latency), 1.0)
         notes.append(f"link: this machine's loopback, {format_bandwidth(inter.bandwidth_bps)} "
