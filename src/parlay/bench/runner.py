@@ -142,7 +142,9 @@ def _launches(cfg: dict[str, Any], net: str) -> list[tuple[str, dict, int, int, 
     base = {"model": cfg["model"], "warmup": 1, "steps": cfg["steps"], "budget": cfg["budget"]}
     dp = dict(base, kind="dp", chunks=4, contestants=["compute", "ddp", "none",
               *cfg["compressors"], "pipe:gpipe", "pipe:1f1b"])
-    ps = dict(base, kind="ps", servers=2, consistencies=["sync", "stale:2", "async"])
+    # A parameter-server session runs a fixed number of steps (the budget cannot cut it short).
+    ps = dict(base, kind="ps", servers=2, consistencies=["sync", "stale:2", "async"],
+              steps=min(cfg["steps"], cfg["ps_steps"]))
     hier = dict(base, kind="dp", contestants=["compute", "flat", "hier"])
     if net == "loopback":  # hierarchical needs several hosts
         # One machine: the "link" is CPU work, timed next to every step as the codec is.
@@ -201,7 +203,8 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
         nets: ``loopback`` and/or tc rates (``1gbit``, ``100mbit``) or ``unshaped``.
         quick: Few timed steps per point and the compression benchmark's quick settings.
         model: A :data:`parlay.bench.common.MODELS` name.
-        steps: Timed steps per point (default 5 quick, 10 full).
+        steps: Timed steps per point at most (default 15 quick, 30 full; the budget stops
+            slow points sooner, and a parameter-server session runs 5 quick, 10 full).
         budget: Seconds of timed steps per point (a slower first step is the measurement).
         accuracy: Also train MNIST with every compressor (accuracy vs bytes per step).
         accuracy_samples: Training images for it (default 12k quick, all 60k full).
@@ -216,8 +219,8 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    cfg = {"model": model, "steps": steps or (5 if quick else 10),
-           "budget": budget or (5.0 if quick else 30.0),
+    cfg = {"model": model, "steps": steps or (15 if quick else 30),
+           "ps_steps": 5 if quick else 10, "budget": budget or (5.0 if quick else 30.0),
            "compressors": compressor_specs() if compressors is None else list(compressors)}
     notes: list[str] = []
     nets = _usable(nets, notes, log)
