@@ -137,5 +137,8 @@ def test_chunk_layout_and_setting():
     assert [k for *_, k in cut] == [0, 1, 2, 2, 3]
     assert cut_pieces(plan.pieces(0), [(0, 19)])[0][2] == (3, 4)
     assert chunk_bytes({}) == DEFAULT_CHUNK_BYTES and chunk_bytes({CHUNK_ENV: "0"}) == 0
+    # every rank on one host: whole pushes by default, chunks only when asked for
+    assert chunk_bytes({}, one_host=True) == 0
+    assert chunk_bytes({CHUNK_ENV: "1024"}, one_host=True) == 1024
     with pytest.raises(ConfigError, match=CHUNK_ENV):
         chunk_bytes({CHUNK_ENV: "lots"})

@@ -45,7 +45,8 @@ def compressor_specs() -> list[str]:
     return [_DEFAULT_OPTS.get(n, n) for n in names] + (["auto"] if "auto" in available() else [])
 
 
-def _mode(name: str, world: int, spec: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
+def _mode(name: str, world: int, spec: dict[str, Any],
+          hosts: int = 2) -> tuple[str, str, dict[str, Any]]:
     """(cost-model mode, compressor, options) of a contestant, in :mod:`parlay.plan`'s terms."""
     if name == "compute":
         return "compute", "none", {}
@@ -54,7 +55,7 @@ def _mode(name: str, world: int, spec: dict[str, Any]) -> tuple[str, str, dict[s
                                   "chunks": int(spec.get("chunks", 4))}
     if name.startswith("ps:"):
         return "ps", "none", {"consistency": name[3:], "servers": int(spec["servers"]),
-                              "chunk_bytes": _ps_chunk_bytes()}
+                              "chunk_bytes": _ps_chunk_bytes(hosts == 1)}
     if name == "hier":
         return "hierarchical", "none", {}
     if name in ("ddp", "none", "parlay", "flat"):
@@ -62,13 +63,16 @@ def _mode(name: str, world: int, spec: dict[str, Any]) -> tuple[str, str, dict[s
     return "allreduce", name, {}
 
 
-def _ps_chunk_bytes() -> int:
+def _ps_chunk_bytes(one_host: bool) -> int:
     """Chunk size of the parameter servers' pipelined sync pushes in this parlay (0: none)."""
     try:
         from parlay.ps.chunks import chunk_bytes
     except ImportError:  # a parlay whose servers take each push whole
         return 0
-    return int(chunk_bytes())
+    try:
+        return int(chunk_bytes(one_host=one_host))
+    except TypeError:  # a parlay that chunks on one host too
+        return int(chunk_bytes())
 
 
 def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: str,
@@ -89,7 +93,7 @@ def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: 
                      if r["contestant"] == name)
         compute_s = own[len(own) // 2]
         limit = workers * batch / compute_s
-        mode, comp, opts = _mode(name, topo["world"], spec)
+        mode, comp, opts = _mode(name, topo["world"], spec, topo["hosts"])
         p = dict(net=net, launch=launch, contestant=name, mode=mode, compressor=comp, opts=opts,
                  params=model_params(widths), batch=batch, layers=len(widths) - 1,
                  activation_numel=max(widths[1:-1], default=widths[-1]),

@@ -27,7 +27,8 @@ import torch.nn as nn
 from parlay import comm
 from parlay.compress.base import Compressor
 from parlay.errors import CommError, ConfigError
-from parlay.ps.chunks import ChunkedServing, chunk_bounds, chunk_bytes, chunk_numel, cut_pieces
+from parlay.ps.chunks import (ChunkedServing, chunk_bounds, chunk_bytes, chunk_numel, cut_pieces,
+                              on_one_host)
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
 from parlay.ps.shard_io import SNAPSHOTS_KEPT, ShardPersistence, snapshot_steps
@@ -118,8 +119,9 @@ class Server(ShardPersistence, ChunkedServing):
         for p in self.pieces:
             src = named[p.name].detach().reshape(-1)[p.start: p.start + p.length]
             self.flat[p.offset: p.offset + p.length].copy_(src)
-        per_chunk = chunk_numel(numel, self.flat.element_size(), chunk_bytes(),
-                                policy.aggregate, compressor, optimizer_cls)
+        per_chunk = chunk_numel(numel, self.flat.element_size(),
+                                chunk_bytes(one_host=on_one_host()), policy.aggregate,
+                                compressor, optimizer_cls)
         cut = self._parameters(per_chunk)
         self.params: list[nn.Parameter] = [p for p, _ in cut]
         try:

@@ -117,7 +117,8 @@ class ShardPersistence:
             raise CheckpointError(f"{what}: its optimizer state does not fit this server's "
                                   f"parameters ({e}). Hint: resume with the same optimizer, "
                                   "consistency and PARLAY_PS_CHUNK_BYTES as the run that "
-                                  "wrote it.") from e
+                                  "wrote it (unset, ranks that share one host send pushes "
+                                  "whole; across hosts, in chunks).") from e
         log.info("ps%d resumed from %s at version %d", self.index, what, sd["version"])
         return int(sd["version"]), [int(c) for c in sd["clocks"]]
 
