@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from parlay.bench.common import MODELS
+from parlay.bench.common import MODELS, model_params
 
 __all__ = ["timed_next_to", "codec_spec"]
 
@@ -54,12 +54,12 @@ def timed_next_to(name: str, spec: dict[str, Any], opt: Any, cstep: Callable, x:
     if name.startswith("pipe:"):
         out["act"] = _act_ping(widths, spec)
     else:  # the gradient's copies into a bucket (memory bandwidth now)
-        n = sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
-        src, dst = torch.ones(n), torch.empty(n)
+        src = torch.ones(model_params(widths))
+        dst = torch.empty_like(src)
         out["copy"] = lambda: dst.copy_(src)
     if spec.get("probe_link") and not name.startswith("pipe:"):
         tiny = torch.zeros(1)
-        dense = torch.zeros(sum(a * b + b for a, b in zip(widths[:-1], widths[1:])))
+        dense = torch.zeros(model_params(widths))
         dist.all_reduce(dense)  # warm: buffers of this size
         out["tiny"] = lambda: dist.all_reduce(tiny)
         out["dense"] = lambda: dist.all_reduce(dense)

@@ -46,7 +46,7 @@ def compressor_specs() -> list[str]:
 
 
 def _mode(name: str, world: int, spec: dict[str, Any],
-          hosts: int = 2) -> tuple[str, str, dict[str, Any]]:
+          hosts: int) -> tuple[str, str, dict[str, Any]]:
     """(cost-model mode, compressor, options) of a contestant, in :mod:`parlay.plan`'s terms."""
     if name == "compute":
         return "compute", "none", {}
@@ -65,14 +65,9 @@ def _mode(name: str, world: int, spec: dict[str, Any],
 
 def _ps_chunk_bytes(one_host: bool) -> int:
     """Chunk size of the parameter servers' pipelined sync pushes in this parlay (0: none)."""
-    try:
-        from parlay.ps.chunks import chunk_bytes
-    except ImportError:  # a parlay whose servers take each push whole
-        return 0
-    try:
-        return int(chunk_bytes(one_host=one_host))
-    except TypeError:  # a parlay that chunks on one host too
-        return int(chunk_bytes())
+    from parlay.ps.chunks import chunk_bytes
+
+    return int(chunk_bytes(one_host=one_host))
 
 
 def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: str,

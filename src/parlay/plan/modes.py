@@ -84,8 +84,12 @@ def _split_compute(w: Workload, codec: float, costs: Costs | None = None) -> dic
     if codec:
         terms["codec"] = codec
     if costs is not None and costs.copy_s_per_byte:
-        terms["copies"] = COPY_PASSES * w.grad_bytes * costs.copy_s_per_byte
+        terms["copies"] = _copies_s(w, costs)
     return terms
+
+
+def _copies_s(w: Workload, costs: Costs) -> float:
+    return COPY_PASSES * w.grad_bytes * costs.copy_s_per_byte
 
 
 def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
@@ -309,6 +313,6 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
                         rested_s=terms["compute"])
         comm *= rings if spans else 1
         terms["codec"] = codec_s(spec, stage.params, replicas, costs)
-        terms["copies"] = COPY_PASSES * stage.grad_bytes * costs.copy_s_per_byte
+        terms["copies"] = _copies_s(stage, costs)
         terms["comm"] = exposed(comm, slot * (1 - FORWARD_SHARE), nb, c.overlap)
     return {k: v for k, v in terms.items() if v or k == "compute"}

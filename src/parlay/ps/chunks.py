@@ -91,7 +91,7 @@ def on_one_host() -> bool:
         from parlay import runtime
 
         c = runtime.cluster()
-    except Exception:  # noqa: BLE001 - not initialised: assume hosts apart (chunk)
+    except ConfigError:  # not initialised: assume hosts apart (chunk)
         return False
     return c.num_nodes == 1 and c.local_world_size >= c.world_size
 
