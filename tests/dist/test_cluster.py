@@ -65,6 +65,26 @@ def test_shaped_link_runs_at_its_rate_and_counters_see_the_bytes():
     assert 0.8 * 12.5e6 < moved[0]["tx"] < 1.2 * 12.5e6
 
 
+def test_hosts_use_the_reported_loss_based_congestion_control_and_refuse_unknown_ones():
+    def host_cc(c, host):
+        return c.run(host, ["cat", "/proc/sys/net/ipv4/tcp_congestion_control"], wait=True,
+                     timeout=30).stdout.strip()
+
+    with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+        allowed = f.read().split()
+    with Cluster(hosts=2) as c:
+        cc = c.report()["congestion"]
+        assert cc == ("cubic" if "cubic" in allowed else "reno")
+        assert host_cc(c, 0) == host_cc(c, 1) == cc
+        assert ("cubic not allowed" in " ".join(c.report()["notes"])) == (cc == "reno")
+    other = "reno" if cc != "reno" else allowed[-1]
+    with Cluster(hosts=1, congestion=other) as c:
+        assert host_cc(c, 0) == other == c.report()["congestion"]
+    with pytest.raises(ClusterError, match="not allowed in a namespace.*Hint"):
+        with Cluster(hosts=1, congestion="no-such-cc"):
+            pass
+
+
 def test_netem_is_detected_and_never_fatal():
     with Cluster(hosts=2, rate="1gbit", delay="2ms") as c:
         rep = c.report()

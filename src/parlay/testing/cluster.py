@@ -21,6 +21,15 @@ Everything made is removed on exit, on an exception, on ``KeyboardInterrupt`` an
 ``SIGTERM`` (the handler is installed while the cluster is open in the main thread). If the
 process is killed outright, the next ``Cluster`` removes namespaces whose creator is dead.
 
+TCP inside the hosts uses CUBIC, Linux's default, whatever this machine's own default is: a
+host's congestion control decides how its flows share a shaped link. (Under BBR, this machine's
+default, a pipeline's small messages that follow a dense allreduce on the same connection
+stalled for about 60 ms in half of their steps: BBR's probing, not the link.) Where the kernel
+does not allow CUBIC inside a namespace (``net.ipv4.tcp_allowed_congestion_control``) the hosts
+use Reno, the other loss-based algorithm, which behaves the same on these sub-millisecond
+links; :meth:`Cluster.report` says which. ``congestion=`` picks another, ``None`` keeps the
+machine's.
+
 Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable_reason` says why not when not.
 ``netem`` (added delay) is used when the kernel has it and reported in :meth:`Cluster.report`
 otherwise; it is never an error.
@@ -63,14 +72,19 @@ class Cluster:
         subnet: The private /24 to number hosts from (host i gets ``.i+1``).
         latency: tbf's queueing bound (how long a packet may wait for tokens).
         env: Extra environment for every command started with :meth:`run`.
+        congestion: TCP congestion control inside the hosts (``"cubic"``, the default, falls
+            back to ``"reno"`` where the kernel does not allow it in a namespace; ``"bbr"``...;
+            ``None``: the machine's own default).
 
     Raises:
-        ClusterError: Not available here (see :func:`unavailable_reason`), or setup failed.
+        ClusterError: Not available here (see :func:`unavailable_reason`), setup failed, or
+            the kernel does not allow ``congestion`` in a namespace.
     """
 
     def __init__(self, hosts: int = 2, rate: str | None = None, *, delay: str | None = None,
                  subnet: str = "10.213.0.0/24", latency: str = "50ms",
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None,
+                 congestion: str | None = "cubic") -> None:
         if not 1 <= int(hosts) <= 250:
             raise ValueError(f"hosts must be in 1..250, got {hosts}")
         self.hosts = int(hosts)
@@ -83,6 +97,7 @@ class Cluster:
             raise ValueError(f"subnet must be a private /24, got {subnet}")
         self._net = net
         self._extra_env = dict(env or {})
+        self.congestion = congestion
         self.tag = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
         self.switch = f"{self.tag}-sw"
         self.namespaces = [f"{self.tag}-h{i}" for i in range(self.hosts)]
@@ -143,7 +158,28 @@ class Cluster:
         self._made.append(name)
         _sh(["ip", "-n", name, "link", "set", "lo", "up"])
 
+    def _pick_congestion(self) -> None:
+        if not self.congestion:
+            return
+        try:
+            with open("/proc/sys/net/ipv4/tcp_allowed_congestion_control") as f:
+                allowed = f.read().split()
+        except OSError:  # no such control here: keep the machine's
+            self.notes.append("TCP congestion control not settable here: the machine's kept")
+            self.congestion = None
+            return
+        if self.congestion == "cubic" and "cubic" not in allowed and "reno" in allowed:
+            self.notes.append(f"cubic not allowed in namespaces here (allowed: "
+                              f"{' '.join(allowed)}): hosts use reno")
+            self.congestion = "reno"
+        elif self.congestion not in allowed:
+            raise ClusterError(f"TCP congestion control {self.congestion!r} is not allowed in "
+                               f"a namespace here (net.ipv4.tcp_allowed_congestion_control: "
+                               f"{' '.join(allowed)}). Hint: one of those, or None for the "
+                               "machine's own.")
+
     def _build(self) -> None:
+        self._pick_congestion()
         sw = self.switch
         self._ns(sw)
         self.netem = self._netem_works(sw, "lo")
@@ -158,6 +194,9 @@ class Cluster:
             _sh(["ip", "-n", sw, "link", "set", port, "up"])
             _sh(["ip", "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", _IFNAME])
             _sh(["ip", "-n", ns, "link", "set", _IFNAME, "up"])
+            if self.congestion:
+                _sh(["ip", "netns", "exec", ns, "sh", "-c",
+                     f"echo {self.congestion} > /proc/sys/net/ipv4/tcp_congestion_control"])
             # Egress of the host's end is its upload, egress of the switch's end its download.
             self._shape(ns, _IFNAME)
             self._shape(sw, port)
@@ -306,11 +345,12 @@ class Cluster:
         return out
 
     def report(self) -> dict[str, Any]:
-        """What was built: hosts, addresses, rate, whether netem is available, notes."""
+        """What was built: hosts, addresses, rate, whether netem is available, the hosts' TCP
+        congestion control (``None``: the machine's), notes."""
         return {"hosts": self.hosts, "namespaces": list(self.namespaces), "switch": self.switch,
                 "addresses": [self.addr(i) for i in range(self.hosts)], "rate": self.rate,
                 "delay": self.delay if self.netem else None, "netem": self.netem,
-                "notes": list(self.notes)}
+                "congestion": self.congestion, "notes": list(self.notes)}
 
     def __repr__(self) -> str:
         return f"Cluster(hosts={self.hosts}, rate={self.rate!r}, tag={self.tag!r})"
