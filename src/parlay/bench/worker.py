@@ -201,8 +201,13 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
     compute = {"compute": lambda: cstep(x, y)}  # this point's own compute-only limit
     first = _timed(step, xs, ys, 1, opt, compute)
     # "auto" measures before it decides: give it room to settle before timing.
-    for _ in range(int(spec.get("warmup", 1)) - 1 + (2 if name == "auto" else 0)):
+    settle = int(spec.get("warmup", 1)) - 1 + (2 if name == "auto" else 0)
+    for _ in range(settle - 1):
         step(xs, ys)
+    # The step that sizes the budget: the first one, or the last warm-up step (auto's first
+    # step also measures the link and every candidate's codec, and is no guide).
+    if settle:
+        first = _timed(step, xs, ys, 1, opt, compute)
     probes = timed_next_to(name, spec, opt, cstep, x, y)
     # Every rank runs the same number of steps: first[0] is already the slowest rank's.
     n = _steps_in_budget(first[0], int(spec.get("steps", 3)), float(spec.get("budget", 8)))
