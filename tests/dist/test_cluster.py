@@ -106,8 +106,11 @@ def test_everything_is_removed_after_an_exception():
 
 
 _CHILD = """
-import sys
+import signal, sys
 from parlay.testing.cluster import Cluster
+# A shell that starts the suite in the background starts it with SIGINT ignored, and Python
+# then installs no KeyboardInterrupt handler: restore it, as an interactive run has it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 with Cluster(hosts=2, rate="100mbit") as c:
     p = c.run(1, ["sleep", "300"])
     print(c.tag, p.pid, flush=True)
