@@ -26,8 +26,8 @@ host's congestion control decides how its flows share a shaped link. (Under BBR,
 default, a pipeline's small messages that follow a dense allreduce on the same connection
 stalled for about 60 ms in half of their steps: BBR's probing, not the link.) Where the kernel
 does not allow CUBIC inside a namespace (``net.ipv4.tcp_allowed_congestion_control``) the hosts
-use Reno, the other loss-based algorithm, which behaves the same on these sub-millisecond
-links; :meth:`Cluster.report` says which. ``congestion=`` picks another, ``None`` keeps the
+use Reno, the other loss-based algorithm (CUBIC itself grows like Reno at round trips this
+short); :meth:`Cluster.report` says which. ``congestion=`` picks another, ``None`` keeps the
 machine's.
 
 Needs root and iproute2 (``ip``, ``tc``); :func:`unavailable_reason` says why not when not.
