@@ -200,9 +200,10 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
     Args:
         out: Output folder (created).
         nets: ``loopback`` and/or tc rates (``1gbit``, ``100mbit``) or ``unshaped``.
-        quick: Few timed steps per point and the compression benchmark's quick settings.
+        quick: 5 s of timed steps per point (30 full) and the compression benchmark's quick
+            settings.
         model: A :data:`parlay.bench.common.MODELS` name.
-        steps: Timed steps per point at most (default 15 quick, 30 full; the budget stops
+        steps: Timed steps per point at most (default 30; the budget stops
             slow points sooner, and a parameter-server session runs 5 quick, 10 full).
         budget: Seconds of timed steps per point (a slower first step is the measurement).
         accuracy: Also train MNIST with every compressor (accuracy vs bytes per step).
@@ -218,7 +219,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
-    cfg = {"model": model, "steps": steps or (15 if quick else 30),
+    cfg = {"model": model, "steps": steps or 30,
            "ps_steps": 5 if quick else 10, "budget": budget or (5.0 if quick else 30.0),
            "compressors": compressor_specs() if compressors is None else list(compressors)}
     notes: list[str] = []
@@ -327,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "links; write results.json, report.md and plots.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
-                    help="a few timed steps per point (under 15 minutes on 2 cores)")
+                    help="5 s of timed steps per point (under 15 minutes on 2 cores)")
     ap.add_argument("--net", default=",".join(NETS),
                     help="comma-separated: loopback and tc rates such as 1gbit, 100mbit, or "
                          "unshaped (default: %(default)s)")
