@@ -87,12 +87,11 @@ def chunk_bytes(environ: dict[str, str] | None = None, one_host: bool = False) -
 def on_one_host() -> bool:
     """Whether every rank of this initialised parlay world runs on this host (False when
     unknown)."""
-    try:
-        from parlay import runtime
+    from parlay import runtime
 
-        c = runtime.cluster()
-    except ConfigError:  # not initialised: assume hosts apart (chunk)
+    if not runtime.is_initialized():  # unknown: assume hosts apart (chunk)
         return False
+    c = runtime.cluster()
     return c.num_nodes == 1 and c.local_world_size >= c.world_size
 
 
