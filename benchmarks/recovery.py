@@ -9,8 +9,9 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   and resumed), and the steps lost (computed before the kill, computed again after it). Side by
   side: in-memory snapshots (``snapshot_every=1``) vs the anchor, disk checkpoints alone
   (``snapshot_every=0, checkpoint_every=--ckpt-every``), i.e. what torchrun gives by itself.
-* overhead: one run of the same Trainer with snapshots off; with a full copy of the state every
-  step, copied before ``save`` returns (inline, ``PARLAY_SNAPSHOT_BACKGROUND=0``) or while the
+* overhead: one run of the same Trainer with snapshots off (twice: the second, "off again", is
+  the A/A control, how far the same code reads from itself here); with a full copy of the state
+  every step, copied before ``save`` returns (inline, ``PARLAY_SNAPSHOT_BACKGROUND=0``) or while the
   rank waits for the gradient reduction of the next step (deferred,
   :mod:`parlay.snapshot.deferred`); and with the gradient journal (the default where it
   applies, :mod:`parlay.snapshot.journal`: a deferred full copy every ``base_every`` steps, each
@@ -18,7 +19,10 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   other processes hits all alike; before each chunk, untimed, the previous mode's deferred copy
   is finished and one step taken, in which the journal takes its base). Ratios of the mean step
   times (the journal's cost comes once per base, which a median would not see; medians are
-  printed beside), wall clock and the training thread's CPU time. Also the time
+  printed beside), wall clock and the training thread's CPU time; the mean of each round's
+  chunk over the same round's off chunk with its 95% interval; and the CPU time the journal's
+  own code takes on the training thread (its records, its bases' copies and commits, also
+  where they fill waits for communication) as a share of the journal's step time. Also the time
   ``SnapshotStore.save`` takes on the caller's thread for this model's state (and the deferred
   copy, which overlaps communication) vs a plain ``torch.save`` of it to /dev/shm.
 
@@ -96,14 +100,45 @@ def worker_recovery(a: argparse.Namespace) -> None:
 
 # PARLAY_SNAPSHOT_BACKGROUND per mode. inline, deferred: a full copy of the state every step;
 # journal: a full copy every base_every steps and each step's gradients in between (the default
-# where it applies, parlay.snapshot.journal).
-MODES = {"off": None, "inline": "0", "deferred": None, "journal": None}
+# where it applies, parlay.snapshot.journal). "off again" is snapshots off a second time: its
+# ratio to "off" is the A/A control, what the same code reads against itself on this machine.
+MODES = {"off": None, "off again": None, "inline": "0", "deferred": None, "journal": None}
+
+
+class _InCode:
+    """CPU time this thread spends inside the journal's own code (recording a step, the base's
+    copy and commit, also where they run while the thread waits for the gradient reduction)
+    while :attr:`on`; nested calls count once. CPU time, not wall: on two shared cores the
+    thread is often preempted inside such a call, time it would otherwise spend blocked."""
+
+    def __init__(self) -> None:
+        self.on, self.depth, self.seconds = False, 0, 0.0
+
+    def wrap(self, cls: Any, name: str) -> None:
+        fn = getattr(cls, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self.on or self.depth:
+                return fn(*args, **kwargs)
+            self.depth += 1
+            t0 = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.thread_time() - t0
+                self.depth -= 1
+        setattr(cls, name, timed)
 
 
 def worker_overhead(a: argparse.Namespace) -> None:
     import parlay
     from parlay.snapshot import GradientJournal
+    from parlay.snapshot.deferred import DeferredCopy
 
+    in_code = _InCode()
+    for cls, name in ((GradientJournal, "after_step"), (GradientJournal, "_write_pending"),
+                      (DeferredCopy, "step"), (DeferredCopy, "finish")):
+        in_code.wrap(cls, name)
     t = _trainer(a, len(MODES) * (a.chunk + 1) * (a.pairs + 1), 1, None)
     journal = t._snap if isinstance(t._snap, GradientJournal) else None  # noqa: SLF001
     store = journal.store if journal is not None else t._snap  # noqa: SLF001
@@ -112,7 +147,7 @@ def worker_overhead(a: argparse.Namespace) -> None:
     order = list(times)
     for pair in range(a.pairs + 1):  # round 0 warms up (first slot files, allocator)
         for mode in order:
-            t.snapshot_every = 10**9 if mode == "off" else 1
+            t.snapshot_every = 10**9 if mode.startswith("off") else 1
             os.environ.pop("PARLAY_SNAPSHOT_BACKGROUND", None)
             if MODES[mode] is not None:
                 os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
@@ -122,15 +157,18 @@ def worker_overhead(a: argparse.Namespace) -> None:
             # then one every base_every steps: a chunk of base_every steps pays one base.
             t._snap = journal if mode == "journal" else store  # noqa: SLF001
             for i in range(a.chunk + 1):  # the first step of a chunk is not timed either
+                in_code.on = bool(pair and i and mode == "journal")
                 t0, c0 = time.perf_counter(), time.thread_time()
                 t.train_on_batch()
                 if pair and i:
                     times[mode].append(time.perf_counter() - t0)
                     cpu[mode].append(time.thread_time() - c0)
+            in_code.on = False
         order = order[1:] + order[:1]
     t.should_stop()
     Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({
-        "wall": times, "cpu": cpu, "base_every": journal.base_every if journal else 0}))
+        "wall": times, "cpu": cpu, "base_every": journal.base_every if journal else 0,
+        "journal_in_code_s": in_code.seconds}))
 
 
 # ---------------------------------------------------------------------- driver
@@ -216,7 +254,9 @@ def main() -> None:
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--ckpt-every", type=int, default=None, help="anchor's checkpoint interval")
-    p.add_argument("--chunk", type=int, default=None, help="steps per on/off chunk")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="timed steps per chunk of a mode (default 32, the journal's bases' "
+                        "distance)")
     p.add_argument("--pairs", type=int, default=None, help="rounds of on/off chunks measured")
     p.add_argument("--repeats", type=int, default=None,
                    help="recovery runs per side, and launches of the overhead measurement")
@@ -228,7 +268,7 @@ def main() -> None:
     a = p.parse_args()
     a.kill_step = a.kill_step or (24 if a.quick else 60)
     a.ckpt_every = a.ckpt_every or (16 if a.quick else 50)
-    a.chunk = a.chunk or 16
+    a.chunk = a.chunk or 32
     a.pairs = a.pairs or (4 if a.quick else 15)
     a.repeats = a.repeats or (1 if a.quick else 3)
     if a.worker:
@@ -240,15 +280,25 @@ def main() -> None:
         over, launches = _overheads(a, tmp)
     cost = save_cost(5 if a.quick else 20)
     print()
-    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "median_ratio",
-                       "cpu_ratio", "launch_ratios", "steps_each"]))
-    print("ratio: mean step time over mean step time with snapshots off (a base every "
+    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "paired_ratio",
+                       "median_ratio", "cpu_ratio", "in_code_pct", "launch_ratios",
+                       "steps_each"]))
+    print("ratio: mean step time over mean step time with snapshots off, the median over "
+          "launches (a base every "
           f"{launches[0]['base_every']} steps costs the journal its copy once per chunk of "
-          f"{a.chunk}); median_ratio: the same of medians")
+          f"{a.chunk}); paired_ratio: the mean, with its 95% half-width, of each round's chunk "
+          "over the off chunk of the same round; median_ratio: of median step times; "
+          "in_code_pct: the journal's own code (records, base copies and commits, also where "
+          "they fill waits for communication) as a share of its steps' time; the A/A control "
+          "is how far the same code reads from itself")
     print()
     print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
     ratios.update({f"step_time_{row['overhead'].split(', ')[1].split()[0]}_snapshots_vs_off":
-                   row["ratio"] for row in over})
+                   row["ratio"] for row in over if ", " in row["overhead"]})
+    ratios.update({"step_time_off_again_vs_off_aa_control": row["ratio"] for row in over
+                   if ", " not in row["overhead"]})
+    ratios.update({"journal_in_code_share": row["in_code_pct"] / 100 for row in over
+                   if row["in_code_pct"] is not None})
     ratios["save_vs_torch_save"] = cost["save_ms"] / cost["torch_save_ms"]
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
     walls = [t["wall"] for t in launches]
@@ -292,15 +342,32 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
     def ratio(run: dict[str, Any], kind: str, mode: str, stat: Any = statistics.fmean) -> float:
         return stat(run[kind][mode]) / stat(run[kind]["off"])
 
+    def paired(mode: str) -> tuple[float, float]:
+        """Mean and 95% half-width over every launch's rounds of the ratio of this mode's chunk
+        to the off chunk of the same round (seconds apart: slow drift of the machine cancels)."""
+        r = []
+        for run in launches:
+            on, off = run["wall"][mode], run["wall"]["off"]
+            r += [statistics.fmean(on[i:i + a.chunk]) / statistics.fmean(off[i:i + a.chunk])
+                  for i in range(0, min(len(on), len(off)), a.chunk)]
+        return statistics.fmean(r), 1.96 * statistics.stdev(r) / len(r) ** 0.5
+
     rows = []
-    for mode in [m for m in ("inline", "deferred", "journal") if m in launches[0]["wall"]]:
+    for mode in [m for m in ("off again", "inline", "deferred", "journal")
+                 if m in launches[0]["wall"]]:
         walls = [ratio(run, "wall", mode) for run in launches]
-        rows.append({"overhead": f"snapshot_every=1, {mode} vs off",
+        mean, half = paired(mode)
+        in_code = (median([run["journal_in_code_s"] / sum(run["wall"]["journal"])
+                           for run in launches]) if mode == "journal" else None)
+        rows.append({"overhead": ("snapshots off again vs off (A/A control)" if mode == "off again"
+                                  else f"snapshot_every=1, {mode} vs off"),
                      "step_ms_on": 1e3 * median([statistics.fmean(r["wall"][mode])
                                                  for r in launches]),
                      "step_ms_off": 1e3 * median([statistics.fmean(r["wall"]["off"])
                                                   for r in launches]),
                      "ratio": median(walls), "launch_ratios": [round(w, 4) for w in walls],
+                     "paired_ratio": f"{mean:.4f} +- {half:.4f}",
+                     "in_code_pct": None if in_code is None else round(100 * in_code, 2),
                      "median_ratio": median([ratio(run, "wall", mode, median) for run in launches]),
                      "cpu_ratio": median([ratio(run, "cpu", mode) for run in launches]),
                      "steps_each": sum(len(r["wall"][mode]) for r in launches)})

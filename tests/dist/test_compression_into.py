@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(120)
 
 SHAPE = (256, 512)  # >= 65536 elements: top-k's sampled path applies
 N = SHAPE[0] * SHAPE[1]
-NAMES = ["topk:0.01", "topk:0.01,sample=0.01", "powersgd:4"]
+NAMES = ["topk:0.01", "topk:0.01,sample=0.01", "topk:0.01,compact=1", "powersgd:4"]
 
 
 def _grad(rank: int, step: int) -> torch.Tensor:

@@ -42,7 +42,10 @@ def compressor_specs() -> list[str]:
     from parlay.compress import available
 
     names = [n for n in available() if n not in ("none", "auto")]
-    return [_DEFAULT_OPTS.get(n, n) for n in names] + (["auto"] if "auto" in available() else [])
+    specs = [_DEFAULT_OPTS.get(n, n) for n in names]
+    if "topk" in names:  # top-k's compact wire too (auto's candidate): 4 bytes a coordinate
+        specs.insert(specs.index("topk:0.01") + 1, "topk:0.01,compact=1")
+    return specs + (["auto"] if "auto" in available() else [])
 
 
 def _mode(name: str, world: int, spec: dict[str, Any],

@@ -18,11 +18,12 @@ only delayed. Options (also in registry strings, e.g. ``"topk:0.01,momentum=0.9,
   each bucket. Wire bytes are measured, so the warm-up's cost shows in ``comm_stats()``.
 
 Top-k's payload is ``[values, indices]`` (int32 indices while ``numel < 2**31``, so 8 bytes per
-fp32 coordinate); ranks choose different coordinates, so payloads are allgathered and summed
-locally. Random-k's payload is ``[values]`` only: the indices come from a generator seeded with
-``(seed, key, step)``, and the per-bucket step counter advances once per ``compress`` call, which
-every rank makes in the same order, so all ranks pick the same coordinates and one allreduce of
-the values is the exact sum.
+fp32 coordinate), or with ``compact=1`` one ``uint8`` tensor of 4 bytes per coordinate (bfloat16
+values, 16-bit offsets within 65536-coordinate blocks, an int32 count per block); ranks choose
+different coordinates, so payloads are allgathered and summed locally. Random-k's payload is
+``[values]`` only: the indices come from a generator seeded with ``(seed, key, step)``, and the
+per-bucket step counter advances once per ``compress`` call, which every rank makes in the same
+order, so all ranks pick the same coordinates and one allreduce of the values is the exact sum.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch
 
 from parlay.compress.base import Compressor, register
 from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
+from parlay.compress.sparsewire import pack_compact, unpack_compact
 from parlay.errors import ConfigError
 
 __all__ = ["TopK", "RandomK", "SparseCtx", "random_indices", "exact_topk", "magnitude_topk"]
@@ -188,13 +190,17 @@ class _Sparsifier(Compressor):
         x = self.memory.correct(key, flat) if self.memory is not None else flat
         idx, seed = self._indices(x, k, key, step)
         values = x.index_select(0, idx)
+        sent = self._rounded(values)  # what the receivers will add (values, or values rounded)
         if self.memory is not None:
             mask = None
             if self.memory.momentum and self.memory.masking:
                 mask = torch.zeros(x.shape, dtype=torch.bool, device=x.device)
                 mask.index_fill_(0, idx, True)
             # x is ours (never the caller's bucket): what was not sent is exactly the residual
-            x.index_fill_(0, idx, 0)
+            if sent is values:
+                x.index_fill_(0, idx, 0)
+            else:
+                x.index_copy_(0, idx, values - sent)
             self.memory.keep(key, x, mask)
         ctx = SparseCtx(flat.numel(), flat.dtype, k, seed)
         return self._payload(values, idx, flat.numel(), k), ctx
@@ -202,6 +208,10 @@ class _Sparsifier(Compressor):
     def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
                  k: int | None = None) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def _rounded(self, values: torch.Tensor) -> torch.Tensor:
+        """The values as the receivers will get them (``values`` itself when sent exactly)."""
+        return values
 
     def state_dict(self) -> dict[str, Any]:
         sd: dict[str, Any] = {"steps": dict(self._steps)}
@@ -243,26 +253,47 @@ class TopK(_Sparsifier):
         **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``,
             ``masking``.
 
+        compact: Half the bytes (default off): 4 per coordinate instead of 8. The values
+            travel as bfloat16 and the indices as 16-bit offsets within blocks of 65536
+            coordinates (plus one int32 count per block), in one ``uint8`` payload. Needs error
+            feedback: what rounding to bfloat16 takes off a value stays in the residual and is
+            sent later, so nothing is lost, only delayed (as with the coordinates not sent).
+        **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``,
+            ``masking``.
+
     Raises:
-        ConfigError: ``sample`` outside ``[0, 1]``.
+        ConfigError: ``sample`` outside ``[0, 1]``; ``compact`` without error feedback.
     """
 
     name = "topk"
     summable = False
     decodes_into = True
 
-    def __init__(self, ratio: float = 0.01, sample: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, ratio: float = 0.01, sample: float = 0.0, compact: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(ratio, **kwargs)
         if isinstance(sample, bool) or not 0.0 <= float(sample) <= 1.0:
             raise ConfigError(f"topk sample must be a fraction in [0, 1] (0: exact top-k), got "
                               f"{sample!r}. Hint: 'topk:0.01,sample=0.01' as in DGC.")
+        if compact and self.memory is None:
+            raise ConfigError("topk compact=1 rounds the values it sends to bfloat16 and needs "
+                              "error feedback to carry what rounding takes off. Hint: keep "
+                              "ef=1, or drop compact.")
         self.sample = float(sample)
+        self.compact = bool(compact)
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
         return magnitude_topk(x, k, self.sample, seed=step), -1
 
+    def _rounded(self, values: torch.Tensor) -> torch.Tensor:
+        if not self.compact:
+            return values
+        return values.to(torch.bfloat16).to(values.dtype)
+
     def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
                  k: int | None = None) -> list[torch.Tensor]:
+        if self.compact:
+            return [pack_compact(values, idx, numel, values.numel() if k is None else k)]
         idx = idx.to(torch.int32 if numel < _INT32_LIMIT else torch.int64)
         if k is not None and values.numel() < k:  # sampled: every payload needs k slots
             pad = k - values.numel()
@@ -272,7 +303,8 @@ class TopK(_Sparsifier):
 
     def __repr__(self) -> str:
         r = super().__repr__()
-        return r[:-1] + f", sample={self.sample})" if self.sample else r
+        r = r[:-1] + f", sample={self.sample})" if self.sample else r
+        return r[:-1] + ", compact=True)" if self.compact else r
 
     def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
         return self.aggregate([payload], ctx)
@@ -287,8 +319,10 @@ class TopK(_Sparsifier):
             out.zero_()  # memory already touched: far cheaper than a fresh torch.zeros
         else:
             out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=device)
-        for values, idx in payloads:  # rank order: the same summation order on every rank
+        for payload in payloads:  # rank order: the same summation order on every rank
             # indices are distinct within a payload (padding adds 0.0): order-independent
+            values, idx = (unpack_compact(payload[0], ctx.numel, ctx.k) if len(payload) == 1
+                           else payload)
             out.scatter_add_(0, idx.long(), values.to(ctx.dtype))
         return out
 
@@ -354,5 +388,5 @@ def _factory(cls: type[_Sparsifier], extra: dict[str, type]) -> Callable[..., Co
     return make
 
 
-register("topk", _factory(TopK, {"sample": float}))
+register("topk", _factory(TopK, {"sample": float, "compact": bool}))
 register("randomk", _factory(RandomK, {"seed": int}))

@@ -9,9 +9,9 @@ collectives over ``n`` ranks (what gloo and NCCL run for large buffers; Patarasu
 * allgather of ``b`` bytes per rank: ``n-1`` steps, each rank sends ``(n-1) b``.
 
 Compressor wire formats are parlay's own (see :mod:`parlay.compress`): fp16/bf16 halve the bytes
-and stay one allreduce; top-k sends ``k`` values plus ``k`` int32 indices by allgather; random-k
-sends ``k`` values by allreduce (shared seed); PowerSGD sends ``P`` (plus 1-D tensors, dense) in
-a first allreduce and ``Q`` in a second.
+and stay one allreduce; top-k allgathers ``k`` values and ``k`` int32 indices (compact: 4 bytes
+a coordinate); random-k allreduces ``k`` values (shared seed); PowerSGD allreduces ``P`` (plus
+1-D tensors, dense), then ``Q``.
 """
 from __future__ import annotations
 
@@ -25,10 +25,8 @@ __all__ = ["Link", "ClusterSpec", "Workload", "Costs", "CompressorSpec", "parse_
            "Round", "wire_rounds", "wire_bytes", "link_bytes", "allreduce_s", "allgather_s",
            "rounds_s", "codec_s", "DEFAULT_BUCKET_BYTES", "TCP_EFFICIENCY"]
 
-#: DistributedOptimizer's default bucket cap (25 MiB).
-DEFAULT_BUCKET_BYTES = 25 * 2 ** 20
-#: Payload per byte on an Ethernet link carrying TCP (1448 of 1514 bytes per frame).
-TCP_EFFICIENCY = 1448 / 1514
+DEFAULT_BUCKET_BYTES = 25 * 2 ** 20  #: DistributedOptimizer's default bucket cap (25 MiB).
+TCP_EFFICIENCY = 1448 / 1514  #: Payload per byte of Ethernet carrying TCP (1448 of 1514).
 
 
 @dataclass(frozen=True)
@@ -219,15 +217,16 @@ class Costs:
 
 @dataclass(frozen=True)
 class CompressorSpec:
-    """A parsed compression string: ``name`` and its first option (ratio or rank)."""
+    """A parsed compression string: ``name``, its first option, top-k's ``compact=1``."""
 
     name: str
     ratio: float = 1.0
     rank: int = 0
+    compact: bool = False
 
     def __str__(self) -> str:
         if self.name in ("topk", "randomk"):
-            return f"{self.name}:{self.ratio:g}"
+            return f"{self.name}:{self.ratio:g}" + (",compact=1" if self.compact else "")
         if self.name == "powersgd":
             return f"powersgd:{self.rank}"
         return self.name
@@ -257,7 +256,8 @@ def parse_compressor(spec: "str | CompressorSpec | None") -> CompressorSpec:
             ratio = float(named.get("ratio", first if first is not None else 0.01))
             if not 0 < ratio <= 1:
                 raise ValueError(ratio)
-            return CompressorSpec(name, ratio=ratio)
+            return CompressorSpec(name, ratio=ratio, compact=name == "topk" and named.get(
+                "compact", "0").strip().lower() in ("1", "true", "yes", "on"))
         if name == "powersgd":
             rank = int(named.get("rank", first if first is not None else 4))
             if rank < 1:
@@ -271,8 +271,7 @@ def parse_compressor(spec: "str | CompressorSpec | None") -> CompressorSpec:
 
 @dataclass(frozen=True)
 class Round:
-    """One collective of a reduction: ``kind`` ("allreduce" | "allgather") and the payload
-    bytes each rank contributes."""
+    """One collective: ``kind`` ("allreduce" | "allgather"), the bytes each rank gives."""
 
     kind: str
     nbytes: float
@@ -321,8 +320,9 @@ def wire_rounds(compressor: "str | CompressorSpec | None", numel: float, world: 
         k = min(numel, max(1, int(c.ratio * numel)))
         if c.name == "randomk":
             return [Round("allreduce", k * bytes_per_element)]
-        index = 4 if numel < 2 ** 31 else 8
-        return [Round("allgather", k * (bytes_per_element + index))]
+        index = 4 if numel < 2 ** 31 else 8  # compact: bf16 values, 16-bit offsets, block counts
+        return [Round("allgather", 4 * k + 4 * -(-numel // 65536) if c.compact
+                      else k * (bytes_per_element + index))]
     p, q = _powersgd_floats(numel, c.rank, shapes)
     rounds = [Round("allreduce", p * 4)]
     return rounds + [Round("allreduce", q * 4)] if q else rounds

@@ -59,7 +59,7 @@ JOURNAL_VERSION = 1
 #: Host memory the journal's slots may take by default (``base_every`` shrinks to fit).
 JOURNAL_BUDGET = 512 << 20
 #: Longest default distance between bases (a resume replays at most this many steps).
-MAX_BASE_EVERY = 16
+MAX_BASE_EVERY = 32
 #: Bytes of a record's JSON part (learning rates, flags, the state's structure) per slot.
 RECORD_BYTES = 64 << 10
 
