@@ -10,6 +10,7 @@ import parlay
 from parlay import comm
 from parlay.bench.common import mlp as _mlp
 from parlay.compress import AutoCompressor, get_compressor, reduce_async
+from parlay.compress.autocost import switch_margin
 from parlay.errors import ConfigError
 from parlay.testing import run_world
 
@@ -55,12 +56,15 @@ def _agree() -> dict:
     hier_only.bind(None, summable_only=True)
     ps_only = AutoCompressor()
     ps_only.bind(None, collective=False)
+    six = AutoCompressor(margin=0.6)
+    six.bind(None)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     every = comm.allgather(params.unsqueeze(0))
     return dict(choices=dict(auto.choices), history=[h[:4] for h in auto.history],
                 calibrations=list(auto.calibrations), buckets=len(opt.plan.buckets),
                 same_params=bool(torch.equal(every[0], every[1])),
-                hier=list(hier_only._eligible), ps=list(ps_only._eligible))
+                hier=list(hier_only._eligible), ps=list(ps_only._eligible),
+                margins=(auto._margin, six._margin))
 
 
 def _grad(rank: int, step: int, n: int) -> torch.Tensor:
@@ -126,6 +130,9 @@ def test_ranks_agree_despite_different_local_timings(per_rank):
 
 def test_bind_restricts_candidates(per_rank):
     r = per_rank[0]["agree"]
+    # every rank on this host: leaving the current choice needs a predicted 2x (ONE_HOST_MARGIN)
+    assert r["margins"] == (0.5, 0.6)
+    assert switch_margin(0.25) == 0.25  # this test process: no parlay world, the margin as given
     assert r["hier"] == ["none", "fp16", "powersgd:4"]   # hierarchical: summable payloads only
     assert r["ps"] == ["none", "fp16", "topk:0.01,compact=1"]  # pushes: one round only
 
@@ -152,7 +159,7 @@ def _ps_auto() -> dict:
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 3))
-    auto = AutoCompressor(["none", "topk:0.3"])
+    auto = AutoCompressor(["none", "topk:0.1"])
     # a slow link, seen by the workers' probe: pushes must go compressed, and the server must
     # decode them from the context values alone
     auto.timing_hook = lambda kind, name, s: s * 1e4 if kind == "link" and name != "small" else s
@@ -170,7 +177,7 @@ def _ps_auto() -> dict:
 def test_ps_pushes_choose_agree_and_decode_on_the_server():
     out = run_world(_ps_auto, 3, env={"PARLAY_NUM_PS": "1"}, timeout=100)
     server, w1, w2 = out
-    assert not server["worker"] and w1["choices"] == w2["choices"] == {"ps0": "topk:0.3"}
+    assert not server["worker"] and w1["choices"] == w2["choices"] == {"ps0": "topk:0.1"}
     assert torch.isfinite(server["params"]).all()
     torch.testing.assert_close(w1["params"], server["params"], rtol=0, atol=0)
     torch.testing.assert_close(w2["params"], server["params"], rtol=0, atol=0)

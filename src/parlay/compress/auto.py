@@ -15,7 +15,7 @@ How it decides (:mod:`parlay.compress.autocost`):
    different payload formats.
 2. It predicts each candidate's time (codec plus its collectives on the fitted link, with the
    alpha-beta formulas of :mod:`parlay.plan.model`) and keeps the current choice unless another
-   is predicted ``margin`` faster (hysteresis; the first choice is the first candidate, ``none``).
+   is predicted ``margin`` faster (hysteresis; at first ``none``; on one host 0.5 at least).
 3. Every ``every`` steps the median step time (MAX over ranks) is compared with the one after
    the last decision; a change beyond ``threshold`` triggers a new measurement and decision,
    unless measuring has already taken more than ``budget`` (0.5%) of the time since the first
@@ -114,6 +114,7 @@ class AutoCompressor(Compressor):
         self.budget = float(budget)
         self.cands = {s: get_compressor(s) for s in self.specs}
         self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
+        self._margin = self.margin  # what a switch needs (bind: at least 0.5 on one host)
         #: Bucket key -> the spec it uses now.
         self.choices: dict[str, str] = {}
         #: (step, key, old, new, reason) for every change, oldest first.
@@ -168,6 +169,7 @@ class AutoCompressor(Compressor):
                               f"(point-to-point: {not collective}, summable only: "
                               f"{summable_only}). Hint: add 'none' or 'fp16' to the candidates.")
         self._eligible, self._group, self._collective = ok, group, collective
+        self._margin = autocost.switch_margin(self.margin)  # every rank alike: one world
         # Without a process group (a single process) there is nothing to choose: the first.
         self._world = comm.group_size(group) if dist.is_initialized() else 1
 
@@ -300,7 +302,7 @@ class AutoCompressor(Compressor):
         self.last_prediction[key] = pred
         cur = self.choices.get(key, self._eligible[0])
         best = min(pred, key=lambda s: (pred[s], self._eligible.index(s)))
-        if cur not in pred or pred[best] < (1 - self.margin) * pred[cur]:
+        if cur not in pred or pred[best] < (1 - self._margin) * pred[cur]:
             cur = best
         why = ", ".join(f"{s} {v * 1e3:.2f}ms" for s, v in pred.items())
         self._switch(key, cur, f"predicted {why}")

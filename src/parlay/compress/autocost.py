@@ -31,11 +31,27 @@ from parlay.compress.base import get_compressor, local_round_trip
 from parlay.plan import model
 
 __all__ = ["LinkFit", "probe_link", "codec_seconds", "sample_layout", "predict_s",
-           "probe_sizes", "SAMPLE_NUMEL"]
+           "probe_sizes", "switch_margin", "SAMPLE_NUMEL", "ONE_HOST_MARGIN"]
 
 _KIB = 1024
 #: Timing hook: ``hook(kind, name, seconds) -> seconds`` (see AutoCompressor.timing_hook).
 Hook = Callable[[str, str, float], float]
+#: Least margin for a switch when every rank runs on one host: the "link" there is the same
+#: CPU and memory the codecs use, both measure noisily under load (the dense prediction moved
+#: 10-26 ms, the codecs' 14-45 ms between launches here), and compression rarely pays.
+ONE_HOST_MARGIN = 0.5
+
+
+def switch_margin(margin: float) -> float:
+    """The margin a switch needs: ``margin``, at least :data:`ONE_HOST_MARGIN` when every rank
+    of the initialised parlay world runs on this host."""
+    from parlay import runtime  # a lower layer; lazily, as comm does
+
+    if not runtime.is_initialized():
+        return margin
+    c = runtime.cluster()
+    one_host = c.num_nodes == 1 and c.local_world_size >= c.world_size
+    return max(margin, ONE_HOST_MARGIN) if one_host else margin
 
 
 @dataclass(frozen=True)
