@@ -134,7 +134,7 @@ def test_bind_restricts_candidates(per_rank):
     assert r["margins"] == (0.5, 0.6)
     assert switch_margin(0.25) == 0.25  # this test process: no parlay world, the margin as given
     assert r["hier"] == ["none", "fp16", "powersgd:4"]   # hierarchical: summable payloads only
-    assert r["ps"] == ["none", "fp16", "topk:0.01,compact=1"]  # pushes: one round only
+    assert r["ps"] == ["none", "fp16", "topk:0.01", "topk:0.01,compact=1"]  # one round only
 
 
 def test_forced_switches_keep_error_feedback_exact(per_rank):
@@ -207,7 +207,7 @@ def test_hierarchical_reduction_keeps_to_summable_choices():
 def test_spec_parsing_and_errors():
     a = get_compressor("auto")
     assert isinstance(a, AutoCompressor) and a.specs == ["none", "fp16", "powersgd:4",
-                                                         "topk:0.01,compact=1"]
+                                                         "topk:0.01", "topk:0.01,compact=1"]
     b = get_compressor("auto:candidates=none+topk:0.05+bf16,every=5,margin=0.3")
     assert b.specs == ["none", "topk:0.05", "bf16"] and b.every == 5 and b.margin == 0.3
     assert isinstance(parlay.Compression.auto(), AutoCompressor)

@@ -1,10 +1,10 @@
 """``compression="auto"``: per bucket, the compressor the measured link and CPU make fastest.
 
 :class:`AutoCompressor` holds one instance of each candidate (default ``none``, ``fp16``,
-``powersgd:4``, ``topk:0.01,compact=1``) and delegates each bucket's encode, further rounds and
-decode to the candidate it chose for that bucket, so every caller of the :class:`Compressor`
-protocol (the data-parallel optimizer, flat or hierarchical, hybrid mode's data-parallel groups,
-parameter-server pushes) uses it unchanged.
+``powersgd:4``, ``topk:0.01``, ``topk:0.01,compact=1``) and delegates each bucket's encode,
+further rounds and decode to the candidate it chose for that bucket, so every caller of the
+:class:`Compressor` protocol (data-parallel optimizer, flat or hierarchical, hybrid mode's
+data-parallel groups, parameter-server pushes) uses it unchanged.
 
 How it decides (:mod:`parlay.compress.autocost`):
 
@@ -52,9 +52,9 @@ __all__ = ["AutoCompressor", "AutoCtx", "DEFAULT_CANDIDATES"]
 
 log = logging.getLogger("parlay.compress")
 
-#: top-k on its compact wire: 4 bytes a coordinate (bfloat16 values, 16-bit offsets), half of
-#: the plain wire's 8, exact with error feedback (:mod:`parlay.compress.sparsewire`).
-DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01,compact=1")
+#: top-k on both wires: the compact one (bfloat16 values, 16-bit offsets: 4 bytes a coordinate,
+#: :mod:`parlay.compress.sparsewire`) wins where bytes cost, the plain one (8) where they don't.
+DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01", "topk:0.01,compact=1")
 
 _ALLOWED = ("none", "fp16", "bf16", "powersgd", "topk", "randomk")
 
