@@ -207,7 +207,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
             settings.
         model: A :data:`parlay.bench.common.MODELS` name.
         steps: Timed steps per point at most (default 30; the budget stops
-            slow points sooner, and a parameter-server session runs 5 quick, 10 full).
+            slow points sooner; a parameter-server session runs 10: the budget cannot cut it).
         budget: Seconds of timed steps per point (a slower first step is the measurement).
         accuracy: Also train MNIST with every compressor (accuracy vs bytes per step).
         accuracy_samples: Training images for it (default 12k quick, all 60k full).
@@ -223,7 +223,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
     cfg = {"model": model, "steps": steps or 30,
-           "ps_steps": 5 if quick else 10, "budget": budget or (5.0 if quick else 30.0),
+           "ps_steps": 10, "budget": budget or (5.0 if quick else 30.0),
            "compressors": compressor_specs() if compressors is None else list(compressors)}
     notes: list[str] = []
     nets = _usable(nets, notes, log)
