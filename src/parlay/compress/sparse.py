@@ -250,9 +250,6 @@ class TopK(_Sparsifier):
             send a few fewer than ``k`` (the payload is padded with zeros to keep its size).
             Unsent coordinates stay in the residual either way. Buckets under 65536 elements
             (or denser than 1/32) are always exact.
-        **kwargs: ``error_feedback``, ``momentum``, ``warmup_steps``, ``warmup_start``,
-            ``masking``.
-
         compact: Half the bytes (default off): 4 per coordinate instead of 8. The values
             travel as bfloat16 and the indices as 16-bit offsets within blocks of 65536
             coordinates (plus one int32 count per block), in one ``uint8`` payload. Needs error
@@ -322,7 +319,7 @@ class TopK(_Sparsifier):
         for payload in payloads:  # rank order: the same summation order on every rank
             # indices are distinct within a payload (padding adds 0.0): order-independent
             values, idx = (unpack_compact(payload[0], ctx.numel, ctx.k) if len(payload) == 1
-                           else payload)
+                           else payload)  # one tensor: the compact wire; two: values, indices
             out.scatter_add_(0, idx.long(), values.to(ctx.dtype))
         return out
 
