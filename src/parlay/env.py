@@ -121,6 +121,11 @@ class ClusterEnv:
         """Index within the role: ps index for a ps, ``rank - num_ps`` for a worker."""
         return self.rank if self.rank < self.num_ps else self.rank - self.num_ps
 
+    @property
+    def one_host(self) -> bool:
+        """Whether every rank of the world runs on this host."""
+        return self.num_nodes == 1 and self.local_world_size >= self.world_size
+
 
 # -- environment readers -----------------------------------------------------------------------
 

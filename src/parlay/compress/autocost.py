@@ -47,10 +47,7 @@ def switch_margin(margin: float) -> float:
     of the initialised parlay world runs on this host."""
     from parlay import runtime  # a lower layer; lazily, as comm does
 
-    if not runtime.is_initialized():
-        return margin
-    c = runtime.cluster()
-    one_host = c.num_nodes == 1 and c.local_world_size >= c.world_size
+    one_host = runtime.is_initialized() and runtime.cluster().one_host
     return max(margin, ONE_HOST_MARGIN) if one_host else margin
 
 

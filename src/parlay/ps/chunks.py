@@ -89,10 +89,8 @@ def on_one_host() -> bool:
     unknown)."""
     from parlay import runtime
 
-    if not runtime.is_initialized():  # unknown: assume hosts apart (chunk)
-        return False
-    c = runtime.cluster()
-    return c.num_nodes == 1 and c.local_world_size >= c.world_size
+    # unknown (not initialised): assume hosts apart (chunk)
+    return runtime.is_initialized() and runtime.cluster().one_host
 
 
 def chunk_numel(numel: int, itemsize: int, nbytes: int, aggregate: bool,
