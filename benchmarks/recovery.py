@@ -293,12 +293,11 @@ def main() -> None:
           "is how far the same code reads from itself")
     print()
     print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
-    ratios.update({f"step_time_{row['overhead'].split(', ')[1].split()[0]}_snapshots_vs_off":
-                   row["ratio"] for row in over if ", " in row["overhead"]})
-    ratios.update({"step_time_off_again_vs_off_aa_control": row["ratio"] for row in over
-                   if ", " not in row["overhead"]})
-    ratios.update({"journal_in_code_share": row["in_code_pct"] / 100 for row in over
-                   if row["in_code_pct"] is not None})
+    for row in over:
+        ratios["step_time_off_again_vs_off_aa_control" if row["mode"] == "off again" else
+               f"step_time_{row['mode']}_snapshots_vs_off"] = row["ratio"]
+        if row["in_code_pct"] is not None:
+            ratios["journal_in_code_share"] = row["in_code_pct"] / 100
     ratios["save_vs_torch_save"] = cost["save_ms"] / cost["torch_save_ms"]
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
     walls = [t["wall"] for t in launches]
@@ -359,7 +358,8 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
         mean, half = paired(mode)
         in_code = (median([run["journal_in_code_s"] / sum(run["wall"]["journal"])
                            for run in launches]) if mode == "journal" else None)
-        rows.append({"overhead": ("snapshots off again vs off (A/A control)" if mode == "off again"
+        rows.append({"mode": mode,
+                     "overhead": ("snapshots off again vs off (A/A control)" if mode == "off again"
                                   else f"snapshot_every=1, {mode} vs off"),
                      "step_ms_on": 1e3 * median([statistics.fmean(r["wall"][mode])
                                                  for r in launches]),
