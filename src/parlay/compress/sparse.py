@@ -36,6 +36,7 @@ import torch
 from parlay.compress.base import Compressor, register
 from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
 from parlay.compress.sparsewire import pack_compact, unpack_compact
+from parlay.compress.topsel import exact_topk, magnitude_topk
 from parlay.errors import ConfigError
 
 __all__ = ["TopK", "RandomK", "SparseCtx", "random_indices", "exact_topk", "magnitude_topk"]
@@ -70,79 +71,6 @@ def random_indices(numel: int, k: int, seed: int) -> torch.Tensor:
         first.scatter_reduce_(0, inv, torch.arange(stream.numel()), reduce="amin")
         chosen = stream[first.sort().values]  # distinct, in order of first appearance
     return chosen[:k].sort().values
-
-
-def exact_topk(a: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the ``k`` largest entries of ``a`` (exact; order unspecified)."""
-    return _select(a, k, magnitude=False, sample=0.0)
-
-
-def magnitude_topk(x: torch.Tensor, k: int, sample: float = 0.0, seed: int = 0) -> torch.Tensor:
-    """Indices of the ``k`` largest ``|x|`` (exact), or DGC's sampled selection.
-
-    A full ``torch.topk`` over a large bucket is the slowest part of top-k compression. Like
-    DGC (Lin et al. 2018) we first estimate the threshold from a random sample, keep only the
-    entries above it, and run ``topk`` on those. With ``sample == 0`` this stays exact: the
-    threshold aims at ~2k candidates, and if at least ``k`` entries pass it the k-th largest is
-    >= the threshold, so every true top-k entry is a candidate; if fewer pass, it falls back to
-    the full ``topk``. With ``sample > 0`` (a fraction of the coordinates to sample) it is DGC's
-    estimate: the threshold aims at ``k`` entries and those above it are returned, trimmed to
-    the ``k`` largest when more pass, and *fewer than k* when fewer pass (never a full topk).
-    ``seed`` varies which coordinates are sampled (top-k passes the step).
-    """
-    return _select(x, k, magnitude=True, sample=float(sample), seed=seed)
-
-
-_CHUNK = 1 << 20  # elements per pass of the candidate scan: a few MB of scratch, reused
-
-
-def _above(x: torch.Tensor, thr: torch.Tensor, magnitude: bool) -> torch.Tensor:
-    """Indices ``i`` with ``|x[i]| >= thr`` (or ``x[i] >= thr``), ascending, scanned in
-    cache-sized chunks so no bucket-sized ``|x|`` or mask is ever allocated."""
-    n = x.numel()
-    scratch = x.new_empty(min(n, _CHUNK))
-    mask = torch.empty(scratch.shape, dtype=torch.bool, device=x.device)
-    found = []
-    for s in range(0, n, _CHUNK):
-        c = x[s: s + _CHUNK]
-        m = mask[: c.numel()]
-        if magnitude:
-            a = torch.abs(c, out=scratch[: c.numel()])
-            torch.ge(a, thr, out=m)
-        else:
-            torch.ge(c, thr, out=m)
-        found.append(m.nonzero().squeeze(1).add_(s))
-    return torch.cat(found)
-
-
-def _select(x: torch.Tensor, k: int, magnitude: bool, sample: float,
-            seed: int = 0) -> torch.Tensor:
-    n = x.numel()
-    if n < 65536 or k * 32 > n:
-        return torch.topk(x.abs() if magnitude else x, k, sorted=False).indices
-    m = max(16384, min(n, int(sample * n))) if sample else 16384
-    # The exact path keeps one sample per bucket size (its result only depends on it through
-    # tie-breaking at the k-th value); the sampled path draws a new one each step.
-    g = torch.Generator(device=x.device).manual_seed(n * 31 + k + (1_000_003 * seed if sample
-                                                                   else 0))
-    # index_select/index_fill_/scatter_add_ rather than x[idx]: 2-3x faster on CPU
-    sample_vals = x.index_select(0, torch.randint(n, (m,), generator=g, device=x.device))
-    if magnitude:
-        sample_vals = sample_vals.abs()
-    # exact: aim for ~2k candidates (+ slack for the sample's noise); sampled: aim for k
-    target = k / n if sample else min(1.0, 2.0 * k / n)
-    rank = max(1, m - int(m * target) - (0 if sample else 8))
-    thr = sample_vals.kthvalue(rank).values
-    cand = _above(x, thr, magnitude)
-    if cand.numel() < k and not sample:
-        full = x.abs() if magnitude else x
-        return torch.topk(full, k, sorted=False).indices
-    if cand.numel() <= k:
-        return cand
-    vals = x.index_select(0, cand)
-    if magnitude:
-        vals = vals.abs_()
-    return cand.index_select(0, torch.topk(vals, k, sorted=False).indices)
 
 
 class _Sparsifier(Compressor):
