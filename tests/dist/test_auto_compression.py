@@ -46,7 +46,8 @@ def _skewed_hook(rank: int):
 
 def _agree() -> dict:
     model = _mlp([784, 64, 32, 10])
-    auto = AutoCompressor(every=2, budget=1.0)  # measure again whenever the step moves
+    # measure again whenever the step moves (no trial: its steps would hold the checks off)
+    auto = AutoCompressor(every=2, budget=1.0, trial=0)
     auto.timing_hook = _skewed_hook(parlay.rank())
     opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                       named_parameters=model.named_parameters(),
@@ -107,8 +108,31 @@ def _small_model() -> dict:
                 state=sorted(opt.state_dict()["parlay_compression"]))
 
 
+def _trial() -> dict:
+    """Stay dense by prediction (margin 0.99), then measure every candidate for 2 steps: each
+    rank sees other medians, and the MAX over ranks makes fp16 the fastest."""
+    model = _mlp([784, 64, 32, 10])
+    auto = AutoCompressor(["none", "fp16", "topk:0.05"], every=1000, margin=0.99, trial=2)
+    auto.trial_within = 1e3  # every candidate is a contender
+    seen = [{"none": 1.0, "fp16": 0.5, "topk:0.05": 0.9},
+            {"none": 1.0, "fp16": 0.8, "topk:0.05": 0.3}][parlay.rank()]
+
+    def hook(kind: str, name: str, seconds: float) -> float:
+        if kind != "trial":
+            return seconds
+        return seen[next(iter(set(auto.trialing.options[int(name)].values())))]
+    auto.timing_hook = hook
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                      named_parameters=model.named_parameters(),
+                                      compression=auto, bucket_cap_mb=0.005)
+    _train(opt, model, 10)
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return dict(choices=dict(auto.choices), history=[h[:4] for h in auto.history],
+                reasons=[h[4] for h in auto.history], params=params)
+
+
 def _all() -> dict:
-    return dict(agree=_agree(), switches=_switches(), small=_small_model())
+    return dict(agree=_agree(), switches=_switches(), small=_small_model(), trial=_trial())
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +150,17 @@ def test_ranks_agree_despite_different_local_timings(per_rank):
     # rank 1's step-time jump made both ranks measure and decide again at the same step
     assert len(a["calibrations"]) >= 2, a["calibrations"]
     assert a["same_params"] and b["same_params"]
+
+
+def test_trial_keeps_the_fastest_measured_and_ranks_agree(per_rank):
+    a, b = per_rank[0]["trial"], per_rank[1]["trial"]
+    assert a["history"] == b["history"] and a["choices"] == b["choices"]
+    assert set(a["choices"].values()) == {"fp16"}, a["history"]
+    # every bucket: dense by prediction (step 1), fp16 at step 4, top-k at 6, fp16 at 8 (kept)
+    steps = sorted({(h[0], h[3]) for h in a["history"]})
+    assert steps == [(1, "none"), (4, "fp16"), (6, "topk:0.05"), (8, "fp16")], steps
+    assert a["reasons"][-1].startswith("trial: ") and "fp16 800.00ms" in a["reasons"][-1]
+    torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
 
 
 def test_bind_restricts_candidates(per_rank):

@@ -200,9 +200,14 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
         step.recorder.on = True  # type: ignore[attr-defined]
     compute = {"compute": lambda: cstep(x, y)}  # this point's own compute-only limit
     first = _timed(step, xs, ys, 1, opt, compute)
-    # "auto" measures before it decides: give it room to settle before timing.
+    # "auto" measures before it decides, then runs its close contenders a few steps each
+    # (its trial): its steady state is timed, after both (every rank runs the same schedule).
     settle = int(spec.get("warmup", 1)) - 1 + (2 if name == "auto" else 0)
     for _ in range(settle - 1):
+        step(xs, ys)
+    for _ in range(64):
+        if not getattr(getattr(opt, "compression", None), "trialing", None):
+            break
         step(xs, ys)
     # The step that sizes the budget: the first one, or the last warm-up step (auto's first
     # step also measures the link and every candidate's codec, and is no guide).

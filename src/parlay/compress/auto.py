@@ -8,28 +8,26 @@ data-parallel groups, parameter-server pushes) uses it unchanged.
 
 How it decides (:mod:`parlay.compress.autocost`):
 
-1. At the first step, before the first bucket goes out, it times allreduces over the group
-   (alpha, beta for fp32 and fp16). At each bucket's first compress it times every candidate's
-   encode/decode on that bucket. Every number is MAX-reduced over the group, so each rank runs
-   the same prediction on the same inputs: ranks always agree, and a collective never sees two
-   different payload formats.
+1. At the first step it times allreduces over the group (alpha, beta for fp32 and fp16), and
+   at each bucket's first compress every candidate's encode/decode on that bucket. Every number
+   is MAX-reduced over the group: each rank predicts from the same inputs, so ranks agree.
 2. It predicts each candidate's time (codec plus its collectives on the fitted link, with the
    alpha-beta formulas of :mod:`parlay.plan.model`) and keeps the current choice unless another
    is predicted ``margin`` faster (hysteresis; at first ``none``; on one host 0.5 at least).
+   Then it measures: every contender predicted within 30% of the best runs ``trial`` steps
+   (default 3) and the fastest measured stays (:mod:`parlay.compress.autotrial`).
 3. Every ``every`` steps the median step time (MAX over ranks) is compared with the one after
    the last decision; a change beyond ``threshold`` triggers a new measurement and decision,
    unless measuring has already taken more than ``budget`` (0.5%) of the time since the first
-   step (so on a fast link, where there is little to win, deciding again costs next to nothing).
-   The window after a switch is compared with the one before it: if the step got slower by
-   more than ``threshold / 2``, the switch is undone (the model was wrong here), so auto never
-   stays on a choice that measured slower than the one it left.
+   step. The window after such a switch is compared with the one before it: if the step got
+   slower by more than ``threshold / 2``, the switch is undone (the model was wrong here).
 
 Error feedback stays exact across switches: when a bucket leaves a candidate that keeps a
 residual (top-k, PowerSGD), the residual moves out of that candidate and is added to the
 bucket's next gradient, whatever compressor sends it (``sent + kept == produced``).
 
-What it chose is in :attr:`AutoCompressor.choices` (bucket key -> spec), its reasons in
-:attr:`AutoCompressor.history`, and each change is logged on logger ``parlay.compress``.
+Its choices are in :attr:`AutoCompressor.choices` (bucket key -> spec), its reasons in
+:attr:`AutoCompressor.history`; each change is logged on logger ``parlay.compress``.
 """
 from __future__ import annotations
 
@@ -43,6 +41,8 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay.compress import autocost
+from parlay.compress.autoopts import DEFAULT_CANDIDATES, check_options
+from parlay.compress.autotrial import Trial, contenders
 from parlay.compress.autowire import AutoCtx, rebuild_ctx, wire_values
 from parlay.compress.base import Compressor, get_compressor, register
 from parlay.compress.feedback import parse_options
@@ -51,34 +51,6 @@ from parlay.errors import ConfigError
 __all__ = ["AutoCompressor", "AutoCtx", "DEFAULT_CANDIDATES"]
 
 log = logging.getLogger("parlay.compress")
-
-#: top-k on both wires: the compact one (bfloat16 values, 16-bit offsets: 4 bytes a coordinate,
-#: :mod:`parlay.compress.sparsewire`) wins where bytes cost, the plain one (8) where they don't.
-DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01", "topk:0.01,compact=1")
-
-_ALLOWED = ("none", "fp16", "bf16", "powersgd", "topk", "randomk")
-
-
-def _check_options(candidates: Sequence[str], every: int, threshold: float,
-                   margin: float) -> list[str]:
-    """The candidate specs, normalised; raises ConfigError on anything out of range."""
-    if isinstance(candidates, str) or not candidates:
-        raise ConfigError(f"auto compression needs a non-empty list of candidate specs, got "
-                          f"{candidates!r}. Hint: ['none', 'fp16', 'topk:0.01'].")
-    specs = [str(c).strip().lower() for c in candidates]
-    for s in specs:
-        if s.partition(":")[0] not in _ALLOWED:
-            raise ConfigError(f"auto compression cannot choose {s!r}; candidates may be "
-                              f"{', '.join(_ALLOWED)} (with one option, e.g. 'topk:0.01').")
-    if len(set(specs)) != len(specs):
-        raise ConfigError(f"auto compression candidates repeat: {specs}.")
-    if isinstance(every, bool) or int(every) != every or every < 1:
-        raise ConfigError(f"auto every must be an integer >= 1 (steps), got {every!r}.")
-    if not 0 < float(threshold) < 10 or not 0 <= float(margin) < 1:
-        raise ConfigError(f"auto threshold must be in (0, 10) and margin in [0, 1), got "
-                          f"{threshold!r} and {margin!r}. Hint: threshold=0.2, margin=0.25.")
-    return specs
-
 
 class AutoCompressor(Compressor):
     """Choose per bucket among ``candidates`` from measured bandwidth and codec cost.
@@ -92,6 +64,8 @@ class AutoCompressor(Compressor):
         margin: A candidate must be predicted this fraction faster than the current one to
             replace it.
         budget: Largest share of the run's time spent measuring before a new decision.
+        trial: Steps each close contender of the first decision runs before the fastest
+            measured is kept (0: trust the prediction).
 
     Raises:
         ConfigError: Unknown or duplicate candidates, or options out of range.
@@ -105,15 +79,18 @@ class AutoCompressor(Compressor):
     decodes_into = True
     #: Every candidate encodes a*x as a times x's encoding (a > 0): scale before the sum.
     homogeneous = True
+    #: The trial's contenders: predicted within this fraction of the best, at most this many.
+    trial_within, trial_most = 0.3, 3
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
-                 threshold: float = 0.2, margin: float = 0.25, budget: float = 0.005) -> None:
-        self.specs = _check_options(candidates, every, threshold, margin)
-        if not 0 <= float(budget) <= 1:
-            raise ConfigError(f"auto budget must be a fraction in [0, 1], got {budget!r}.")
-        self.budget = float(budget)
+                 threshold: float = 0.2, margin: float = 0.25, budget: float = 0.005,
+                 trial: int = 3) -> None:
+        self.specs = check_options(candidates, every, threshold, margin, trial, budget)
+        self.budget, self.trial = float(budget), int(trial)
         self.cands = {s: get_compressor(s) for s in self.specs}
         self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
+        #: The trial under way (True: due at the next step), else None.
+        self.trialing: Trial | bool | None = None
         self._margin = self.margin  # what a switch needs (bind: at least 0.5 on one host)
         #: Bucket key -> the spec it uses now.
         self.choices: dict[str, str] = {}
@@ -178,9 +155,9 @@ class AutoCompressor(Compressor):
         decides (it encodes with the choices it was copied with, else the first eligible
         candidate). A parameter server's setup probes such a copy on every rank, so the probe
         must not start a collective."""
-        twin = AutoCompressor(self.specs, self.every, self.threshold, self.margin, self.budget)
-        twin.choices, twin._eligible = dict(self.choices), list(self._eligible)
-        twin._world = 1
+        twin = AutoCompressor(self.specs, self.every, self.threshold, self.margin, self.budget,
+                              self.trial)
+        twin.choices, twin._eligible, twin._world = dict(self.choices), list(self._eligible), 1
         for k, v in self._layouts.items():
             twin.set_layout(k, v)
         return twin
@@ -227,19 +204,41 @@ class AutoCompressor(Compressor):
         now = time.perf_counter()
         if self._t0 is None:
             self._t0 = now
-        if self._t_last is not None and not self._measured:
-            self._intervals.append(now - self._t_last)  # (a step that measured is no sample)
+        last = now - self._t_last if self._t_last is not None and not self._measured else None
+        if last is not None:
+            self._intervals.append(last)  # (a step that measured is no sample)
         self._measured = False
         self._t_last = now
         self._step += 1
         self._decide_keys = None
         if self._step == 1:
             self._calibrate(flat)
+            self.trialing = self._collective and self.trial > 0
+        elif self.trialing:
+            self._run_trial(last)
         elif self._collective and self._step % self.every == 0 and self._intervals:
             # (parameter-server pushes decide once: workers run different step counts in the
             # async and stale policies, so a periodic collective among them could wait forever)
             self._check(statistics.median(self._intervals))
             self._intervals = []
+
+    def _run_trial(self, last: float | None) -> None:
+        """One step of the trial: start it, hand the next contender its steps, or end it."""
+        if self.trialing is True:
+            opts = contenders(self.last_prediction, self.choices, self.trial_within,
+                              self.trial_most)
+            self.trialing = Trial(opts, self.trial, self.threshold / 4) if opts[1:] else None
+        trial, why = self.trialing, "trial"
+        if not isinstance(trial, Trial):
+            return
+        new = trial.next(last)
+        if trial.done:  # every rank ends it at the same step: the medians are reduced together
+            new, why = trial.winner(autocost.agreed_max(
+                [self._time("trial", str(i), t) for i, t in enumerate(trial.measured)],
+                self._group))
+            self.trialing, self._intervals, self._ref, self._measured = None, [], None, True
+        for k, s in (new or {}).items():
+            self._switch(k, s, why)
 
     def _check(self, local: float) -> None:
         step_s = autocost.agreed_max([self._time("step", "median", local)], self._group)[0]
@@ -383,6 +382,7 @@ class AutoCompressor(Compressor):
             if s in self.cands:
                 self.cands[s].load_state_dict(sd)
         self._t_last, self._intervals, self._ref, self._verify = None, [], None, None
+        self.trialing = None
 
     def __repr__(self) -> str:
         return f"AutoCompressor(candidates={self.specs})"
@@ -390,7 +390,7 @@ class AutoCompressor(Compressor):
 
 def _make(*args: str) -> Compressor:
     o = parse_options(args, [], {"candidates": str, "every": int, "threshold": float,
-                                 "margin": float, "budget": float}, "auto")
+                                 "margin": float, "budget": float, "trial": int}, "auto")
     cands = o.pop("candidates", None)
     if cands is not None:
         o["candidates"] = [c for c in cands.split("+") if c]
