@@ -1,7 +1,7 @@
 """reduce_async(into=...) on real gloo ranks: decoding into the bucket itself gives the same sum.
 
-The data-parallel optimizer passes its bucket as ``into`` so top-k and PowerSGD decode without a
-bucket-sized allocation per step; here twins with and without ``into`` must agree exactly, and
+The data-parallel optimizer passes its bucket as ``into`` so top-k, random-k, PowerSGD and the
+casts decode without a bucket-sized allocation per step; here twins with and without ``into`` must agree exactly, and
 top-k (exact and DGC-sampled) must equal the sum of what every rank sent (input minus residual).
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(120)
 
 SHAPE = (256, 512)  # >= 65536 elements: top-k's sampled path applies
 N = SHAPE[0] * SHAPE[1]
-NAMES = ["topk:0.01", "topk:0.01,sample=0.01", "topk:0.01,compact=1", "powersgd:4"]
+NAMES = ["topk:0.01", "topk:0.01,sample=0.01", "topk:0.01,compact=1", "powersgd:4",
+         "randomk:0.01", "fp16", "bf16"]
 
 
 def _grad(rank: int, step: int) -> torch.Tensor:
@@ -35,10 +36,13 @@ def _reduce_into(names: list[str]) -> dict:
         rows = []
         for s in range(3):
             flat = _grad(rank, s)
-            before = a.memory.residual.get("bucket0", torch.zeros(N, dtype=torch.float64)).clone()
+            mem = getattr(a, "memory", None)  # (the casts keep no residual)
+            zero = torch.zeros(N, dtype=torch.float64)
+            before = mem.residual.get("bucket0", zero).clone() if mem is not None else zero
             out = reduce_async(flat, a, "bucket0", into=flat).wait()
             ref = reduce_async(_grad(rank, s), b, "bucket0").wait()
-            sent = _grad(rank, s) + before - a.memory.residual["bucket0"]
+            sent = _grad(rank, s) + before - (mem.residual["bucket0"] if mem is not None
+                                              else zero)
             comm.allreduce(sent, "sum")
             rows.append(dict(is_into=out is flat, out=out.clone(), ref=ref, sent_sum=sent))
         report[name] = rows

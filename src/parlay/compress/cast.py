@@ -49,11 +49,21 @@ class CastCtx:
         return {**self.__dict__, "source": None}
 
 
+def _widen(t: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """``t`` as ``dtype``: into ``out`` when it fits (the bucket itself, see
+    :func:`~parlay.compress.reduce_async`), else a new tensor."""
+    if out is not None and out.dtype == dtype and out.shape == t.shape \
+            and out.device == t.device:
+        return out.copy_(t)
+    return t.to(dtype, copy=True)
+
+
 class BF16(Compressor):
     """Cast to bfloat16 on the wire (relative error <= 2**-8 per element, before the sum)."""
 
     name = "bf16"
     summable = True
+    decodes_into = True
     wire_dtype = torch.bfloat16
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
@@ -61,8 +71,9 @@ class BF16(Compressor):
             return [flat.clone()], CastCtx(flat.dtype)
         return [flat.to(self.wire_dtype, copy=True)], CastCtx(flat.dtype)
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
-        return payload[0].to(ctx.dtype, copy=True)
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        return _widen(payload[0], ctx.dtype, out)
 
     def __repr__(self) -> str:
         return "BF16()"
@@ -80,6 +91,7 @@ class FP16(Compressor):
 
     name = "fp16"
     summable = True
+    decodes_into = True
 
     def __init__(self, init_scale: float = 1.0, dynamic: bool = True) -> None:
         scale = float(init_scale)
@@ -130,11 +142,12 @@ class FP16(Compressor):
         exp = _TARGET_EXP - math.frexp(amax)[1]
         self._scale[key] = 2.0 ** min(_MAX_EXP, max(_MIN_EXP, exp))
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         t = payload[0]
+        out = _widen(t, ctx.dtype, out)  # (an overflow's retry has been sent by now)
         if ctx.fallback or t.dtype != torch.float16:
-            return t.to(ctx.dtype, copy=True)
-        out = t.to(ctx.dtype, copy=True)
+            return out
         return out.mul_(1.0 / ctx.scale) if ctx.scale != 1.0 else out
 
     def state_dict(self) -> dict[str, Any]:

@@ -264,6 +264,7 @@ class RandomK(_Sparsifier):
 
     name = "randomk"
     summable = True
+    decodes_into = True
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(ratio, **kwargs)
@@ -289,9 +290,17 @@ class RandomK(_Sparsifier):
                  k: int | None = None) -> list[torch.Tensor]:
         return [values]
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The summed values at their coordinates; into ``out`` (returned) when it fits (the
+        bucket itself, see :func:`~parlay.compress.reduce_async`: no fresh bucket-sized
+        allocation and copy per step)."""
         values = payload[0]
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        if (out is not None and out.dtype == ctx.dtype and out.device == values.device
+                and out.shape == (ctx.numel,)):
+            out.zero_()
+        else:
+            out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
         return out.index_add_(0, self.indices(ctx.numel, ctx.k, ctx.seed, values.device),
                               values.to(ctx.dtype))
 
