@@ -211,21 +211,23 @@ def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any
 
 
 def local_round_trip(compressor: Compressor, flat: torch.Tensor, key: str,
-                     world: int = 1) -> torch.Tensor:
+                     world: int = 1, into: torch.Tensor | None = None) -> torch.Tensor:
     """One rank's codec work on a bucket, with no collective: what timing a codec measures.
 
     A summable compressor encodes ``flat``, runs its further rounds on its own payload (standing
     in for the group's sum) and decodes; any other decodes ``world`` copies of its payload, as
-    after an allgather.
+    after an allgather. Compressors that can decode into ``into`` (a buffer like ``flat``) do,
+    as the optimizer's step decodes into its bucket.
 
     Returns:
         The decoded bucket (``world`` times ``flat``'s encoding for an allgather compressor).
     """
     payload, ctx = compressor.compress(flat, key)
+    kw = {"out": into} if into is not None and compressor.decodes_into else {}
     if compressor.summable:
         reduced = further_rounds(compressor, payload, ctx, None, lambda nxt: nxt)
-        return compressor.decompress(reduced, ctx)
-    return compressor.aggregate([payload] * world, ctx)
+        return compressor.decompress(reduced, ctx, **kw)
+    return compressor.aggregate([payload] * world, ctx, **kw)
 
 
 def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: Any = None,
