@@ -238,8 +238,10 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
         row["wire_bytes"] = (stats[1]["wire_bytes"] - stats[0]["wire_bytes"]) / n
         row["cross_host_bytes"] = stats[1].get("cross_host_bytes_per_step", 0.0)
         choice = getattr(opt.compression, "describe", None)
-        if callable(choice):  # "auto": what it chose
+        if callable(choice):  # "auto": what it chose, and its trial's measurements
             row["chose"] = str(choice())
+            row["trial"] = [[h[0], h[3], h[4]] for h in opt.compression.history
+                            if h[4].startswith("trial")]
     if pipe:
         p = step.pipe  # type: ignore[attr-defined]
         row.update(events=step.recorder.events, stage=p.mesh.pp_rank,  # type: ignore[attr-defined]
