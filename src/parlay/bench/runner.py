@@ -105,9 +105,9 @@ def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: 
                  wire_MB=agg.get("wire_MB"), expected_MB=agg.get("expected_MB"))
         p["of_limit"] = p["samples_s"] / limit
         p.update(_probed(rows, name))
-        chose = [r["chose"] for r in rows if r["contestant"] == name and "chose" in r]
-        if chose:
-            p["chose"] = chose[0]
+        chose = [r for r in rows if r["contestant"] == name and "chose" in r]
+        if chose:  # auto: what it chose, and its trial's switches (rank 0's, as every rank's)
+            p["chose"], p["trial"] = chose[0]["chose"], chose[0].get("trial", [])
         out.append(p)
     return out
 
