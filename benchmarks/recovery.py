@@ -15,9 +15,10 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   rank waits for the gradient reduction of the next step (deferred,
   :mod:`parlay.snapshot.deferred`); and with the gradient journal (the default where it
   applies, :mod:`parlay.snapshot.journal`: a deferred full copy every ``base_every`` steps, each
-  step's gradients in between). Modes rotate in chunks of ``--chunk`` timed steps (so load from
-  other processes hits all alike; before each chunk, untimed, the previous mode's deferred copy
-  is finished and one step taken, in which the journal takes its base). Ratios of the mean step
+  step's gradients in between). Modes take turns in chunks of ``--chunk`` timed steps, each
+  round in a fresh random order (so load from other processes, and what one mode leaves in the
+  caches for the next, hits all alike; before each chunk, untimed, the previous mode's deferred
+  copy is finished and one step taken, in which the journal takes its base). Ratios of the mean step
   times (the journal's cost comes once per base, which a median would not see; medians are
   printed beside), wall clock and the training thread's CPU time; the mean of each round's
   chunk over the same round's off chunk with its 95% interval; and the CPU time the journal's
@@ -37,6 +38,7 @@ T_PROCESS = time.time()  # noqa: E402 - before the imports: the restarted proces
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
@@ -164,7 +166,10 @@ def worker_overhead(a: argparse.Namespace) -> None:
                     times[mode].append(time.perf_counter() - t0)
                     cpu[mode].append(time.thread_time() - c0)
             in_code.on = False
-        order = order[1:] + order[:1]
+        # Each round in its own order (the same on every rank): in a fixed rotation every mode
+        # always follows the same one, and whatever a mode leaves behind (caches, the
+        # journal's slots) would always land on the same successor.
+        random.Random(pair).shuffle(order)
     t.should_stop()
     Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({
         "wall": times, "cpu": cpu, "base_every": journal.base_every if journal else 0,

@@ -24,6 +24,12 @@ _last: dict[str, Any] = {}
 _MT19937_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
 
 
+# The global generator whose state address was last read, and that address: ``bg.ctypes``
+# builds ctypes objects on every access (~20 us right after a step, when nothing is cached).
+# Holding the generator keeps the address valid; a generator set in its place is read anew.
+_np_addr: list[Any] = [None, 0]
+
+
 def _numpy_raw() -> bytes | None:
     """The raw bytes of NumPy's global MT19937 state (~1 us; ``get_state()`` takes ~50), or
     ``None`` where it cannot be read so."""
@@ -31,7 +37,9 @@ def _numpy_raw() -> bytes | None:
         bg = np.random.get_bit_generator()
         if type(bg) is not np.random.MT19937:
             return None
-        return ctypes.string_at(bg.ctypes.state_address, _MT19937_BYTES)
+        if _np_addr[0] is not bg:
+            _np_addr[:] = [bg, bg.ctypes.state_address]
+        return ctypes.string_at(_np_addr[1], _MT19937_BYTES)
     except Exception:  # noqa: BLE001 - an older NumPy or another generator: read it in full
         return None
 
@@ -94,9 +102,20 @@ def rng_state() -> dict[str, Any]:
     Python state are shared between calls."""
     st: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": _numpy_state(),
                           "python": _python_state()}
-    if torch.cuda.is_available():
+    if _cuda():
         st["cuda"] = torch.cuda.get_rng_state_all()
     return st
+
+
+_has_cuda: list[bool] = []
+
+
+def _cuda() -> bool:
+    """``torch.cuda.is_available()``, asked once per process (~15 us each time right after a
+    step, and a snapshot asks every step)."""
+    if not _has_cuda:
+        _has_cuda.append(torch.cuda.is_available())
+    return _has_cuda[0]
 
 
 def set_rng_state(st: dict[str, Any]) -> None:
@@ -108,5 +127,5 @@ def set_rng_state(st: dict[str, Any]) -> None:
                          n["has_gauss"], n["gauss"]))
     p = st["python"]
     random.setstate((p["version"], tuple(int(v) for v in p["state"].tolist()), p["gauss"]))
-    if "cuda" in st and torch.cuda.is_available():
+    if "cuda" in st and _cuda():
         torch.cuda.set_rng_state_all(st["cuda"])
