@@ -42,7 +42,7 @@ from parlay.registry import Registry
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
            "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle",
-           "local_round_trip"]
+           "local_round_trip", "reusable"]
 
 
 class Compressor:
@@ -208,6 +208,15 @@ def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any
             stats.add_wire(_nbytes(nxt))
         reduced = reduce(nxt)
     return reduced
+
+
+def reusable(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> bool:
+    """Whether a decoder may write its result into ``out`` (the caller's bucket, see
+    :func:`reduce_async`'s ``into``): it is given and has the result's shape, dtype and
+    device."""
+    return (out is not None and out.dtype == dtype and out.device == device
+            and tuple(out.shape) == tuple(shape))
 
 
 def local_round_trip(compressor: Compressor, flat: torch.Tensor, key: str,

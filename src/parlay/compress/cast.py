@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from parlay.compress.base import Compressor, register
+from parlay.compress.base import Compressor, register, reusable
 from parlay.compress.feedback import parse_options
 from parlay.errors import ConfigError
 
@@ -52,8 +52,7 @@ class CastCtx:
 def _widen(t: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
     """``t`` as ``dtype``: into ``out`` when it fits (the bucket itself, see
     :func:`~parlay.compress.reduce_async`), else a new tensor."""
-    if out is not None and out.dtype == dtype and out.shape == t.shape \
-            and out.device == t.device:
+    if reusable(out, t.shape, dtype, t.device):
         return out.copy_(t)
     return t.to(dtype, copy=True)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from parlay.compress.base import Compressor, register
+from parlay.compress.base import Compressor, register, reusable
 from parlay.compress.feedback import Residuals, parse_options, seed_for
 from parlay.errors import ConfigError
 
@@ -273,8 +273,7 @@ class PowerSGD(Compressor):
         plan: _Plan = ctx.plan
         dense = ctx.dense
         # The plan's matrices and dense ranges cover every element, so no zero fill.
-        if (out is None or out.dtype != dense.dtype or out.device != dense.device
-                or out.shape != (plan.numel,)):
+        if not reusable(out, (plan.numel,), dense.dtype, dense.device):
             out = torch.empty(plan.numel, dtype=dense.dtype, device=dense.device)
         off, r = 0, self.rank
         for mt, phat in zip(plan.mats, ctx.phat):

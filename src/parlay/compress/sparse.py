@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from parlay.compress.base import Compressor, register
+from parlay.compress.base import Compressor, register, reusable
 from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
 from parlay.compress.sparsewire import pack_compact, unpack_compact
 from parlay.compress.topsel import exact_topk, magnitude_topk
@@ -239,11 +239,9 @@ class TopK(_Sparsifier):
         """Sum of every rank's payload; into ``out`` (returned) when it fits, see
         :func:`~parlay.compress.reduce_async`."""
         device = payloads[0][0].device
-        if (out is not None and out.dtype == ctx.dtype and out.device == device
-                and out.shape == (ctx.numel,)):
-            out.zero_()  # memory already touched: far cheaper than a fresh torch.zeros
-        else:
-            out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=device)
+        # memory already touched: zeroing it is far cheaper than a fresh torch.zeros
+        out = out.zero_() if reusable(out, (ctx.numel,), ctx.dtype, device) else \
+            torch.zeros(ctx.numel, dtype=ctx.dtype, device=device)
         for payload in payloads:  # rank order: the same summation order on every rank
             # indices are distinct within a payload (padding adds 0.0): order-independent
             values, idx = (unpack_compact(payload[0], ctx.numel, ctx.k) if len(payload) == 1
@@ -296,11 +294,8 @@ class RandomK(_Sparsifier):
         bucket itself, see :func:`~parlay.compress.reduce_async`: no fresh bucket-sized
         allocation and copy per step)."""
         values = payload[0]
-        if (out is not None and out.dtype == ctx.dtype and out.device == values.device
-                and out.shape == (ctx.numel,)):
-            out.zero_()
-        else:
-            out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
+        out = out.zero_() if reusable(out, (ctx.numel,), ctx.dtype, values.device) else \
+            torch.zeros(ctx.numel, dtype=ctx.dtype, device=values.device)
         return out.index_add_(0, self.indices(ctx.numel, ctx.k, ctx.seed, values.device),
                               values.to(ctx.dtype))
 
