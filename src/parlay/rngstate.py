@@ -3,6 +3,7 @@ plain values so ``weights_only`` loading of checkpoints and snapshots accepts th
 from __future__ import annotations
 
 import ctypes
+import functools
 import random
 import struct
 import sys
@@ -107,15 +108,11 @@ def rng_state() -> dict[str, Any]:
     return st
 
 
-_has_cuda: list[bool] = []
-
-
+@functools.cache
 def _cuda() -> bool:
     """``torch.cuda.is_available()``, asked once per process (~15 us each time right after a
     step, and a snapshot asks every step)."""
-    if not _has_cuda:
-        _has_cuda.append(torch.cuda.is_available())
-    return _has_cuda[0]
+    return torch.cuda.is_available()
 
 
 def set_rng_state(st: dict[str, Any]) -> None:

@@ -79,11 +79,6 @@ class Trial:
     def done(self) -> bool:
         return self.index >= len(self.options)
 
-    @property
-    def measuring(self) -> int:
-        """How many contenders were measured so far (their medians not yet agreed)."""
-        return len(self.measured)
-
     def winner(self, agreed: list[float]) -> tuple[dict[str, str], str]:
         """The assignment to keep, from every contender's median agreed over the ranks, and
         why."""
