@@ -13,15 +13,9 @@ from parlay.plan import (ClusterSpec, Costs, Link, Workload, allreduce_s, codec_
                          wire_rounds)
 from parlay.plan.model import rounds_s
 
+from tests.unit.test_plan import FREE, _w
+
 pytestmark = pytest.mark.timeout(60)
-
-# No software costs, no queueing effects: only links and compute.
-FREE = Costs(**{f.name: 0.0 for f in dataclasses.fields(Costs)})
-FREE = dataclasses.replace(FREE, incast_efficiency=1.0, duplex_efficiency=1.0)
-
-
-def _w(params: float = 25e6, batch: int = 32, per_sample: float = 1e-3, **kw) -> Workload:
-    return Workload(params, batch, per_sample, **kw)
 
 
 # ------------------------------------------------------------------ fit to a measured run
