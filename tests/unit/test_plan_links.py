@@ -92,6 +92,24 @@ def test_ps_chunks_overlap_the_two_directions_only_on_a_network_link() -> None:
         pytest.approx(predict(w, local, "ps", costs=FREE, servers=2).step_s)
 
 
+def test_sync_pushes_that_together_overrun_a_servers_queue_pay_incast() -> None:
+    # 2 workers push 11.7 MB each over 2 servers: 5.8 MB from each into a server, under a
+    # 1 Gbit/s link's 6.25 MB queue (50 ms) alone, over it together, and sync workers push at once
+    link = Link(1e9)
+    w = Workload(2.92e6, 64, 1e-4)
+    c = ClusterSpec(2, 1, link, overlap=0.0)
+    costs = dataclasses.replace(FREE, incast_efficiency=0.8, queue_s=0.05)
+    into_server = 2 * w.grad_bytes / 2 * link.beta  # seconds, at the link's goodput
+    sync = predict(w, c, "ps", costs=costs, servers=2, server_link=link)
+    assert sync.terms["push"] == pytest.approx(into_server / 0.8)
+    deep = dataclasses.replace(costs, queue_s=0.1)  # a queue that holds both pushes
+    assert predict(w, c, "ps", costs=deep, servers=2, server_link=link).terms["push"] == \
+        pytest.approx(into_server)
+    # async workers drift apart: a worker's own push pays none of it
+    asyn = predict(w, c, "ps", costs=costs, servers=2, server_link=link, consistency="async")
+    assert asyn.terms["push"] == pytest.approx(w.grad_bytes * link.beta)
+
+
 def test_exchange_probe_gives_the_link_that_repeats_it() -> None:
     params = 2.9e6
     link = exchange_link(0.02, 4 * params)

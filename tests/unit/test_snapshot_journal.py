@@ -148,3 +148,29 @@ def test_corrupted_records_give_only_checkpoint_errors(written, step, changes):
             pass
     finally:
         meta[:], commit[:] = keep
+
+
+class SharedHead(Run):
+    """A head whose second tensor is one shared object until it changes (as NumPy's and
+    Python's RNG states come back from :func:`parlay.rngstate.rng_state`)."""
+
+    def __init__(self, root: Path) -> None:
+        self.shared, self.seen = torch.zeros(4), {}
+        super().__init__(root, seed=0)
+
+    def head(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        if self.step % 5 == 3:  # drawn from now and then: a new object, new values
+            self.shared = torch.full((4,), float(self.step))
+        self.seen[self.step] = self.shared.clone()
+        return {"step": self.step}, [torch.get_rng_state(), self.shared]
+
+
+def test_each_record_holds_its_own_steps_state_when_unchanged_tensors_skip_their_copy(tmp_path):
+    live = SharedHead(tmp_path)
+    live.train(23)  # 6 slots: each reused three times, the shared tensor changing in between
+    live.journal.wait()
+    committed = live.journal._committed()
+    assert len(committed) >= 4
+    for step, slot in committed.items():
+        _, tensors = live.journal._read(step, slot)
+        assert torch.equal(tensors[live.journal._nbuf + 1], live.seen[step]), step

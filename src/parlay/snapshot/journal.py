@@ -135,6 +135,10 @@ class GradientJournal:
         self._views = [buckets.views_in(t[:self._nbuf]) for t in self._slots]
         self._np = [([h.numpy() for h in t[self._nbuf:-2]], t[-2].numpy(), t[-1].numpy())
                     for t in self._slots]
+        # Per slot, the record tensors last copied into it: NumPy's and Python's RNG states
+        # come back as the same tensor objects while nobody draws from them (held here, so
+        # never freed and their ids never reused), and a slot holding them needs no copy.
+        self._wrote: list[list[Any]] = [[None] * len(head_tensors) for _ in self._slots]
         self._last_base: int | None = None
         self._slot, self._expect = 0, -1  # the buckets' slot, and the step it was handed for
         self._pending: tuple[Any, ...] | None = None  # a record taken, not written yet
@@ -334,8 +338,12 @@ class GradientJournal:
             if len(text) > RECORD_BYTES:
                 raise ValueError(f"a record needs {len(text)} bytes, a slot has {RECORD_BYTES}")
             heads, meta, commit = self._np[slot]
-            for d, src in zip(heads, tensors):
-                d[...] = src.numpy()
+            wrote = self._wrote[slot]
+            for i, (d, src) in enumerate(zip(heads, tensors)):
+                if wrote[i] is not src:
+                    wrote[i] = None  # a copy cut short leaves no claim behind
+                    d[...] = src.numpy()
+                    wrote[i] = src
             meta[:len(text)] = np.frombuffer(text, dtype=np.uint8)
             commit[1] = len(text)
             commit[0] = step  # the commit: stored last
@@ -380,4 +388,4 @@ class GradientJournal:
         """Delete this rank's snapshots and journal, and unmap the slots."""
         self.close()
         self.store.clear()
-        self._slots, self._views, self._np = [], [], []
+        self._slots, self._views, self._np, self._wrote = [], [], [], []
