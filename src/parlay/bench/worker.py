@@ -24,11 +24,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Any, Callable
 
 from parlay.bench.common import MODELS, model_params
+from parlay.bench.contestants import contestant as _contestant
 from parlay.bench.probes import codec_spec, ps_exchange, timed_next_to
 
 __all__ = ["run_spec", "main"]
@@ -50,94 +50,6 @@ def _widths(spec: dict[str, Any]) -> tuple[list[int], int]:
     return widths, int(spec.get("batch") or batch)
 
 
-class _Recorder:
-    """Wraps a pipeline's ``meter.timing`` to keep each compute interval of one step."""
-
-    def __init__(self, meter: Any) -> None:
-        self.events: list[tuple[str, float, float]] = []
-        self.on = False
-        self.t0 = 0.0
-        self._inner = meter.timing
-        meter.timing = self  # instance attribute: the stages call meter.timing()
-
-    def __call__(self) -> Any:
-        import contextlib
-
-        # The caller names the phase: forward_one_chunk, backward_one_chunk, the loss' __call__.
-        kind = {"forward_one_chunk": "F", "backward_one_chunk": "B"}.get(
-            sys._getframe(1).f_code.co_name, "L")
-
-        @contextlib.contextmanager
-        def timed() -> Any:
-            start = time.perf_counter()
-            with self._inner():
-                yield
-            if self.on:
-                self.events.append((kind, start - self.t0, time.perf_counter() - self.t0))
-        return timed()
-
-
-def _pipe_contestant(schedule: str, widths: list[int], chunks: int) -> tuple[Callable, Any]:
-    import torch
-    import torch.nn as nn
-
-    from parlay.bench.common import mlp
-    from parlay.pipeline import Pipeline
-
-    pipe = Pipeline(mlp(widths), nn.functional.cross_entropy, chunks=chunks, schedule=schedule)
-    opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.01))
-    rec = _Recorder(pipe.meter)
-    last: dict[str, Any] = {}
-
-    def step(x: Any, y: Any) -> None:
-        # Keep the first timed step (it starts right after a barrier, so stages line up).
-        recording = rec.on
-        if recording:
-            rec.events, rec.t0 = [], time.perf_counter()
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        out = pipe.step(x, y)
-        opt.step()
-        rec.on = False
-        last.update(wall=time.perf_counter() - t0, compute=out.compute_s,
-                    bubble=out.bubble, act_bytes=out.fwd_bytes + out.bwd_bytes)
-    step.recorder, step.last, step.pipe = rec, last, pipe  # type: ignore[attr-defined]
-    return step, None
-
-
-def _contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable, Any]:
-    """``(step(x, y), DistributedOptimizer or None)`` for one contestant."""
-    import torch
-    import torch.nn as nn
-
-    import parlay
-    from parlay.bench.common import mlp
-
-    if name.startswith("pipe:"):
-        return _pipe_contestant(name[5:], widths, chunks)
-    model = mlp(widths)
-    loss_fn = nn.CrossEntropyLoss()
-    opt: Any = None
-    if name == "ddp":
-        # Same seed on every rank: skip DDP's start-up broadcast (seconds on a slow link).
-        model = nn.parallel.DistributedDataParallel(model, init_sync=False)
-        base = torch.optim.SGD(model.parameters(), lr=0.01)
-    elif name == "compute":
-        base = torch.optim.SGD(model.parameters(), lr=0.01)
-    else:
-        comp = None if name in ("none", "parlay", "flat", "hier") else name
-        opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                          named_parameters=model.named_parameters(),
-                                          compression=comp, hierarchical=name == "hier")
-        base = opt
-
-    def step(x: Any, y: Any) -> None:
-        base.zero_grad()
-        loss_fn(model(x), y).backward()
-        base.step()
-    return step, opt
-
-
 def _slowest(times: list[float]) -> list[float]:
     """Per-step maximum over the ranks: every step starts after a barrier, so a step lasts
     until its slowest rank is done (a pipeline's first stage, the rank that was descheduled)."""
@@ -150,34 +62,55 @@ def _slowest(times: list[float]) -> list[float]:
     return t.tolist()
 
 
+class _Timing:
+    """One contestant's timed steps so far: step seconds, each probe's seconds, NIC bytes."""
+
+    def __init__(self, probes: dict[str, Callable] | None) -> None:
+        self.probes = probes or {}
+        self.steps: list[float] = []
+        self.probed: dict[str, list[float]] = {k: [] for k in self.probes}
+        self.nic = {"tx": 0, "rx": 0}
+
+    def once(self, step: Callable, x: Any, y: Any) -> None:
+        """Every probe once, then one step, each between barriers (every rank together)."""
+        from parlay import comm
+
+        before = _nic()
+        for k, fn in self.probes.items():
+            t0 = time.perf_counter()
+            fn()
+            self.probed[k].append(time.perf_counter() - t0)
+            comm.barrier()
+        t0 = time.perf_counter()
+        step(x, y)
+        self.steps.append(time.perf_counter() - t0)
+        comm.barrier()
+        after = _nic()
+        for k in self.nic:
+            self.nic[k] += after[k] - before[k]
+
+    def result(self) -> tuple[float, dict[str, float], dict[str, int]]:
+        """(median s per step, {probe: median s}, NIC bytes): medians of the per-step maximum
+        over the ranks."""
+        med = {k: statistics.median(_slowest(v)) for k, v in self.probed.items()}
+        return statistics.median(_slowest(self.steps)), med, dict(self.nic)
+
+
 def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any,
            probes: dict[str, Callable] | None = None) -> tuple:
     """Time ``n`` steps, each between barriers; before each, every probe once (the
     compute-only step, the codec, link probes): same moment, same load, since the machine's
     cores are shared with other processes whose load drifts. Returns (median s per step,
-    {probe: median s}, NIC before, after, comm_stats before and after); each median is of
-    the per-step maximum over the ranks."""
+    {probe: median s}, NIC bytes, comm_stats before and after); each median is of the per-step
+    maximum over the ranks."""
     from parlay import comm
 
     before = opt.comm_stats() if opt is not None else None
-    steps: list[float] = []
-    probed: dict[str, list[float]] = {k: [] for k in probes or {}}
+    timing = _Timing(probes)
     comm.barrier()
-    nic0 = _nic()
     for _ in range(n):
-        for k, fn in (probes or {}).items():
-            t0 = time.perf_counter()
-            fn()
-            probed[k].append(time.perf_counter() - t0)
-            comm.barrier()
-        t0 = time.perf_counter()
-        step(x, y)
-        steps.append(time.perf_counter() - t0)
-        comm.barrier()
-    nic1 = _nic()
-    dt = statistics.median(_slowest(steps))
-    med = {k: statistics.median(_slowest(v)) for k, v in probed.items()}
-    return dt, med, nic0, nic1, (before, opt.comm_stats() if opt is not None else None)
+        timing.once(step, x, y)
+    return (*timing.result(), (before, opt.comm_stats() if opt is not None else None))
 
 
 def _steps_in_budget(first_s: float, steps: int, budget: float) -> int:
@@ -188,11 +121,13 @@ def _steps_in_budget(first_s: float, steps: int, budget: float) -> int:
     return max(1, min(steps, int(budget / max(first_s, 1e-6))))
 
 
-def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
-              cstep: Callable) -> dict[str, Any]:
+def _prepare(name: str, spec: dict[str, Any], x: Any, y: Any,
+             cstep: Callable) -> dict[str, Any]:
+    """Build contestant ``name``, take its first and warm-up steps (and ``auto``'s trial), and
+    size its timed steps from the budget: everything before its timed steps."""
     import parlay
 
-    widths, batch = _widths(spec)
+    widths, _ = _widths(spec)
     step, opt = _contestant(name, widths, int(spec.get("chunks", 4)))
     pipe = name.startswith("pipe:")
     xs, ys = (x.repeat(parlay.size(), 1), y.repeat(parlay.size())) if pipe else (x, y)
@@ -213,17 +148,27 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
     # step also measures the link and every candidate's codec, and is no guide).
     if settle:
         first = _timed(step, xs, ys, 1, opt, compute)
-    probes = timed_next_to(name, spec, opt, cstep, x, y)
     # Every rank runs the same number of steps: first[0] is already the slowest rank's.
     n = _steps_in_budget(first[0], int(spec.get("steps", 3)), float(spec.get("budget", 8)))
-    if pipe:
-        step.recorder.on = True  # type: ignore[attr-defined]
-    dt, probed, nic0, nic1, stats = first if n == 0 else _timed(step, xs, ys, n, opt, probes)
-    n = max(n, 1)
+    return dict(name=name, step=step, opt=opt, xs=xs, ys=ys, n=n, first=first, pipe=pipe,
+                timing=_Timing(timed_next_to(name, spec, opt, cstep, x, y)),
+                stats0=opt.comm_stats() if opt is not None else None)
+
+
+def _row(c: dict[str, Any], batch: int) -> dict[str, Any]:
+    """A prepared contestant's row, from its timed steps (or its sizing step, if none)."""
+    import parlay
+
+    name, opt, step = c["name"], c["opt"], c["step"]
+    if c["n"]:
+        dt, probed, nic = c["timing"].result()
+        stats = (c["stats0"], opt.comm_stats() if opt is not None else None)
+    else:
+        dt, probed, nic, stats = c["first"]
+    n = max(c["n"], 1)
     samples = batch * parlay.size()  # pipeline: the same global batch through one replica
     row: dict[str, Any] = dict(contestant=name, step_s=dt, samples_s=samples / dt, steps=n,
-                               nic_tx=(nic1["tx"] - nic0["tx"]) / n,
-                               nic_rx=(nic1["rx"] - nic0["rx"]) / n,
+                               nic_tx=nic["tx"] / n, nic_rx=nic["rx"] / n,
                                compute_step_s=probed["compute"])
     if "codec" in probed:  # the probes' own medians, measured in this run
         row["codec_s"], row["codec"] = probed["codec"], codec_spec(name, opt)
@@ -242,16 +187,25 @@ def _time_one(name: str, spec: dict[str, Any], x: Any, y: Any,
             row["chose"] = str(choice())
             row["trial"] = [[h[0], h[3], h[4]] for h in opt.compression.history
                             if h[4].startswith("trial")]
-    if pipe:
-        p = step.pipe  # type: ignore[attr-defined]
-        row.update(events=step.recorder.events, stage=p.mesh.pp_rank,  # type: ignore[attr-defined]
-                   bubble=step.last["bubble"], compute_s=step.last["compute"],  # type: ignore
-                   act_bytes=step.last["act_bytes"], chunks=p.chunks)  # type: ignore
+    if c["pipe"]:
+        p = step.pipe
+        row.update(events=step.recorder.events, stage=p.mesh.pp_rank,
+                   bubble=step.last["bubble"], compute_s=step.last["compute"],
+                   act_bytes=step.last["act_bytes"], chunks=p.chunks)
     return row
 
 
 def _time_dp(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every contestant prepared, then their timed steps interleaved: round ``i`` takes step
+    ``i`` of each contestant that has one left, in an order drawn afresh each round (the same
+    on every rank). The load of other processes drifts by 10% and more within a minute here,
+    so contestants timed one after the other compared each one's minute as much as its speed;
+    interleaved, every contestant sees the same minutes."""
+    import random
+
     import torch
+
+    from parlay import comm
 
     widths, batch = _widths(spec)
     g = torch.Generator().manual_seed(1)
@@ -259,7 +213,17 @@ def _time_dp(spec: dict[str, Any]) -> list[dict[str, Any]]:
     y = torch.randint(0, widths[-1], (batch,), generator=g)
     cstep, _ = _contestant("compute", widths)
     cstep(x, y)
-    return [_time_one(name, spec, x, y, cstep) for name in spec["contestants"]]
+    prepared = [_prepare(name, spec, x, y, cstep) for name in spec["contestants"]]
+    for c in prepared:  # the first timed step's timeline replaces the first step's
+        if c["pipe"] and c["n"]:
+            c["step"].recorder.on = True
+    comm.barrier()
+    for i in range(max((c["n"] for c in prepared), default=0)):
+        due = [c for c in prepared if c["n"] > i]
+        random.Random(i).shuffle(due)
+        for c in due:
+            c["timing"].once(c["step"], c["xs"], c["ys"])
+    return [_row(c, batch) for c in prepared]
 
 
 def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
