@@ -271,9 +271,21 @@ class ChunkedServing:
         self.optimizer.step()
         self._applied = k + 1
         for w in workers:
-            h = comm.send(self.flat[a:b], self.worker_ranks[w], tag=TAG_REPLY_CHUNK + k,
-                          group=self.group, async_op=True)
-            self._chunk_sends.setdefault(w, []).append(h)
+            h = self._post_send(self.flat[a:b], w, TAG_REPLY_CHUNK + k)
+            if h is not None:
+                self._chunk_sends.setdefault(w, []).append(h)
+
+    def _post_send(self, tensor: torch.Tensor, w: int, tag: int) -> Any:
+        """Post a send to worker ``w``; ``None`` when posting it failed at once (gloo raises
+        there when the connection already closed): then ``w`` is reported gone, as its
+        receiver thread will, and the error that ends serving names the worker, not the send."""
+        try:
+            return comm.send(tensor, self.worker_ranks[w], tag=tag, group=self.group,
+                             async_op=True)
+        except CommError as e:
+            log.debug("ps%d: send to worker %d failed at once: %s", self.index, w, e)
+            self._q.put(("gone", w, e))
+            return None
 
     def _set_lr(self, lr_factor: float) -> None:  # the server's: scale the base lrs
         raise NotImplementedError

@@ -252,8 +252,9 @@ class Server(ShardPersistence, ChunkedServing):
             msg = Message(Op.ERROR, self.index, c.clocks[w], c.version, float(r.code),
                           extra=self.worker_ranks[r.peer])
         out = pack(msg, self._reply_bufs[w])
-        self._sends[w] = comm.send(out, self.worker_ranks[w], tag=TAG_REPLY, group=self.group,
-                                   async_op=True)
+        h = self._post_send(out, w, TAG_REPLY)
+        if h is not None:
+            self._sends[w] = h
 
     def _wait_sent(self, w: int, h: comm.Handle) -> None:
         try:
