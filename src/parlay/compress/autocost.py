@@ -140,8 +140,10 @@ def probe_link(group: Any, world: int, bucket_bytes: Sequence[int],
     alpha = max(0.0, t_small - beta * small)
     # Same bytes in fp16 and fp32: the ratio of the two times carries gloo's software half
     # sums without inheriting the intercept's noise (an overestimated alpha would otherwise
-    # make fp16 look cheaper than it is).
-    beta_half = max(beta * t_half / max(t_large, 1e-12), 1e-15)
+    # make fp16 look cheaper than it is). The same bytes never cost less in fp16 (the same
+    # wire, sums no faster): a ratio under 1 is noise on the fp32 probe (a loaded machine
+    # once read 0.5, which predicted fp16 4x faster than dense on loopback), so it counts as 1.
+    beta_half = max(beta * max(1.0, t_half / max(t_large, 1e-12)), 1e-15)
     return LinkFit(alpha, beta, beta_half, world)
 
 
