@@ -130,14 +130,6 @@ class SnapshotStore:
         """Steps with a committed snapshot on this rank, ascending."""
         return [step for step, _ in self._committed()]
 
-    def drop_after(self, step: int) -> None:
-        """Delete the committed snapshots newer than ``step`` (a timeline that was not
-        resumed: training continues from ``step``)."""
-        self._settle()
-        for old in [h for h in self._committed() if h[0] > step]:
-            self._meta_path(*old).unlink(missing_ok=True)
-        self._held = self._committed()
-
     # ------------------------------------------------------------------ writing
     def _slot_for_next(self) -> int:
         used = {slot for _, slot in self._held}
