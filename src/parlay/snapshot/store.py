@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,11 @@ class SnapshotStore:
         self._sig: tuple[list[Any], str] = ([], "")  # (dtypes and shapes, their layout)
         self._job: DeferredCopy | None = None
         self._error: CheckpointError | None = None
+        #: Seconds this thread spent copying and committing the newest finished snapshot (in
+        #: :meth:`save` and, deferred, while waiting for communication or before the next
+        #: optimizer step): what a snapshot costs, to choose ``snapshot_every`` from. The first
+        #: save into each of the ``keep`` slots also creates its file: later ones are typical.
+        self.last_save_s: float | None = None
 
     def _make_folder(self) -> None:
         """Create this rank's folder, again if another rank's :meth:`clear` removed the (then
@@ -173,6 +179,7 @@ class SnapshotStore:
                 tensors and plain values.
         """
         self.wait()
+        t0 = time.perf_counter()
         tensors: list[torch.Tensor] = []
         skeleton = encode(state, tensors)
         lay = self._layout_of(tensors)
@@ -192,9 +199,12 @@ class SnapshotStore:
                   "slot": slot, "layout": lay, "skeleton": skeleton}
         if not later:
             self._commit(record)
+            self.last_save_s = time.perf_counter() - t0
             return
         settle_before_optimizer_steps(self)
-        self._job = DeferredCopy(later, lambda: self._commit(record)).start()
+        self._job = DeferredCopy(later, lambda: self._commit(record))
+        self._job.seconds = time.perf_counter() - t0
+        self._job.start()
 
     def _commit(self, record: dict[str, Any]) -> None:
         step, slot = record["step"], record["slot"]
@@ -219,6 +229,7 @@ class SnapshotStore:
         job, self._job = self._job, None
         if job is not None:
             job.finish()
+            self.last_save_s = job.seconds
             if job.error is not None and self._error is None:
                 self._error = job.error if isinstance(job.error, CheckpointError) else \
                     CheckpointError(f"could not copy snapshot tensors into {self.directory}: "
