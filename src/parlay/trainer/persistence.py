@@ -184,14 +184,15 @@ class Persistence:
             self.store.wait()
             copy = self.store.last_save_s or 0.0
         # Each probe step also paid one snapshot: what is left is the step itself.
-        want = choose_interval(copy, max(mean - copy, mean / 2, 1e-9))
+        step = max(mean - copy, mean / 2, 1e-9)
+        want = choose_interval(copy, step)
         group = self.strategy.train_group
         k = torch.tensor([want], dtype=torch.int64, device=comm.group_device(group))
         if comm.group_size(group) > 1:
             comm.allreduce(k, "max", group=group)
         self.every, self._probe = int(k.item()), None
         self._report(f"in-memory snapshots every {self.every} step(s): a snapshot took "
-                     f"{copy * 1e3:.2f} ms, a step {mean * 1e3:.2f} ms (at most "
+                     f"{copy * 1e3:.2f} ms, a step {step * 1e3:.2f} ms (at most "
                      f"{BUDGET:.0%} of training); steps at risk: {self.every}")
 
     def steps_at_risk(self, total_steps: int, steps_per_epoch: int) -> int | None:
