@@ -67,10 +67,9 @@ class Trainer:
         self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
                                        self._say)
         self.metrics = self._start_metrics()
-        loader_options = dict(num_workers=cfg.num_workers, prefetch=cfg.prefetch,
-                              pin_memory=runtime.device().type == "cuda")
         self.evaluation = Evaluation(self.strategy, self._metric_fn, cfg.validation_dataset,
-                                     cfg.validation_batch_size or cfg.batch_size, **loader_options)
+                                     cfg.validation_batch_size or cfg.batch_size,
+                                     **self._loader_options)
         self._say(self._start_message())
         self.metrics.write("start", mode=self.mode, dp_size=self.strategy.dp_size,
                            batch_size=self.batch_size, lr_scale=self.lr_scale,
@@ -108,10 +107,11 @@ class Trainer:
             raise ConfigError("training_dataset must be a map-style Dataset with __len__.") from None
         self.sampler = ShardedSampler(n, s.dp_size, s.dp_rank, shuffle=cfg.shuffle,
                                       seed=cfg.seed or 0, drop_last=cfg.drop_last)
+        self._loader_options: dict[str, Any] = {"num_workers": cfg.num_workers,
+                                                "prefetch": cfg.prefetch,
+                                                "pin_memory": runtime.device().type == "cuda"}
         self.loader = (build_loader(dataset, self.sampler, self.batch_size,
-                                    num_workers=cfg.num_workers, prefetch=cfg.prefetch,
-                                    pin_memory=runtime.device().type == "cuda")
-                       if s.consumes_data else None)
+                                    **self._loader_options) if s.consumes_data else None)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
         self.lr_scale = float(s.dp_size) if cfg.scaling_learning_rate else 1.0
         self.warmup_steps = (round(cfg.warmup_epochs * self.steps_per_epoch)

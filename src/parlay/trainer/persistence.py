@@ -45,11 +45,7 @@ PROBE_STEPS = 3
 
 def choose_interval(copy_s: float, step_s: float, budget: float = BUDGET) -> int:
     """The smallest snapshot interval K (>= 1) at which a snapshot of ``copy_s`` seconds every
-    K steps of ``step_s`` seconds costs at most ``budget`` of the training time."""
-    if copy_s <= 0:
-        return 1
-    if step_s <= 0:
-        raise ValueError(f"step_s must be positive, got {step_s!r}")
+    K steps of ``step_s`` (> 0) seconds costs at most ``budget`` of the training time."""
     return max(1, math.ceil(copy_s / (budget * step_s) - 1e-9))
 
 
