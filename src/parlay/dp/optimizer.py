@@ -386,11 +386,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The bucket plan (read-only)."""
         return self._plan
 
-    @property
-    def gradient_buckets(self) -> GradientBuckets | None:
-        """The buckets gradients are reduced in (``None``: they stay local)."""
-        return self._buckets
-
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer cannot be pickled; save state_dict() instead.")
 
