@@ -24,7 +24,7 @@ from parlay.idle import discard, while_waiting
 
 __all__ = ["DeferredCopy", "CHUNK_BYTES", "settle_before_optimizer_steps"]
 
-#: Bytes copied per call while waiting: ~20-50 us, so a wait returns at most that late.
+#: Bytes copied per call while waiting: small, so a wait returns at most one chunk's copy late.
 CHUNK_BYTES = 1 << 19
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()

@@ -16,16 +16,16 @@ a copy leaves the slot uncommitted and the previous snapshot intact. ``keep`` sl
 newest ``keep`` committed snapshots survive. Data is read back with
 ``torch.load(weights_only=True)`` and records with ``json``: a snapshot cannot execute code.
 
-Off the critical path: the copy is the write (the file lives in host memory), and the record is
-a few kilobytes; a fresh ``torch.save`` per step took ~10x the in-place copy here (15 MB MNIST
-MLP with Adam). Tensors that training changes only inside an optimizer step (parameters,
-optimizer state: the bulk of the bytes; the caller names them with ``defer``) are copied in
-chunks while the rank waits for communication in the next step, then the record is committed
-(:mod:`parlay.snapshot.deferred`); every optimizer step first finishes what is left. (A copying
-thread, tried before, competes with training for the cores and the GIL: on 2 cores shared by 2
-ranks, steps ran 1.04x slower with it vs 1.05x with the copy inline.) Everything else is copied before :meth:`SnapshotStore.save` returns. Files survive the death of
-the process (the page cache is the file), not of the host: that is what disk checkpoints are
-for, so nothing here is ``fsync``-ed.
+Off the critical path: the copy is the write (the file lives in host memory; no serialisation
+per step, which a fresh ``torch.save`` would cost), and the record is a few kilobytes. Tensors
+that training changes only inside an optimizer step (parameters, optimizer state: the bulk of
+the bytes; the caller names them with ``defer``) are copied in chunks while the rank waits for
+communication in the next step, then the record is committed (:mod:`parlay.snapshot.deferred`;
+not a copying thread, which would compete with training for the cores and the GIL); every
+optimizer step first finishes what is left. Everything else is copied before
+:meth:`SnapshotStore.save` returns. Files survive the death of the process (the page cache is
+the file), not of the host: that is what disk checkpoints are for, so nothing here is
+``fsync``-ed.
 """
 from __future__ import annotations
 
