@@ -256,7 +256,7 @@ class Trainer:
             self._stopped = True
             self.persistence.finish()
             self.strategy.finish()
-            self.close(_over=True)
+            self._close(over=True)
             return True
         return False
 
@@ -354,14 +354,16 @@ class Trainer:
             self.loader.close()
         self._it = None
 
-    def close(self, _over: bool = False) -> None:
+    def close(self) -> None:
         """Stop loading threads, close the progress bar and metrics file, release the
-        checkpoint directory and commit a snapshot still being copied (``_over``: the run
-        ended, so the snapshots' memory goes back)."""
+        checkpoint directory and commit a snapshot still being copied."""
+        self._close(over=False)
+
+    def _close(self, over: bool) -> None:
         self._close_iter()
         self.evaluation.close()
         self.metrics.close()
-        self.persistence.close(_over)
+        self.persistence.close(over)  # over: the run ended, the snapshots' memory goes back
 
     @property
     def session(self) -> "TrainerSession":
