@@ -1,6 +1,6 @@
 """Process-group lifecycle: the one piece of global state parlay owns.
 
-``init()`` reads the cluster from the environment (:func:`parlay.env.detect`), chooses the
+``init()`` reads the cluster from the environment (:func:`parlay.discovery.detect`), chooses the
 backend and device in one place, and creates the default process group with a collective
 timeout, so a lost or silent peer raises :class:`~parlay.errors.CommError` instead of hanging.
 A single process with no launcher and no environment works too: it gets a world of one.
@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any group: see init()'s atexit note
 
 from parlay import lifeline
-from parlay.env import ClusterEnv, detect
+from parlay.discovery import ClusterEnv, detect
 from parlay.errors import CommError, ConfigError
 
 __all__ = [

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from parlay.env import TaskSpec
+from parlay.taskspec import TaskSpec
 from parlay.errors import ConfigError
 
 __all__ = ["check_session_args"]

@@ -25,7 +25,8 @@ import torch.nn as nn
 
 from parlay import comm, runtime
 from parlay.compress.base import Compressor, get_compressor
-from parlay.env import TaskSpec, detect
+from parlay.discovery import detect
+from parlay.taskspec import TaskSpec
 from parlay.errors import ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.options import check_session_args
