@@ -17,7 +17,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["main", "build_parser", "torchrun_argv", "check_launch", "check_demo"]
 
@@ -246,7 +246,8 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     if demo.mode not in modes:
         raise ConfigError(f"--mode must be one of {', '.join(modes)}, got {demo.mode!r}.")
     for flag, v, low in (("--batch-size", demo.batch_size, 1), ("--epochs", demo.epochs, 1),
-                         ("--workers", demo.workers, 0), ("--warmup-epochs", demo.warmup_epochs, 0)):
+                         ("--workers", demo.workers, 0),
+                         ("--warmup-epochs", demo.warmup_epochs, 0)):
         if v < low:
             raise ConfigError(f"{flag} must be >= {low}, got {v}.")
     if not demo.lr > 0:

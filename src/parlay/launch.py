@@ -37,7 +37,8 @@ import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 __all__ = ["LOOPBACK_BACKEND", "mark_droppable", "droppable_marker", "run_torchrun",
            "register_loopback_rendezvous", "DropPolicy"]

@@ -28,7 +28,8 @@ import signal
 import sys
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 __all__ = ["bind_to_launcher", "whole_lines", "track_groups", "settle_groups"]
 

@@ -12,7 +12,8 @@ import datetime as _dt
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist

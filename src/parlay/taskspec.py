@@ -133,7 +133,7 @@ class TaskSpec:
         earlier = (*self.chief_hosts, *self.worker_hosts)[:(self.rank or 0) - self.num_ps]
         return sum(parse_address(a, "a task")[0].lower() == me for a in earlier)
 
-    def device_fn(self) -> "torch.device":
+    def device_fn(self) -> torch.device:
         """Where this task's computation belongs, e.g. ``model.to(task_spec.device_fn())``.
 
         TensorLayer's ``device_fn()`` returned a TensorFlow device setter that pinned variables

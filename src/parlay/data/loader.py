@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
@@ -60,7 +61,8 @@ class IndexBatchSampler(Sampler[list[int]]):
 def _tensor_view(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
     tensors = getattr(dataset, "tensors", None)
     if isinstance(dataset, TensorDataset) or (
-            isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors)
+            isinstance(tensors, tuple) and tensors
+            and all(isinstance(t, torch.Tensor) for t in tensors)
             and type(dataset).__getitem__ is TensorDataset.__getitem__):
         return tuple(tensors)  # type: ignore[arg-type]
     return None
@@ -99,7 +101,7 @@ class Prefetcher:
             except queue.Full:
                 continue
 
-    def __iter__(self) -> "Prefetcher":
+    def __iter__(self) -> Prefetcher:
         return self
 
     def __next__(self) -> Any:

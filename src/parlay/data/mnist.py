@@ -20,7 +20,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch

@@ -17,7 +17,8 @@ import contextlib
 import datetime as _dt
 import logging
 import os
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -139,7 +140,7 @@ class DistributedSession:
         self._started = self._closed = False
 
     # -- life cycle ---------------------------------------------------------------------------
-    def __enter__(self) -> "DistributedSession":
+    def __enter__(self) -> DistributedSession:
         self.start()
         return self
 
