@@ -269,7 +269,10 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
         raise ConfigError("--pp (pipeline stages) only applies to --mode hybrid. "
                           "Hint: drop --pp, or add --mode hybrid.")
     if demo.mode == "hybrid" and not multi_node:
-        stages = int(pp or opts.get("pp") or pipeline_stages() or 2)  # type: ignore[arg-type]
+        given = pp or opts.get("pp") or pipeline_stages() or 2
+        if not isinstance(given, (int, float, str)):
+            raise ConfigError(f"--option pp must be a number of stages, got {given!r}.")
+        stages = int(given)
         if nproc < stages or nproc % stages:
             fix = max(stages, -(-nproc // stages) * stages)
             raise ConfigError(f"--mode hybrid with {stages} pipeline stages needs -n to be a "

@@ -5,6 +5,8 @@ catches all of them. Messages follow one shape: what was expected, what was got,
 """
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError"]
 
 
@@ -35,7 +37,8 @@ class CommError(ParlayError, RuntimeError):
         self.rank = rank
         self.peer = peer
 
-    def __reduce__(self):  # keep op/rank/peer when the error crosses a process boundary
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # keep op/rank/peer when the error crosses a process boundary
         return (_make_comm_error, (str(self), self.op, self.rank, self.peer))
 
 
@@ -60,7 +63,8 @@ class NonFiniteError(ParlayError, FloatingPointError):
         self.rank = rank
         self.parameter = parameter
 
-    def __reduce__(self):  # keep the fields when the error crosses a process boundary
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # keep the fields when the error crosses a process boundary
         return (_make_nonfinite_error, (str(self), self.step, self.rank, self.parameter))
 
 

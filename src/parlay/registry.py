@@ -10,8 +10,8 @@ kind and a newcomer inherits them.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Generic, TypeVar
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from parlay.errors import ConfigError
 

@@ -11,9 +11,9 @@ import atexit
 import datetime as _dt
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -261,10 +261,10 @@ def _base_store(url: str, td: _dt.timedelta) -> dist.Store:
             return store
         except (RuntimeError, TimeoutError, OSError):
             _stores.pop(url, None)
-    store, _, _ = next(dist.rendezvous(url, timeout=td))
-    store.set_timeout(td)
-    _stores[url] = store
-    return store
+    fresh: dist.Store = next(dist.rendezvous(url, timeout=td))[0]
+    fresh.set_timeout(td)
+    _stores[url] = fresh
+    return fresh
 
 
 #: Rendezvous stores by URL (address, port, rank, world size), kept for the process lifetime.

@@ -9,8 +9,8 @@ arrays into the map-style dataset the :class:`~parlay.Trainer` takes.
 from __future__ import annotations
 
 import os
-from typing import Any
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch

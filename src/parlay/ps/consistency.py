@@ -17,9 +17,9 @@ tested) without a process group; :func:`max_lead` re-checks it from the recorded
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
-from collections.abc import Callable, Iterable
 
 from parlay.errors import ConfigError
 from parlay.registry import Registry, split_spec

@@ -15,8 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, NamedTuple
 from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 

@@ -14,8 +14,8 @@ import collections
 import contextlib
 import datetime as _dt
 import logging
-from typing import Any
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
