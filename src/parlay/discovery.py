@@ -29,7 +29,7 @@ from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_inde
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "ClusterEnv", "detect", "expand_nodelist",
-           "pipeline_stages"]
+           "pipeline_stages", "run_id"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,22 @@ def pipeline_stages(environ: Mapping[str, str] | None = None) -> int | None:
         ConfigError: ``PARLAY_PP`` is not an integer >= 1.
     """
     return int_var(os.environ if environ is None else environ, "PARLAY_PP", minimum=1)
+
+
+def run_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """This job's id, the same on every rank and across restarts; ``None`` when it has none.
+
+    ``$PARLAY_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID`` (a fresh id per ``parlay run``
+    job, kept across its restarts), else ``$SLURM_JOB_ID``. torchrun's default multi-node id
+    ``"none"`` does not count: two jobs would share it. The one reader of these variables:
+    snapshot keys and rendezvous store prefixes are built from it.
+    """
+    env = os.environ if environ is None else environ
+    for var in ("PARLAY_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        run = env.get(var, "")
+        if run and run != "none":
+            return run
+    return None
 
 
 def _master(env: Mapping[str, str], world_size: int, source: str) -> tuple[str, int | None]:

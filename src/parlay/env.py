@@ -9,8 +9,8 @@ Imports run ``env -> taskspec -> runtime -> discovery``; nothing below imports t
 from __future__ import annotations
 
 from parlay.discovery import (DEFAULT_MASTER_PORT, TASK_TYPES, ClusterEnv, detect,
-                              expand_nodelist, pipeline_stages)
+                              expand_nodelist, pipeline_stages, run_id)
 from parlay.taskspec import TaskSpec, TaskSpecDef, create_task_spec_def
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "TaskSpecDef", "create_task_spec_def",
-           "ClusterEnv", "detect", "expand_nodelist", "pipeline_stages"]
+           "ClusterEnv", "detect", "expand_nodelist", "pipeline_stages", "run_id"]

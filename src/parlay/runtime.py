@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any group: see init()'s atexit note
 
 from parlay import lifeline
-from parlay.discovery import ClusterEnv, detect
+from parlay.discovery import ClusterEnv, detect, run_id
 from parlay.errors import CommError, ConfigError
 
 __all__ = [
@@ -199,15 +199,15 @@ def store_prefix(environ: Mapping[str, str] | None = None, generation: int | Non
     """The store prefix of the next rendezvous: unique per run, restart attempt and init.
 
     Args:
-        environ: Environment holding torchrun's ``TORCHELASTIC_RUN_ID`` and
-            ``TORCHELASTIC_RESTART_COUNT`` (default ``os.environ``).
+        environ: Environment holding the run id (:func:`parlay.discovery.run_id`) and
+            torchrun's ``TORCHELASTIC_RESTART_COUNT`` (default ``os.environ``).
         generation: This process's init count (default: the current one).
     """
     env = os.environ if environ is None else environ
-    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    run = run_id(env)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     gen = _generation if generation is None else generation
-    return f"parlay/{run_id}/attempt{attempt}/init{gen}" if run_id else \
+    return f"parlay/{run}/attempt{attempt}/init{gen}" if run else \
         f"parlay/attempt{attempt}/init{gen}"
 
 

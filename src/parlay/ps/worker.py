@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm
+from parlay._tree import to_device
 from parlay.compress.base import Compressor, further_rounds
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.chunks import chunk_bounds
@@ -203,9 +204,7 @@ class Worker:
         """
         x, y = _split(batch)
         dev = next(self.model.parameters()).device
-        args = x if isinstance(x, tuple) else (x,)
-        x = tuple(t.to(dev) if torch.is_tensor(t) else t for t in args)
-        y = y.to(dev) if torch.is_tensor(y) else y
+        x, y = to_device(x if isinstance(x, tuple) else (x,), dev), to_device(y, dev)
         for param in self.model.parameters():
             param.grad = None
         with self.forward_context():
