@@ -18,11 +18,15 @@ import ast
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: import-linter's own TOML reader
+    import tomli as tomllib  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
@@ -104,7 +108,8 @@ def test_a_broken_contract_is_reported(kind: str, tmp_path: Path) -> None:
     assert "1 broken" in report and import_line in report, report
 
 
-def _graph() -> Any:  # grimp's ImportGraph, as lint-imports builds it (it parses; it imports nothing)
+def _graph() -> Any:
+    """grimp's ImportGraph, as lint-imports builds it (it parses; it imports nothing)."""
     grimp = pytest.importorskip("grimp", reason="grimp comes with import-linter: pip install "
                                 "-e '.[test]'")
     return grimp.build_graph("parlay", cache_dir=None)

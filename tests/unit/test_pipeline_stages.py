@@ -66,8 +66,8 @@ def test_hybrid_takes_the_launch_stage_count_unless_given():
 @pytest.fixture
 def launches(monkeypatch):
     calls: list[list[str]] = []
-    monkeypatch.setattr(parlay.launch, "run_torchrun", lambda argv, run_dir, own_id=None: calls.append(argv)
-                        or 0)
+    monkeypatch.setattr(parlay.launch, "run_torchrun",
+                        lambda argv, run_dir, own_id=None: calls.append(argv) or 0)
     return calls
 
 
