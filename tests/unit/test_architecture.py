@@ -18,15 +18,11 @@ import ast
 import subprocess
 import sys
 import textwrap
+import tomllib  # Python 3.11+, as import-linter 2.17 itself needs
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: import-linter's own TOML reader
-    import tomli as tomllib  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(120)
