@@ -151,8 +151,8 @@ def run_id(environ: Mapping[str, str] | None = None) -> str | None:
 
     ``$PARLAY_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID`` (a fresh id per ``parlay run``
     job, kept across its restarts), else ``$SLURM_JOB_ID``. torchrun's default multi-node id
-    ``"none"`` does not count: two jobs would share it. The one reader of these variables:
-    snapshot keys and rendezvous store prefixes are built from it.
+    ``"none"`` does not count: two jobs would share it. It names the job in rendezvous
+    store prefixes (:func:`parlay.runtime.store_prefix`) and in-memory snapshot keys.
     """
     env = os.environ if environ is None else environ
     for var in ("PARLAY_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
