@@ -121,7 +121,7 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
     """
     comp = compressor_of(compressor)
     if not comp.summable:
-        raise ConfigError(f"hierarchical allreduce needs a summable compressor; {compressor} is "
+        raise ConfigError(f"hierarchical allreduce needs a summable compressor; {comp!r} is "
                           "allgathered. Hint: use the flat ring, or none, fp16, bf16, randomk "
                           "or powersgd.")
     n, loc = c.nodes, c.ranks_per_node
@@ -167,7 +167,7 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     """
     comp = compressor_of(compressor)
     if not comp.point_to_point:
-        raise ConfigError(f"{compressor} needs collective rounds, so parameter-server pushes "
+        raise ConfigError(f"{comp!r} needs collective rounds, so parameter-server pushes "
                           "cannot use it. Hint: topk, randomk or fp16.")
     mode = consistency.split(":")[0]
     if mode not in ("sync", "async", "stale"):
