@@ -219,8 +219,7 @@ class AutoCompressor(Compressor):
     summable = True  # per payload: see is_summable
     point_to_point = True
     decodes_into = True
-    #: Every candidate encodes a*x as a times x's encoding (a > 0): scale before the sum.
-    homogeneous = True
+    homogeneous = True  # every candidate encodes a*x as a times x's encoding (a > 0)
 
     def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, margin: float = 0.25,
                  trial: int = 3) -> None:

@@ -84,6 +84,9 @@ class Compressor:
     #: The :class:`parlay.plan.Costs` fields :meth:`codec_s` reads, the per-element one first: a
     #: codec time measured now replaces that one and zeroes the others (parlay.plan.insitu).
     cost_fields: ClassVar[tuple[str, ...]] = ()
+    #: True when it encodes ``a * x`` as ``a`` times the encoding of ``x`` (``a > 0``): a caller
+    #: may then scale the bucket before the sum instead of the result after it.
+    homogeneous: ClassVar[bool] = False
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
@@ -163,6 +166,7 @@ class NoneCompressor(Compressor):
 
     name = "none"
     summable = True
+    homogeneous = True
     _horovod_style = True
     compress = ClassOrInstance(lambda t: (t, None),  # type: ignore[assignment]
                                lambda self, flat, key: ([flat], None))

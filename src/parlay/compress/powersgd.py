@@ -110,9 +110,7 @@ class PowerSGD(Compressor):
     decodes_into = True
     rounds = 2
     cost_fields = ("powersgd_s_per_elem", "powersgd_s_per_elem_rank")
-    #: Linear in the bucket (P, Q and the residual scale with it): a caller may scale the
-    #: bucket before the sum instead of the result after it (one pass over it fewer).
-    homogeneous = True
+    homogeneous = True  # linear in the bucket: P, Q and the residual scale with it
 
     def __init__(self, rank: int = 4, error_feedback: bool = True, warm_start: bool = True,
                  min_compression: float = 2.0, seed: int = 0) -> None:
