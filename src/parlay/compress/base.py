@@ -37,13 +37,16 @@ The contract every caller may rely on (stable API):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
 from parlay import comm
 from parlay.errors import ConfigError
 from parlay.registry import Registry
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
            "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle",
@@ -267,7 +270,7 @@ def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any
 
 
 def reusable(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> bool:
+             device: torch.device) -> TypeIs[torch.Tensor]:
     """Whether a decoder may write its result into ``out`` (the caller's bucket, see
     :func:`reduce_async`'s ``into``): it is given and has the result's shape, dtype and
     device."""
@@ -329,7 +332,7 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         def finish() -> torch.Tensor:
             reduced = rounds.result()
             if into is not None and getattr(compressor, "decodes_into", False):
-                out = compressor.decompress(reduced, ctx, out=into)
+                out = compressor.decompress(reduced, ctx, out=into)  # type: ignore[call-arg]
             else:
                 out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
@@ -346,7 +349,7 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
                     for r in range(world)]
         if into is not None and getattr(compressor, "decodes_into", False):
-            out = compressor.aggregate(per_rank, ctx, out=into)
+            out = compressor.aggregate(per_rank, ctx, out=into)  # type: ignore[call-arg]
         else:
             out = compressor.aggregate(per_rank, ctx)
         return out.div_(world) if average else out
