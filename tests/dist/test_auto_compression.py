@@ -99,7 +99,8 @@ def _small_model() -> dict:
                                       compression="auto")
     _train(opt, model, 3)
     return dict(choices=dict(opt.compression.choices), pred=opt.compression.last_prediction,
-                state=sorted(opt.state_dict()["parlay_compression"]))
+                state=sorted(opt.state_dict()["parlay_compression"]),
+                described=opt.compression.describe())
 
 
 def _trial() -> dict:
@@ -196,6 +197,7 @@ def test_loopback_small_model_stays_dense(per_rank):
     for rank, r in enumerate(per_rank):
         assert set(r["small"]["choices"].values()) == {"none"}, (rank, r["small"]["pred"])
         assert r["small"]["state"] == ["cands", "carry", "choices", "step"]
+        assert r["small"]["described"] == " ".join(f"{k}=none" for k in r["small"]["choices"])
 
 
 def _ps_auto() -> dict:
@@ -264,3 +266,8 @@ def test_spec_parsing_and_errors():
                                                          summable_only=True)
     with pytest.raises(ConfigError, match="not a candidate"):
         AutoCompressor().force("bucket0", "topk:0.5")
+    assert AutoCompressor().describe() == "undecided"
+    from parlay.plan import ClusterSpec, Link, Workload, predict
+
+    with pytest.raises(ConfigError, match="prices its candidates"):  # no dense price in disguise
+        predict(Workload(1e6, 8, 1e-3), ClusterSpec(2, 1, Link(1e9)), "allreduce", "auto")

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.compress.base import Compressor, get_compressor, local_round_trip, register
+from parlay.compress.base import Compressor, Round, get_compressor, local_round_trip, register
 from parlay.compress.feedback import parse_options
 from parlay.errors import ConfigError
 
@@ -300,6 +300,16 @@ class AutoCompressor(Compressor):
         if spec not in self.cands:
             raise ConfigError(f"auto compression: {spec!r} is not a candidate ({self.specs}).")
         self._forced[key] = spec
+
+    def describe(self) -> str:
+        """The choices as one line, e.g. ``"bucket0=topk:0.01 bucket1=none"``."""
+        return " ".join(f"{k}={v}" for k, v in self.choices.items()) or "undecided"
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        raise ConfigError("compression 'auto' chooses at run time from what it measures; the "
+                          "cost model prices its candidates instead. Hint: --compressors "
+                          "none,fp16,topk:0.01,powersgd:4.")
 
     # ------------------------------------------------------------------ deciding
     def _time(self, kind: str, name: str, seconds: float) -> float:
