@@ -103,13 +103,13 @@ def _small_model() -> dict:
                 described=opt.compression.describe())
 
 
-def _trial() -> dict:
-    """Stay dense by prediction (margin 0.99), then measure dense and fp16 for 2 steps each:
-    rank 1 alone would keep fp16, but the MAX over ranks makes dense the faster."""
+def _trial(seen_by_rank: list[dict]) -> dict:
+    """Stay dense by prediction (margin 0.99), then measure dense and fp16 for 2 steps each,
+    each rank seeing the step times ``seen_by_rank`` gives it."""
     auto_module.TRIAL_WITHIN = 1e3  # fp16 is a contender whatever it was predicted
     model = _mlp([784, 64, 32, 10])
     auto = AutoCompressor(["none", "fp16"], margin=0.99, trial=2)
-    seen = [{"none": 0.5, "fp16": 1.0}, {"none": 0.7, "fp16": 0.6}][parlay.rank()]
+    seen = seen_by_rank[parlay.rank()]
 
     def hook(kind: str, name: str, seconds: float) -> float:
         if kind != "trial":
@@ -136,8 +136,12 @@ def _noisy_fp32_probe() -> dict:
 
 
 def _all() -> dict:
-    return dict(agree=_agree(), switches=_switches(), small=_small_model(), trial=_trial(),
-                noisy=_noisy_fp32_probe())
+    # rank 1 alone would take fp16, but the MAX over ranks makes dense the faster
+    kept = _trial([{"none": 0.5, "fp16": 1.0}, {"none": 0.7, "fp16": 0.6}])
+    # fp16 measures 20% faster on the slowest rank: it replaces the decision
+    replaced = _trial([{"none": 1.0, "fp16": 0.5}, {"none": 0.9, "fp16": 0.8}])
+    return dict(agree=_agree(), switches=_switches(), small=_small_model(), trial=kept,
+                trial_replaced=replaced, noisy=_noisy_fp32_probe())
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +168,10 @@ def test_trial_keeps_the_fastest_measured_and_ranks_agree(per_rank):
     assert a["reasons"][-1] == "trial: none 700.00ms, fp16 1000.00ms", a["reasons"][-1]
     assert a["trialing"] is None  # one trial, then the choice stands
     torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
+    a, b = per_rank[0]["trial_replaced"], per_rank[1]["trial_replaced"]
+    assert a["history"] == b["history"] and a["trialing"] is None
+    assert sorted({(h[0], h[3]) for h in a["history"]}) == [(1, "none"), (4, "fp16")]
+    assert set(a["choices"].values()) == {"fp16"}
 
 
 def test_bind_restricts_candidates(per_rank):

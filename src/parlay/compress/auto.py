@@ -14,8 +14,8 @@ plus its own collectives (:meth:`Compressor.wire_rounds`) on the fitted link. Th
 candidate is kept unless another is predicted ``margin`` faster (at least 0.5 when every rank
 shares one host: there the "link" is the same CPU the codecs use, and both measure noisily).
 One short trial then confirms it: when another single candidate for every bucket was predicted
-within 30% of the decision, both run ``trial`` steps and the faster median step (MAX over the
-ranks) stays.
+within 30% of the decision, both run ``trial`` steps and the other replaces the decision only if
+its median step (MAX over the ranks) is 5% faster.
 
 Error feedback stays exact across switches: a bucket leaving a candidate that keeps a residual
 (top-k, PowerSGD) carries it to its next gradient, whatever sends it (``sent + kept ==
@@ -48,8 +48,9 @@ log = logging.getLogger("parlay.compress")
 DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01", "topk:0.01,compact=1")
 #: Least margin for a switch when every rank runs on one host (see the module docstring).
 ONE_HOST_MARGIN = 0.5
-#: The trial runs the best other uniform choice when predicted within this fraction.
-TRIAL_WITHIN = 0.3
+#: The trial runs the best other uniform choice when predicted within this fraction, and it
+#: replaces the decision only when measured this fraction faster (a busy host's noise).
+TRIAL_WITHIN, TRIAL_GAIN = 0.3, 0.05
 #: Codec costs are timed on at most this many leading elements of a bucket and scaled up.
 SAMPLE_NUMEL = 1 << 22
 _WIRE = 4  # plain values an AutoCtx carries for its candidate's context (padded with None)
@@ -194,7 +195,7 @@ def predict_s(cand: Compressor, numel: int, shapes: Any, fit: LinkFit, world: in
 
 
 class _Trial:
-    """Two assignments (bucket -> spec), ``steps`` steps each; the faster median stays."""
+    """Two assignments (bucket -> spec), the decision first, ``steps`` steps each."""
 
     def __init__(self, options: list[dict[str, str]], steps: int) -> None:
         self.options, self.steps = options, steps
@@ -389,7 +390,7 @@ class AutoCompressor(Compressor):
             return
         agreed = agreed_max([self._time("trial", str(i), t)
                              for i, t in enumerate(trial.medians)], self._group)
-        won = min(range(len(agreed)), key=lambda i: (agreed[i], i))
+        won = 1 if agreed[1] < (1 - TRIAL_GAIN) * agreed[0] else 0  # noise keeps the decision
         why = "trial: " + ", ".join(f"{'+'.join(sorted(set(a.values())))} {t * 1e3:.2f}ms"
                                     for a, t in zip(trial.options, agreed))
         for k, s in trial.options[won].items():
