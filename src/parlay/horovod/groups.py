@@ -128,6 +128,11 @@ class PrivateGroup(Group):
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
         self._run("allgather", t, lambda be: be._allgather_base(out, t))
 
+    def start_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+        """Issue an allgather of CPU tensors; returns its c10d work (``wait``, ``is_completed``)."""
+        with comm.comm_errors("allgather"):
+            return self._backend("cpu")._allgather_base(out, t)
+
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         o = dist.BroadcastOptions()
         o.rootRank, o.rootTensor = self.global_ranks.index(root), 0

@@ -179,7 +179,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         _sets.pop(process_set.process_set_id or 0, None)
     engine, process_set._engine = process_set._engine, None
     if engine is not None:
-        engine.stop()
+        engine.close()
     g = process_set._group
     if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
         dist.destroy_process_group(g)
@@ -205,11 +205,11 @@ def live_sets() -> list[ProcessSet]:
 
 
 def stop_all() -> None:
-    """At shutdown: stop every set's engine (a negotiated stop), then forget the sets."""
+    """At shutdown: close every set's engine (what never ran fails), then forget the sets."""
     try:
         for pset in live_sets():
             engine, pset._engine = pset._engine, None
-            engine.stop()
+            engine.close()
     finally:
         forget_all()
 
