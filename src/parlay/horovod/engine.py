@@ -5,8 +5,8 @@ Horovod matches operations across ranks by *name*, not by call order: a rank may
 and ``x`` later. So an operation is not issued when it is submitted; it waits in this rank's
 table until a rank *waits* for something (``synchronize``, a blocking operation, ``barrier``,
 ``join``, ``poll``). Waiting runs *rounds* on the process set's private group: each round
-allgathers every rank's pending descriptors (kind, dtypes, shapes, op, root, scale factors, a
-64-bit hash of the name), all encoded as integers, so nothing from a peer is ever unpickled.
+allgathers every rank's pending descriptors (name, kind, dtypes, shapes, op, root, scale
+factors), all encoded as integers, so nothing from a peer is ever unpickled.
 An operation every active rank holds is *ready*; every rank runs the ready ones in the same
 order (:func:`parlay.horovod.execute.run_ready`), and descriptors that disagree fail on every
 rank with :class:`HorovodInternalError` instead of hanging c10d. A joined rank (``hvd.join``)

@@ -1,12 +1,12 @@
 """The groups Horovod-style operations travel on.
 
 :class:`TorchGroup` wraps a registered torch process group (the ``process_group=`` path, run
-inline in the calling thread). :class:`PrivateGroup` is what a negotiation engine owns: c10d
-backends built straight from the default store under a prefix unique to the process set and
-the init generation (gloo always, NCCL on the first CUDA tensor). It never touches torch's group
-registry, so the engine thread can create it lazily, on its first operation, without racing the
-calling thread's own ``new_group`` calls, and only the set's members take part: a rank that
-never runs a Horovod-style operation never connects, and no rank waits for it.
+at once). :class:`PrivateGroup` is what a process set's engine owns: c10d backends built
+straight from the default store under a prefix unique to the process set and the init
+generation (gloo always, NCCL on the first CUDA tensor). It never touches torch's group
+registry, so it can be connected lazily, on the first negotiation (by a helper thread when
+``poll`` must not block), without racing ``new_group`` calls; only the set's members take part:
+a rank that never runs a Horovod-style operation never connects, and no rank waits for it.
 """
 from __future__ import annotations
 
