@@ -22,7 +22,7 @@ from parlay.errors import ConfigError
 from parlay.horovod import execute
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.engine import Engine, Handle, Meta, Request, decode, encode, exchange
-from parlay.horovod.groups import TorchGroup
+from parlay.horovod.groups import Group
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn",
@@ -55,7 +55,7 @@ class _Inline:
     """Runs each request at once on a caller-owned group."""
 
     def __init__(self, group: Any) -> None:
-        self.group = TorchGroup(group)
+        self.group = Group.of_torch_group(group)
 
     def auto_name(self, kind: str) -> str:
         return f"{kind}.inline"

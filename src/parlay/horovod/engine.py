@@ -26,7 +26,7 @@ import torch.distributed as dist
 from parlay import comm, runtime
 from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
-from parlay.horovod.groups import Group, PrivateGroup
+from parlay.horovod.groups import Group
 
 __all__ = ["Meta", "Request", "Handle", "Engine", "exchange"]
 
@@ -116,7 +116,6 @@ class Request:
     done: bool = False
     result: Any = None
     error: BaseException | None = None
-    t_submit: float = field(default_factory=time.monotonic)
 
     def complete(self, result: Any, error: BaseException | None) -> None:
         if error is None and self.finish is not None:
@@ -174,7 +173,7 @@ class Engine:
         self._round = 0
         self._stall_s = runtime.timeout().total_seconds()
         self._closed = False
-        self._last_table: dict[str, dict[int, Meta]] = {}
+        self._first_seen: dict[str, float] = {}   # name -> when it entered the table here
         self._slot = 256        # ints per rank in a round's first allgather, grows on demand
         self._inflight: tuple[Any, torch.Tensor, list[int]] | None = None
         self._connecting: threading.Thread | None = None
@@ -223,15 +222,13 @@ class Engine:
                     return joined
                 if req is not None and req.done:
                     return None
-                if req is not None and time.monotonic() - req.t_submit > self._stall_s:
-                    self._stall(req)
 
     def _connect(self, block: bool) -> bool:
         # Connecting waits for every member, so poll() connects on a helper thread.
         if self.group is None and self._connecting is None:
             def connect() -> None:
                 try:
-                    self._connected = PrivateGroup(self.prefix, self.global_ranks)
+                    self._connected = Group.private(self.prefix, self.global_ranks)
                 except Exception as e:  # noqa: BLE001 - re-raised in the calling thread
                     self._connected = e
             self._connecting = threading.Thread(target=connect, daemon=True,
@@ -266,6 +263,13 @@ class Engine:
         for req in self._local.values():
             enc = encode(req.key, req.meta)
             msg += [len(enc), *enc]
+        # Names some rank submitted that have waited past the timeout here: every rank drops
+        # the same ones in the same round, so all report the same table.
+        late = [list(k.encode()) for k, t0 in self._first_seen.items()
+                if time.monotonic() - t0 > self._stall_s]
+        msg.append(len(late))
+        for name in late:
+            msg += [len(name), *name]
         send = torch.zeros(self._slot, dtype=torch.int64)
         send[0] = len(msg)
         head = msg[: self._slot - 1]
@@ -293,6 +297,7 @@ class Engine:
                                            f"failed: {e}", op="negotiation") from e
         self._round += 1
         table: dict[str, dict[int, Meta]] = {}
+        late: set[str] = set()
         for r, m in enumerate(msgs):
             if m[0]:
                 self._joined_at.setdefault(r, self._round)
@@ -301,12 +306,20 @@ class Engine:
                 key, meta = decode(m[i + 1: i + 1 + m[i]])
                 table.setdefault(key, {})[r] = meta
                 i += 1 + m[i]
-        self._last_table = table
+            for _ in range(m[i]):
+                late.add(bytes(m[i + 2: i + 2 + m[i + 1]]).decode())
+                i += 1 + m[i + 1]
+        now = time.monotonic()
+        self._first_seen = {k: self._first_seen.get(k, now) for k in table}
         active = [r for r in range(self.size) if r not in self._joined_at]
         ready = sorted(k for k, metas in table.items()
                        if active and all(r in metas for r in active))
         if ready:
             self._run(ready, table)
+        for key in sorted(late - set(ready)):
+            self._first_seen.pop(key, None)
+            if key in self._local:
+                self._stall(self._local.pop(key), table)
         if len(self._joined_at) == self.size:
             return self._finish_join()
         return None
@@ -338,19 +351,17 @@ class Engine:
         self._counters = counters.tolist()
         return self.global_ranks[last]
 
-    def _stall(self, req: Request) -> None:
-        table = self._last_table
+    def _stall(self, req: Request, table: dict[str, dict[int, Meta]]) -> None:
         metas = table.get(req.key, {})
         missing = [r for r in range(self.size) if r not in metas and r not in self._joined_at]
         waits = {self.global_ranks[r]: [k for k, m in table.items() if r in m][:3]
                  for r in missing}
-        self._local.pop(req.key, None)
-        raise HorovodInternalError(
+        req.complete(None, HorovodInternalError(
             f"{req.key} stalled: ranks {[self.global_ranks[r] for r in sorted(metas)]} "
             f"submitted it, ranks {[self.global_ranks[r] for r in missing]} did not within "
             f"{self._stall_s:.0f} s (they wait for: {waits}). Hint: every "
             "rank of the process set must run the same operations (names must match); raise "
-            "PARLAY_TIMEOUT if a rank is legitimately this late.", op=req.meta.kind)
+            "PARLAY_TIMEOUT if a rank is legitimately this late.", op=req.meta.kind))
 
     def close(self) -> None:
         """At shutdown or set removal: fail what never ran; later submissions raise."""

@@ -3,7 +3,7 @@
 Here a process set *is* process groups over its ranks: ``group()``, a torch group used directly
 (DistributedOptimizer buckets, parameter broadcasts), and the private backends on which its
 name-matched operations are negotiated and run (:mod:`parlay.horovod.engine`,
-:class:`~parlay.horovod.groups.PrivateGroup`), so that they never interleave with the calling
+:class:`~parlay.horovod.groups.Group`), so that they never interleave with the calling
 code's own collectives. Adding or removing a set is collective: every rank of the world calls
 it, in the same order, as with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``. ``root_rank`` arguments stay
 *global* ranks, as in Horovod.
