@@ -17,8 +17,9 @@ from __future__ import annotations
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group
 
-__all__ = ["Meta", "Request", "Handle", "Engine", "exchange"]
+__all__ = ["Engine", "Handle", "Meta", "Request", "exchange"]
 
 _KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
@@ -259,6 +260,7 @@ class Engine:
         # One allgather of fixed-size slots carries every rank's length and message; a longer
         # message (any rank's) costs a second allgather in _finish_round, and the slot grows.
         self._connect(block=True)
+        assert self.group is not None
         msg = [int(joined), len(self._local)]
         for req in self._local.values():
             enc = encode(req.key, req.meta)

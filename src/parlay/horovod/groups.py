@@ -10,7 +10,8 @@ operation never connects, and no rank waits for it.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -39,17 +40,17 @@ class Group:
         self._control = control
 
     @classmethod
-    def of_torch_group(cls, group: Any) -> "Group":
+    def of_torch_group(cls, group: Any) -> Group:
         """A registered torch process group's backends."""
-        pg = group if group is not None else c10d._get_default_group()  # noqa: SLF001
+        pg = group if group is not None else c10d._get_default_group()
         return cls(dist.get_process_group_ranks(pg),
-                   lambda device: pg._get_backend(torch.device(device)),  # noqa: SLF001
+                   lambda device: pg._get_backend(torch.device(device)),
                    comm.group_device(group))
 
     @classmethod
-    def private(cls, prefix: str, global_ranks: list[int]) -> "Group":
+    def private(cls, prefix: str, global_ranks: list[int]) -> Group:
         """Backends of their own, created from the default store under ``prefix``."""
-        store = c10d._get_default_store()  # noqa: SLF001 - the one rendezvous store
+        store = c10d._get_default_store()
         timeout, me = runtime.timeout(), global_ranks.index(dist.get_rank())
         made: dict[str, Any] = {}
 

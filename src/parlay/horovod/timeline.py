@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch.profiler
 
