@@ -293,7 +293,9 @@ def join(device: int = -1) -> int:
 def poll(handle: Any) -> bool:
     """Whether an asynchronous operation finished (``synchronize`` will not block).
 
-    Never blocks; each call moves the negotiation on, so a loop on ``poll`` makes progress.
+    It does not wait for the other ranks to negotiate: each call starts a negotiation round or
+    takes in one every rank has answered (then it runs the operations all ranks agreed on), so
+    a loop on ``poll`` makes progress.
     """
     if isinstance(handle, Handle):
         return handle.poll()
