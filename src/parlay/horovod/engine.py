@@ -165,7 +165,6 @@ class Engine:
     def __init__(self, prefix: str, global_ranks: list[int], fusion_bytes: int) -> None:
         self.prefix, self.global_ranks = prefix, global_ranks
         self.size = len(global_ranks)
-        self.rank = global_ranks.index(dist.get_rank())
         self.group: Group | None = None       # connected on the first round
         self.fusion_bytes = fusion_bytes
         self._local: dict[str, Request] = {}  # submitted here, not run yet
