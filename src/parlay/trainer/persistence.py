@@ -162,10 +162,14 @@ class Persistence:
             try:
                 self.store.save(step, self.state_dict(snapshot=True),
                                 defer=optimizer_tensors(self.strategy))
-            except CheckpointError as e:  # snapshots are a speed-up: training goes on without
-                self.store = None
-                warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {e}",
-                              stacklevel=3)
+            except CheckpointError as e:
+                self._stop_snapshots(e)
+
+    def _stop_snapshots(self, error: CheckpointError) -> None:
+        """Snapshots are a speed-up: training goes on without them, with a warning."""
+        self.store = None
+        warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {error}",
+                      stacklevel=4)
 
     def _probe_step(self) -> None:
         """Time the probe steps; after ``PROBE_STEPS + 1`` of them choose the interval (the
@@ -176,9 +180,12 @@ class Persistence:
             return
         mean = (self._probe[-1] - self._probe[0]) / PROBE_STEPS
         copy = 0.0
-        if self.store is not None:
-            self.store.wait()
-            copy = self.store.last_save_s or 0.0
+        try:
+            if self.store is not None:
+                self.store.wait()
+                copy = self.store.last_save_s or 0.0
+        except CheckpointError as e:  # still agree below: the other ranks are waiting
+            self._stop_snapshots(e)
         # Each probe step also paid one snapshot: what is left is the step itself.
         step = max(mean - copy, mean / 2, 1e-9)
         want = choose_interval(copy, step)
