@@ -89,6 +89,24 @@ def test_steps_at_risk_are_logged_at_start(run_id, tmp_path, capsys, options, ri
     assert t.snapshot_every == (options["snapshot_every"] or 0)
 
 
+def test_a_failing_snapshot_stops_snapshots_not_training(run_id, monkeypatch, capsys):
+    from parlay.errors import CheckpointError
+    from parlay.snapshot import SnapshotStore
+
+    save = SnapshotStore.save
+
+    def failing(self, step, *args, **kwargs):
+        if step == 2:  # while the interval is being measured
+            raise CheckpointError("no room left")
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "save", failing)
+    with pytest.warns(UserWarning, match="in-memory snapshots stopped on rank 0: no room left"):
+        t, out, held = _train(capsys, 8)
+    assert t.state.step == 8 and t.persistence.store is None and t.snapshot_every == 0
+    assert "in-memory snapshots every" not in out
+
+
 def _agree(want: list[int]) -> int:
     persistence.choose_interval = lambda copy_s, step_s: want[parlay.rank()]
     t = parlay.Trainer(_build, _data(), batch_size=4, max_iteration=PROBE_STEPS + 2,

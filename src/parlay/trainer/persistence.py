@@ -167,7 +167,7 @@ class Persistence:
 
     def _stop_snapshots(self, error: CheckpointError) -> None:
         """Snapshots are a speed-up: training goes on without them, with a warning."""
-        self.store = None
+        self.store, self.every = None, 0
         warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {error}",
                       stacklevel=4)
 
@@ -193,10 +193,13 @@ class Persistence:
         k = torch.tensor([want], dtype=torch.int64, device=comm.group_device(group))
         if comm.group_size(group) > 1:
             comm.allreduce(k, "max", group=group)
-        self.every, self._probe = int(k.item()), None
-        self._report(f"in-memory snapshots every {self.every} step(s): a snapshot took "
+        agreed, self._probe = int(k.item()), None
+        if self.store is None:  # stopped here (warned): this rank's steps at risk are others
+            return
+        self.every = agreed
+        self._report(f"in-memory snapshots every {agreed} step(s): a snapshot took "
                      f"{copy * 1e3:.2f} ms, a step {step * 1e3:.2f} ms (at most "
-                     f"{BUDGET:.0%} of training); steps at risk: {self.every}")
+                     f"{BUDGET:.0%} of training); steps at risk: {agreed}")
 
     def steps_at_risk(self, total_steps: int, steps_per_epoch: int) -> int | None:
         """Steps a crash can cost now: the snapshot interval, else the checkpoint interval,
