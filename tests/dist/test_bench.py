@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-import parlay.testing.cluster as cluster_mod
+import tools.cluster as cluster_mod
 from parlay import cli
-from parlay.bench import plots, runner
+from tools.bench import plots, runner
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -1,4 +1,4 @@
-"""The contestants :mod:`parlay.bench.worker` times: one training step each, built alike.
+"""The contestants :mod:`tools.bench.worker` times: one training step each, built alike.
 
 ``compute`` (the same step with communication skipped: the limit), ``ddp`` (PyTorch's
 DistributedDataParallel), ``none``/``parlay`` (parlay dense), any compressor spec (``fp16``,
@@ -46,8 +46,8 @@ def _pipe_contestant(schedule: str, widths: list[int], chunks: int) -> tuple[Cal
     import torch
     import torch.nn as nn
 
-    from parlay.bench.common import mlp
     from parlay.pipeline import Pipeline
+    from tools.bench.harness import mlp
 
     pipe = Pipeline(mlp(widths), nn.functional.cross_entropy, chunks=chunks, schedule=schedule)
     opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.01))
@@ -76,7 +76,7 @@ def contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable,
     import torch.nn as nn
 
     import parlay
-    from parlay.bench.common import mlp
+    from tools.bench.harness import mlp
 
     if name.startswith("pipe:"):
         return _pipe_contestant(name[5:], widths, chunks)

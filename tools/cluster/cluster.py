@@ -45,8 +45,18 @@ import subprocess
 import threading
 from typing import Any, Mapping, Sequence
 
-from parlay.testing._netns import (_IFNAME, _PREFIX, _SINK, _SOURCE, ClusterError, _kill_inside,
-                                   _sh, parse_rate, sweep_stale, unavailable_reason)
+from tools.cluster.netns import (
+    _IFNAME,
+    _PREFIX,
+    _SINK,
+    _SOURCE,
+    ClusterError,
+    _kill_inside,
+    _sh,
+    parse_rate,
+    sweep_stale,
+    unavailable_reason,
+)
 
 __all__ = ["Cluster", "ClusterError", "unavailable_reason", "parse_rate", "sweep_stale",
            "tbf_burst"]
