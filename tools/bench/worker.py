@@ -144,7 +144,7 @@ def _row(c: dict[str, Any], batch: int) -> dict[str, Any]:
     name, opt, step = c["name"], c["opt"], c["step"]
     if c["n"]:
         dt, probed, nic = c["timing"].result()
-        stats = (c["stats0"], opt.comm_stats() if opt is not None else None)
+        stats: Any = (c["stats0"], opt.comm_stats() if opt is not None else None)
     else:
         dt, probed, nic, stats = c["first"]
     n = max(c["n"], 1)
@@ -215,7 +215,7 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
     task = parlay.TaskSpec.from_env()
     x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
     warmup, steps = int(spec.get("warmup", 1)), int(spec.get("steps", 3))
-    rows = []
+    rows: list[dict[str, Any]] = []
     cstep, _ = _contestant("compute", widths)
     # On one machine: the servers' dense traffic, timed before each session (every rank).
     exchange = ps_exchange(task.is_ps, model_params(widths)) if spec.get("probe_link") else None

@@ -336,7 +336,7 @@ class Cluster:
 
         server = self.run(dst, [sys.executable, "-c", _SINK, self.addr(dst), str(port)],
                           stdout=subprocess.PIPE, text=True)
-        assert server.stdout is not None
+        assert isinstance(server, subprocess.Popen) and server.stdout is not None
         if server.stdout.readline().strip() != "ready":
             raise ClusterError(f"throughput sink on host {dst} did not start")
         self.run(src, [sys.executable, "-c", _SOURCE, self.addr(dst), str(port), str(seconds)],
