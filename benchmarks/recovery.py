@@ -12,19 +12,16 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
 * overhead: one run of the same Trainer with snapshots off (twice: the second, "off again", is
   the A/A control, how far the same code reads from itself here); with a full copy of the state
   every step, copied before ``save`` returns (inline, ``PARLAY_SNAPSHOT_BACKGROUND=0``) or while the
-  rank waits for the gradient reduction of the next step (deferred,
-  :mod:`parlay.snapshot.deferred`); and with the gradient journal (the default where it
-  applies, :mod:`parlay.snapshot.journal`: a deferred full copy every ``base_every`` steps, each
-  step's gradients in between). Modes take turns in chunks of ``--chunk`` timed steps, each
+  rank waits for the gradient reduction of the next step (deferred, the default,
+  :mod:`parlay.snapshot.deferred`). Modes take turns in chunks of ``--chunk`` timed steps, each
   round in a fresh random order (so load from other processes, and what one mode leaves in the
   caches for the next, hits all alike; before each chunk, untimed, the previous mode's deferred
-  copy is finished and one step taken, in which the journal takes its base). Ratios of the mean step
-  times (the journal's cost comes once per base, which a median would not see; medians are
-  printed beside), wall clock and the training thread's CPU time; the mean of each round's
-  chunk over the same round's off chunk with its 95% interval; and the CPU time the journal's
-  own code takes on the training thread (its records, its bases' copies and commits, also
-  where they fill waits for communication) as a share of the journal's step time, timed in a
-  launch of its own (the timing's wrappers would count in the other launches' ratios). Also the time
+  copy is finished and one step taken). Ratios of the mean step times (medians are printed
+  beside), wall clock and the training thread's CPU time; the mean of each round's chunk over
+  the same round's off chunk with its 95% interval; and the CPU time the deferred snapshot's
+  own code takes on the training thread (``save``, the deferred copy and commit, also where
+  they fill waits for communication) as a share of its step time, timed in a launch of its own
+  (the timing's wrappers would count in the other launches' ratios). Also the time
   ``SnapshotStore.save`` takes on the caller's thread for this model's state (and the deferred
   copy, which overlaps communication) vs a plain ``torch.save`` of it to /dev/shm.
 
@@ -101,16 +98,15 @@ def worker_recovery(a: argparse.Namespace) -> None:
     Path(a.out, f"rec-a{attempt}-r{rank}.json").write_text(json.dumps(rec))
 
 
-# PARLAY_SNAPSHOT_BACKGROUND per mode. inline, deferred: a full copy of the state every step;
-# journal: a full copy every base_every steps and each step's gradients in between (the default
-# where it applies, parlay.snapshot.journal). "off again" is snapshots off a second time: its
-# ratio to "off" is the A/A control, what the same code reads against itself on this machine.
-MODES = {"off": None, "off again": None, "inline": "0", "deferred": None, "journal": None}
+# PARLAY_SNAPSHOT_BACKGROUND per mode. inline, deferred: a full copy of the state every step.
+# "off again" is snapshots off a second time: its ratio to "off" is the A/A control, what the
+# same code reads against itself on this machine.
+MODES = {"off": None, "off again": None, "inline": "0", "deferred": None}
 
 
 class _InCode:
-    """CPU time this thread spends inside the journal's own code (recording a step, the base's
-    copy and commit, also where they run while the thread waits for the gradient reduction)
+    """CPU time this thread spends inside the snapshot's own code (``save``, the deferred copy
+    and commit, also where they run while the thread waits for the gradient reduction)
     while :attr:`on`; nested calls count once. CPU time, not wall: on two shared cores the
     thread is often preempted inside such a call, time it would otherwise spend blocked."""
 
@@ -135,18 +131,16 @@ class _InCode:
 
 def worker_overhead(a: argparse.Namespace) -> None:
     import parlay
-    from parlay.snapshot import GradientJournal
+    from parlay.snapshot import SnapshotStore
     from parlay.snapshot.deferred import DeferredCopy
 
     in_code = _InCode()
     if a.in_code:  # its wrappers and clock reads cost time too: not in the launches timed
-        for cls, name in ((GradientJournal, "after_step"), (GradientJournal, "_write_pending"),
-                          (DeferredCopy, "step"), (DeferredCopy, "finish")):
+        for cls, name in ((SnapshotStore, "save"), (DeferredCopy, "step"),
+                          (DeferredCopy, "finish")):
             in_code.wrap(cls, name)
     t = _trainer(a, len(MODES) * (a.chunk + 1) * (a.pairs + 1), 1, None)
-    journal = t._snap if isinstance(t._snap, GradientJournal) else None  # noqa: SLF001
-    store = journal.store if journal is not None else t._snap  # noqa: SLF001
-    times: dict[str, list[float]] = {m: [] for m in MODES if journal is not None or m != "journal"}
+    times: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in times}
     order = list(times)
     for pair in range(a.pairs + 1):  # round 0 warms up (first slot files, allocator)
@@ -157,11 +151,8 @@ def worker_overhead(a: argparse.Namespace) -> None:
                 os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
             if t._snap is not None:  # noqa: SLF001 - the last mode's deferred copy, untimed
                 t._snap.wait()  # noqa: SLF001
-            # The journal after steps it did not see takes a base at once (untimed, below),
-            # then one every base_every steps: a chunk of base_every steps pays one base.
-            t._snap = journal if mode == "journal" else store  # noqa: SLF001
             for i in range(a.chunk + 1):  # the first step of a chunk is not timed either
-                in_code.on = bool(pair and i and mode == "journal")
+                in_code.on = bool(pair and i and mode == "deferred")
                 t0, c0 = time.perf_counter(), time.thread_time()
                 t.train_on_batch()
                 if pair and i:
@@ -170,12 +161,11 @@ def worker_overhead(a: argparse.Namespace) -> None:
             in_code.on = False
         # Each round in its own order (the same on every rank): in a fixed rotation every mode
         # always follows the same one, and whatever a mode leaves behind (caches, the
-        # journal's slots) would always land on the same successor.
+        # snapshot's slots) would always land on the same successor.
         random.Random(pair).shuffle(order)
     t.should_stop()
     Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({
-        "wall": times, "cpu": cpu, "base_every": journal.base_every if journal else 0,
-        "journal_in_code_s": in_code.seconds if a.in_code else None}))
+        "wall": times, "cpu": cpu, "in_code_s": in_code.seconds if a.in_code else None}))
 
 
 # ---------------------------------------------------------------------- driver
@@ -263,8 +253,7 @@ def main() -> None:
     p.add_argument("--kill-step", type=int, default=None)
     p.add_argument("--ckpt-every", type=int, default=None, help="anchor's checkpoint interval")
     p.add_argument("--chunk", type=int, default=None,
-                   help="timed steps per chunk of a mode (default 32, the journal's bases' "
-                        "distance)")
+                   help="timed steps per chunk of a mode (default 32)")
     p.add_argument("--pairs", type=int, default=None, help="rounds of on/off chunks measured")
     p.add_argument("--repeats", type=int, default=None,
                    help="recovery runs per side, and launches of the overhead measurement")
@@ -277,9 +266,7 @@ def main() -> None:
     a = p.parse_args()
     a.kill_step = a.kill_step or (24 if a.quick else 60)
     a.ckpt_every = a.ckpt_every or (16 if a.quick else 50)
-    from parlay.snapshot.journal import MAX_BASE_EVERY
-
-    a.chunk = a.chunk or MAX_BASE_EVERY  # a chunk of the journal's steps pays one base
+    a.chunk = a.chunk or 32
     a.pairs = a.pairs or (4 if a.quick else 15)
     a.repeats = a.repeats or (1 if a.quick else 3)
     if a.worker:
@@ -295,21 +282,18 @@ def main() -> None:
                        "median_ratio", "cpu_ratio", "in_code_pct", "launch_ratios",
                        "steps_each"]))
     print("ratio: mean step time over mean step time with snapshots off, the median over "
-          "launches (a base every "
-          f"{launches[0]['base_every']} steps costs the journal its copy once per chunk of "
-          f"{a.chunk}); paired_ratio: the mean, with its 95% half-width, of each round's chunk "
+          "launches; paired_ratio: the mean, with its 95% half-width, of each round's chunk "
           "over the off chunk of the same round; median_ratio: of median step times; "
-          "in_code_pct: the journal's own code (records, base copies and commits, also where "
-          "they fill waits for communication) as a share of its steps' time, timed in a launch "
-          "of its own; the A/A control "
-          "is how far the same code reads from itself")
+          "in_code_pct: the deferred snapshot's own code (save, the deferred copy and commit, "
+          "also where they fill waits for communication) as a share of its steps' time, timed "
+          "in a launch of its own; the A/A control is how far the same code reads from itself")
     print()
     print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
     for row in over:
         ratios["step_time_off_again_vs_off_aa_control" if row["mode"] == "off again" else
                f"step_time_{row['mode']}_snapshots_vs_off"] = row["ratio"]
         if row["in_code_pct"] is not None:
-            ratios["journal_in_code_share"] = row["in_code_pct"] / 100
+            ratios["snapshot_in_code_share"] = row["in_code_pct"] / 100
     ratios["save_vs_torch_save"] = cost["save_ms"] / cost["torch_save_ms"]
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
     walls = [t["wall"] for t in launches]
@@ -349,7 +333,7 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
         out.mkdir()
         _launch(a, out, "--worker", "overhead")
         launches.append(json.loads((out / "overhead-r0.json").read_text()))
-    # The journal's own code is timed in one launch more, a third as long: its wrappers and
+    # The snapshot's own code is timed in one launch more, a third as long: its wrappers and
     # clock reads (~30 us a step) would count in the ratios of a launch that timed it.
     out = tmp / "ovh-in-code"
     out.mkdir()
@@ -370,12 +354,11 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
         return statistics.fmean(r), 1.96 * statistics.stdev(r) / len(r) ** 0.5
 
     rows = []
-    for mode in [m for m in ("off again", "inline", "deferred", "journal")
-                 if m in launches[0]["wall"]]:
+    for mode in ("off again", "inline", "deferred"):
         walls = [ratio(run, "wall", mode) for run in launches]
         mean, half = paired(mode)
-        in_code = (in_code_run["journal_in_code_s"] / sum(in_code_run["wall"]["journal"])
-                   if mode == "journal" else None)
+        in_code = (in_code_run["in_code_s"] / sum(in_code_run["wall"]["deferred"])
+                   if mode == "deferred" else None)
         rows.append({"mode": mode,
                      "overhead": ("snapshots off again vs off (A/A control)" if mode == "off again"
                                   else f"snapshot_every=1, {mode} vs off"),

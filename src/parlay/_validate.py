@@ -1,11 +1,11 @@
-"""Validators shared by :mod:`parlay.env` and :mod:`parlay.taskspec` (internal).
+"""Validators shared by :mod:`parlay.discovery` and :mod:`parlay.taskspec` (internal).
 
 Values from the environment and from users' cluster descriptions are checked here once, with
 messages that say what was expected, what was found and how to fix it: integers and indices,
 ``host:port`` addresses, a TensorFlow-style cluster (the rules of
 :class:`~parlay.taskspec.TaskSpec`), ``TF_CONFIG`` documents and SLURM hostlists. Both modules
 import this one and neither imports the other's internals, so the import graph runs one way:
-``taskspec -> env -> _validate -> errors``.
+``taskspec -> discovery -> _validate -> errors``.
 
 This module imports neither torch nor any other parlay module except :mod:`parlay.errors`.
 """

@@ -17,7 +17,7 @@ import socket
 import sys
 import tempfile
 import uuid
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["main", "build_parser", "torchrun_argv", "check_launch", "check_demo"]
 
@@ -246,7 +246,8 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     if demo.mode not in modes:
         raise ConfigError(f"--mode must be one of {', '.join(modes)}, got {demo.mode!r}.")
     for flag, v, low in (("--batch-size", demo.batch_size, 1), ("--epochs", demo.epochs, 1),
-                         ("--workers", demo.workers, 0), ("--warmup-epochs", demo.warmup_epochs, 0)):
+                         ("--workers", demo.workers, 0),
+                         ("--warmup-epochs", demo.warmup_epochs, 0)):
         if v < low:
             raise ConfigError(f"{flag} must be >= {low}, got {v}.")
     if not demo.lr > 0:
@@ -268,7 +269,10 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
         raise ConfigError("--pp (pipeline stages) only applies to --mode hybrid. "
                           "Hint: drop --pp, or add --mode hybrid.")
     if demo.mode == "hybrid" and not multi_node:
-        stages = int(pp or opts.get("pp") or pipeline_stages() or 2)  # type: ignore[arg-type]
+        given = pp or opts.get("pp") or pipeline_stages() or 2
+        if not isinstance(given, (int, float, str)):
+            raise ConfigError(f"--option pp must be a number of stages, got {given!r}.")
+        stages = int(given)
         if nproc < stages or nproc % stages:
             fix = max(stages, -(-nproc // stages) * stages)
             raise ConfigError(f"--mode hybrid with {stages} pipeline stages needs -n to be a "

@@ -2,6 +2,8 @@
 
 Every error a user can trigger derives from :class:`ParlayError`, so ``except parlay.ParlayError``
 catches all of them. Messages follow one shape: what was expected, what was got, and a hint.
+The keyword fields (``op``, ``rank``, ``peer``, ``step``, ...) survive pickling, as Python's own
+exception pickling keeps an instance's attributes, so an error crosses processes whole.
 """
 from __future__ import annotations
 
@@ -35,9 +37,6 @@ class CommError(ParlayError, RuntimeError):
         self.rank = rank
         self.peer = peer
 
-    def __reduce__(self):  # keep op/rank/peer when the error crosses a process boundary
-        return (_make_comm_error, (str(self), self.op, self.rank, self.peer))
-
 
 class CheckpointError(ParlayError):
     """A checkpoint could not be written, read or validated."""
@@ -59,15 +58,3 @@ class NonFiniteError(ParlayError, FloatingPointError):
         self.step = step
         self.rank = rank
         self.parameter = parameter
-
-    def __reduce__(self):  # keep the fields when the error crosses a process boundary
-        return (_make_nonfinite_error, (str(self), self.step, self.rank, self.parameter))
-
-
-def _make_comm_error(message: str, op: str | None, rank: int | None, peer: int | None) -> CommError:
-    return CommError(message, op=op, rank=rank, peer=peer)
-
-
-def _make_nonfinite_error(message: str, step: int | None, rank: int | None,
-                          parameter: str | None) -> NonFiniteError:
-    return NonFiniteError(message, step=step, rank=rank, parameter=parameter)

@@ -10,7 +10,7 @@ flight. Whatever is left when the deadline comes is finished by its owner.
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["while_waiting", "discard", "idle_until"]
 

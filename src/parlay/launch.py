@@ -35,9 +35,13 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch's elastic agent loads only when `parlay run` launches
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 __all__ = ["LOOPBACK_BACKEND", "mark_droppable", "droppable_marker", "run_torchrun",
            "register_loopback_rendezvous", "DropPolicy"]
@@ -105,7 +109,9 @@ def _create_loopback_handler(params: Any) -> Any:
     handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
     # The workers' store is this same loopback server (torch would open a second one on
     # every interface); the agent's own keys live under torch's rendezvous prefix.
-    handler._create_tcp_store_server = lambda addr, port: store  # noqa: SLF001
+    # torch has no argument for an existing store: replace this one handler's factory.
+    handler._create_tcp_store_server = (  # type: ignore[method-assign]  # noqa: SLF001
+        lambda master_addr, master_port: store)
     return handler
 
 
@@ -161,7 +167,7 @@ def _capture_with_drops(pc: Any, policy: DropPolicy, ranks: dict[int, int],
                 error_file=pc.error_files[local_rank])
 
 
-def _agent_class(policy: DropPolicy) -> type:
+def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
@@ -170,7 +176,7 @@ def _agent_class(policy: DropPolicy) -> type:
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             policy.reset()
-            pids = super()._start_workers(worker_group)
+            pids: dict[int, Any] = super()._start_workers(worker_group)
             pc = self._pcontext
             if isinstance(pc, SubprocessContext):
                 ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
@@ -265,7 +271,8 @@ def _child_failure_text(e: Any) -> str:
 
 
 def _launcher_error_text(e: BaseException, argv: list[str]) -> str:
-    chain, cur = [], e  # the root cause is usually the innermost exception
+    chain: list[str] = []
+    cur: BaseException | None = e  # the root cause is usually the innermost exception
     while cur is not None and len(chain) < 5:
         chain.append(f"{type(cur).__name__}: {str(cur).strip() or '(no message)'}")
         cur = cur.__cause__ or cur.__context__

@@ -23,16 +23,18 @@ moment with the GIL released before finalisation.
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import signal
 import sys
 import time
 import weakref
-from typing import Any, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["bind_to_launcher", "whole_lines", "track_groups", "settle_groups"]
 
-_groups: list[weakref.ref] = []
+_groups: list[weakref.ref[Any]] = []
 
 _PR_SET_PDEATHSIG = 1
 
@@ -60,19 +62,19 @@ def bind_to_launcher(environ: Mapping[str, str] | None = None) -> bool:
     return True
 
 
-def whole_lines(streams=None) -> None:
+def whole_lines(streams: Iterable[object] | None = None) -> None:
     """Make each text stream write one whole line per ``write`` (line buffered, no write-through).
 
     Streams that are not ``io.TextIOWrapper`` (replaced by a test harness or a notebook) are
     left as they are.
     """
     for stream in (sys.stdout, sys.stderr) if streams is None else streams:
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is None or (stream.line_buffering and not stream.write_through):
+        if not isinstance(stream, io.TextIOWrapper) or (stream.line_buffering
+                                                        and not stream.write_through):
             continue
         try:
             stream.flush()
-            reconfigure(line_buffering=True, write_through=False)
+            stream.reconfigure(line_buffering=True, write_through=False)
         except (OSError, ValueError):
             pass
 

@@ -7,7 +7,8 @@ them; ``parlay.Average`` / ``parlay.Sum`` and Horovod's ``hvd.Average``, ... are
 from __future__ import annotations
 
 import enum
-from typing import Any
+import operator
+from typing import Any, SupportsIndex
 
 import torch.distributed as dist
 
@@ -40,9 +41,10 @@ _C10D_OPS = {ReduceOp.Average: dist.ReduceOp.SUM, ReduceOp.Sum: dist.ReduceOp.SU
              ReduceOp.Product: dist.ReduceOp.PRODUCT}
 
 
-def reduce_op(op: str | int) -> ReduceOp:
+def reduce_op(op: object) -> ReduceOp:
     """The :class:`ReduceOp` named by ``op``: a name of :data:`REDUCE_OPS` (any case), a
-    ``ReduceOp`` or its number.
+    ``ReduceOp`` or its number (an ``int``, a NumPy integer: anything ``operator.index``
+    takes, but not a bool). Every layer that accepts an op converts it here.
 
     Raises:
         ConfigError: Anything else.
@@ -51,13 +53,15 @@ def reduce_op(op: str | int) -> ReduceOp:
         found = REDUCE_OPS.get(op.lower())
         if found is not None:
             return found
-    elif isinstance(op, int) and not isinstance(op, bool) and op in ReduceOp._value2member_map_:
-        return ReduceOp(op)
+    elif isinstance(op, SupportsIndex) and not isinstance(op, bool):
+        number = operator.index(op)
+        if number in ReduceOp._value2member_map_:
+            return ReduceOp(number)
     raise ConfigError(f"reduction op must be one of {sorted(REDUCE_OPS)} or a ReduceOp "
                       f"(e.g. parlay.Average), got {op!r}.")
 
 
-def c10d_op(op: str | int) -> Any:
+def c10d_op(op: object) -> Any:
     """The ``torch.distributed.ReduceOp`` that carries ``op`` (Average travels as SUM).
 
     Raises:

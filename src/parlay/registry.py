@@ -10,7 +10,8 @@ kind and a newcomer inherits them.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from parlay.errors import ConfigError
 
@@ -18,7 +19,7 @@ __all__ = ["Registry", "registries", "split_spec"]
 
 T = TypeVar("T")
 
-_ALL: dict[str, "Registry[Any]"] = {}
+_ALL: dict[str, Registry[Any]] = {}
 
 
 def split_spec(spec: str) -> tuple[str, list[str]]:

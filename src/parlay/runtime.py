@@ -1,6 +1,6 @@
 """Process-group lifecycle: the one piece of global state parlay owns.
 
-``init()`` reads the cluster from the environment (:func:`parlay.env.detect`), chooses the
+``init()`` reads the cluster from the environment (:func:`parlay.discovery.detect`), chooses the
 backend and device in one place, and creates the default process group with a collective
 timeout, so a lost or silent peer raises :class:`~parlay.errors.CommError` instead of hanging.
 A single process with no launcher and no environment works too: it gets a world of one.
@@ -11,15 +11,16 @@ import atexit
 import datetime as _dt
 import logging
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any group: see init()'s atexit note
 
 from parlay import lifeline
-from parlay.env import ClusterEnv, detect
+from parlay.discovery import ClusterEnv, detect, run_id
 from parlay.errors import CommError, ConfigError
 
 __all__ = [
@@ -198,15 +199,15 @@ def store_prefix(environ: Mapping[str, str] | None = None, generation: int | Non
     """The store prefix of the next rendezvous: unique per run, restart attempt and init.
 
     Args:
-        environ: Environment holding torchrun's ``TORCHELASTIC_RUN_ID`` and
-            ``TORCHELASTIC_RESTART_COUNT`` (default ``os.environ``).
+        environ: Environment holding the run id (:func:`parlay.discovery.run_id`) and
+            torchrun's ``TORCHELASTIC_RESTART_COUNT`` (default ``os.environ``).
         generation: This process's init count (default: the current one).
     """
     env = os.environ if environ is None else environ
-    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    run = run_id(env)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
     gen = _generation if generation is None else generation
-    return f"parlay/{run_id}/attempt{attempt}/init{gen}" if run_id else \
+    return f"parlay/{run}/attempt{attempt}/init{gen}" if run else \
         f"parlay/attempt{attempt}/init{gen}"
 
 
@@ -260,10 +261,10 @@ def _base_store(url: str, td: _dt.timedelta) -> dist.Store:
             return store
         except (RuntimeError, TimeoutError, OSError):
             _stores.pop(url, None)
-    store, _, _ = next(dist.rendezvous(url, timeout=td))
-    store.set_timeout(td)
-    _stores[url] = store
-    return store
+    fresh: dist.Store = next(dist.rendezvous(url, timeout=td))[0]
+    fresh.set_timeout(td)
+    _stores[url] = fresh
+    return fresh
 
 
 #: Rendezvous stores by URL (address, port, rank, world size), kept for the process lifetime.

@@ -5,9 +5,11 @@ Rank convention, relied on by the launcher and every parlay module: parameter se
 non-ps rank (``K``) is the chief: the chief task, or worker 0 when there is none (TF's rule).
 Evaluators (TF semantics) stand outside the training world and have no rank.
 
-Imports run one way: this module builds on :mod:`parlay.env` (to read the launcher's
-environment) and the shared validators of :mod:`parlay._validate`; neither imports it back.
-Torch and the runtime are imported only when :meth:`TaskSpec.device_fn` is called.
+Imports run one way: this module builds on :mod:`parlay.discovery` (to read the launcher's
+environment) and the shared validators of :mod:`parlay._validate`; neither imports it back
+(:mod:`parlay.env` re-exports ``TaskSpec`` from here). Torch and the runtime, which sit below
+this module too, are imported only when :meth:`TaskSpec.device_fn` is called, so parsing a
+cluster description needs no torch.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order, fail,
                               join_address, parse_address, rank_of, read_tf_config)
-from parlay.env import detect
+from parlay.discovery import detect
 
 if TYPE_CHECKING:
     import torch
@@ -131,7 +133,7 @@ class TaskSpec:
         earlier = (*self.chief_hosts, *self.worker_hosts)[:(self.rank or 0) - self.num_ps]
         return sum(parse_address(a, "a task")[0].lower() == me for a in earlier)
 
-    def device_fn(self) -> "torch.device":
+    def device_fn(self) -> torch.device:
         """Where this task's computation belongs, e.g. ``model.to(task_spec.device_fn())``.
 
         TensorLayer's ``device_fn()`` returned a TensorFlow device setter that pinned variables

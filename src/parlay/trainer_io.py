@@ -20,8 +20,7 @@ from parlay.data.loader import build_loader
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError
 from parlay.runinfo import trainer_identity
-from parlay.snapshot import (GradientJournal, journal_for_trainer, open_for_trainer,
-                             optimizer_tensors, resume_trainer, trainer_head)
+from parlay.snapshot import open_for_trainer, optimizer_tensors, resume_trainer
 from parlay.trainer_support import TrainerState, check_positive, evaluate, reduce_metrics
 
 __all__ = ["TrainerIO"]
@@ -42,7 +41,6 @@ class TrainerIO:
     validation_dataset: Dataset | None
     _ckpt: CheckpointManager | None
     _snap: Any
-    last_step: Any
     _val_loader: Any
     _last_ckpt_step: int
     _stopped: bool
@@ -167,25 +165,16 @@ class TrainerIO:
         store = self._snap = open_for_trainer(self, every)
         if store is None:
             return
-        self._snap = journal_for_trainer(self, store)
-        self.resumed_from_snapshot = resume_trainer(self, self._snap)
+        self.resumed_from_snapshot = resume_trainer(self, store)
         if self.resumed_from_snapshot is not None:
             log.info("resumed from the in-memory snapshot of step %d", self.resumed_from_snapshot)
-        if isinstance(self._snap, GradientJournal):
-            self._snap.start(self.state.step)
 
     def _snapshot_after_step(self) -> None:
         if self._snap is None or self.state.step % self.snapshot_every:
             return
         try:
-            if isinstance(self._snap, GradientJournal):
-                self._snap.after_step(self.state.step, not self.last_step.skipped,
-                                      lambda: trainer_head(self),
-                                      lambda: self._training_state(snapshot=True),
-                                      lambda: optimizer_tensors(self.strategy))
-            else:
-                self._snap.save(self.state.step, self._training_state(snapshot=True),
-                                defer=optimizer_tensors(self.strategy))
+            self._snap.save(self.state.step, self._training_state(snapshot=True),
+                            defer=optimizer_tensors(self.strategy))
         except CheckpointError as e:  # snapshots are a speed-up: training goes on without
             self._snap = None
             warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {e}",

@@ -81,8 +81,8 @@ SCRIPT = textwrap.dedent('''
 
 
 def _launch(tmp: Path, case: str, kill_rank: int = -1, kill_step: int = -1,
-            nproc: int = 2, lose: bool = False, background: bool = False,
-            base_every: int | None = None) -> tuple[subprocess.CompletedProcess[str], Path]:
+            nproc: int = 2, lose: bool = False,
+            background: bool = False) -> tuple[subprocess.CompletedProcess[str], Path]:
     script = tmp / "train_snapshot.py"
     script.write_text(SCRIPT)
     out, shm = tmp / "out", tmp / "shm"
@@ -91,8 +91,6 @@ def _launch(tmp: Path, case: str, kill_rank: int = -1, kill_step: int = -1,
            if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
     env.update(PARLAY_TIMEOUT="30", OMP_NUM_THREADS="1", PARLAY_SNAPSHOT_DIR=str(shm),
                PARLAY_SNAPSHOT_BACKGROUND="1" if background else "0")
-    if base_every is not None:
-        env["PARLAY_SNAPSHOT_BASE_EVERY"] = str(base_every)
     pp = ["--pp", "2"] if case.startswith("hybrid") else []
     p = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", str(nproc),
                         "--max-restarts", "1", *pp, str(script), str(out), case,
@@ -191,13 +189,6 @@ def test_sigkill_resumes_from_snapshot_bit_identical(tmp_path, reference, case, 
                                                      kill_step, background):
     p, out = _launch(tmp_path, case, kill_rank, kill_step, background=background)
     _check(p, out, reference, case, kill_rank, kill_step)
-
-
-def test_sigkill_resumes_by_replaying_the_gradient_journal_bit_identical(tmp_path, reference):
-    # A full copy every 3 steps (bases 1 and 4; the base of 7 is not taken yet) and each step's
-    # gradients in between: the ranks resume at step 6 by replaying steps 5 and 6 from base 4.
-    p, out = _launch(tmp_path, "allreduce", 0, 6, background=True, base_every=3)
-    _check(p, out, reference, "allreduce", 0, 6)
 
 
 def test_rank_that_lost_its_snapshots_gets_the_state_from_a_replica(tmp_path, reference):

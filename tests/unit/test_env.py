@@ -297,3 +297,18 @@ def test_parlay_num_ps_roles() -> None:
 def test_bad_num_ps(env: dict[str, str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         detect(env)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, None), ({"TORCHELASTIC_RUN_ID": "none"}, None),
+    ({"TORCHELASTIC_RUN_ID": "abc", "SLURM_JOB_ID": "7"}, "abc"), ({"SLURM_JOB_ID": "7"}, "7"),
+    ({"PARLAY_RUN_ID": "mine", "TORCHELASTIC_RUN_ID": "abc"}, "mine"),
+    ({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "7"}, "7"),
+])
+def test_run_id_is_read_in_one_place(env: dict[str, str], expected: str | None) -> None:
+    from parlay.env import run_id
+    from parlay.runtime import store_prefix
+
+    assert run_id(env) == expected
+    assert store_prefix(env, 0) == (f"parlay/{expected}/attempt0/init0" if expected
+                                    else "parlay/attempt0/init0")

@@ -45,7 +45,7 @@ def test_only_the_env_layer_reads_parlay_pp():
     readers = [p.relative_to(SRC).as_posix() for p in SRC.rglob("*.py")
                if reads.search(p.read_text(encoding="utf-8")) or
                ('"PARLAY_PP"' in p.read_text(encoding="utf-8") and p.name not in ("cli.py",))]
-    assert readers == ["env.py"], readers
+    assert readers == ["discovery.py"], readers
 
 
 def test_hybrid_takes_the_launch_stage_count_unless_given():
@@ -66,8 +66,8 @@ def test_hybrid_takes_the_launch_stage_count_unless_given():
 @pytest.fixture
 def launches(monkeypatch):
     calls: list[list[str]] = []
-    monkeypatch.setattr(parlay.launch, "run_torchrun", lambda argv, run_dir, own_id=None: calls.append(argv)
-                        or 0)
+    monkeypatch.setattr(parlay.launch, "run_torchrun",
+                        lambda argv, run_dir, own_id=None: calls.append(argv) or 0)
     return calls
 
 

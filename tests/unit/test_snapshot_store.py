@@ -210,6 +210,19 @@ def test_deferred_tensors_are_copied_before_the_next_optimizer_step(tmp_path, mo
     store.close()
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_last_save_s_is_the_time_a_finished_snapshot_took(tmp_path, monkeypatch, deferred):
+    model, opt, defer, store = _adam(monkeypatch, tmp_path, deferred)
+    assert store.last_save_s is None
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    store.save(1, state, defer=defer)
+    if deferred:
+        assert store.last_save_s is None, "the copy is not finished yet"
+        opt.step()                                         # finishes it
+    assert store.last_save_s is not None and store.last_save_s > 0
+    store.close()
+
+
 def test_deferred_copy_runs_in_chunks_while_waiting_for_communication(tmp_path, monkeypatch):
     from parlay import comm
     from parlay.snapshot.deferred import CHUNK_BYTES, DeferredCopy

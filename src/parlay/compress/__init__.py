@@ -4,7 +4,7 @@ Importing this package registers every built-in compressor: ``none``, ``fp16``, 
 ``topk``, ``randomk``, ``powersgd`` and ``auto`` (see :mod:`parlay.compression` for the user-facing
 facade and :mod:`parlay.compress.base` for the API contract other modes rely on).
 """
-from parlay.compress.base import (CommStats, Compressor, NoneCompressor, available,
+from parlay.compress.base import (CommStats, Compressor, NoneCompressor, Round, available,
                                   get_compressor, reduce_async, register)
 from parlay.compress.cast import BF16, FP16
 from parlay.compress.feedback import ErrorFeedback, Residuals
@@ -13,6 +13,6 @@ from parlay.compress.powersgd import PowerSGD
 from parlay.compress.sparse import RandomK, TopK
 from parlay.compress.auto import AutoCompressor  # noqa: E402 - after the candidates it builds
 
-__all__ = ["CommStats", "Compressor", "NoneCompressor", "available", "get_compressor",
+__all__ = ["CommStats", "Compressor", "NoneCompressor", "Round", "available", "get_compressor",
            "reduce_async", "register", "FP16", "BF16", "TopK", "RandomK", "PowerSGD",
            "ErrorFeedback", "Residuals", "Compression", "AutoCompressor"]

@@ -1,4 +1,4 @@
-"""``compression="auto"``: per bucket, the compressor the measured link and CPU make fastest.
+"""``compression="auto"``: per bucket, the candidate the measured link and CPU make fastest.
 
 :class:`AutoCompressor` holds one instance of each candidate (default ``none``, ``fp16``,
 ``powersgd:4``, ``topk:0.01``, ``topk:0.01,compact=1``) and delegates each bucket's encode,
@@ -6,157 +6,286 @@ further rounds and decode to the candidate it chose for that bucket, so every ca
 :class:`Compressor` protocol (data-parallel optimizer, flat or hierarchical, hybrid mode's
 data-parallel groups, parameter-server pushes) uses it unchanged.
 
-How it decides (:mod:`parlay.compress.autocost`):
+One decision per bucket, at its first reduction: the link is timed once (allreduces of two fp32
+sizes and one fp16 size, fitted to ``alpha + bytes * beta``), every eligible candidate's codec
+is timed on the bucket, and every number is MAX-reduced over the group, so each rank prices the
+candidates from the same inputs and all choose alike. A candidate's price is its codec time
+plus its own collectives (:meth:`Compressor.wire_rounds`) on the fitted link. The first
+candidate is kept unless another is predicted ``margin`` faster (at least 0.5 when every rank
+shares one host: there the "link" is the same CPU the codecs use, and both measure noisily).
+One short trial then confirms it: when another single candidate for every bucket was predicted
+within 30% of the decision, both run ``trial`` steps and the other replaces the decision only if
+its median step (MAX over the ranks) is 5% faster.
 
-1. At the first step it times allreduces over the group (alpha, beta for fp32 and fp16), and
-   at each bucket's first compress every candidate's encode/decode on that bucket. Every number
-   is MAX-reduced over the group: each rank predicts from the same inputs, so ranks agree.
-2. It predicts each candidate's time (codec plus its collectives on the fitted link, with the
-   alpha-beta formulas of :mod:`parlay.plan.model`) and keeps the current choice unless another
-   is predicted ``margin`` faster (hysteresis; at first ``none``; on one host 0.5 at least).
-   Then it measures: every contender predicted within 30% of the best runs ``trial`` steps
-   (default 3) and the fastest measured stays (:mod:`parlay.compress.autotrial`).
-3. Every ``every`` steps the median step time (MAX over ranks) is compared with the one after
-   the last decision; a change beyond ``threshold`` triggers a new measurement and decision,
-   unless measuring has already taken more than ``budget`` (0.5%) of the time since the first
-   step. The window after such a switch is compared with the one before it: if the step got
-   slower by more than ``threshold / 2``, the switch is undone (the model was wrong here).
-
-Error feedback stays exact across switches: when a bucket leaves a candidate that keeps a
-residual (top-k, PowerSGD), the residual moves out of that candidate and is added to the
-bucket's next gradient, whatever compressor sends it (``sent + kept == produced``).
-
-Its choices are in :attr:`AutoCompressor.choices` (bucket key -> spec), its reasons in
-:attr:`AutoCompressor.history`; each change is logged on logger ``parlay.compress``.
+Error feedback stays exact across switches: a bucket leaving a candidate that keeps a residual
+(top-k, PowerSGD) carries it to its next gradient, whatever sends it (``sent + kept ==
+produced``). Choices are in :attr:`AutoCompressor.choices`, reasons in :attr:`history`.
 """
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.compress import autocost
-from parlay.compress.autoopts import DEFAULT_CANDIDATES, check_options
-from parlay.compress.autotrial import Trial, contenders
-from parlay.compress.autowire import AutoCtx, rebuild_ctx, wire_values
-from parlay.compress.base import Compressor, get_compressor, register
+from parlay.compress.base import Compressor, Round, get_compressor, local_round_trip, register
 from parlay.compress.feedback import parse_options
 from parlay.errors import ConfigError
 
-__all__ = ["AutoCompressor", "AutoCtx", "DEFAULT_CANDIDATES"]
+__all__ = ["AutoCompressor", "AutoCtx", "DEFAULT_CANDIDATES", "LinkFit", "probe_link",
+           "agreed_max", "switch_margin"]
 
 log = logging.getLogger("parlay.compress")
+
+#: top-k on both wires: the compact one (4 bytes a coordinate) wins where bytes cost, the plain
+#: one (8) where they don't.
+DEFAULT_CANDIDATES = ("none", "fp16", "powersgd:4", "topk:0.01", "topk:0.01,compact=1")
+#: Least margin for a switch when every rank runs on one host (see the module docstring).
+ONE_HOST_MARGIN = 0.5
+#: The trial runs the best other uniform choice when predicted within this fraction, and it
+#: replaces the decision only when measured this fraction faster (a busy host's noise).
+TRIAL_WITHIN, TRIAL_GAIN = 0.3, 0.05
+#: Codec costs are timed on at most this many leading elements of a bucket and scaled up.
+SAMPLE_NUMEL = 1 << 22
+_WIRE = 4  # plain values an AutoCtx carries for its candidate's context (padded with None)
+Hook = Callable[[str, str, float], float]
+
+
+class LinkFit(NamedTuple):
+    """An allreduce over the group costs ``alpha_s + nbytes * beta_s`` (``beta_half_s`` in
+    fp16)."""
+
+    alpha_s: float
+    beta_s: float
+    beta_half_s: float
+
+
+@dataclass
+class AutoCtx:
+    """Which candidate encoded a payload (index into the specs), its own context (local only)
+    and the plain values that rebuild that context in another process (a parameter server)."""
+
+    choice: int
+    inner: Any = None
+    wire: tuple = ()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"choice": self.choice, "wire": self.wire}
+
+    def __copy__(self) -> "AutoCtx":
+        return AutoCtx(self.choice, None, self.wire)
+
+
+def switch_margin(margin: float) -> float:
+    """``margin``, at least :data:`ONE_HOST_MARGIN` when the parlay world runs on one host."""
+    from parlay import runtime  # a lower layer; lazily, as comm does
+
+    one_host = runtime.is_initialized() and runtime.cluster().one_host
+    return max(margin, ONE_HOST_MARGIN) if one_host else margin
+
+
+def agreed_max(values: Sequence[float], group: Any) -> list[float]:
+    """Each value's maximum over ``group`` (one float64 allreduce on the group's device)."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=comm.group_device(group))
+    comm.allreduce(t, "max", group=group)
+    return t.tolist()
+
+
+def _timed_allreduce(t: torch.Tensor, group: Any) -> float:
+    """Seconds of one allreduce of ``t``: the best of five on a fast link (the first pays
+    one-off costs); one when the slowest rank's first took over 50 ms (all ranks alike)."""
+    times: list[float] = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        comm.allreduce(t, "sum", group=group)
+        if t.is_cuda:  # NCCL's wait only orders streams: time the transfer itself
+            torch.cuda.synchronize(t.device)
+        times.append(time.perf_counter() - t0)
+        if len(times) == 1 and agreed_max(times, group)[0] > 0.05:
+            break
+    return min(times)
+
+
+def probe_link(group: Any, bucket_bytes: Sequence[int], hook: Hook | None = None) -> LinkFit:
+    """Time allreduces over ``group`` (every member calls it) and fit alpha-beta from the
+    slowest rank's times. The sizes: a quarter of the largest bucket (1-4 MiB) and a quarter of
+    that; their slope is the cost per byte even when the smaller fits a shaper's burst."""
+    large = int(min(4 << 20, max(1 << 20, max(bucket_bytes, default=0) // 4)))
+    small = large // 4
+    dev = comm.group_device(group)
+    buf = torch.zeros(large // 4, device=dev)
+    comm.allreduce(torch.zeros(1, device=dev), "sum", group=group)  # line the ranks up first
+    times = [_timed_allreduce(buf[: small // 4], group), _timed_allreduce(buf, group),
+             _timed_allreduce(torch.zeros(large // 2, dtype=torch.float16, device=dev), group)]
+    if hook is not None:
+        times = [hook("link", n, t) for n, t in zip(("small", "large", "half"), times)]
+    t_small, t_large, t_half = agreed_max(times, group)
+    beta = (t_large - t_small) / (large - small)
+    beta = max(beta if beta > 0 else t_large / large, 1e-15)  # noise: the larger size bounds it
+    # The same bytes never cost less in fp16 (same wire, sums no faster): a ratio under 1 is
+    # noise on the fp32 probe, so it counts as 1.
+    return LinkFit(max(0.0, t_small - beta * small), beta,
+                   max(beta * max(1.0, t_half / max(t_large, 1e-12)), 1e-15))
+
+
+def _sample(shapes: Sequence[tuple[int, ...]] | None,
+            numel: int) -> tuple[int, list[tuple[int, ...]] | None]:
+    """The leading part of a bucket to time: ``(elements, its layout)``. A matrix that does
+    not fit whole keeps its columns and as many rows as fit, so its per-element cost is kept
+    (every candidate's work is linear in the elements)."""
+    if numel <= SAMPLE_NUMEL or shapes is None:
+        return min(numel, SAMPLE_NUMEL), list(shapes) if shapes is not None else None
+    out: list[tuple[int, ...]] = []
+    used = 0
+    for s in shapes:
+        n = math.prod(s)
+        if used + n <= SAMPLE_NUMEL:
+            out.append(tuple(s))
+            used += n
+            continue
+        rest = math.prod(s[1:]) if len(s) >= 2 else 1
+        rows = (SAMPLE_NUMEL - used) // rest
+        if rows >= 1:
+            out.append((rows, *s[1:]))
+            used += rows * rest
+        break
+    return (used, out) if used else (SAMPLE_NUMEL, None)
+
+
+def codec_seconds(spec: str, flat: torch.Tensor, key: str, world: int,
+                  shapes: Sequence[tuple[int, ...]] | None, enough: float = math.inf) -> float:
+    """CPU seconds one rank spends on ``spec`` for this bucket per step (a fresh instance:
+    encode, further rounds on its own payload, decode), the best of three warm runs on a
+    sample scaled to the bucket; stops early once over ``enough``."""
+    n, layout = _sample(shapes, flat.numel())
+    c = get_compressor(spec)
+    if layout is not None:
+        c.set_layout(key, layout)
+    part, best = flat[:n], math.inf
+    scratch = torch.empty_like(part)  # decoded into, as the step's bucket is
+    for _ in range(3):
+        t0 = time.perf_counter()
+        local_round_trip(c, part, key, world, into=scratch)
+        best = min(best, time.perf_counter() - t0)
+        if best * flat.numel() / max(1, n) > enough:
+            break
+    return best * flat.numel() / max(1, n)
+
+
+def predict_s(cand: Compressor, numel: int, shapes: Any, fit: LinkFit, world: int,
+              codec_s: float, collective: bool = True) -> float:
+    """Codec time plus the candidate's own collectives on the fitted link (``collective``
+    False: one point-to-point message with every round's bytes, a parameter-server push)."""
+    if world <= 1:
+        return codec_s
+    rounds = cand.wire_rounds(numel, shapes)
+    if not collective:
+        sent = sum(r.nbytes for r in rounds)
+        return codec_s + (fit.alpha_s + sent * fit.beta_s * world) / (2 * (world - 1))
+    return codec_s + sum(
+        fit.alpha_s + r.nbytes * (fit.beta_s * world / 2 if r.kind == "allgather"
+                                  else fit.beta_half_s if r.half else fit.beta_s)
+        for r in rounds)
+
+
+class _Trial:
+    """Two assignments (bucket -> spec), the decision first, ``steps`` steps each."""
+
+    def __init__(self, options: list[dict[str, str]], steps: int) -> None:
+        self.options, self.steps = options, steps
+        self.times: list[float] = []
+        self.medians: list[float] = []
+
 
 class AutoCompressor(Compressor):
     """Choose per bucket among ``candidates`` from measured bandwidth and codec cost.
 
     Args:
-        candidates: Compressor specs to choose from (``"none"``, ``"fp16"``, ``"bf16"``,
-            ``"powersgd:R"``, ``"topk:RATIO"``, ``"randomk:RATIO"``); the first is used until
-            the first decision and is the fallback.
-        every: Steps between two checks of the step time (one 8-byte allreduce each).
-        threshold: Relative change of the step time that triggers a new decision.
-        margin: A candidate must be predicted this fraction faster than the current one to
-            replace it.
-        budget: Largest share of the run's time spent measuring before a new decision.
-        trial: Steps each close contender of the first decision runs before the fastest
-            measured is kept (0: trust the prediction).
+        candidates: Registered compressor specs to choose from; the first is kept unless
+            another is predicted ``margin`` faster, and is the fallback.
+        margin: How much faster (a fraction) another candidate must be predicted.
+        trial: Steps each of the two close contenders runs in the confirming trial (0: none).
 
     Raises:
         ConfigError: Unknown or duplicate candidates, or options out of range.
     """
 
     name = "auto"
-    #: Describes the payload of the latest :meth:`compress` call: reduce_async reads it right
-    #: after compress, so a bucket that chose top-k goes over allgather, the others allreduce.
-    summable = True
+    summable = True  # per payload: see is_summable
     point_to_point = True
     decodes_into = True
-    #: Every candidate encodes a*x as a times x's encoding (a > 0): scale before the sum.
-    homogeneous = True
-    #: The trial's contenders: predicted within this fraction of the best, at most this many.
-    trial_within, trial_most = 0.3, 3
+    homogeneous = True  # every candidate encodes a*x as a times x's encoding (a > 0)
 
-    def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, every: int = 20,
-                 threshold: float = 0.2, margin: float = 0.25, budget: float = 0.005,
+    def __init__(self, candidates: Sequence[str] = DEFAULT_CANDIDATES, margin: float = 0.25,
                  trial: int = 3) -> None:
-        self.specs = check_options(candidates, every, threshold, margin, trial, budget)
-        self.budget, self.trial = float(budget), int(trial)
+        if isinstance(candidates, str) or not candidates:
+            raise ConfigError(f"auto compression needs a non-empty list of candidate specs, "
+                              f"got {candidates!r}. Hint: ['none', 'fp16', 'topk:0.01'].")
+        self.specs = [str(c).strip().lower() for c in candidates]
+        if len(set(self.specs)) != len(self.specs):
+            raise ConfigError(f"auto compression candidates repeat: {self.specs}.")
         self.cands = {s: get_compressor(s) for s in self.specs}
-        self.every, self.threshold, self.margin = int(every), float(threshold), float(margin)
-        #: The trial under way (True: due at the next step), else None.
-        self.trialing: Trial | bool | None = None
-        self._margin = self.margin  # what a switch needs (bind: at least 0.5 on one host)
+        if any(isinstance(c, AutoCompressor) for c in self.cands.values()):
+            raise ConfigError("auto compression cannot choose 'auto' among its candidates.")
+        if isinstance(trial, bool) or int(trial) != trial or trial < 0:
+            raise ConfigError(f"auto trial must be an integer >= 0 (steps), got {trial!r}.")
+        if not 0 <= float(margin) < 1:
+            raise ConfigError(f"auto margin must be in [0, 1), got {margin!r}. Hint: 0.25.")
+        self.margin, self.trial = float(margin), int(trial)
         #: Bucket key -> the spec it uses now.
         self.choices: dict[str, str] = {}
         #: (step, key, old, new, reason) for every change, oldest first.
         self.history: list[tuple[int, str, str | None, str, str]] = []
-        #: Steps at which the link was measured and every bucket decided again.
-        self.calibrations: list[int] = []
-        #: ``hook(kind, name, seconds) -> seconds`` applied to every local time before it is
-        #: reduced ("link", "codec", "step"); lets tests give ranks different timings.
-        self.timing_hook: Any = None
-        self._eligible = list(self.specs)
+        #: Bucket key -> {spec: predicted seconds} of its decision.
+        self.last_prediction: dict[str, dict[str, float]] = {}
+        #: The trial under way (True: due at the next step), else None.
+        self.trialing: _Trial | bool | None = None
+        #: ``hook(kind, name, seconds) -> seconds`` on every local time before it is reduced
+        #: ("link", "codec", "trial"): lets tests give ranks different timings.
+        self.timing_hook: Hook | None = None
+        self._eligible, self._margin = list(self.specs), self.margin
         self._group: Any = None
-        self._world = 0
-        self._collective = True
+        self._world, self._collective = 0, True
         self._layouts: dict[str, list[tuple[int, ...]]] = {}
         self._carry: dict[str, torch.Tensor] = {}
         self._forced: dict[str, str] = {}
         self._lead: str | None = None
         self._step = 0
         self._t_last: float | None = None
-        self._intervals: list[float] = []
-        self._ref: float | None = None
-        self._verify: tuple[dict[str, str], float] | None = None
-        self._decide_keys: set[str] | None = None
-        # (key, spec) -> factor by which a switch to it, undone, measured slower: scales it.
-        self._penalty: dict[tuple[str, str], float] = {}
-        self._fit: autocost.LinkFit | None = None
-        # Seconds spent measuring and deciding, and when the first step started (budget).
-        self._spent = 0.0
-        self._t0: float | None = None
-        self._measured = False
-        self.last_prediction: dict[str, dict[str, float]] = {}
+        self._fit: LinkFit | None = None
 
-    # ------------------------------------------------------------------ binding
     def bind(self, group: Any = None, *, collective: bool = True,
              summable_only: bool = False) -> None:
         """Say where this compressor reduces (the optimizer or PS worker calls it once).
 
         Args:
             group: The process group of the reduction; decisions are agreed over it.
-            collective: ``False`` for parameter-server pushes: only one-round candidates,
-                decided once at the first push (a collective over ``group``, the workers).
+            collective: ``False`` for parameter-server pushes: one-round candidates only.
             summable_only: Only candidates whose payloads sum on the wire (hierarchical).
 
         Raises:
             ConfigError: No candidate fits.
         """
-        ok = [s for s in self.specs
-              if (collective or self.cands[s].point_to_point)
+        ok = [s for s in self.specs if (collective or self.cands[s].point_to_point)
               and (not summable_only or self.cands[s].summable)]
         if not ok:
             raise ConfigError(f"auto compression: none of {self.specs} fits this reduction "
                               f"(point-to-point: {not collective}, summable only: "
                               f"{summable_only}). Hint: add 'none' or 'fp16' to the candidates.")
         self._eligible, self._group, self._collective = ok, group, collective
-        self._margin = autocost.switch_margin(self.margin)  # every rank alike: one world
-        # Without a process group (a single process) there is nothing to choose: the first.
+        self._margin = switch_margin(self.margin)
         self._world = comm.group_size(group) if dist.is_initialized() else 1
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "AutoCompressor":
-        """A frozen twin: same candidates and current choices, but it never communicates or
-        decides (it encodes with the choices it was copied with, else the first eligible
-        candidate). A parameter server's setup probes such a copy on every rank, so the probe
-        must not start a collective."""
-        twin = AutoCompressor(self.specs, self.every, self.threshold, self.margin, self.budget,
-                              self.trial)
+        """A frozen twin that never communicates or decides (a parameter server's setup
+        probes such a copy on every rank): it encodes with the choices it was copied with."""
+        twin = AutoCompressor(self.specs, self.margin, self.trial)
         twin.choices, twin._eligible, twin._world = dict(self.choices), list(self._eligible), 1
         for k, v in self._layouts.items():
             twin.set_layout(k, v)
@@ -168,8 +297,7 @@ class AutoCompressor(Compressor):
             c.set_layout(key, shapes)
 
     def force(self, key: str, spec: str) -> None:
-        """Use ``spec`` for bucket ``key`` from its next compress (every rank must call it
-        alike). For tests and for users who know better than the model."""
+        """Use ``spec`` for bucket ``key`` from its next compress (every rank alike)."""
         if spec not in self.cands:
             raise ConfigError(f"auto compression: {spec!r} is not a candidate ({self.specs}).")
         self._forced[key] = spec
@@ -177,6 +305,12 @@ class AutoCompressor(Compressor):
     def describe(self) -> str:
         """The choices as one line, e.g. ``"bucket0=topk:0.01 bucket1=none"``."""
         return " ".join(f"{k}={v}" for k, v in self.choices.items()) or "undecided"
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        raise ConfigError("compression 'auto' chooses at run time from what it measures; the "
+                          "cost model prices its candidates instead. Hint: --compressors "
+                          "none,fp16,topk:0.01,powersgd:4.")
 
     # ------------------------------------------------------------------ deciding
     def _time(self, kind: str, name: str, seconds: float) -> float:
@@ -187,127 +321,81 @@ class AutoCompressor(Compressor):
         if old == new:
             return
         mem = getattr(self.cands[old], "memory", None) if old is not None else None
-        if mem is not None:
-            owed = mem.residual.pop(key, None)
-            mem._spare.pop(key, None)  # noqa: SLF001 - its recycled buffer goes with it
-            mem.velocity.pop(key, None)
-            if owed is not None:
-                prev = self._carry.get(key)
-                self._carry[key] = owed if prev is None else prev + owed
+        owed = mem.take(key) if mem is not None else None
+        if owed is not None:
+            prev = self._carry.get(key)
+            self._carry[key] = owed if prev is None else prev + owed
         self.choices[key] = new
         self.history.append((self._step, key, old, new, reason))
         if old is not None:
             log.info("auto compression: %s %s -> %s (%s)", key, old, new, reason)
 
-    def _on_lead(self, flat: torch.Tensor) -> None:
-        """Start of a step (the first bucket's compress): step timing and its checks."""
-        now = time.perf_counter()
-        if self._t0 is None:
-            self._t0 = now
-        last = now - self._t_last if self._t_last is not None and not self._measured else None
-        if last is not None:
-            self._intervals.append(last)  # (a step that measured is no sample)
-        self._measured = False
-        self._t_last = now
-        self._step += 1
-        self._decide_keys = None
-        if self._step == 1:
-            self._calibrate(flat)
-            self.trialing = self._collective and self.trial > 0
-        elif self.trialing:
-            self._run_trial(last)
-        elif self._collective and self._step % self.every == 0 and self._intervals:
-            # (parameter-server pushes decide once: workers run different step counts in the
-            # async and stale policies, so a periodic collective among them could wait forever)
-            self._check(statistics.median(self._intervals))
-            self._intervals = []
-
-    def _run_trial(self, last: float | None) -> None:
-        """One step of the trial: start it, hand the next contender its steps, or end it."""
-        if self.trialing is True:
-            opts = contenders(self.last_prediction, self.choices, self.trial_within,
-                              self.trial_most)
-            self.trialing = Trial(opts, self.trial, self.threshold / 4) if opts[1:] else None
-        trial, why = self.trialing, "trial"
-        if not isinstance(trial, Trial):
-            return
-        new = trial.next(last)
-        if trial.done:  # every rank ends it at the same step: the medians are reduced together
-            new, why = trial.winner(autocost.agreed_max(
-                [self._time("trial", str(i), t) for i, t in enumerate(trial.measured)],
-                self._group))
-            self.trialing, self._intervals, self._ref, self._measured = None, [], None, True
-        for k, s in (new or {}).items():
-            self._switch(k, s, why)
-
-    def _check(self, local: float) -> None:
-        step_s = autocost.agreed_max([self._time("step", "median", local)], self._group)[0]
-        if self._verify is not None:
-            before_choices, before = self._verify
-            self._verify = None
-            if step_s > before * (1 + self.threshold / 2):
-                for k, s in before_choices.items():
-                    tried = self.choices.get(k)
-                    if tried is not None and tried != s:
-                        self._penalty[(k, tried)] = self._penalty.get((k, tried), 1.0) \
-                            * step_s / before
-                    self._switch(k, s, f"undone: step {step_s:.4f}s vs {before:.4f}s before")
-                self._ref = before
-                return
-        if self._ref is None:
-            self._ref = step_s
-        elif abs(step_s - self._ref) > self.threshold * self._ref:
-            elapsed = time.perf_counter() - (self._t0 or 0.0)
-            # The budget check uses the slowest rank's share, so every rank agrees on it.
-            share = autocost.agreed_max([self._spent / max(elapsed, 1e-9)], self._group)[0]
-            if share > self.budget:
-                self._ref = step_s  # measured enough lately: take the new step as normal
-            else:
-                self._calibrate(before=step_s)
-
-    def _probe(self, flat: torch.Tensor | None = None) -> None:
-        sizes = [sum(int(torch.Size(s).numel()) for s in v) * 4 for v in self._layouts.values()]
-        if flat is not None:
-            sizes.append(flat.numel() * flat.element_size())
-        self._fit = autocost.probe_link(self._group, self._world, sizes, self.timing_hook)
-
-    def _calibrate(self, flat: torch.Tensor | None = None, before: float | None = None) -> None:
-        """Measure the link now; every bucket decides again at its compress this step."""
-        t0 = time.perf_counter()
-        self._probe(flat)
-        self._measured = True
-        self._spent += time.perf_counter() - t0
-        self.calibrations.append(self._step)
-        self._decide_keys = set()
-        self._ref = None
-        self._verify = (dict(self.choices), before) if before is not None and self.choices \
-            else None
-
     def _decide(self, key: str, flat: torch.Tensor) -> None:
-        t0 = time.perf_counter()
-        if self._fit is None:  # a bucket first seen after the first step
-            self._probe(flat)
-        assert self._fit is not None  # probed above or at this step's start
-        shapes = self._layouts.get(key)
-        # A candidate whose codec alone costs more than dense could win by is timed once only.
-        enough = (autocost.predict_s("none", flat.numel(), self._fit, 0.0, shapes,
-                                     self._collective) / (1 - self.margin)
-                  if "none" in self._eligible else float("inf"))
-        codec = [0.0 if s == "none" else self._time("codec", s, autocost.codec_seconds(
-            s, flat, key, self._world, shapes, enough=enough)) for s in self._eligible]
-        codec = autocost.agreed_max(codec, self._group)
-        pred = {s: autocost.predict_s(s, flat.numel(), self._fit, c, shapes, self._collective)
-                * self._penalty.get((key, s), 1.0) for s, c in zip(self._eligible, codec)}
+        if self._fit is None:  # once: every bucket's size known so far sizes the probe
+            sizes = [sum(math.prod(s) for s in v) * 4 for v in self._layouts.values()]
+            self._fit = probe_link(self._group, sizes + [flat.numel() * flat.element_size()],
+                                   self.timing_hook)
+        shapes, n = self._layouts.get(key), flat.numel()
+        first = self.cands[self._eligible[0]]
+        enough = predict_s(first, n, shapes, self._fit, self._world, 0.0, self._collective) \
+            / (1 - self._margin)  # a codec alone slower than that cannot win: timed once
+        codec = agreed_max([self._time("codec", s, codec_seconds(
+            s, flat, key, self._world, shapes, enough)) for s in self._eligible], self._group)
+        pred = {s: predict_s(self.cands[s], n, shapes, self._fit, self._world, c,
+                             self._collective) for s, c in zip(self._eligible, codec)}
         self.last_prediction[key] = pred
-        cur = self.choices.get(key, self._eligible[0])
         best = min(pred, key=lambda s: (pred[s], self._eligible.index(s)))
-        if cur not in pred or pred[best] < (1 - self._margin) * pred[cur]:
-            cur = best
-        why = ", ".join(f"{s} {v * 1e3:.2f}ms" for s, v in pred.items())
-        self._switch(key, cur, f"predicted {why}")
-        if self._decide_keys is not None:
-            self._decide_keys.add(key)
-        self._spent += time.perf_counter() - t0
+        keep = self._eligible[0]
+        choice = best if pred[best] < (1 - self._margin) * pred[keep] else keep
+        self._switch(key, choice, "predicted " + ", ".join(
+            f"{s} {v * 1e3:.2f}ms" for s, v in pred.items()))
+        if self._collective and self.trial and self.trialing is None and self._step <= 1:
+            self.trialing = True
+
+    def _trial_options(self) -> list[dict[str, str]]:
+        """The decided choices and, if predicted within TRIAL_WITHIN of them, the best other
+        single candidate for every bucket."""
+        keys = [k for k in self.choices if k in self.last_prediction]
+        if not keys:
+            return []
+        decided = {k: self.choices[k] for k in keys}
+        total = sum(self.last_prediction[k][s] for k, s in decided.items())
+        uniform = [({k: s for k in keys}, sum(self.last_prediction[k][s] for k in keys))
+                   for s in self._eligible]
+        others = sorted((t, i) for i, (a, t) in enumerate(uniform) if a != decided)
+        if not others or others[0][0] > (1 + TRIAL_WITHIN) * min(total, others[0][0]):
+            return []
+        return [decided, uniform[others[0][1]][0]]
+
+    def _on_lead(self) -> None:
+        """The start of a step (its first bucket's compress): run the trial's schedule."""
+        now = time.perf_counter()
+        last = None if self._t_last is None else now - self._t_last
+        self._t_last, self._step = now, self._step + 1
+        if self.trialing is True:  # the step after the decision: start the trial
+            options = self._trial_options()
+            self.trialing = _Trial(options, self.trial) if options else None
+            return
+        trial = self.trialing
+        if not isinstance(trial, _Trial) or last is None:
+            return
+        trial.times.append(last)
+        if len(trial.times) < trial.steps:
+            return
+        trial.medians.append(statistics.median(trial.times))
+        trial.times = []
+        if len(trial.medians) < len(trial.options):
+            for k, s in trial.options[len(trial.medians)].items():
+                self._switch(k, s, "trial")
+            return
+        agreed = agreed_max([self._time("trial", str(i), t)
+                             for i, t in enumerate(trial.medians)], self._group)
+        won = 1 if agreed[1] < (1 - TRIAL_GAIN) * agreed[0] else 0  # noise keeps the decision
+        why = "trial: " + ", ".join(f"{'+'.join(sorted(set(a.values())))} {t * 1e3:.2f}ms"
+                                    for a, t in zip(trial.options, agreed))
+        for k, s in trial.options[won].items():
+            self._switch(k, s, why)
+        self.trialing = None
 
     # ------------------------------------------------------------------ the protocol
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
@@ -316,25 +404,28 @@ class AutoCompressor(Compressor):
         if self._lead is None:
             self._lead = key
         if self._world > 1:
-            if key == self._lead:
-                self._on_lead(flat)
+            if key == self._lead and self._collective:
+                self._on_lead()
             if key in self._forced:
                 self._switch(key, self._forced.pop(key), "forced")
-            elif (self._decide_keys is not None and key not in self._decide_keys) \
-                    or key not in self.choices:
+            elif key not in self.choices:
                 self._decide(key, flat)
         spec = self.choices.setdefault(key, self._eligible[0])
         cand = self.cands[spec]
         owed = self._carry.pop(key, None)
-        x = flat if owed is None else flat + owed.to(flat.dtype)
-        payload, inner = cand.compress(x, key)
-        self.summable = cand.summable  # type: ignore[misc]  # for reduce_async, see above
-        return payload, AutoCtx(self.specs.index(spec), inner, wire_values(inner, flat))
+        payload, inner = cand.compress(flat if owed is None else flat + owed.to(flat.dtype), key)
+        wire = tuple(cand.ctx_to_wire(inner))
+        if len(wire) > _WIRE:
+            raise ConfigError(f"auto compression: candidate {spec!r} needs {len(wire)} context "
+                              f"values on the wire, more than {_WIRE}.")
+        return payload, AutoCtx(self.specs.index(spec), inner, wire + (None,) * (_WIRE - len(wire)))
 
     def _cand(self, ctx: Any) -> tuple[Compressor, Any]:
         cand = self.cands[self.specs[ctx.choice]]
-        inner = ctx.inner if ctx.inner is not None or not ctx.wire else rebuild_ctx(cand, ctx.wire)
-        return cand, inner
+        return cand, ctx.inner if ctx.inner is not None else cand.ctx_from_wire(ctx.wire)
+
+    def is_summable(self, ctx: Any) -> bool:
+        return self.cands[self.specs[ctx.choice]].summable
 
     def next_round(self, reduced: list[torch.Tensor], ctx: Any) -> list[torch.Tensor] | None:
         cand, inner = self._cand(ctx)
@@ -358,11 +449,9 @@ class AutoCompressor(Compressor):
     def residual(self, key: str) -> torch.Tensor | None:
         """What this rank still owes for bucket ``key`` (carried plus the current candidate's
         residual), or ``None`` when nothing is owed."""
-        parts = [self._carry.get(key)]
         mem = getattr(self.cands.get(self.choices.get(key, ""), None), "memory", None)
-        if mem is not None:
-            parts.append(mem.residual.get(key))
-        parts = [p for p in parts if p is not None]
+        parts = [p for p in (self._carry.get(key), mem.residual.get(key) if mem else None)
+                 if p is not None]
         return sum(parts[1:], parts[0].clone()) if parts else None
 
     def state_dict(self) -> dict[str, Any]:
@@ -381,16 +470,14 @@ class AutoCompressor(Compressor):
         for s, sd in state.get("cands", {}).items():
             if s in self.cands:
                 self.cands[s].load_state_dict(sd)
-        self._t_last, self._intervals, self._ref, self._verify = None, [], None, None
-        self.trialing = None
+        self._t_last, self.trialing = None, None
 
     def __repr__(self) -> str:
         return f"AutoCompressor(candidates={self.specs})"
 
 
 def _make(*args: str) -> Compressor:
-    o = parse_options(args, [], {"candidates": str, "every": int, "threshold": float,
-                                 "margin": float, "budget": float, "trial": int}, "auto")
+    o = parse_options(args, [], {"candidates": str, "margin": float, "trial": int}, "auto")
     cands = o.pop("candidates", None)
     if cands is not None:
         o["candidates"] = [c for c in cands.split("+") if c]

@@ -28,11 +28,16 @@ The contract every caller may rely on (stable API):
   work through :func:`reduce_async`, never for parameter-server pushes.
 * ``set_layout(key, shapes)`` (default no-op) tells shape-aware compressors (PowerSGD) which
   tensors a bucket concatenates; the data-parallel optimizer calls it once per bucket.
+* ``is_summable(ctx)`` says whether *this* payload sums on the wire (``auto`` varies per bucket).
+* Each compressor prices itself for the cost model and ``auto``: ``wire_rounds`` (the
+  collectives and bytes of one reduction) and ``codec_s`` (its CPU time from the machine
+  constants named in ``cost_fields``); ``ctx_to_wire``/``ctx_from_wire`` carry a context's plain
+  values to a receiver that holds a different candidate's template (``auto``'s pushes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 import torch
 
@@ -40,9 +45,22 @@ from parlay import comm
 from parlay.errors import ConfigError
 from parlay.registry import Registry
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
            "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle",
-           "local_round_trip", "reusable"]
+           "local_round_trip", "reusable", "Round"]
+
+
+@dataclass(frozen=True)
+class Round:
+    """One collective of a reduction: ``kind`` ("allreduce" | "allgather"), the bytes each rank
+    gives, and whether it sums 16-bit floats (gloo sums those in software: slower per byte)."""
+
+    kind: str
+    nbytes: float
+    half: bool = False
 
 
 class Compressor:
@@ -66,6 +84,12 @@ class Compressor:
     #: True when ``decompress`` (summable) or ``aggregate`` (not) accept ``out=``: a tensor
     #: shaped like the bucket to decode into instead of allocating (see reduce_async's into).
     decodes_into: ClassVar[bool] = False
+    #: The :class:`parlay.plan.Costs` fields :meth:`codec_s` reads, the per-element one first: a
+    #: codec time measured now replaces that one and zeroes the others (parlay.plan.insitu).
+    cost_fields: ClassVar[tuple[str, ...]] = ()
+    #: True when it encodes ``a * x`` as ``a`` times the encoding of ``x`` (``a > 0``): a caller
+    #: may then scale the bucket before the sum instead of the result after it.
+    homogeneous: ClassVar[bool] = False
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
@@ -94,6 +118,29 @@ class Compressor:
     def set_layout(self, key: str, shapes: list[tuple[int, ...]]) -> None:
         """Hint: bucket ``key`` is the concatenation of tensors of these shapes, in order."""
 
+    def is_summable(self, ctx: Any) -> bool:
+        """Whether the payload :meth:`compress` returned with ``ctx`` sums on the wire."""
+        return self.summable
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        """The collectives that reduce a ``numel`` bucket (``shapes``: its tensors, if known),
+        with the bytes each rank gives; the default sends the bucket as it is."""
+        return [Round("allreduce" if self.summable else "allgather", numel * bytes_per_element)]
+
+    def codec_s(self, numel: float, world: int, costs: Any) -> float:
+        """CPU seconds to encode one rank's ``numel`` elements and decode the reduced result
+        over ``world`` ranks, from ``costs`` (a :class:`parlay.plan.Costs`)."""
+        return 0.0
+
+    def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
+        """The plain values (bool, int, float, dtype, str) a receiver needs to rebuild ``ctx``."""
+        return ()
+
+    def ctx_from_wire(self, values: tuple[Any, ...]) -> Any:
+        """The context :meth:`ctx_to_wire` described."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         """State to checkpoint (e.g. error-feedback residuals)."""
         return {}
@@ -105,17 +152,29 @@ class Compressor:
         return f"{type(self).__name__}()"
 
 
+class ClassOrInstance:
+    """On the class: Horovod's function ``fn(tensor, ...)``; on an instance: parlay's bucket
+    method, so ``Compression.none.compress(t)`` works as in Horovod and instances are parlay's."""
+
+    def __init__(self, horovod_fn: Callable[..., Any], method: Callable[..., Any]) -> None:
+        self.horovod_fn, self.method = horovod_fn, method
+
+    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
+        return self.horovod_fn if obj is None else self.method.__get__(obj, objtype)
+
+
 class NoneCompressor(Compressor):
-    """Identity: the bucket goes on the wire as it is."""
+    """Identity: the bucket goes on the wire as it is (also Horovod's ``Compression.none``:
+    on the class, ``compress(tensor) -> (tensor, None)`` and ``decompress(tensor, ctx)``)."""
 
     name = "none"
     summable = True
-
-    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
-        return [flat], None
-
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
-        return payload[0]
+    homogeneous = True
+    _horovod_style = True
+    compress = ClassOrInstance(lambda t: (t, None),  # type: ignore[assignment]
+                               lambda self, flat, key: ([flat], None))
+    decompress = ClassOrInstance(lambda t, ctx: t,  # type: ignore[assignment]
+                                 lambda self, payload, ctx: payload[0])
 
 
 _REGISTRY: Registry[Callable[..., Compressor]] = Registry(
@@ -211,7 +270,7 @@ def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any
 
 
 def reusable(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> bool:
+             device: torch.device) -> TypeIs[torch.Tensor]:
     """Whether a decoder may write its result into ``out`` (the caller's bucket, see
     :func:`reduce_async`'s ``into``): it is given and has the result's shape, dtype and
     device."""
@@ -233,7 +292,7 @@ def local_round_trip(compressor: Compressor, flat: torch.Tensor, key: str,
     """
     payload, ctx = compressor.compress(flat, key)
     kw = {"out": into} if into is not None and compressor.decodes_into else {}
-    if compressor.summable:
+    if _summable(compressor, ctx):
         reduced = further_rounds(compressor, payload, ctx, None, lambda nxt: nxt)
         return compressor.decompress(reduced, ctx, **kw)
     return compressor.aggregate([payload] * world, ctx, **kw)
@@ -266,14 +325,14 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
     payload, ctx = compressor.compress(flat, key)
     if stats is not None:
         stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
-    if compressor.summable:
+    if _summable(compressor, ctx):
         works = [comm.allreduce(p, "sum", group=group, async_op=True) for p in payload]
         rounds = Rounds(compressor, ctx, payload, works, group, stats)
 
         def finish() -> torch.Tensor:
             reduced = rounds.result()
             if into is not None and getattr(compressor, "decodes_into", False):
-                out = compressor.decompress(reduced, ctx, out=into)
+                out = compressor.decompress(reduced, ctx, out=into)  # type: ignore[call-arg]
             else:
                 out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
@@ -290,13 +349,18 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
                     for r in range(world)]
         if into is not None and getattr(compressor, "decodes_into", False):
-            out = compressor.aggregate(per_rank, ctx, out=into)
+            out = compressor.aggregate(per_rank, ctx, out=into)  # type: ignore[call-arg]
         else:
             out = compressor.aggregate(per_rank, ctx)
         return out.div_(world) if average else out
 
     return comm.Handle(AllOf(works, settled=not has_rounds(compressor)), "allgather",
                        finish_gather)
+
+
+def _summable(compressor: Compressor, ctx: Any) -> bool:
+    ask = getattr(compressor, "is_summable", None)  # duck-typed compressors may lack it
+    return bool(ask(ctx)) if ask is not None else bool(getattr(compressor, "summable", True))
 
 
 class Rounds:

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from parlay.compress.base import Compressor, register, reusable
+from parlay.compress.base import Compressor, Round, register, reusable
 from parlay.compress.feedback import parse_options
 from parlay.errors import ConfigError
 
@@ -57,12 +57,32 @@ def _widen(t: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> tor
     return t.to(dtype, copy=True)
 
 
-class BF16(Compressor):
+class _Cast(Compressor):
+    """What both casts share: one 16-bit allreduce, a per-element cast cost, their context."""
+
+    summable = True
+    decodes_into = True
+    cost_fields = ("cast_s_per_elem",)
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        return [Round("allreduce", numel * 2, half=True)]
+
+    def codec_s(self, numel: float, world: int, costs: Any) -> float:
+        return numel * costs.cast_s_per_elem
+
+    def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
+        return (ctx.dtype, ctx.scale, ctx.fallback)
+
+    def ctx_from_wire(self, values: tuple[Any, ...]) -> Any:
+        dtype, scale, fallback = values[:3]
+        return CastCtx(dtype, scale, fallback=fallback)
+
+
+class BF16(_Cast):
     """Cast to bfloat16 on the wire (relative error <= 2**-8 per element, before the sum)."""
 
     name = "bf16"
-    summable = True
-    decodes_into = True
     wire_dtype = torch.bfloat16
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
@@ -78,7 +98,7 @@ class BF16(Compressor):
         return "BF16()"
 
 
-class FP16(Compressor):
+class FP16(_Cast):
     """Cast to float16 with a shared power-of-two scale per bucket (see the module docstring).
 
     Args:
@@ -89,8 +109,6 @@ class FP16(Compressor):
     """
 
     name = "fp16"
-    summable = True
-    decodes_into = True
 
     def __init__(self, init_scale: float = 1.0, dynamic: bool = True) -> None:
         scale = float(init_scale)

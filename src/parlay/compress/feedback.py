@@ -160,6 +160,13 @@ class Residuals:
         if self.momentum and self.masking and sent_mask is not None and key in self.velocity:
             self.velocity[key].masked_fill_(sent_mask, 0)
 
+    def take(self, key: str) -> torch.Tensor | None:
+        """Remove and return what ``key`` owes (its residual), forgetting its velocity: the
+        bucket moves to another compressor, which sends the debt with its next gradient."""
+        self._spare.pop(key, None)
+        self.velocity.pop(key, None)
+        return self.residual.pop(key, None)
+
     def clear(self, key: str) -> None:
         """Forget the residual of ``key`` (everything owed was sent)."""
         r = self.residual.get(key)

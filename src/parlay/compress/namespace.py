@@ -10,42 +10,17 @@ with its overflow-safe scale).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from parlay.compress.auto import AutoCompressor
-from parlay.compress.base import NoneCompressor as _None
+from parlay.compress.base import ClassOrInstance, NoneCompressor
 from parlay.compress.cast import BF16, FP16
 from parlay.compress.powersgd import PowerSGD
 from parlay.compress.sparse import RandomK, TopK
 
 __all__ = ["Compression", "NoneCompressor", "FP16Compressor"]
-
-
-class _ClassOrInstance:
-    """On the class: a Horovod-style function; on an instance: the parlay method."""
-
-    def __init__(self, horovod_fn: Callable[..., Any]) -> None:
-        self.horovod_fn = horovod_fn
-        self.name = ""
-        self.owner: type = object
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.owner, self.name = owner, name
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self.horovod_fn
-        return getattr(super(self.owner, obj), self.name)
-
-
-def _none_compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    return tensor, None
-
-
-def _none_decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
-    return tensor
 
 
 def _fp16_compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
@@ -58,21 +33,13 @@ def _fp16_decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
     return tensor.to(ctx) if ctx is not None and ctx.is_floating_point else tensor
 
 
-class NoneCompressor(_None):
-    """No compression (Horovod's ``Compression.none``; parlay's ``none`` as an instance)."""
-
-    _horovod_style = True
-    compress = _ClassOrInstance(_none_compress)
-    decompress = _ClassOrInstance(_none_decompress)
-
-
 class FP16Compressor(FP16):
     """Floating tensors travel as float16 (Horovod's ``Compression.fp16``); as an instance,
     parlay's fp16 with a shared power-of-two scale that avoids overflow."""
 
     _horovod_style = True
-    compress = _ClassOrInstance(_fp16_compress)
-    decompress = _ClassOrInstance(_fp16_decompress)
+    compress = ClassOrInstance(_fp16_compress, FP16.compress)  # type: ignore[assignment]
+    decompress = ClassOrInstance(_fp16_decompress, FP16.decompress)  # type: ignore[assignment]
 
 
 class Compression:

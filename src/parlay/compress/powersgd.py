@@ -28,11 +28,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
-from parlay.compress.base import Compressor, register, reusable
+from parlay.compress.base import Compressor, Round, register, reusable
 from parlay.compress.feedback import Residuals, parse_options, seed_for
 from parlay.errors import ConfigError
 
@@ -109,9 +109,8 @@ class PowerSGD(Compressor):
     point_to_point = False
     decodes_into = True
     rounds = 2
-    #: Linear in the bucket (P, Q and the residual scale with it): a caller may scale the
-    #: bucket before the sum instead of the result after it (one pass over it fewer).
-    homogeneous = True
+    cost_fields = ("powersgd_s_per_elem", "powersgd_s_per_elem_rank")
+    homogeneous = True  # linear in the bucket: P, Q and the residual scale with it
 
     def __init__(self, rank: int = 4, error_feedback: bool = True, warm_start: bool = True,
                  min_compression: float = 2.0, seed: int = 0) -> None:
@@ -142,11 +141,13 @@ class PowerSGD(Compressor):
     def plan(self, key: str, numel: int) -> _Plan:
         """Which parts of bucket ``key`` become matrices and which go dense (cached)."""
         cached = self._plans.get((key, numel))
-        if cached is not None:
-            return cached
+        if cached is None:
+            cached = self._plans[(key, numel)] = self._plan(self._layouts.get(key), numel, key)
+        return cached
+
+    def _plan(self, shapes: Sequence[Sequence[int]] | None, numel: int, key: str = "") -> _Plan:
         mats: list[_Mat] = []
         dense: list[tuple[int, int]] = []
-        shapes = self._layouts.get(key)
         if shapes is not None:
             total = sum(math.prod(s) for s in shapes)
             if total != numel:
@@ -174,9 +175,19 @@ class PowerSGD(Compressor):
                 merged[-1] = (merged[-1][0], merged[-1][1] + n)
             else:
                 merged.append((o, n))
-        p = _Plan(numel, tuple(mats), tuple(merged))
-        self._plans[(key, numel)] = p
-        return p
+        return _Plan(numel, tuple(mats), tuple(merged))
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        """P (with the dense leftovers), then Q, in the compute dtype (fp32 for fp32 buckets)."""
+        shp = [tuple(int(d) for d in s) for s in shapes] if shapes else None
+        plan = self._plan(shp, sum(math.prod(s) for s in shp) if shp else int(numel))
+        p = sum(m.rows for m in plan.mats) * self.rank + sum(n for _, n in plan.dense)
+        q = sum(m.cols for m in plan.mats) * self.rank
+        return [Round("allreduce", p * 4)] + ([Round("allreduce", q * 4)] if q else [])
+
+    def codec_s(self, numel: float, world: int, costs: Any) -> float:
+        return numel * (costs.powersgd_s_per_elem + self.rank * costs.powersgd_s_per_elem_rank)
 
     def _start_q(self, key: str, i: int, m: _Mat, like: torch.Tensor, step: int) -> torch.Tensor:
         qs = self._q.setdefault(key, [])

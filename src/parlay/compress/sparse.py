@@ -29,13 +29,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
-from parlay.compress.base import Compressor, register, reusable
+from parlay.compress.base import Compressor, Round, register, reusable
 from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
-from parlay.compress.sparsewire import pack_compact, unpack_compact
+from parlay.compress.sparsewire import compact_bytes, pack_compact, unpack_compact
 from parlay.compress.topsel import exact_topk, magnitude_topk
 from parlay.errors import ConfigError
 
@@ -110,6 +110,12 @@ class _Sparsifier(Compressor):
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
         raise NotImplementedError
+
+    def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
+        return (ctx.numel, ctx.dtype, ctx.k, ctx.seed)
+
+    def ctx_from_wire(self, values: tuple[Any, ...]) -> Any:
+        return SparseCtx(*values[:4])
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         step = self._steps.get(key, 0)
@@ -193,6 +199,7 @@ class TopK(_Sparsifier):
     name = "topk"
     summable = False
     decodes_into = True
+    cost_fields = ("topk_s_per_elem", "scatter_s_per_elem")
 
     def __init__(self, ratio: float = 0.01, sample: float = 0.0, compact: bool = False,
                  **kwargs: Any) -> None:
@@ -209,6 +216,17 @@ class TopK(_Sparsifier):
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
         return magnitude_topk(x, k, self.sample, seed=step), -1
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        k = self.k_for(numel, self.ratio)
+        if self.compact:
+            return [Round("allgather", compact_bytes(numel, k))]
+        return [Round("allgather", k * (bytes_per_element + (4 if numel < _INT32_LIMIT else 8)))]
+
+    def codec_s(self, numel: float, world: int, costs: Any) -> float:
+        k = max(1.0, self.ratio * numel)  # every rank's k values are added into the bucket
+        return numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem
 
     def _rounded(self, values: torch.Tensor) -> torch.Tensor:
         if not self.compact:
@@ -263,6 +281,7 @@ class RandomK(_Sparsifier):
     name = "randomk"
     summable = True
     decodes_into = True
+    cost_fields = ("randomk_s_per_elem",)
 
     def __init__(self, ratio: float = 0.01, seed: int = 0, **kwargs: Any) -> None:
         super().__init__(ratio, **kwargs)
@@ -279,6 +298,13 @@ class RandomK(_Sparsifier):
             while len(self._cache) > 16:
                 self._cache.popitem(last=False)
         return idx
+
+    def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                    bytes_per_element: int = 4) -> list[Round]:
+        return [Round("allreduce", self.k_for(numel, self.ratio) * bytes_per_element)]
+
+    def codec_s(self, numel: float, world: int, costs: Any) -> float:
+        return numel * costs.randomk_s_per_elem
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
         seed = seed_for(self.seed, key, step)

@@ -68,9 +68,9 @@ def _above(x: torch.Tensor, thr: torch.Tensor, magnitude: bool) -> torch.Tensor:
     mask_t = torch.empty(scratch_t.shape, dtype=torch.bool, device=x.device)
     found = []
     for s in range(0, n, _CHUNK):
-        c = x[s: s + _CHUNK]
-        m = mask_t[: c.numel()]
-        torch.ge(torch.abs(c, out=scratch_t[: c.numel()]) if magnitude else c, thr, out=m)
+        part = x[s: s + _CHUNK]
+        m = mask_t[: part.numel()]
+        torch.ge(torch.abs(part, out=scratch_t[: part.numel()]) if magnitude else part, thr, out=m)
         found.append(m.nonzero().squeeze(1).add_(s))
     return torch.cat(found)
 

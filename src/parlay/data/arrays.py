@@ -9,7 +9,8 @@ arrays into the map-style dataset the :class:`~parlay.Trainer` takes.
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,7 +71,8 @@ def load_mnist_dataset(shape: Sequence[int] = (-1, 784), path: str | os.PathLike
     return tuple(out)
 
 
-def from_arrays(inputs: Any, targets: Any, *, dtype: torch.dtype | None = torch.float32) -> TensorDataset:
+def from_arrays(inputs: Any, targets: Any, *,
+                dtype: torch.dtype | None = torch.float32) -> TensorDataset:
     """A training dataset of ``(input, target)`` pairs from two arrays, in one call.
 
     Args:

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Any, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
@@ -30,7 +31,7 @@ from parlay.errors import ConfigError
 __all__ = ["build_loader", "IndexBatchSampler", "Prefetcher"]
 
 
-class _BatchIndexed(Dataset):
+class _BatchIndexed(Dataset[Any]):
     """View of a tensor dataset whose ``__getitem__`` takes a whole list of indices."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -48,7 +49,7 @@ class IndexBatchSampler(Sampler[list[int]]):
     """Group a sampler's indices into lists of ``batch_size`` (the last may be shorter)."""
 
     def __init__(self, sampler: Iterable[int], batch_size: int, drop_last: bool = False) -> None:
-        self._inner = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+        self._inner = BatchSampler(sampler, batch_size, drop_last)
 
     def __iter__(self) -> Iterator[list[int]]:
         return iter(self._inner)
@@ -57,10 +58,11 @@ class IndexBatchSampler(Sampler[list[int]]):
         return len(self._inner)
 
 
-def _tensor_view(dataset: Dataset) -> tuple[torch.Tensor, ...] | None:
+def _tensor_view(dataset: Dataset[Any]) -> tuple[torch.Tensor, ...] | None:
     tensors = getattr(dataset, "tensors", None)
     if isinstance(dataset, TensorDataset) or (
-            isinstance(tensors, tuple) and tensors and all(isinstance(t, torch.Tensor) for t in tensors)
+            isinstance(tensors, tuple) and tensors
+            and all(isinstance(t, torch.Tensor) for t in tensors)
             and type(dataset).__getitem__ is TensorDataset.__getitem__):
         return tuple(tensors)  # type: ignore[arg-type]
     return None
@@ -99,7 +101,7 @@ class Prefetcher:
             except queue.Full:
                 continue
 
-    def __iter__(self) -> "Prefetcher":
+    def __iter__(self) -> Prefetcher:
         return self
 
     def __next__(self) -> Any:
@@ -119,7 +121,7 @@ class Prefetcher:
 class _Loader:
     """What :func:`build_loader` returns: iterable once per epoch, closable."""
 
-    def __init__(self, loader: DataLoader, prefetch: int, threaded: bool) -> None:
+    def __init__(self, loader: DataLoader[Any], prefetch: int, threaded: bool) -> None:
         self.loader = loader
         self.prefetch = prefetch
         self.threaded = threaded
@@ -141,7 +143,7 @@ class _Loader:
             self._live = None
 
 
-def build_loader(dataset: Dataset, sampler: Sampler[int], batch_size: int, *,
+def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, *,
                  num_workers: int = 0, prefetch: int | None = None, pin_memory: bool = False,
                  drop_last: bool = False, collate_fn: Any = None) -> _Loader:
     """A loader over ``sampler``'s indices of ``dataset`` in batches of ``batch_size``.

@@ -25,7 +25,8 @@ sample.
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler

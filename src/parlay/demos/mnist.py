@@ -11,10 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils.data import Dataset
 
 import parlay
 from parlay import comm
@@ -74,7 +76,7 @@ def _options(pairs: list[str]) -> dict[str, object]:
     return out
 
 
-def load_data(root: str | None) -> tuple[torch.utils.data.Dataset, torch.utils.data.Dataset]:
+def load_data(root: str | None) -> tuple[Dataset[Any], Dataset[Any]]:
     """Train and test splits; the chief downloads first so ranks never race on the cache."""
     if parlay.size() > 1 and not parlay.is_chief():
         comm.barrier()

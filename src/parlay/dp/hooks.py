@@ -18,7 +18,6 @@ import torch
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, reduce_async
 from parlay.dp.buckets import BucketPlan
-from parlay.errors import ConfigError
 
 __all__ = ["Reducer", "FlatReducer", "LocalReducer", "GradientBuckets", "zero_grad_of"]
 
@@ -102,38 +101,6 @@ class GradientBuckets:
                 view.copy_(p.grad)
             p.grad = view
             self.views[i] = view
-
-    def use_buffers(self, buffers: list[torch.Tensor],
-                    views: list[torch.Tensor] | None = None) -> None:
-        """Fill and reduce into ``buffers`` (one per bucket, of its size and dtype) from the next
-        step on; the gradients of the step before keep their memory. An in-memory snapshot's
-        gradient journal hands each step its own slot of host shared memory this way.
-        ``views``: :meth:`views_in` of ``buffers``, when the caller kept it.
-
-        Raises:
-            ConfigError: Called during a step, or a buffer does not fit its bucket.
-        """
-        if self.in_flight:
-            raise ConfigError("GradientBuckets.use_buffers() was called during a step (after "
-                              "backward, before step()). Hint: call it between steps.")
-        if len(buffers) != len(self.buffers) or any(
-                b.shape != old.shape or b.dtype != old.dtype or b.device != old.device
-                for b, old in zip(buffers, self.buffers)):
-            raise ConfigError("GradientBuckets.use_buffers() needs one flat buffer per bucket "
-                              "with its numel, dtype and device.")
-        self.buffers = list(buffers)
-        if any(v is not None for v in self.views):
-            self.views = list(views) if views is not None else self.views_in(self.buffers)
-            self.view_of = {id(p): v for p, v in zip(self.params, self.views) if v is not None}
-
-    def views_in(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each parameter's gradient slot in ``buffers`` (laid out as this object's buckets),
-        shaped as the parameter."""
-        out = []
-        for i, p in enumerate(self.params):
-            b, where = self._slot(i)
-            out.append(buffers[b][where].view_as(p))
-        return out
 
     def reset(self) -> None:
         """Forget the current step (counters, handles): the next backward starts a new one."""

@@ -166,9 +166,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         every gradient after the sum; a compressor sees Horovod's split."""
         pre, post = self._scales()
         # "homogeneous" compressors encode a*x as a times the encoding of x (a > 0): for them
-        # scaling before the sum equals scaling after it ("auto", which is often the identity)
-        if isinstance(self.compression, NoneCompressor) or getattr(self.compression,
-                                                                   "homogeneous", False):
+        # scaling before the sum equals scaling after it (the identity, PowerSGD, "auto")
+        if getattr(self.compression, "homogeneous", False):
             return pre * post, 1.0
         return pre, post
 
@@ -385,11 +384,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def plan(self) -> BucketPlan:
         """The bucket plan (read-only)."""
         return self._plan
-
-    @property
-    def gradient_buckets(self) -> GradientBuckets | None:
-        """The buckets gradients are reduced in (``None``: they stay local)."""
-        return self._buckets
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("DistributedOptimizer cannot be pickled; save state_dict() instead.")

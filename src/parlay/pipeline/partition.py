@@ -207,7 +207,7 @@ def _detached(x: Any) -> Any:
     return out[0] if isinstance(x, torch.Tensor) else tuple(out)
 
 
-def check_boundaries(model: nn.Sequential, part: Partition, sample: Any) -> list[Any]:
+def check_boundaries(model: nn.Module, part: Partition, sample: Any) -> list[Any]:
     """Run ``sample`` through the model and check what crosses every stage boundary.
 
     Stages exchange tensors (or tuples of tensors) over point-to-point sends, so a layer that

@@ -11,15 +11,15 @@ latency), so ``parlay plan`` can rank them before anything runs::
     for p in rank_configs(w, c)[:5]:
         print(p.label, p.step_s, p.dominant)
 
-The pure formulas live in :mod:`parlay.plan.model` and :mod:`parlay.plan.modes` (shared with
-the automatic compressor); :mod:`parlay.plan.calibrate` measures this machine's constants and a
+The pure formulas live in :mod:`parlay.plan.model` and :mod:`parlay.plan.modes` (they ask each
+compressor for its own wire and codec cost); :mod:`parlay.plan.calibrate` measures this machine's constants and a
 user's model (import it explicitly: it starts processes).
 """
 from parlay.plan.advise import (COMPRESSORS, MODES, Prediction, explain, predict, rank_configs,
                                 recommend)
 from parlay.plan.model import (ClusterSpec, Costs, Link, Workload, allgather_s, allreduce_s,
-                               codec_s, link_bytes, parse_compressor, wire_bytes, wire_rounds)
+                               codec_s, compressor_of, link_bytes, wire_bytes, wire_rounds)
 
 __all__ = ["Link", "ClusterSpec", "Workload", "Costs", "Prediction", "predict", "rank_configs",
            "recommend", "explain", "MODES", "COMPRESSORS", "allreduce_s", "allgather_s",
-           "wire_bytes", "wire_rounds", "link_bytes", "codec_s", "parse_compressor"]
+           "wire_bytes", "wire_rounds", "link_bytes", "codec_s", "compressor_of"]

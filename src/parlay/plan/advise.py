@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from parlay.errors import ConfigError
-from parlay.plan.model import ClusterSpec, Costs, Workload, parse_compressor
+from parlay.plan.model import ClusterSpec, Costs, Workload, compressor_of
 from parlay.plan.modes import allreduce_terms, hierarchical_terms, hybrid_terms, ps_terms
 
 __all__ = ["Prediction", "MODES", "COMPRESSORS", "predict", "rank_configs", "recommend",
@@ -94,7 +94,8 @@ def predict(workload: Workload, cluster: ClusterSpec, mode: str = "allreduce",
             configuration the mode cannot run (e.g. more stages than layers).
     """
     costs = costs or Costs()
-    comp = str(parse_compressor(compressor)) if compressor not in (None, "none") else "none"
+    comp = "none" if compressor is None else str(compressor).strip().lower()
+    compressor_of(comp)  # an unknown name or bad options: refused before any formula
     try:
         if mode == "allreduce":
             terms = allreduce_terms(workload, cluster, comp, costs, **opts)

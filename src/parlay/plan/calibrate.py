@@ -186,8 +186,8 @@ def retime_codecs(costs: Costs, shapes: Sequence[Sequence[int]], compressors: Se
     Args:
         costs: Constants to update (see :func:`parlay.plan.insitu.with_codec_time`).
         shapes: The model's parameter shapes.
-        compressors: Compression strings; ``none`` and repeats are skipped, and ``bf16``
-            shares fp16's constant (one cast cost in the model).
+        compressors: Compression strings; those without a codec cost (``none``) are skipped,
+            and so is a second one priced by the same constant (``bf16`` after ``fp16``).
         world: Ranks whose payloads top-k aggregates.
         sample_numel: Most elements timed.
         repeats: Timed runs each (the median counts).
@@ -195,7 +195,7 @@ def retime_codecs(costs: Costs, shapes: Sequence[Sequence[int]], compressors: Se
     import math
 
     from parlay.plan.insitu import with_codec_time
-    from parlay.plan.model import parse_compressor
+    from parlay.plan.model import compressor_of
 
     sample: list[Sequence[int]] = []
     for s in shapes:
@@ -207,13 +207,12 @@ def retime_codecs(costs: Costs, shapes: Sequence[Sequence[int]], compressors: Se
         return costs
     seen: set[str] = set()
     for spec in compressors:
-        c = parse_compressor(spec)
-        kind = "fp16" if c.name in ("fp16", "bf16") else c.name
-        if kind == "none" or kind in seen:
+        fields = compressor_of(spec).cost_fields
+        if not fields or fields[0] in seen:  # (fp16 and bf16 share one constant)
             continue
-        seen.add(kind)
-        t = _typical(codec_timer(str(c), sample, world), repeats, 2.0)
-        costs = with_codec_time(costs, str(c), numel, world, t)
+        seen.add(fields[0])
+        t = _typical(codec_timer(spec, sample, world), repeats, 2.0)
+        costs = with_codec_time(costs, spec, numel, world, t)
     return costs
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from parlay.errors import ConfigError
-from parlay.plan.model import Costs, Link, parse_compressor
+from parlay.plan.model import Costs, Link, compressor_of
 
 __all__ = ["with_codec_time", "probe_link", "exchange_link", "scale_cpu"]
 
@@ -27,7 +27,8 @@ def with_codec_time(costs: Costs, compressor: str, numel: float, world: int,
 
     Args:
         costs: The constants to start from (the others are kept).
-        compressor: Compression string (``"powersgd:4"``); ``"none"`` returns ``costs``.
+        compressor: Compression string (``"powersgd:4"``); one without a codec cost
+            (``"none"``) returns ``costs``.
         numel: Gradient elements the measurement covered.
         world: Ranks (top-k's decode sums every rank's sparse payload: part of ``seconds``).
         seconds: Measured encode plus decode time.
@@ -38,17 +39,11 @@ def with_codec_time(costs: Costs, compressor: str, numel: float, world: int,
     if not numel > 0 or not seconds >= 0:
         raise ConfigError(f"a measured codec time needs numel > 0 and seconds >= 0, got "
                           f"numel={numel!r}, seconds={seconds!r}.")
-    c = parse_compressor(compressor)
-    per = seconds / numel
-    if c.name in ("fp16", "bf16"):
-        return dataclasses.replace(costs, cast_s_per_elem=per)
-    if c.name == "topk":
-        return dataclasses.replace(costs, topk_s_per_elem=per, scatter_s_per_elem=0.0)
-    if c.name == "randomk":
-        return dataclasses.replace(costs, randomk_s_per_elem=per)
-    if c.name == "powersgd":
-        return dataclasses.replace(costs, powersgd_s_per_elem=per, powersgd_s_per_elem_rank=0.0)
-    return costs
+    fields = compressor_of(compressor).cost_fields  # the per-element one first
+    if not fields:
+        return costs
+    return dataclasses.replace(costs, **{f: seconds / numel if i == 0 else 0.0
+                                         for i, f in enumerate(fields)})
 
 
 def probe_link(tiny_s: float, dense_s: float, nbytes: float, world: int,

@@ -1,6 +1,6 @@
 """The alpha-beta cost model's building blocks: links, clusters, workloads, collectives and
-what each compressor puts on the wire. Pure functions of their arguments (no torch, no process
-group), so the automatic compressor and ``parlay plan`` share one set of formulas.
+what each compressor puts on the wire. Pure functions of their arguments (no process
+group); ``parlay plan`` and the benchmarks' predictions share them.
 
 A message of ``b`` bytes over a link costs ``alpha + b / bandwidth`` (Hockney's model). Ring
 collectives over ``n`` ranks (what gloo and NCCL run for large buffers; Patarasuk and Yuan 2009):
@@ -8,10 +8,9 @@ collectives over ``n`` ranks (what gloo and NCCL run for large buffers; Patarasu
 * allreduce: ``2(n-1)`` steps, each rank sends ``2(n-1)/n`` of the buffer;
 * allgather of ``b`` bytes per rank: ``n-1`` steps, each rank sends ``(n-1) b``.
 
-Compressor wire formats are parlay's own (see :mod:`parlay.compress`): fp16/bf16 halve the bytes
-and stay one allreduce; top-k allgathers ``k`` values and ``k`` int32 indices (compact: 4 bytes
-a coordinate); random-k allreduces ``k`` values (shared seed); PowerSGD allreduces ``P`` (plus
-1-D tensors, dense), then ``Q``.
+Each compressor describes its own wire (``Compressor.wire_rounds``) and CPU cost
+(``Compressor.codec_s``); the functions here ask it, so a new compressor is priced as it is
+registered.
 """
 from __future__ import annotations
 
@@ -19,9 +18,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from parlay.compress import Compressor, Round, available, get_compressor
 from parlay.errors import ConfigError
 
-__all__ = ["Link", "ClusterSpec", "Workload", "Costs", "CompressorSpec", "parse_compressor",
+__all__ = ["Link", "ClusterSpec", "Workload", "Costs", "compressor_of",
            "Round", "wire_rounds", "wire_bytes", "link_bytes", "allreduce_s", "allgather_s",
            "rounds_s", "codec_s", "DEFAULT_BUCKET_BYTES", "TCP_EFFICIENCY"]
 
@@ -215,126 +215,43 @@ class Costs:
     copy_s_per_byte: float = 0.1e-9
 
 
-@dataclass(frozen=True)
-class CompressorSpec:
-    """A parsed compression string: ``name``, its first option, top-k's ``compact=1``."""
-
-    name: str
-    ratio: float = 1.0
-    rank: int = 0
-    compact: bool = False
-
-    def __str__(self) -> str:
-        if self.name in ("topk", "randomk"):
-            return f"{self.name}:{self.ratio:g}" + (",compact=1" if self.compact else "")
-        if self.name == "powersgd":
-            return f"powersgd:{self.rank}"
-        return self.name
-
-
-_KNOWN = ("none", "fp16", "bf16", "topk", "randomk", "powersgd")
-
-
-def parse_compressor(spec: "str | CompressorSpec | None") -> CompressorSpec:
-    """``"topk:0.01"`` -> ``CompressorSpec("topk", ratio=0.01)`` (``None`` is ``"none"``).
+def compressor_of(spec: "str | Compressor | None") -> Compressor:
+    """The compressor a compression string names (the registry's one grammar, e.g.
+    ``"topk:0.01,compact=1"``): the cost model asks it for its rounds, bytes and codec time.
 
     Raises:
-        ConfigError: Unknown name or a bad first option.
+        ConfigError: Unknown name or bad options.
     """
-    if isinstance(spec, CompressorSpec):
-        return spec
-    text = "none" if spec is None else str(spec).strip()
-    name, _, opts = text.partition(":")
-    name = name.lower()
-    if name not in _KNOWN:
-        raise ConfigError(f"the cost model knows compressors {', '.join(_KNOWN)}, got {text!r}. "
-                          "Hint: 'topk:0.01', 'powersgd:4', 'fp16'.")
-    first = next((o for o in opts.split(",") if o and "=" not in o), None)
-    named = dict(o.split("=", 1) for o in opts.split(",") if "=" in o)
     try:
-        if name in ("topk", "randomk"):
-            ratio = float(named.get("ratio", first if first is not None else 0.01))
-            if not 0 < ratio <= 1:
-                raise ValueError(ratio)
-            return CompressorSpec(name, ratio=ratio, compact=name == "topk" and named.get(
-                "compact", "0").strip().lower() in ("1", "true", "yes", "on"))
-        if name == "powersgd":
-            rank = int(named.get("rank", first if first is not None else 4))
-            if rank < 1:
-                raise ValueError(rank)
-            return CompressorSpec(name, rank=rank)
-    except ValueError:
-        raise ConfigError(f"bad option in compressor {text!r}: top-k/random-k take a ratio in "
-                          "(0, 1], PowerSGD an integer rank >= 1.") from None
-    return CompressorSpec(name)
+        return get_compressor(spec)
+    except ConfigError as e:
+        raise ConfigError(f"the cost model prices the registered compressors "
+                          f"({', '.join(available())}): {e}") from None
 
 
-@dataclass(frozen=True)
-class Round:
-    """One collective: ``kind`` ("allreduce" | "allgather"), the bytes each rank gives."""
-
-    kind: str
-    nbytes: float
-
-
-def _powersgd_floats(numel: float, rank: int,
-                     shapes: Sequence[Sequence[int]] | None) -> tuple[float, float]:
-    """(P round floats incl. dense leftovers, Q round floats) as parlay's PowerSGD plans them."""
-    def worth(rows: float, cols: float) -> bool:
-        return rank < min(rows, cols) and rank * (rows + cols) * 2.0 <= rows * cols
-
-    if not shapes:
-        rows = math.isqrt(max(0, int(numel) - 1)) + 1
-        cols = -(-int(numel) // rows)
-        return ((rows * rank, cols * rank) if worth(rows, cols) else (numel, 0.0))
-    p = q = 0.0
-    for s in shapes:
-        n = math.prod(s)
-        if len(s) >= 2 and n and worth(s[0], n // s[0]):
-            p += s[0] * rank
-            q += (n // s[0]) * rank
-        else:
-            p += n
-    return p, q
-
-
-def wire_rounds(compressor: "str | CompressorSpec | None", numel: float, world: int,
+def wire_rounds(compressor: "str | Compressor | None", numel: float, world: int,
                 shapes: Sequence[Sequence[int]] | None = None,
                 bytes_per_element: int = 4) -> list[Round]:
     """The collectives that reduce ``numel`` gradient elements with ``compressor``.
 
     Args:
-        compressor: A compression string (``"topk:0.01"``) or spec.
+        compressor: A compression string (``"topk:0.01"``) or compressor.
         numel: Gradient elements reduced.
-        world: Ranks in the reduction (top-k indices widen to int64 past 2**31 elements).
+        world: Ranks in the reduction.
         shapes: Parameter shapes, for PowerSGD's factor sizes (``None``: parlay's layout-free
             near-square view).
         bytes_per_element: Dense element size.
     """
-    c = parse_compressor(compressor)
-    if c.name == "none":
-        return [Round("allreduce", numel * bytes_per_element)]
-    if c.name in ("fp16", "bf16"):
-        return [Round("allreduce", numel * 2)]
-    if c.name in ("topk", "randomk"):
-        k = min(numel, max(1, int(c.ratio * numel)))
-        if c.name == "randomk":
-            return [Round("allreduce", k * bytes_per_element)]
-        index = 4 if numel < 2 ** 31 else 8  # compact: bf16 values, 16-bit offsets, block counts
-        return [Round("allgather", 4 * k + 4 * -(-numel // 65536) if c.compact
-                      else k * (bytes_per_element + index))]
-    p, q = _powersgd_floats(numel, c.rank, shapes)
-    rounds = [Round("allreduce", p * 4)]
-    return rounds + [Round("allreduce", q * 4)] if q else rounds
+    return compressor_of(compressor).wire_rounds(int(numel), shapes, bytes_per_element)
 
 
-def wire_bytes(compressor: "str | CompressorSpec | None", numel: float, world: int = 2,
+def wire_bytes(compressor: "str | Compressor | None", numel: float, world: int = 2,
                shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Payload bytes one rank contributes per reduction (what ``comm_stats()`` counts)."""
     return sum(r.nbytes for r in wire_rounds(compressor, numel, world, shapes))
 
 
-def link_bytes(compressor: "str | CompressorSpec | None", numel: float, world: int,
+def link_bytes(compressor: "str | Compressor | None", numel: float, world: int,
                shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Bytes one rank sends over its link per reduction (ring collectives)."""
     return _ring_bytes(wire_rounds(compressor, numel, world, shapes), world)
@@ -378,23 +295,14 @@ def rounds_s(rounds: Sequence[Round], world: int, link: Link, costs: Costs,
         if r.kind == "allgather":
             total += allgather_s(r.nbytes, world, link, costs.alpha_s * messages)
         else:
-            per_byte = (costs.half_sum_s_per_elem / 2 if half else costs.sum_s_per_elem / 4)
+            per_byte = (costs.half_sum_s_per_elem / 2 if half or r.half
+                        else costs.sum_s_per_elem / 4)
             total += allreduce_s(r.nbytes, world, link, costs.alpha_s * messages, per_byte)
         total += (messages - 1) * 2 * (world - 1) * link.latency_s if world > 1 else 0.0
     return total - min(_ring_bytes(rounds, world), credit) * link.beta
 
 
-def codec_s(compressor: "str | CompressorSpec | None", numel: float, world: int,
+def codec_s(compressor: "str | Compressor | None", numel: float, world: int,
             costs: Costs) -> float:
     """CPU time to encode this rank's gradient and decode the reduced result."""
-    c = parse_compressor(compressor)
-    if c.name in ("fp16", "bf16"):
-        return numel * costs.cast_s_per_elem
-    if c.name == "topk":
-        k = max(1.0, c.ratio * numel)
-        return numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem
-    if c.name == "randomk":
-        return numel * costs.randomk_s_per_elem
-    if c.name == "powersgd":
-        return numel * (costs.powersgd_s_per_elem + c.rank * costs.powersgd_s_per_elem_rank)
-    return 0.0
+    return compressor_of(compressor).codec_s(numel, world, costs)

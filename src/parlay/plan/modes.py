@@ -13,15 +13,15 @@ import math
 from typing import Sequence
 
 from parlay.errors import ConfigError
+from parlay.compress import NoneCompressor
 from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, Workload,
-                               codec_s, parse_compressor, rounds_s, wire_rounds)
+                               compressor_of, rounds_s)
 from parlay.plan.pipesim import pipeline_s
 
 __all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "exposed",
            "bottleneck_share", "stage_shares"]
 
 FORWARD_SHARE = 1.0 / 3.0   # forward ~ 1/3 of forward + backward (backward ~ 2x forward)
-HALF = ("fp16", "bf16")
 COPY_PASSES = 2  # gradient into the bucket (or push buffer), then averaged (or pulled back)
 
 
@@ -99,14 +99,13 @@ def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     The ring over ranks numbered host by host crosses each host link once per direction, so
     the slowest edge is the host link whenever there are several hosts.
     """
-    spec = parse_compressor(compressor)
+    comp = compressor_of(compressor)
     n = c.world
     link = c.inter if c.nodes > 1 else c.local
     nb = _buckets(w, bucket_bytes)
-    rounds = wire_rounds(spec, w.params, n, w.shapes, w.bytes_per_element)
-    comm = rounds_s(rounds, n, link, costs, messages=nb, half=spec.name in HALF,
-                    rested_s=w.compute_s)
-    terms = _split_compute(w, codec_s(spec, w.params, n, costs) if n > 1 else 0.0,
+    rounds = comp.wire_rounds(int(w.params), w.shapes, w.bytes_per_element)
+    comm = rounds_s(rounds, n, link, costs, messages=nb, rested_s=w.compute_s)
+    terms = _split_compute(w, comp.codec_s(w.params, n, costs) if n > 1 else 0.0,
                            costs if n > 1 else None)
     terms["comm"] = exposed(comm, w.compute_s * (1 - FORWARD_SHARE), nb, c.overlap)
     return terms
@@ -120,14 +119,14 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
     Raises:
         ConfigError: A compressor that is not summable (top-k allgathers instead).
     """
-    spec = parse_compressor(compressor)
-    if spec.name == "topk":
-        raise ConfigError("hierarchical allreduce needs a summable compressor (none, fp16, bf16, "
-                          "randomk, powersgd); top-k is allgathered. Hint: use the flat ring.")
+    comp = compressor_of(compressor)
+    if not comp.summable:
+        raise ConfigError(f"hierarchical allreduce needs a summable compressor; {comp!r} is "
+                          "allgathered. Hint: use the flat ring, or none, fp16, bf16, randomk "
+                          "or powersgd.")
     n, loc = c.nodes, c.ranks_per_node
     nb = _buckets(w, bucket_bytes)
-    rounds = wire_rounds(spec, w.params, c.world, w.shapes, w.bytes_per_element)
-    half = spec.name in HALF
+    rounds = comp.wire_rounds(int(w.params), w.shapes, w.bytes_per_element)
     payload = sum(r.nbytes for r in rounds)
     # local reduce-scatter and allgather: (l-1)/l of the payload each way over the host's bus
     intra = 0.0
@@ -135,9 +134,9 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
         intra = 2 * ((loc - 1) * (costs.alpha_s * nb + c.local.latency_s)
                      + (loc - 1) / loc * payload * c.local.beta)
     # l parallel rings of payload/l each: together 2(n-1)/n of the payload on the host link
-    inter = (rounds_s(rounds, n, c.inter, costs, messages=nb, half=half, rested_s=w.compute_s)
+    inter = (rounds_s(rounds, n, c.inter, costs, messages=nb, rested_s=w.compute_s)
              if n > 1 else 0.0)
-    terms = _split_compute(w, codec_s(spec, w.params, c.world, costs) if c.world > 1 else 0.0,
+    terms = _split_compute(w, comp.codec_s(w.params, c.world, costs) if c.world > 1 else 0.0,
                            costs if c.world > 1 else None)
     total = intra + inter
     left = exposed(total, w.compute_s * (1 - FORWARD_SHARE), nb, c.overlap)
@@ -166,9 +165,9 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     Raises:
         ConfigError: PowerSGD (it needs collective rounds) or an unknown consistency.
     """
-    spec = parse_compressor(compressor)
-    if spec.name == "powersgd":
-        raise ConfigError("PowerSGD needs two collective rounds, so parameter-server pushes "
+    comp = compressor_of(compressor)
+    if not comp.point_to_point:
+        raise ConfigError(f"{comp!r} needs collective rounds, so parameter-server pushes "
                           "cannot use it. Hint: topk, randomk or fp16.")
     mode = consistency.split(":")[0]
     if mode not in ("sync", "async", "stale"):
@@ -179,8 +178,8 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
         raise ConfigError(f"servers must be >= 1, got {ns}.")
     slink = server_link or c.inter
     wlink = c.inter if c.nodes > 1 or server_link is not None else c.local
-    push_b = sum(r.nbytes for r in wire_rounds(spec, w.params, 1, w.shapes,
-                                               w.bytes_per_element))
+    push_b = sum(r.nbytes for r in comp.wire_rounds(int(w.params), w.shapes,
+                                                    w.bytes_per_element))
     pull_b = w.grad_bytes
     # Several senders converging on one link overflow its queue: TCP incast. Every worker's
     # push lands on a server at once (sync workers leave their barrier together), so the
@@ -194,13 +193,14 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     push_w, pull_w = push_b * wlink.beta, pull_b * wlink.beta / into_worker
     push = max(push_w, nw * push_b / ns * slink.beta / into_server) + msgs
     pull = max(pull_w, nw * pull_b / ns * slink.beta) + msgs
-    enc = codec_s(spec, w.params, 1, costs) if spec.name != "none" else 0.0
+    dense = isinstance(comp, NoneCompressor)
+    enc = 0.0 if dense else comp.codec_s(w.params, 1, costs)
     apply = w.params / ns * (costs.apply_s_per_elem + nw * costs.sum_s_per_elem)
     terms = _split_compute(w, enc, costs)
     if mode == "sync":
         # On one machine (the measured loopback, efficiency 1) both directions are copies on
         # the same shared cores: chunks cannot overlap them.
-        piped = chunk_bytes and spec.name == "none" and wlink.efficiency < 1.0
+        piped = chunk_bytes and dense and wlink.efficiency < 1.0
         chunks = math.ceil(pull_b / ns / chunk_bytes) if piped else 1
         terms.update(_sync_terms(push, pull, apply, chunks))
         return terms
@@ -297,7 +297,7 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         raise ConfigError(f"{m} micro-batches need at least {m} samples per pipeline, got "
                           f"{per_replica} (batch {w.batch} x {p} stages). Hint: --chunks "
                           f"{min(per_replica, 4 * p)}.")
-    spec = parse_compressor(compressor)
+    comp = compressor_of(compressor)
     loc = c.ranks_per_node
     pp_local = loc % p == 0 or c.nodes == 1
     act_link = c.local if pp_local else c.inter
@@ -318,11 +318,10 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         link = c.inter if spans else c.local
         rings = p if pp_local else loc  # rings sharing one host link
         nb = _buckets(stage, bucket_bytes)
-        rounds = wire_rounds(spec, stage.params, replicas, None, w.bytes_per_element)
-        comm = rounds_s(rounds, replicas, link, costs, nb, spec.name in HALF,
-                        rested_s=terms["compute"])
+        rounds = comp.wire_rounds(int(stage.params), None, w.bytes_per_element)
+        comm = rounds_s(rounds, replicas, link, costs, nb, rested_s=terms["compute"])
         comm *= rings if spans else 1
-        terms["codec"] = codec_s(spec, stage.params, replicas, costs)
+        terms["codec"] = comp.codec_s(stage.params, replicas, costs)
         terms["copies"] = _copies_s(stage, costs)
         terms["comm"] = exposed(comm, slot * (1 - FORWARD_SHARE), nb, c.overlap)
     return {k: v for k, v in terms.items() if v or k == "compute"}

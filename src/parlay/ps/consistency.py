@@ -17,8 +17,9 @@ tested) without a process group; :func:`max_lead` re-checks it from the recorded
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, NamedTuple
 
 from parlay.errors import ConfigError
 from parlay.registry import Registry, split_spec
@@ -61,7 +62,7 @@ def available_consistency() -> list[str]:
     return _REGISTRY.available()
 
 
-def get_consistency(spec: "str | Consistency") -> Consistency:
+def get_consistency(spec: str | Consistency) -> Consistency:
     """Build a policy from ``"sync"``, ``"async"`` or ``"stale:s"`` (or return the one given).
 
     Raises:

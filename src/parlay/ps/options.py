@@ -9,8 +9,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from parlay.env import TaskSpec
 from parlay.errors import ConfigError
+from parlay.taskspec import TaskSpec
 
 __all__ = ["check_session_args"]
 

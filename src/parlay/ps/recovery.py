@@ -15,7 +15,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from typing import Any, Iterable, Iterator, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,8 +29,8 @@ from parlay.launch import mark_droppable as _launch_mark_droppable
 from parlay.ps.shard_io import snapshot_steps
 from parlay.snapshot import SnapshotStore, run_key
 
-__all__ = ["agree_resume", "Resume", "resume_session", "open_snapshots", "mark_droppable", "server_loss_is_fatal",
-           "HELD_SLOTS", "save_worker_state", "load_worker_state"]
+__all__ = ["agree_resume", "Resume", "resume_session", "open_snapshots", "mark_droppable",
+           "server_loss_is_fatal", "HELD_SLOTS", "save_worker_state", "load_worker_state"]
 
 log = logging.getLogger("parlay.ps")
 

@@ -139,11 +139,12 @@ class Server(ShardPersistence, ChunkedServing):
         self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
         self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
         version, clocks = self._resume(tagged, resume_step, from_memory)
-        self.core = ServerCore(policy, len(worker_ranks), timeout, self._apply, time.monotonic(),
-                               version=version, clocks=clocks, snapshot=self.snapshot)
+        self.core: ServerCore = ServerCore(policy, len(worker_ranks), timeout, self._apply,
+                                           time.monotonic(), version=version, clocks=clocks,
+                                           snapshot=self.snapshot)
         self.served = False
         self.fingerprint = plan.fingerprint()
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue[Any] = queue.Queue()
         self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
                             for _ in worker_ranks]
         self._sends: dict[int, comm.Handle] = {}

@@ -17,7 +17,8 @@ import contextlib
 import datetime as _dt
 import logging
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ import torch.nn as nn
 
 from parlay import comm, runtime
 from parlay.compress.base import Compressor, get_compressor
-from parlay.env import TaskSpec, detect
+from parlay.discovery import detect
 from parlay.errors import ConfigError
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.options import check_session_args
@@ -34,6 +35,7 @@ from parlay.ps.recovery import (load_worker_state, mark_droppable, resume_sessio
                                 save_worker_state, server_loss_is_fatal)
 from parlay.ps.server import Server
 from parlay.ps.worker import Worker
+from parlay.taskspec import TaskSpec
 
 __all__ = ["DistributedSession"]
 
@@ -101,7 +103,7 @@ class DistributedSession:
                  resume_steps: Sequence[int] | None = None, snapshots: bool = False) -> None:
         check_session_args(task_spec, model, optimizer, optimizer_args, max_steps,
                            checkpoint_every, timeout, checkpoint_dir)
-        assert isinstance(model, nn.Module)
+        assert isinstance(model, nn.Module) and optimizer is not None  # checked just above
         self.task_spec = task_spec
         self.model = model
         self.optimizer_cls = optimizer
@@ -138,7 +140,7 @@ class DistributedSession:
         self._started = self._closed = False
 
     # -- life cycle ---------------------------------------------------------------------------
-    def __enter__(self) -> "DistributedSession":
+    def __enter__(self) -> DistributedSession:
         self.start()
         return self
 
@@ -189,8 +191,7 @@ class DistributedSession:
         self.num_servers, self.num_workers = c.num_ps, c.world_size - c.num_ps
         self.rank = c.rank
         self.timeout = float(self._timeout or runtime.timeout().total_seconds())
-        self.plan = ShardPlan.from_module(self.model, c.num_ps,
-                                          **self._plan_args)  # type: ignore[arg-type]
+        self.plan = ShardPlan.from_module(self.model, c.num_ps, **self._plan_args)
         world = list(range(c.world_size))
         workers = world[c.num_ps:]
         # Replies may wait out a lost peer's full timeout at the server first.

@@ -14,14 +14,16 @@ import collections
 import contextlib
 import datetime as _dt
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm
-from parlay.compress.base import Compressor
+from parlay._tree import to_device
+from parlay.compress.base import Compressor, further_rounds
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.chunks import chunk_bounds
 from parlay.ps.plan import ShardPlan
@@ -137,9 +139,10 @@ class Worker:
 
     def _wait(self, works: list[tuple[int, comm.Handle]], what: str) -> None:
         """Wait for ``(server, handle)`` pairs in order; a failure names the server."""
-        s = 0
+        s = 0  # the server whose handle failed, named in the error
         try:
-            for s, h in works:
+            for server, h in works:
+                s = server
                 h.wait()
         except CommError as e:
             r = self.server_ranks[s]
@@ -201,9 +204,7 @@ class Worker:
         """
         x, y = _split(batch)
         dev = next(self.model.parameters()).device
-        args = x if isinstance(x, tuple) else (x,)
-        x = tuple(t.to(dev) if torch.is_tensor(t) else t for t in args)
-        y = y.to(dev) if torch.is_tensor(y) else y
+        x, y = to_device(x if isinstance(x, tuple) else (x,), dev), to_device(y, dev)
         for param in self.model.parameters():
             param.grad = None
         with self.forward_context():
@@ -230,14 +231,8 @@ class Worker:
     def _encode(self, flat: torch.Tensor, key: str) -> list[torch.Tensor]:
         payload, ctx = self.compressor.compress(flat, key)
         # Further rounds (fp16's overflow retry) resolve here: this worker's payload is the
-        # whole "reduction" the server will decode.
-        more: Callable[..., Any] | None = getattr(self.compressor, "next_round", None)
-        if more is None:
-            return [*payload, encode_ctx(ctx)]
-        nxt = more(payload, ctx)
-        while nxt is not None:
-            payload = nxt
-            nxt = more(payload, ctx)
+        # whole "reduction" the server will decode, so each round's sum is the payload itself.
+        payload = further_rounds(self.compressor, payload, ctx, None, lambda nxt: nxt)
         return [*payload, encode_ctx(ctx)]
 
     def save_shards(self, tag: int) -> None:

@@ -91,7 +91,7 @@ def read_data(path: Path, **load_args: Any) -> Any:
                               "disk checkpoint is used instead.") from e
 
 
-def write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
     """Have ``write`` fill a temporary file next to ``path``, then rename it to ``path``: a
     reader sees the old file or the whole new one, and a process killed in between leaves only
     a temporary file (removed when the folder is opened again).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -23,7 +24,7 @@ from parlay.idle import discard, while_waiting
 
 __all__ = ["DeferredCopy", "CHUNK_BYTES", "settle_before_optimizer_steps"]
 
-#: Bytes copied per call while waiting: ~20-50 us, so a wait returns at most that late.
+#: Bytes copied per call while waiting: small, so a wait returns at most one chunk's copy late.
 CHUNK_BYTES = 1 << 19
 
 _LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -55,7 +56,8 @@ class DeferredCopy:
 
     :meth:`step` (queued by :meth:`start` to run while this thread waits for communication)
     does one chunk; :meth:`finish` does the rest at once, on any thread. A failure of a copy
-    or of ``commit`` is kept in :attr:`error` and ends the work.
+    or of ``commit`` is kept in :attr:`error` and ends the work; :attr:`seconds` adds up the
+    time spent in both (plus what the caller put there to start with).
     """
 
     def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -67,6 +69,7 @@ class DeferredCopy:
         self._lock = threading.Lock()
         self.done = False
         self.error: Exception | None = None
+        self.seconds = 0.0
 
     def start(self) -> "DeferredCopy":
         """Queue the chunks on this thread's waits for communication."""
@@ -77,14 +80,18 @@ class DeferredCopy:
         """Copy one chunk (or commit); False once everything is done."""
         with self._lock:
             if not self.done:
+                t0 = time.perf_counter()
                 self._advance(chunked=True)
+                self.seconds += time.perf_counter() - t0
             return not self.done
 
     def finish(self) -> None:
         """Copy what is left and commit."""
         with self._lock:
+            t0 = time.perf_counter()
             while not self.done:
                 self._advance(chunked=False)
+            self.seconds += time.perf_counter() - t0
         discard(self.step)  # on the thread that queued it, else done and dropped at its next wait
 
     def _advance(self, chunked: bool) -> None:

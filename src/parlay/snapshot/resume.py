@@ -20,16 +20,14 @@ import numpy as np
 import torch
 
 from parlay import comm, runtime
-from parlay.compress.base import NoneCompressor
 from parlay.errors import CheckpointError, ConfigError
 from parlay.rngstate import rng_state
-from parlay.snapshot.journal import GradientJournal, base_every_for
 from parlay.snapshot.owner import run_name
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
 __all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "optimizer_tensors",
-           "journal_for_trainer", "trainer_head", "SUPPORTED_MODES"]
+           "SUPPORTED_MODES"]
 
 log = logging.getLogger("parlay")
 
@@ -252,63 +250,3 @@ def optimizer_tensors(strategy: Any) -> set[int]:
     ptrs.update(v.data_ptr() for st in opt.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor))
     return ptrs
-
-
-def trainer_head(trainer: Any) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """What of a Trainer's state a step changes besides the model and the optimizer (counters,
-    sampler position, loss scale, RNG states) as a gradient journal records it: JSON values,
-    and the RNG states' tensors."""
-    rng = rng_state()
-    numpy, python = dict(rng["numpy"]), dict(rng["python"])
-    cuda = list(rng.get("cuda", ()))
-    tensors = [rng["torch"], numpy.pop("keys"), python.pop("state"), *cuda]
-    plain = {"trainer": dict(vars(trainer.state)), "sampler": trainer.sampler.state_dict(),
-             "numpy": numpy, "python": python, "cuda": len(cuda) if "cuda" in rng else None}
-    scaler = getattr(trainer.strategy, "scaler", None)
-    if scaler is not None:
-        plain["scaler"] = scaler.state_dict()
-    return plain, tensors
-
-
-def _with_head(trainer: Any, plain: dict[str, Any],
-               tensors: list[torch.Tensor]) -> dict[str, Any]:
-    """The trainer's full snapshot state now, with a record's parts (:func:`trainer_head`)."""
-    state = trainer._training_state(snapshot=True)  # noqa: SLF001
-    rng = {"torch": tensors[0], "numpy": {**plain["numpy"], "keys": tensors[1]},
-           "python": {**plain["python"], "state": tensors[2]}}
-    if plain.get("cuda") is not None:
-        rng["cuda"] = tensors[3:3 + int(plain["cuda"])]
-    state.update(trainer=plain["trainer"], sampler=plain["sampler"], rng=rng)
-    if "scaler" in plain:
-        state["strategy"] = {**state["strategy"], "scaler": plain["scaler"]}
-    return state
-
-
-def journal_for_trainer(trainer: Any, store: SnapshotStore) -> SnapshotStore | GradientJournal:
-    """``store`` as bases of a :class:`~parlay.snapshot.journal.GradientJournal` where that is
-    exact and needs no copy: a snapshot every step, data parallel (``"allreduce"``) on CPU with
-    gradients that are views of the optimizer's buckets and no stateful compressor, and a
-    ``base_every`` >= 2 (:func:`~parlay.snapshot.journal.base_every_for`). Otherwise ``store``.
-    """
-    s = trainer.strategy
-    opt = getattr(s, "optimizer", None)
-    buckets = getattr(opt, "gradient_buckets", None)
-    if trainer.snapshot_every != 1 or s.name != "allreduce" or buckets is None or \
-            not isinstance(opt.compression, NoneCompressor) or \
-            not all(v is not None for v in buckets.views) or \
-            not all(b.device.type == "cpu" for b in buckets.buffers):
-        return store
-    every = base_every_for(sum(b.numel() * b.element_size() for b in buckets.buffers))
-    if every < 2:
-        return store
-    try:
-        journal = GradientJournal(
-            store, buckets, opt.optimizer, trainer_head(trainer), trainer._load,  # noqa: SLF001
-            lambda plain, tensors: _with_head(trainer, plain, tensors), every)
-        log.info("in-memory snapshots: a full copy every %d steps, each step's gradients in "
-                 "between (gradient journal, %d slots in %s)", every, journal.n_slots,
-                 store.directory)
-        return journal
-    except CheckpointError as e:
-        log.info("gradient journal off (%s): full snapshots every step", e)
-        return store

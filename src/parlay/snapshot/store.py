@@ -16,16 +16,16 @@ a copy leaves the slot uncommitted and the previous snapshot intact. ``keep`` sl
 newest ``keep`` committed snapshots survive. Data is read back with
 ``torch.load(weights_only=True)`` and records with ``json``: a snapshot cannot execute code.
 
-Off the critical path: the copy is the write (the file lives in host memory), and the record is
-a few kilobytes; a fresh ``torch.save`` per step took ~10x the in-place copy here (15 MB MNIST
-MLP with Adam). Tensors that training changes only inside an optimizer step (parameters,
-optimizer state: the bulk of the bytes; the caller names them with ``defer``) are copied in
-chunks while the rank waits for communication in the next step, then the record is committed
-(:mod:`parlay.snapshot.deferred`); every optimizer step first finishes what is left. (A copying
-thread, tried before, competes with training for the cores and the GIL: on 2 cores shared by 2
-ranks, steps ran 1.04x slower with it vs 1.05x with the copy inline.) Everything else is copied before :meth:`SnapshotStore.save` returns. Files survive the death of
-the process (the page cache is the file), not of the host: that is what disk checkpoints are
-for, so nothing here is ``fsync``-ed.
+Off the critical path: the copy is the write (the file lives in host memory; no serialisation
+per step, which a fresh ``torch.save`` would cost), and the record is a few kilobytes. Tensors
+that training changes only inside an optimizer step (parameters, optimizer state: the bulk of
+the bytes; the caller names them with ``defer``) are copied in chunks while the rank waits for
+communication in the next step, then the record is committed (:mod:`parlay.snapshot.deferred`;
+not a copying thread, which would compete with training for the cores and the GIL); every
+optimizer step first finishes what is left. Everything else is copied before
+:meth:`SnapshotStore.save` returns. Files survive the death of the process (the page cache is
+the file), not of the host: that is what disk checkpoints are for, so nothing here is
+``fsync``-ed.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,11 @@ class SnapshotStore:
         self._sig: tuple[list[Any], str] = ([], "")  # (dtypes and shapes, their layout)
         self._job: DeferredCopy | None = None
         self._error: CheckpointError | None = None
+        #: Seconds this thread spent copying and committing the newest finished snapshot (in
+        #: :meth:`save` and, deferred, while waiting for communication or before the next
+        #: optimizer step): what a snapshot costs, to choose ``snapshot_every`` from. The first
+        #: save into each of the ``keep`` slots also creates its file: later ones are typical.
+        self.last_save_s: float | None = None
 
     def _make_folder(self) -> None:
         """Create this rank's folder, again if another rank's :meth:`clear` removed the (then
@@ -129,14 +135,6 @@ class SnapshotStore:
     def steps(self) -> list[int]:
         """Steps with a committed snapshot on this rank, ascending."""
         return [step for step, _ in self._committed()]
-
-    def drop_after(self, step: int) -> None:
-        """Delete the committed snapshots newer than ``step`` (a timeline that was not
-        resumed: training continues from ``step``)."""
-        self._settle()
-        for old in [h for h in self._committed() if h[0] > step]:
-            self._meta_path(*old).unlink(missing_ok=True)
-        self._held = self._committed()
 
     # ------------------------------------------------------------------ writing
     def _slot_for_next(self) -> int:
@@ -181,6 +179,7 @@ class SnapshotStore:
                 tensors and plain values.
         """
         self.wait()
+        t0 = time.perf_counter()
         tensors: list[torch.Tensor] = []
         skeleton = encode(state, tensors)
         lay = self._layout_of(tensors)
@@ -200,9 +199,12 @@ class SnapshotStore:
                   "slot": slot, "layout": lay, "skeleton": skeleton}
         if not later:
             self._commit(record)
+            self.last_save_s = time.perf_counter() - t0
             return
         settle_before_optimizer_steps(self)
-        self._job = DeferredCopy(later, lambda: self._commit(record)).start()
+        self._job = DeferredCopy(later, lambda: self._commit(record))
+        self._job.seconds = time.perf_counter() - t0
+        self._job.start()
 
     def _commit(self, record: dict[str, Any]) -> None:
         step, slot = record["step"], record["slot"]
@@ -227,6 +229,7 @@ class SnapshotStore:
         job, self._job = self._job, None
         if job is not None:
             job.finish()
+            self.last_save_s = job.seconds
             if job.error is not None and self._error is None:
                 self._error = job.error if isinstance(job.error, CheckpointError) else \
                     CheckpointError(f"could not copy snapshot tensors into {self.directory}: "
