@@ -304,10 +304,9 @@ def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
                         "parlay bench from its root.")
         if root not in sys.path:
             sys.path.insert(0, root)
-        import importlib
+        from tools.bench.runner import main as suite  # the checkout's, never the wheel's
 
-        # Found at run time in the checkout (never a dependency of the package itself).
-        return int(importlib.import_module("tools.bench.runner").main(rest))
+        return suite(rest)
     path = os.path.join("benchmarks", f"{ns.name}.py")
     if not os.path.exists(path) and root is not None:
         path = os.path.join(root, "benchmarks", f"{ns.name}.py")

@@ -75,7 +75,7 @@ def contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable,
     import torch
     import torch.nn as nn
 
-    import parlay
+    from parlay.horovod import DistributedOptimizer  # what parlay.DistributedOptimizer is
     from tools.bench.harness import mlp
 
     if name.startswith("pipe:"):
@@ -91,9 +91,9 @@ def contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable,
         base = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         comp = None if name in ("none", "parlay", "flat", "hier") else name
-        opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                          named_parameters=model.named_parameters(),
-                                          compression=comp, hierarchical=name == "hier")
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comp, hierarchical=name == "hier")
         base = opt
 
     def step(x: Any, y: Any) -> None:

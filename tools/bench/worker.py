@@ -209,6 +209,7 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.nn as nn
 
     import parlay
+    from parlay.ps import DistributedSession
     from tools.bench.harness import mlp
 
     widths, batch = spec_widths(spec)
@@ -231,7 +232,7 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
         nic: list[dict[str, int]] = []
         # sync: one update per round of all workers; otherwise one per push.
         total = (warmup + steps) * (1 if consistency == "sync" else task.num_workers)
-        with parlay.DistributedSession(task_spec=task, model=mlp(widths),
+        with DistributedSession(task_spec=task, model=mlp(widths),
                                        optimizer=torch.optim.SGD, optimizer_args={"lr": 0.01},
                                        consistency=consistency, max_steps=total,
                                        checkpoint_every=None) as sess:
