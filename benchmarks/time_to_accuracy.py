@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import round_order, write_json  # noqa: E402
