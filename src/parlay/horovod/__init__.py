@@ -4,16 +4,16 @@
 
 Everything runs on PyTorch's own distributed engine (c10d: gloo on CPU, NCCL on GPU). Process
 sets are process groups; asynchronous operations return handles for ``poll``/``synchronize``;
-operations are matched across ranks by name on a background negotiation engine, as in Horovod,
-and ranks that disagree on shapes, dtypes or roots get :class:`HorovodInternalError` rather
-than a hang. The names parlay also exports (``init``, ``rank``, ``DistributedOptimizer``,
+operations are matched across ranks by name, as in Horovod (negotiated when a rank waits, with
+descriptors sent as tensors), and ranks that disagree on shapes, dtypes or roots get
+:class:`HorovodInternalError` rather than a hang. The names parlay also exports (``init``, ``rank``, ``DistributedOptimizer``,
 ``allreduce``, ``Compression``, ...) are the very same objects as ``parlay.<name>``.
 
 This package is a leaf: it builds on parlay's core (runtime, comm, dp, compress) and nothing in
 the core imports it (an import contract in ``pyproject.toml`` holds that). ``parlay`` re-exports
 its Horovod-only names (``parlay.allreduce``, ``parlay.DistributedOptimizer``, ``parlay.join``,
 ...) lazily, so only a script that uses one of them loads this package; a ``Trainer`` never
-does, and so never starts a negotiation engine or exports ``HOROVOD_*`` variables.
+does, and so never negotiates or exports ``HOROVOD_*`` variables.
 """
 from parlay.comm import ReduceOp
 from parlay.dp.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,

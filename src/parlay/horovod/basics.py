@@ -3,8 +3,8 @@
 ``init``/``shutdown``/``rank``/... are parlay's own (:mod:`parlay.runtime`); this module hooks
 into them (:func:`parlay.runtime.on_init` / :func:`~parlay.runtime.on_shutdown`) to keep the
 state Horovod scripts expect: ``HOROVOD_RANK``-style environment variables (as ``horovodrun``
-exports them), a timeline started from ``HOROVOD_TIMELINE``, and, at shutdown, negotiation
-engines stopped and process sets forgotten before the groups are destroyed.
+exports them), a timeline started from ``HOROVOD_TIMELINE``, and, at shutdown, pending
+operations failed and process sets forgotten before the groups are destroyed.
 """
 from __future__ import annotations
 

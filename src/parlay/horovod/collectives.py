@@ -2,8 +2,8 @@
 
 An operation runs either on a process set's :class:`~parlay.horovod.engine.Engine` (Horovod's
 semantics: matched by name, asynchronous, join-aware) or, when the caller passes a plain torch
-``process_group``, inline on that group in the calling thread (c10d's semantics: matched by
-call order) after the same descriptor check. Gradient rules follow Horovod's: allreduce's
+``process_group``, at once on that group (c10d's semantics: matched by call order) after the
+same descriptor check. Gradient rules follow Horovod's: allreduce's
 gradient is the allreduce of the gradient; allgather's and broadcast's are the averaged
 gradient (sliced, or zero off the root). Alltoall and reducescatter are in
 :mod:`parlay.horovod.scatter`.
@@ -11,26 +11,24 @@ gradient (sliced, or zero off the root). Alltoall and reducescatter are in
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.comm import Handle, ReduceOp
+from parlay.comm import ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod import execute
 from parlay.horovod.basics import HorovodInternalError
-from parlay.horovod.engine import Engine, Meta, Request, exchange
-from parlay.horovod.groups import TorchGroup
+from parlay.horovod.engine import Engine, Handle, Meta, Request, decode, encode, exchange
+from parlay.horovod.groups import Group
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
 __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn",
            "AllgatherFn", "GroupedAllgatherFn", "BroadcastFn", "set_size", "set_rank_of",
            "fusion_bytes"]
 
-_engine_lock = threading.Lock()
 _DEFAULT_FUSION = 64 * 1024 * 1024
 
 
@@ -54,24 +52,22 @@ def fusion_bytes() -> int:
 
 
 class _Inline:
-    """Runs one request at a time on a caller-owned group, in the calling thread."""
+    """Runs each request at once on a caller-owned group."""
 
     def __init__(self, group: Any) -> None:
-        self.group = TorchGroup(group)
+        self.group = Group.of_torch_group(group)
 
     def auto_name(self, kind: str) -> str:
         return f"{kind}.inline"
 
     def submit(self, req: Request) -> Handle:
-        msgs, _ = exchange(self.group, [(req.key, req.meta)])
-        metas = {r: items[0][1] for r, items in enumerate(msgs)}
+        msgs = exchange(self.group, encode(req.key, req.meta))
+        metas = {r: decode(m)[1] for r, m in enumerate(msgs)}
         with torch.no_grad():
             [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
                                                   fusion_bytes())
-        if err is None and req.finish is not None:
-            res = req.finish(res)
-        req.handle.resolve(res, err)
-        return req.handle
+        req.complete(res, err)
+        return Handle(self, req)
 
 
 def target(process_set: ProcessSet | None, process_group: Any = None) -> Any:
@@ -92,9 +88,8 @@ def target(process_set: ProcessSet | None, process_group: Any = None) -> Any:
                           "Hint: hvd.add_process_set([ranks]), or process_group= for a torch "
                           "group.")
     pset._check_member()
-    with _engine_lock:
-        if pset._engine is None:
-            pset._engine = Engine(pset.engine_prefix(), pset.global_ranks(), fusion_bytes())
+    if pset._engine is None:
+        pset._engine = Engine(pset.engine_prefix(), pset.global_ranks(), fusion_bytes())
     return pset._engine
 
 
@@ -160,9 +155,6 @@ def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None,
     key = f"{kind}.{name}" if name is not None else runner.auto_name(kind)
     meta = Meta(kind, tuple(str(t.dtype) for t in tensors), tuple(tuple(t.shape) for t in tensors),
                 tensors[0].device.type, int(op), root, float(prescale), float(postscale), splits)
-    if tensors[0].device.type == "cuda":
-        # The engine's thread runs on its own view of the device: finish producing inputs.
-        torch.cuda.current_stream().synchronize()
     req = Request(key, meta, inputs=list(tensors), outputs=outputs, finish=finish)
     return runner.submit(req)
 

@@ -1,48 +1,45 @@
-"""The negotiation engine: Horovod's name-matched, asynchronous collectives on c10d.
+"""Name matching for Horovod's operations, negotiated in the calling thread over int64 tensors.
 
 Horovod matches operations across ranks by *name*, not by call order: a rank may start
-``allreduce_async(a, name="x")`` and then call ``barrier()`` while its peer calls ``barrier()``
-first and ``x`` later; the operation runs once every rank has submitted it. Each process set
-gets one engine: a background thread with a private process group. The thread sleeps while
-this rank has nothing in flight. Otherwise each *cycle* it allgathers the descriptors of the
-requests submitted since the last cycle (kind, name, dtypes, shapes, op, root, ...), so every
-rank holds the same table of who asked for what. A name is *ready* when every rank that has
-not joined asked for it; every rank then checks the descriptors agree and runs the ready
-operations in the same order (the table's), fusing small allreduces. A mismatch fails the
-operation on every rank with :class:`HorovodInternalError` instead of hanging c10d.
-
-``join()`` marks a rank as done: it keeps answering cycles, contributes zeros to allreduces
-(the average still divides by the full size, as Horovod does), and returns when every rank
-joined. Shutdown is a negotiated stop, so no thread is ever left inside a collective.
+``allreduce_async(a, name="x")`` and call ``barrier()`` while its peer calls ``barrier()`` first
+and ``x`` later. So an operation is not issued when it is submitted; it waits in this rank's
+table until a rank *waits* for something (``synchronize``, a blocking operation, ``barrier``,
+``join``, ``poll``). Waiting runs *rounds* on the process set's private group: each round
+allgathers every rank's pending descriptors (name, kind, dtypes, shapes, op, root, scale
+factors), all encoded as integers, so nothing from a peer is ever unpickled.
+An operation every active rank holds is *ready*; every rank runs the ready ones in the same
+order (:func:`parlay.horovod.execute.run_ready`), and descriptors that disagree fail on every
+rank with :class:`HorovodInternalError` instead of hanging c10d. A joined rank (``hvd.join``)
+keeps answering rounds and contributes zeros to allreduces until every rank joined.
 """
 from __future__ import annotations
 
-import atexit
-import pickle
+import struct
 import threading
 import time
-import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parlay import runtime
-from parlay.comm import Handle
+from parlay import comm, runtime
 from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
-from parlay.horovod.groups import Group, PrivateGroup
+from parlay.horovod.groups import Group
 
-__all__ = ["Meta", "Request", "Engine", "exchange", "STOP", "JOIN"]
+__all__ = ["Engine", "Handle", "Meta", "Request", "exchange"]
 
-STOP = "stop.__parlay__"
-JOIN = "join.__parlay__"
+_KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128)
+_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
 class Meta:
-    """What the other ranks learn about a request (small and picklable)."""
+    """What the other ranks learn about a request."""
 
     kind: str
     dtypes: tuple[str, ...] = ()
@@ -53,7 +50,59 @@ class Meta:
     prescale: float = 1.0
     postscale: float = 1.0
     splits: tuple[int, ...] | None = None
-    extra: Any = None
+
+
+def _f2i(x: float) -> int:
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def _i2f(x: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", x))[0])
+
+
+def encode(key: str, m: Meta) -> list[int]:
+    """``key`` and ``m`` as integers (see :func:`decode`)."""
+    name = list(key.encode())
+    out = [len(name), *name, _KINDS.index(m.kind), _DEVICES.index(m.device), m.op, m.root,
+           _f2i(m.prescale), _f2i(m.postscale), len(m.dtypes)]
+    for d, s in zip(m.dtypes, m.shapes):
+        out += [_DTYPES.index(getattr(torch, d.split(".")[-1])), len(s), *s]
+    splits = list(m.splits) if m.splits is not None else []
+    return out + [len(splits) if m.splits is not None else -1, *splits]
+
+
+def decode(v: list[int]) -> tuple[str, Meta]:
+    """The name and descriptor that :func:`encode` wrote (integers only: nothing a peer sends
+    is unpickled or evaluated)."""
+    key = bytes(v[1: 1 + v[0]]).decode()
+    kind, dev, op, root, pre, post, n = v[1 + v[0]: 8 + v[0]]
+    i, dtypes, shapes = 8 + v[0], [], []
+    for _ in range(n):
+        dtypes.append(str(_DTYPES[v[i]]))
+        shapes.append(tuple(v[i + 2: i + 2 + v[i + 1]]))
+        i += 2 + v[i + 1]
+    splits = tuple(v[i + 1: i + 1 + v[i]]) if v[i] >= 0 else None
+    return key, Meta(_KINDS[kind], tuple(dtypes), tuple(shapes), _DEVICES[dev], op, root,
+                       _i2f(pre), _i2f(post), splits)
+
+
+def exchange(g: Group, message: list[int]) -> list[list[int]]:
+    """Allgather every rank's list of integers (lengths first, then the padded lists)."""
+    dev = g.control_device()
+    lens = torch.empty(g.size, dtype=torch.int64, device=dev)
+    g.all_gather(lens, torch.tensor([len(message)], dtype=torch.int64, device=dev))
+    n = lens.tolist()
+    return _gather_padded(g, message, n)
+
+
+def _gather_padded(g: Group, message: list[int], lens: list[int]) -> list[list[int]]:
+    dev = g.control_device()
+    send = torch.zeros(max(lens), dtype=torch.int64)
+    send[: len(message)] = torch.tensor(message, dtype=torch.int64)
+    out = torch.empty(g.size * max(lens), dtype=torch.int64, device=dev)
+    g.all_gather(out, send.to(dev))
+    rows = out.cpu().view(g.size, max(lens)).tolist()
+    return [row[: k] for row, k in zip(rows, lens)]
 
 
 @dataclass
@@ -65,296 +114,261 @@ class Request:
     inputs: list[torch.Tensor] = field(default_factory=list)
     outputs: list[torch.Tensor] | None = None
     finish: Callable[[Any], Any] | None = None
-    handle: Handle = field(init=False)
-    t_submit: float = field(default_factory=time.time)
+    done: bool = False
+    result: Any = None
+    error: BaseException | None = None
 
-    def __post_init__(self) -> None:
-        # parlay's one handle type; this engine's thread completes it with resolve().
-        self.handle = Handle.pending(self.key)
+    def complete(self, result: Any, error: BaseException | None) -> None:
+        if error is None and self.finish is not None:
+            try:
+                result = self.finish(result)
+            except Exception as e:  # noqa: BLE001 - reported through the handle
+                error = e
+        self.result, self.error, self.done = result, error, True
 
 
-_engines: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+class Handle:
+    """What an ``*_async`` operation returns: ``wait()`` negotiates until it ran."""
+
+    def __init__(self, runner: Any, req: Request) -> None:
+        self._runner, self._req = runner, req
+
+    def name(self) -> str:
+        return self._req.key
+
+    def is_completed(self) -> bool:
+        return self._req.done
+
+    def poll(self) -> bool:
+        """Whether it ran; if not, move its negotiation on without blocking."""
+        if not self._req.done:
+            self._runner.nudge()
+        return self._req.done
+
+    def wait(self) -> Any:
+        if not self._req.done:
+            self._runner.drive(self._req)
+        if self._req.error is not None:
+            raise self._req.error
+        return self._req.result
 
 
 class Engine:
-    """Negotiates and runs the Horovod-style operations of one process set on this rank.
+    """The pending operations of one process set on this rank, and the rounds that run them.
 
     Args:
-        prefix: Store prefix of this engine's private group (unique per set and init).
+        prefix: Store prefix of the set's private group (unique per set and init).
         global_ranks: Global rank of each member, in set-rank order.
         fusion_bytes: Largest fused allreduce buffer.
     """
 
     def __init__(self, prefix: str, global_ranks: list[int], fusion_bytes: int) -> None:
-        self.prefix = prefix
-        self.global_ranks = global_ranks
+        self.prefix, self.global_ranks = prefix, global_ranks
         self.size = len(global_ranks)
-        self.rank = global_ranks.index(dist.get_rank())
-        self.group: Group | None = None       # connected by the thread, on first use
+        self.group: Group | None = None       # connected on the first round
         self.fusion_bytes = fusion_bytes
-        self._cv = threading.Condition()
-        self._new: list[Request] = []
-        self._local: dict[str, Request] = {}      # submitted here, not finished
-        self._table: dict[str, dict[int, Meta]] = {}  # identical on every rank
-        self._joined: dict[int, tuple[int, Any]] = {}  # rank -> (cycle, its name counters)
-        self._cycle = 0
-        self._counters: dict[str, int] = {}
-        self._slot = 2048       # negotiation message size (bytes), grows on demand
-        self._idle = 0          # cycles in a row in which nothing happened
-        self._first_seen: dict[str, float] = {}   # when each table name appeared (local clock)
-        self._reported: set[str] = set()           # names this rank reported as stalled
-        self._stall_s = (runtime.timeout().total_seconds() if runtime.is_initialized()
-                         else 300.0)
-        self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
-        self._dead: BaseException | None = None
-        self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="parlay-hvd-engine", daemon=True)
-        self._thread.start()
-        _engines.add(self)
+        self._local: dict[str, Request] = {}  # submitted here, not run yet
+        self._counters = [0] * len(_KINDS)
+        self._joined_at: dict[int, int] = {}  # set rank -> round in which it joined
+        self._round = 0
+        self._stall_s = runtime.timeout().total_seconds()
+        self._closed = False
+        self._first_seen: dict[str, float] = {}   # name -> when it entered the table here
+        self._slot = 256        # ints per rank in a round's first allgather, grows on demand
+        self._inflight: tuple[Any, torch.Tensor, list[int]] | None = None
+        self._connecting: threading.Thread | None = None
+        self._connected: Any = None
 
-    # ------------------------------------------------------------------ calling thread
     def auto_name(self, kind: str) -> str:
         """``kind.noname.N``: the N-th unnamed ``kind`` operation of this set on this rank."""
-        with self._cv:
-            n = self._counters.get(kind, 0)
-            self._counters[kind] = n + 1
-        return f"{kind}.noname.{n}"
+        i = _KINDS.index(kind)
+        self._counters[i] += 1
+        return f"{kind}.noname.{self._counters[i] - 1}"
 
     def submit(self, req: Request) -> Handle:
-        """Queue ``req`` for negotiation and return its handle.
+        """Queue ``req`` (it runs once every rank holds it and some rank waits).
 
         Raises:
-            ValueError: An operation with the same name is still in flight on this rank.
-            HorovodInternalError: The engine died (a peer was lost) or is shut down.
+            ValueError: An operation with the same name is still pending on this rank.
+            HorovodInternalError: Horovod was shut down.
         """
-        with self._cv:
-            if self._dead is not None or self._closing:
-                raise HorovodInternalError(
-                    f"cannot start {req.key}: the Horovod engine is shut down"
-                    + (f" after an error: {self._dead}" if self._dead else "")
-                    + ". Hint: call hvd.init() again after hvd.shutdown().")
-            if req.key in self._local:
-                raise ValueError(f"an operation named {req.key!r} is already in flight on this "
-                                 "rank; names must be unique until the operation completes. "
-                                 "Hint: synchronize() the first one, or use another name.")
-            self._local[req.key] = req
-            self._new.append(req)
-            self._cv.notify()
-        timeline.negotiate_start(req.key, req.meta.kind, self.rank)
-        return req.handle
+        if self._closed:
+            raise HorovodInternalError(f"cannot start {req.key}: Horovod is shut down. "
+                                       "Hint: call hvd.init() again after hvd.shutdown().")
+        if req.key in self._local:
+            raise ValueError(f"an operation named {req.key!r} is already in flight on this "
+                             "rank; names must be unique until the operation completes. "
+                             "Hint: synchronize() the first one, or use another name.")
+        self._local[req.key] = req
+        return Handle(self, req)
 
-    def stop(self) -> None:
-        """Negotiated stop: every member calls this; unmatched requests fail, the thread ends."""
-        if not self._thread.is_alive():
-            return
-        if self._dead is None:
-            req = Request(STOP, Meta("stop"))
-            with self._cv:
-                if STOP not in self._local:
-                    self._local[STOP] = req
-                    self._new.append(req)
-                    self._cv.notify()
-        # A peer that never stops must not keep this rank forever: give up after the timeout
-        # (the daemon thread is abandoned; the group dies with the default group).
-        self._thread.join(timeout=self._stall_s + 10)
+    def drive(self, req: Request | None) -> Any:
+        """Run rounds until ``req`` ran (``None``: until every rank joined).
 
-    def close_if_idle(self) -> None:
-        """At interpreter exit: end the thread if it is idle (no collective, no peers)."""
-        with self._cv:
-            self._closing = True
-            self._cv.notify()
+        Returns:
+            For a join, the set rank that joined last.
 
-    # ------------------------------------------------------------------ background thread
-    def _loop(self) -> None:
-        try:
-            if self._device.type == "cuda":
-                torch.cuda.set_device(self._device)   # the thread's own current device
+        Raises:
+            HorovodInternalError: ``req`` did not become ready within the collective timeout
+                (some rank never submitted it), or a peer was lost.
+        """
+        kind = (req.meta.kind if req is not None else "join").upper()
+        with timeline.span(req.key if req is not None else "join", f"NEGOTIATE_{kind}"):
             while True:
-                with self._cv:
-                    while not self._local and not self._closing:
-                        self._cv.wait()
-                    if not self._local:
-                        return
-                    if self._idle and not self._new:
-                        # Nothing moved last cycle: back off (a new request wakes us early).
-                        self._cv.wait(timeout=min(2e-4 * 2 ** min(self._idle, 8), 0.05))
-                    new, self._new = self._new, []
-                if self.group is None:
-                    self.group = PrivateGroup(self.prefix, self.global_ranks)
-                items = [(r.key, r.meta) for r in new] + self._stalled_here()
-                msgs = self._exchange(items)
-                self._cycle += 1
-                timeline.cycle(self.rank)
-                if self._process(msgs):
-                    return
-        except BaseException as e:  # noqa: BLE001 - every waiter must learn about it
-            err = e if isinstance(e, HorovodInternalError) else HorovodInternalError(
-                f"Horovod engine on rank {dist.get_rank()} failed: {e}", op="negotiation")
-            with self._cv:
-                self._dead = err
-                waiting = list(self._local.values())
-                self._local.clear()
-            for r in waiting:
-                r.handle.resolve(error=err)
+                if self._inflight is None:
+                    self._start_round(joined=req is None)
+                joined = self._finish_round()
+                if req is None and joined is not None:
+                    return joined
+                if req is not None and req.done:
+                    return None
 
-    def _exchange(self, items: list[tuple[str, Meta]]) -> list[list[tuple[str, Meta]]]:
-        assert self.group is not None
-        msgs, self._slot = exchange(self.group, items, self._slot)
-        return msgs
-
-    def _stalled_here(self) -> list[tuple[str, Meta]]:
-        """Names this rank has seen waiting longer than the timeout (reported once)."""
-        now = time.monotonic()
-        late = [k for k, t0 in self._first_seen.items()
-                if now - t0 > self._stall_s and k != STOP and k not in self._reported]
-        self._reported.update(late)
-        return [(k, Meta("stalled")) for k in late]
-
-    def _fail_stalled(self, keys: set[str]) -> None:
-        # Every rank learns the same set in the same cycle, so all drop the same names.
-        for key in sorted(k for k in keys if k in self._table):
-            metas = self._table.pop(key)
-            self._first_seen.pop(key, None)
-            self._reported.discard(key)
-            req = self._local.get(key)
-            if req is None:
-                continue
-            missing = [r for r in range(self.size) if r not in metas and r not in self._joined]
-            waits = {self.global_ranks[r]: [k for k, m in self._table.items() if r in m][:3]
-                     for r in missing}
-            err = HorovodInternalError(
-                f"{key} stalled: ranks {[self.global_ranks[r] for r in sorted(metas)]} submitted "
-                f"it, ranks {[self.global_ranks[r] for r in missing]} did not within "
-                f"{self._stall_s:.0f} s (they wait for: {waits}). Hint: every rank of the process "
-                "set must run the same operations (names must match); raise PARLAY_TIMEOUT if "
-                "a rank is legitimately this late.", op=key.split(".")[0])
-            self._complete([(req, None, err)])
-
-    def _process(self, msgs: list[list[tuple[str, Meta]]]) -> bool:
-        stalled: set[str] = set()
-        moved = False
-        for r, items in enumerate(msgs):
-            for key, meta in items:
-                moved = True
-                if meta.kind == "join":
-                    self._joined.setdefault(r, (self._cycle, meta.extra))
-                elif meta.kind == "stalled":
-                    stalled.add(key)
-                else:
-                    self._table.setdefault(key, {})[r] = meta
-                    self._first_seen.setdefault(key, time.monotonic())
-        active = [r for r in range(self.size) if r not in self._joined]
-        ready = [k for k, metas in self._table.items()
-                 if k != STOP and active and all(r in metas for r in active)]
-        for k in ready:
-            self._first_seen.pop(k, None)
-            self._reported.discard(k)
-        self._idle = 0 if (moved or ready) else self._idle + 1
-        if ready:
-            batch = []
-            for k in ready:
-                metas = self._table.pop(k)
-                timeline.negotiate_end(k, self.rank)
-                batch.append((k, metas, self._local.get(k)))
-            assert self.group is not None
-            with torch.no_grad():
-                outcomes = execute.run_ready(self.group, batch, set(self._joined),
-                                             self.fusion_bytes)
-            if self._device.type == "cuda":
-                # Results must be complete before another thread's stream reads them.
-                torch.cuda.current_stream().synchronize()
-            self._complete(outcomes)
-        if stalled:
-            self._fail_stalled(stalled)
-        if len(self._joined) == self.size:
-            self._finish_join()
-        stop = self._table.get(STOP)
-        if stop is not None and len(stop) == self.size:
-            with self._cv:
-                left = [req for k, req in self._local.items() if k != STOP]
-                self._local.clear()
-                self._closing = True
-            err = HorovodInternalError("Horovod was shut down before every rank submitted this "
-                                       "operation", op="shutdown")
-            for req in left:
-                req.handle.resolve(error=err)
-            return True
-        return False
-
-    def _complete(self, outcomes: list[tuple[Request, Any, BaseException | None]]) -> None:
-        with self._cv:
-            for req, _, _ in outcomes:
-                self._local.pop(req.key, None)
-        for req, result, error in outcomes:
-            timeline.op_end(req.key)
-            if error is None and req.finish is not None:
+    def _connect(self, block: bool) -> bool:
+        # Connecting waits for every member, so poll() connects on a helper thread.
+        if self.group is None and self._connecting is None:
+            def connect() -> None:
                 try:
-                    result = req.finish(result)
-                except Exception as e:  # noqa: BLE001 - reported through the handle
-                    error = e
-            req.handle.resolve(result, error)
+                    self._connected = Group.private(self.prefix, self.global_ranks)
+                except Exception as e:  # noqa: BLE001 - re-raised in the calling thread
+                    self._connected = e
+            self._connecting = threading.Thread(target=connect, daemon=True,
+                                                name="parlay-hvd-connect")
+            self._connecting.start()
+        if self.group is None and self._connecting is not None:
+            if block:
+                self._connecting.join()
+            if self._connecting.is_alive():
+                return False
+            self._connecting, got = None, self._connected
+            if isinstance(got, Exception):
+                raise HorovodInternalError(f"connecting the process set {self.global_ranks} "
+                                           f"failed: {got}", op="rendezvous") from got
+            self.group = got
+        return True
 
-    def _finish_join(self) -> None:
-        # The last rank to join is the one that joined in the latest cycle (highest on ties).
-        last = max(self._joined, key=lambda r: (self._joined[r][0], r))
-        counters: dict[str, int] = {}
-        for _, theirs in self._joined.values():
-            for k, v in (theirs or {}).items():
-                counters[k] = max(counters.get(k, 0), v)
-        self._joined.clear()
-        with self._cv:
-            # Auto-names must agree again after ranks ran different numbers of operations.
-            for k, v in counters.items():
-                self._counters[k] = max(self._counters.get(k, 0), v)
-            req = self._local.pop(JOIN, None)
-        if req is not None:
-            req.handle.resolve(self.global_ranks[last])
+    def nudge(self) -> None:
+        """Without blocking: finish a round every rank has answered, else start one."""
+        if not self._connect(block=False):
+            return
+        if self._inflight is not None and self._inflight[0].is_completed():
+            self._finish_round()
+        if self._inflight is None and self._local:
+            self._start_round(joined=False)
 
-    def join_request(self) -> Request:
-        """A join request carrying this rank's auto-name counters."""
-        with self._cv:
-            counters = dict(self._counters)
-        return Request(JOIN, Meta("join", extra=counters))
+    def _start_round(self, joined: bool) -> None:
+        # One allgather of fixed-size slots carries every rank's length and message; a longer
+        # message (any rank's) costs a second allgather in _finish_round, and the slot grows.
+        self._connect(block=True)
+        assert self.group is not None
+        msg = [int(joined), len(self._local)]
+        for req in self._local.values():
+            enc = encode(req.key, req.meta)
+            msg += [len(enc), *enc]
+        # Names some rank submitted that have waited past the timeout here: every rank drops
+        # the same ones in the same round, so all report the same table.
+        late = [list(k.encode()) for k, t0 in self._first_seen.items()
+                if time.monotonic() - t0 > self._stall_s]
+        msg.append(len(late))
+        for name in late:
+            msg += [len(name), *name]
+        send = torch.zeros(self._slot, dtype=torch.int64)
+        send[0] = len(msg)
+        head = msg[: self._slot - 1]
+        send[1: 1 + len(head)] = torch.tensor(head, dtype=torch.int64)
+        out = torch.empty(self.size * self._slot, dtype=torch.int64)
+        self._inflight = (self.group.start_all_gather(out, send), out, msg)
 
+    def _finish_round(self) -> int | None:
+        assert self._inflight is not None and self.group is not None
+        work, out, msg = self._inflight
+        self._inflight = None
+        with timeline.cycle():
+            try:
+                with comm.comm_errors("horovod negotiation"):
+                    work.wait()
+                rows = out.view(self.size, self._slot).tolist()
+                lens = [row[0] for row in rows]
+                if max(lens) > self._slot - 1:
+                    msgs = _gather_padded(self.group, msg, lens)
+                    self._slot = 1 << max(lens).bit_length()
+                else:
+                    msgs = [row[1: 1 + n] for row, n in zip(rows, lens)]
+            except Exception as e:
+                raise HorovodInternalError(f"Horovod negotiation on rank {dist.get_rank()} "
+                                           f"failed: {e}", op="negotiation") from e
+        self._round += 1
+        table: dict[str, dict[int, Meta]] = {}
+        late: set[str] = set()
+        for r, m in enumerate(msgs):
+            if m[0]:
+                self._joined_at.setdefault(r, self._round)
+            i = 2
+            for _ in range(m[1]):
+                key, meta = decode(m[i + 1: i + 1 + m[i]])
+                table.setdefault(key, {})[r] = meta
+                i += 1 + m[i]
+            for _ in range(m[i]):
+                late.add(bytes(m[i + 2: i + 2 + m[i + 1]]).decode())
+                i += 1 + m[i + 1]
+        now = time.monotonic()
+        self._first_seen = {k: self._first_seen.get(k, now) for k in table}
+        active = [r for r in range(self.size) if r not in self._joined_at]
+        ready = sorted(k for k, metas in table.items()
+                       if active and all(r in metas for r in active))
+        if ready:
+            self._run(ready, table)
+        for key in sorted(late - set(ready)):
+            self._first_seen.pop(key, None)
+            if key in self._local:
+                self._stall(self._local.pop(key), table)
+        if len(self._joined_at) == self.size:
+            return self._finish_join()
+        return None
 
-def exchange(g: Group, items: list[tuple[str, Meta]], slot: int = 2048
-             ) -> tuple[list[list[tuple[str, Meta]]], int]:
-    """Allgather every rank's list of ``(name, descriptor)``.
+    def _run(self, ready: list[str], table: dict[str, dict[int, Meta]]) -> None:
+        batch = [(k, table[k], self._local.pop(k, None)) for k in ready]
+        assert self.group is not None
+        kinds = sorted({m.kind.upper() for _, metas, _ in batch for m in metas.values()})
+        try:
+            with torch.no_grad(), timeline.span(None, "_".join(kinds)):
+                outcomes = execute.run_ready(self.group, batch, set(self._joined_at),
+                                             self.fusion_bytes)
+        except Exception as e:  # noqa: BLE001 - every request of the batch must learn it
+            err = HorovodInternalError(f"Horovod operation on rank {dist.get_rank()} failed: "
+                                       f"{e}", op="collective")
+            outcomes = [(req, None, err) for _, _, req in batch if req is not None]
+        for req, result, error in outcomes:
+            req.complete(result, error)
 
-    One collective of fixed ``slot``-byte messages (an 8-byte length, then the pickle); when
-    some rank's message is longer, a second round carries the full messages and the slot
-    grows for the next cycles (every rank sees the lengths, so all grow alike).
+    def _finish_join(self) -> int:
+        # The last rank to join is the one that joined in the latest round (highest on ties).
+        last = max(self._joined_at, key=lambda r: (self._joined_at[r], r))
+        self._joined_at.clear()
+        # Auto-names must agree again after ranks ran different numbers of operations.
+        assert self.group is not None
+        counters = torch.tensor(self._counters, dtype=torch.int64,
+                                device=self.group.control_device())
+        self.group.all_reduce(counters, int(comm.ReduceOp.Max))
+        self._counters = counters.tolist()
+        return self.global_ranks[last]
 
-    Returns:
-        The per-rank lists and the slot size to use next time.
-    """
-    payload = pickle.dumps(items) if items else b""
-    size = g.size
-    dev = g.control_device()
-    send = torch.zeros(8 + slot, dtype=torch.uint8)
-    send[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
-    head = payload[:slot]
-    if head:
-        send[8: 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    out = torch.empty(size * (8 + slot), dtype=torch.uint8, device=dev)
-    g.all_gather(out, send.to(dev))
-    rows = out.cpu().view(size, 8 + slot)
-    lens = rows[:, :8].contiguous().view(torch.int64).reshape(-1).tolist()
-    longest = max(lens)
-    if longest > slot:
-        full = torch.zeros(longest, dtype=torch.uint8)
-        full[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        big = torch.empty(size * longest, dtype=torch.uint8, device=dev)
-        g.all_gather(big, full.to(dev))
-        rows = big.cpu().view(size, longest)
-        raw = [rows[i, :n].numpy().tobytes() for i, n in enumerate(lens)]
-        slot = 1 << (longest - 1).bit_length()
-    else:
-        raw = [rows[i, 8: 8 + n].numpy().tobytes() for i, n in enumerate(lens)]
-    return [pickle.loads(b) if b else [] for b in raw], slot
+    def _stall(self, req: Request, table: dict[str, dict[int, Meta]]) -> None:
+        metas = table.get(req.key, {})
+        missing = [r for r in range(self.size) if r not in metas and r not in self._joined_at]
+        waits = {self.global_ranks[r]: [k for k, m in table.items() if r in m][:3]
+                 for r in missing}
+        req.complete(None, HorovodInternalError(
+            f"{req.key} stalled: ranks {[self.global_ranks[r] for r in sorted(metas)]} "
+            f"submitted it, ranks {[self.global_ranks[r] for r in missing]} did not within "
+            f"{self._stall_s:.0f} s (they wait for: {waits}). Hint: every "
+            "rank of the process set must run the same operations (names must match); raise "
+            "PARLAY_TIMEOUT if a rank is legitimately this late.", op=req.meta.kind))
 
-
-@atexit.register
-def _close_idle_engines() -> None:
-    for e in list(_engines):
-        e.close_if_idle()
+    def close(self) -> None:
+        """At shutdown or set removal: fail what never ran; later submissions raise."""
+        self._closed = True
+        err = HorovodInternalError("Horovod was shut down before every rank submitted this "
+                                   "operation", op="shutdown")
+        for req in self._local.values():
+            req.complete(None, err)
+        self._local.clear()

@@ -4,17 +4,17 @@ parlay.horovod.allreduce``: ``parlay`` re-exports these lazily, for Horovod user
 
 Same argument names and order as Horovod, defaults (``op=Average``), autograd rules and
 asynchronous handles (``hvd.poll`` / ``hvd.synchronize``, or ``handle.wait()``). They run on a
-*process set* (default: every rank), matched across ranks by name, on the set's background
-negotiation engine (:mod:`parlay.horovod.engine`); ranks that disagree on shape, dtype or root
+*process set* (default: every rank), matched across ranks by name (:mod:`parlay.horovod.engine`:
+an operation runs once every rank submitted it and some rank waits); ranks that disagree on shape, dtype or root
 get :class:`~parlay.horovod.HorovodInternalError` instead of a hang.
 
 Every function also takes ``process_group=``: a plain torch group, on which the operation runs
-inline in the calling thread, matched by call order as c10d does (no names, no join). There,
+at once, matched by call order as c10d does (no names, no join). There,
 as before, ``root_rank`` counts within that group; everywhere else it is a global rank.
 
 The core never calls these: its own collectives are :mod:`parlay.comm`'s, straight on c10d
-(the negotiation costs a background round trip per operation, which Horovod's name matching
-needs and the core does not).
+(the negotiation costs a round trip per wait, which Horovod's name matching needs and the core
+does not).
 """
 from __future__ import annotations
 

@@ -1,15 +1,16 @@
-"""The groups Horovod-style operations travel on.
+"""The c10d backends Horovod-style operations travel on.
 
-:class:`TorchGroup` wraps a registered torch process group (the ``process_group=`` path, run
-inline in the calling thread). :class:`PrivateGroup` is what a negotiation engine owns: c10d
-backends built straight from the default store under a prefix unique to the process set and
-the init generation (gloo always, NCCL on the first CUDA tensor). It never touches torch's group
-registry, so the engine thread can create it lazily, on its first operation, without racing the
-calling thread's own ``new_group`` calls, and only the set's members take part: a rank that
-never runs a Horovod-style operation never connects, and no rank waits for it.
+A :class:`Group` is either a registered torch group's own backends (the ``process_group=`` path,
+run at once) or, for a process set's engine, backends built straight from the default store
+under a prefix unique to the set and the init generation (gloo always, NCCL on the first CUDA
+tensor). The latter never touch torch's group registry, so they can be connected lazily, on the
+first negotiation (by a helper thread when ``poll`` must not block), without racing
+``new_group`` calls; only the set's members take part: a rank that never runs a Horovod-style
+operation never connects, and no rank waits for it.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,105 +19,60 @@ from torch.distributed import distributed_c10d as c10d
 
 from parlay import comm, runtime
 
-__all__ = ["Group", "TorchGroup", "PrivateGroup"]
+__all__ = ["Group"]
 
 
 class Group:
-    """Collectives over a fixed set of ranks (blocking; failures become ``CommError``)."""
-
-    size: int
-    rank: int
-    global_ranks: list[int]
-
-    def control_device(self) -> torch.device:
-        """Where small control tensors go."""
-        return torch.device("cpu")
-
-    def all_reduce(self, t: torch.Tensor, op: int) -> None:
-        raise NotImplementedError
-
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def broadcast(self, t: torch.Tensor, root: int) -> None:
-        """Broadcast from *global* rank ``root``."""
-        raise NotImplementedError
-
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int],
-                   in_splits: list[int]) -> None:
-        raise NotImplementedError
-
-    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: int) -> None:
-        raise NotImplementedError
-
-
-class TorchGroup(Group):
-    """A registered torch process group, used through ``torch.distributed``."""
-
-    def __init__(self, group: Any) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.global_ranks = dist.get_process_group_ranks(group)
-
-    def control_device(self) -> torch.device:
-        return comm.group_device(self.group)
-
-    def all_reduce(self, t: torch.Tensor, op: int) -> None:
-        with comm.comm_errors("allreduce"):
-            dist.all_reduce(t, op=comm.c10d_op(op), group=self.group)
-
-    def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
-        with comm.comm_errors("allgather"):
-            comm.all_gather_single(out, t, group=self.group)
-
-    def broadcast(self, t: torch.Tensor, root: int) -> None:
-        with comm.comm_errors("broadcast"):
-            dist.broadcast(t, src=root, group=self.group)
-
-    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, out_splits: list[int],
-                   in_splits: list[int]) -> None:
-        with comm.comm_errors("alltoall"):
-            dist.all_to_all_single(out, t, out_splits, in_splits, group=self.group)
-
-    def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: int) -> None:
-        with comm.comm_errors("reducescatter"):
-            comm.reduce_scatter_single(out, t, op=comm.c10d_op(op), group=self.group)
-
-
-class PrivateGroup(Group):
-    """Backends of one engine, created from the default store under ``prefix``.
+    """Blocking collectives over fixed ranks on c10d backends (failures become ``CommError``).
 
     Args:
-        prefix: Store prefix, unique per process set and init generation.
-        global_ranks: Members' global ranks, in set-rank order.
+        global_ranks: Members' global ranks, in group-rank order.
+        backend: Returns the c10d backend for a device type (``"cpu"`` or ``"cuda"``).
+        control: Where small control tensors go.
     """
 
-    def __init__(self, prefix: str, global_ranks: list[int]) -> None:
-        self.prefix = prefix
+    def __init__(self, global_ranks: list[int], backend: Callable[[str], Any],
+                 control: torch.device) -> None:
         self.global_ranks = global_ranks
         self.size = len(global_ranks)
         self.rank = global_ranks.index(dist.get_rank())
-        self._store = c10d._get_default_store()  # noqa: SLF001 - the one rendezvous store
-        self._timeout = runtime.timeout()
-        self._backends: dict[str, Any] = {}
-        self._backend("cpu")
+        self._backend = backend
+        self._control = control
 
-    def _backend(self, device: str) -> Any:
-        be = self._backends.get(device)
-        if be is None:
-            store = dist.PrefixStore(f"{self.prefix}/{device}", self._store)
-            with comm.comm_errors("process set rendezvous"):
-                if device == "cuda":
-                    opts = dist.ProcessGroupNCCL.Options()
-                    opts._timeout = self._timeout
-                    be = dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
-                else:
-                    be = dist.ProcessGroupGloo(store, self.rank, self.size, self._timeout)
-            self._backends[device] = be
-        return be
+    @classmethod
+    def of_torch_group(cls, group: Any) -> Group:
+        """A registered torch process group's backends."""
+        pg = group if group is not None else c10d._get_default_group()
+        return cls(dist.get_process_group_ranks(pg),
+                   lambda device: pg._get_backend(torch.device(device)),
+                   comm.group_device(group))
 
-    def _run(self, what: str, t: torch.Tensor, call: Any) -> None:
+    @classmethod
+    def private(cls, prefix: str, global_ranks: list[int]) -> Group:
+        """Backends of their own, created from the default store under ``prefix``."""
+        store = c10d._get_default_store()
+        timeout, me = runtime.timeout(), global_ranks.index(dist.get_rank())
+        made: dict[str, Any] = {}
+
+        def backend(device: str) -> Any:
+            if device not in made:
+                sub = dist.PrefixStore(f"{prefix}/{device}", store)
+                with comm.comm_errors("process set rendezvous"):
+                    if device == "cuda":
+                        opts = dist.ProcessGroupNCCL.Options()
+                        opts._timeout = timeout
+                        made[device] = dist.ProcessGroupNCCL(sub, me, len(global_ranks), opts)
+                    else:
+                        made[device] = dist.ProcessGroupGloo(sub, me, len(global_ranks), timeout)
+            return made[device]
+        backend("cpu")
+        return cls(global_ranks, backend, torch.device("cpu"))
+
+    def control_device(self) -> torch.device:
+        """Where small control tensors go."""
+        return self._control
+
+    def _run(self, what: str, t: torch.Tensor, call: Callable[[Any], Any]) -> None:
         with comm.comm_errors(what):
             call(self._backend(t.device.type)).wait()
 
@@ -128,7 +84,13 @@ class PrivateGroup(Group):
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
         self._run("allgather", t, lambda be: be._allgather_base(out, t))
 
+    def start_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Any:
+        """Issue an allgather of CPU tensors; returns its c10d work (``wait``, ``is_completed``)."""
+        with comm.comm_errors("allgather"):
+            return self._backend("cpu")._allgather_base(out, t)
+
     def broadcast(self, t: torch.Tensor, root: int) -> None:
+        """Broadcast from *global* rank ``root``."""
         o = dist.BroadcastOptions()
         o.rootRank, o.rootTensor = self.global_ranks.index(root), 0
         self._run("broadcast", t, lambda be: be.broadcast([t], o))

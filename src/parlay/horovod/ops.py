@@ -12,11 +12,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from parlay.comm import Handle, ReduceOp
+from parlay.comm import ReduceOp
 from parlay.horovod import collectives as c
 from parlay.horovod import scatter
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
-from parlay.horovod.engine import Meta, Request
+from parlay.horovod.engine import Handle, Meta, Request
 from parlay.horovod.functions import allgather_async, global_root, horovod_compressor
 from parlay.horovod.process_sets import ProcessSet, global_process_set
 
@@ -266,8 +266,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 # ------------------------------------------------------------------------------ control
 def barrier(process_set: ProcessSet = _GLOBAL) -> None:
-    """Block until every rank of the set reached the barrier (negotiated like any operation,
-    so operations started before it may still be in flight)."""
+    """Block until every rank of the set reached the barrier (negotiated like any operation:
+    operations every rank started before it run first, the others stay pending)."""
     runner = c.target(process_set)
     runner.submit(Request(runner.auto_name("barrier"), Meta("barrier"))).wait()
 
@@ -287,13 +287,19 @@ def join(device: int = -1) -> int:
     Returns:
         The global rank that joined last (the same on every rank).
     """
-    engine = c.target(global_process_set)
-    return engine.submit(engine.join_request()).wait()
+    return c.target(global_process_set).drive(None)
 
 
 def poll(handle: Any) -> bool:
-    """Whether an asynchronous operation finished (``synchronize`` will not block)."""
-    if isinstance(handle, Handle) or hasattr(handle, "is_completed"):
+    """Whether an asynchronous operation finished (``synchronize`` will not block).
+
+    It does not wait for the other ranks to negotiate: each call starts a negotiation round or
+    takes in one every rank has answered (then it runs the operations all ranks agreed on), so
+    a loop on ``poll`` makes progress.
+    """
+    if isinstance(handle, Handle):
+        return handle.poll()
+    if hasattr(handle, "is_completed"):
         return bool(handle.is_completed())
     if callable(handle):
         return True

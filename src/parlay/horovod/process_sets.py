@@ -1,16 +1,15 @@
 """Process sets: Horovod's name for a subset of ranks that runs collectives together.
 
-Here a process set *is* process groups over its ranks: ``group()``, a torch group the calling
-thread may use directly (DistributedOptimizer buckets, parameter broadcasts), and the private
-backends of the set's negotiation engine (:mod:`parlay.horovod.engine`,
-:class:`~parlay.horovod.groups.PrivateGroup`), whose background thread must never share a group
-with the calling thread. Adding or removing a set is collective: every rank of the world calls
+Here a process set *is* process groups over its ranks: ``group()``, a torch group used directly
+(DistributedOptimizer buckets, parameter broadcasts), and the private backends on which its
+name-matched operations are negotiated and run (:mod:`parlay.horovod.engine`,
+:class:`~parlay.horovod.groups.Group`), so that they never interleave with the calling
+code's own collectives. Adding or removing a set is collective: every rank of the world calls
 it, in the same order, as with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``. ``root_rank`` arguments stay
 *global* ranks, as in Horovod.
 """
 from __future__ import annotations
 
-import threading
 from typing import Any, Sequence
 
 import torch.distributed as dist
@@ -21,7 +20,6 @@ from parlay.errors import ConfigError
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "stop_all"]
 
-_lock = threading.Lock()
 # id -> set, for the current init generation (runtime.generation(): groups made before the last
 # shutdown/init are dead, so a set from an older generation is stale)
 _sets: dict[int, "ProcessSet"] = {}
@@ -152,14 +150,12 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ConfigError(f"process set ranks must be non-empty and in [0, {world}), "
                           f"got {pset.ranks}.")
     gen = runtime.generation()
-    with _lock:
-        _purge(gen)
-        if pset.ranks == list(range(world)) or any(s.ranks == pset.ranks
-                                                   for s in _sets.values()):
-            raise ConfigError(f"Attempted to add a duplicate process set: {pset.ranks} is "
-                              "already registered (the world is global_process_set).")
-        pset.process_set_id, _next_id = _next_id, _next_id + 1
-        _sets[pset.process_set_id] = pset
+    _purge(gen)
+    if pset.ranks == list(range(world)) or any(s.ranks == pset.ranks for s in _sets.values()):
+        raise ConfigError(f"Attempted to add a duplicate process set: {pset.ranks} is "
+                          "already registered (the world is global_process_set).")
+    pset.process_set_id, _next_id = _next_id, _next_id + 1
+    _sets[pset.process_set_id] = pset
     # Collective over the whole world, in the same order on every rank.
     pset._group = runtime.new_group(pset.ranks)
     pset._engine = None
@@ -175,11 +171,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """
     if process_set is global_process_set or not process_set._valid():
         return False
-    with _lock:
-        _sets.pop(process_set.process_set_id or 0, None)
+    _sets.pop(process_set.process_set_id or 0, None)
     engine, process_set._engine = process_set._engine, None
     if engine is not None:
-        engine.stop()
+        engine.close()
     g = process_set._group
     if g is not None and g is not dist.GroupMember.NON_GROUP_MEMBER:
         dist.destroy_process_group(g)
@@ -197,30 +192,14 @@ def _purge(gen: int) -> None:
         s.process_set_id = None
 
 
-def live_sets() -> list[ProcessSet]:
-    """Every set with an engine on this rank, global set first (used at shutdown)."""
-    with _lock:
-        added = sorted(_sets.values(), key=lambda s: s.process_set_id or 0)
-    return [s for s in [global_process_set, *added] if s._engine is not None]
-
-
 def stop_all() -> None:
-    """At shutdown: stop every set's engine (a negotiated stop), then forget the sets."""
-    try:
-        for pset in live_sets():
-            engine, pset._engine = pset._engine, None
-            engine.stop()
-    finally:
-        forget_all()
-
-
-def forget_all() -> None:
-    """Drop every registered set (the groups die with the default group at shutdown)."""
+    """At shutdown: close every set's engine (what never ran fails), then forget the sets."""
     global _next_id
-    with _lock:
-        for s in _sets.values():
-            s._reset()
-            s.process_set_id = None
-        _sets.clear()
-        _next_id = 1
-    global_process_set._reset()
+    for s in [global_process_set, *_sets.values()]:
+        if s._engine is not None:
+            s._engine.close()
+        s._reset()
+    for s in _sets.values():
+        s.process_set_id = None
+    _sets.clear()
+    _next_id = 1

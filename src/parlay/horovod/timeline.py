@@ -1,128 +1,87 @@
-"""Timeline: a Chrome-trace JSON (chrome://tracing, Perfetto) of the negotiated collectives.
+"""Timeline: a Chrome trace (chrome://tracing, Perfetto) of the Horovod-style operations,
+recorded by ``torch.profiler`` on rank 0 (as in Horovod, rank 0 writes it).
 
-As in Horovod, rank 0 writes it: one row per operation name, a ``NEGOTIATE_<OP>`` span from
-submission until every rank asked for it, then an ``<OP>`` span while it runs, and with
-``mark_cycles`` an instant ``CYCLE_START`` event per negotiation cycle. Start it with
-``HOROVOD_TIMELINE=/path/file.json`` at init or with :func:`start_timeline`; the file is valid
-JSON once :func:`stop_timeline` (or shutdown) closed it.
+Each operation shows as a span named after it (``allreduce.grads``) holding a
+``NEGOTIATE_<OP>`` span while ranks agree on it and an ``<OP>`` span while it runs; with
+``mark_cycles`` every negotiation round is a ``CYCLE_START`` span. The profiler's own CPU events
+come with them. Start it with ``HOROVOD_TIMELINE=/path/file.json`` at init or with
+:func:`start_timeline`; the file is written when :func:`stop_timeline` (or shutdown) runs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import threading
 import time
-from typing import Any, TextIO
+from collections.abc import Iterator
+from typing import Any
+
+import torch.profiler
 
 from parlay import runtime
 from parlay.errors import ConfigError
 
 __all__ = ["start_timeline", "stop_timeline"]
 
-
-class _Timeline:
-    def __init__(self, path: str, mark_cycles: bool) -> None:
-        self.mark_cycles = mark_cycles
-        self._lock = threading.Lock()
-        self._f: TextIO = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        self._t0 = time.time()
-        self._rows: dict[str, int] = {}
-        self._kinds: dict[str, str] = {}
-        self._f.write("[\n")
-        self._emit({"name": "start_time_since_epoch_in_micros", "ph": "M", "pid": 0,
-                    "args": {"start_time_since_epoch_in_micros": int(self._t0 * 1e6)}})
-
-    def _ts(self) -> int:
-        return int((time.time() - self._t0) * 1e6)
-
-    def _emit(self, ev: dict[str, Any]) -> None:
-        self._f.write(json.dumps(ev) + ",\n")
-
-    def _row(self, key: str) -> int:
-        row = self._rows.get(key)
-        if row is None:
-            row = self._rows[key] = len(self._rows) + 1
-            self._emit({"name": "process_name", "ph": "M", "pid": row, "args": {"name": key}})
-            self._emit({"name": "process_sort_index", "ph": "M", "pid": row,
-                        "args": {"sort_index": row}})
-        return row
-
-    def span(self, key: str, name: str, ph: str) -> None:
-        with self._lock:
-            if not self._f.closed:
-                self._emit({"name": name, "ph": ph, "ts": self._ts(), "pid": self._row(key),
-                            "tid": 0})
-
-    def instant(self, name: str) -> None:
-        with self._lock:
-            if not self._f.closed:
-                self._emit({"name": name, "ph": "i", "s": "g", "ts": self._ts(), "pid": 0,
-                            "tid": 0})
-
-    def close(self) -> None:
-        with self._lock:
-            if not self._f.closed:
-                self._f.write(json.dumps({"name": "end", "ph": "i", "s": "g", "ts": self._ts(),
-                                          "pid": 0, "tid": 0}) + "\n]\n")
-                self._f.close()
-
-
-_tl: _Timeline | None = None
+_state: dict[str, Any] = {}   # "prof", "path", "cycles", "t0" while a timeline records
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing a timeline to ``file_path`` (rank 0 writes; a no-op elsewhere).
+    """Start recording a timeline for ``file_path`` (rank 0 records; a no-op elsewhere).
 
-    Starting again switches to the new file (the old one is closed first).
+    Starting again writes the running timeline to its file and starts a new one.
 
     Args:
         file_path: Output JSON file.
-        mark_cycles: Also mark every negotiation cycle.
+        mark_cycles: Also mark every negotiation round.
 
     Raises:
-        ConfigError: parlay is not initialised, or the file cannot be opened.
+        ConfigError: parlay is not initialised, or the file cannot be written.
     """
-    global _tl
     if not runtime.is_initialized():
         raise ConfigError("start_timeline needs hvd.init() first.")
     if runtime.rank() != 0:
         return
     stop_timeline()
     try:
-        _tl = _Timeline(file_path, mark_cycles)
+        open(file_path, "w", encoding="utf-8").close()   # fail now, not at stop
     except OSError as e:
         raise ConfigError(f"cannot write the timeline to {file_path!r}: {e}") from e
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    prof.start()
+    _state.update(prof=prof, path=file_path, cycles=mark_cycles, t0=time.time())
 
 
 def stop_timeline() -> None:
-    """Stop the timeline and close its file (a no-op when none is running)."""
-    global _tl
-    tl, _tl = _tl, None
-    if tl is not None:
-        tl.close()
+    """Stop the timeline and write its file (a no-op when none is running)."""
+    if not _state:
+        return
+    prof, path, t0 = _state["prof"], _state["path"], _state["t0"]
+    _state.clear()
+    prof.stop()
+    prof.export_chrome_trace(path)
+    with open(path, encoding="utf-8") as f:
+        trace = json.load(f)
+    # Horovod's timeline names its epoch; tools that merge ranks' timelines read it.
+    trace["start_time_since_epoch_in_micros"] = int(t0 * 1e6)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(trace, f)
 
 
-# ------------------------------------------------------------------ engine callbacks
-def negotiate_start(key: str, kind: str, rank: int) -> None:
-    tl = _tl
-    if tl is not None:
-        tl._kinds[key] = kind.upper()
-        tl.span(key, f"NEGOTIATE_{kind.upper()}", "B")
+@contextlib.contextmanager
+def span(key: str | None, name: str) -> Iterator[None]:
+    """Record ``name`` (inside a span named ``key``) while a timeline records."""
+    if not _state:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        if key is not None:
+            stack.enter_context(torch.profiler.record_function(key))
+        stack.enter_context(torch.profiler.record_function(name))
+        yield
 
 
-def negotiate_end(key: str, rank: int) -> None:
-    tl = _tl
-    if tl is not None and key in tl._kinds:
-        tl.span(key, f"NEGOTIATE_{tl._kinds[key]}", "E")
-        tl.span(key, tl._kinds[key], "B")
-
-
-def op_end(key: str) -> None:
-    tl = _tl
-    if tl is not None and key in tl._kinds:
-        tl.span(key, tl._kinds.pop(key), "E")
-
-
-def cycle(rank: int) -> None:
-    tl = _tl
-    if tl is not None and tl.mark_cycles:
-        tl.instant("CYCLE_START")
+def cycle() -> contextlib.AbstractContextManager[Any]:
+    """A ``CYCLE_START`` span around one negotiation round (with ``mark_cycles``)."""
+    if _state.get("cycles"):
+        return torch.profiler.record_function("CYCLE_START")
+    return contextlib.nullcontext()

@@ -272,6 +272,8 @@ class TorchState(ObjectState):
         **kwargs: More objects or plain values, e.g. ``epoch=0, batch=0, scheduler=sched``.
     """
 
+    _objects: dict[str, Any]
+
     def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         every = {"model": model, "optimizer": optimizer, **kwargs}
         objects = {k: v for k, v in every.items() if _stateful(v)}
