@@ -1,29 +1,20 @@
-"""Helpers shared by the benchmarks: medians, tables (from parlay.bench) and the JSON document."""
+"""The benchmarks' harness: the one in ``tools/bench/harness.py``, shared with ``parlay bench``.
+
+Each script here does ``sys.path.insert(0, <this folder>)`` and imports from this module, which
+puts the repository root on ``sys.path`` (``tools/`` is not shipped in the wheel) and re-exports
+the harness: the benchmark MLP, interleaved step-by-step timing, tables and the JSON document.
+"""
 from __future__ import annotations
 
-import json
-import platform
+import os
 import sys
-import time
-from typing import Any
 
-import torch
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
-# One table, median and MLP for the scripts here and for `parlay bench` (which ships in the
-# package).
-from parlay.bench.common import median, mlp, table
+from tools.bench.harness import (MODELS, env_info, median, mlp, round_order,  # noqa: E402
+                                 rounds, table, time_interleaved, write_json)
 
-__all__ = ["median", "mlp", "table", "write_json"]
-
-
-def write_json(path: str | None, name: str, ratios: dict[str, float],
-               results: list[dict[str, Any]], **extra: Any) -> None:
-    """Write the benchmark's JSON document (``ratios`` and raw ``results``)."""
-    if not path:
-        return
-    doc = {"benchmark": name, "ratios": ratios, "results": results,
-           "env": {"python": sys.version.split()[0], "torch": torch.__version__,
-                   "machine": platform.machine(), "time": time.strftime("%Y-%m-%dT%H:%M:%S")},
-           **extra}
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=2)
+__all__ = ["MODELS", "env_info", "median", "mlp", "round_order", "rounds", "table",
+           "time_interleaved", "write_json"]

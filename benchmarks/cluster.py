@@ -1,7 +1,7 @@
 """Modes on a simulated cluster: hosts in network namespaces joined by tbf-shaped links.
 
-Each configuration starts a fresh :class:`parlay.testing.cluster.Cluster` and launches
-:mod:`parlay.bench.worker` with ``parlay run --nnodes H`` on every host, exactly as on real nodes
+Each configuration starts a fresh :class:`tools.cluster.Cluster` and launches
+:mod:`tools.bench.worker` with ``parlay run --nnodes H`` on every host, exactly as on real nodes
 (``parlay bench`` uses the same worker and launcher). The
 workers time their contestants side by side in one process group and read their host's byte
 counters (``/sys/class/net/eth0/statistics``) around the timed steps, next to what parlay's
@@ -25,13 +25,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import table, write_json  # noqa: E402
+from _common import MODELS, table, write_json  # noqa: E402
 
-# The worker side (contestants, timing, NIC counters) and the launcher live in parlay.bench,
-# shared with `parlay bench`; this script keeps its own rows and targets.
-from parlay.bench.common import MODELS  # noqa: E402
-from parlay.bench.launch import launch_cluster, model_bytes, per_host  # noqa: E402
 from parlay.compress import available  # noqa: E402
+
+# The worker side (contestants, interleaved timing, NIC counters) and the launcher live in
+# tools/bench, shared with `parlay bench`; this script keeps its own rows and targets.
+from tools.bench.launch import launch_cluster, model_bytes, per_host  # noqa: E402
 
 # Data-driven: a newly registered "auto" joins the rows by itself.
 DP_CONTESTANTS = ["compute", "parlay", "ddp", "fp16", "powersgd:4", "topk:0.01",
@@ -124,7 +124,7 @@ def main() -> None:
                     help="links of the dp rows (default: 100mbit,1gbit,unshaped)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # plumbing check
     ns = ap.parse_args()
-    from parlay.testing.cluster import unavailable_reason
+    from tools.cluster import unavailable_reason
 
     why = unavailable_reason()
     if why:

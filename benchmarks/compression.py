@@ -4,7 +4,7 @@ Trains the 784-800-800-10 MLP on 2 gloo ranks (parlay.testing.run_world) with ea
 for the same epochs, data order and initialisation, and compares every one with the
 uncompressed anchor (``none``). Training is interleaved 25 steps at a time (in a rotating
 order), so load from other processes on the machine hits every compressor alike. The training
-core is :mod:`parlay.bench.accuracy`, shared with ``parlay bench``.
+core is :mod:`tools.bench.accuracy`, shared with ``parlay bench``.
 
 Gradient bytes are what ``DistributedOptimizer.comm_stats()`` measured: the real bytes of the
 payload tensors each rank put on the wire per step (top-k: values + int32 indices; PowerSGD:
@@ -17,31 +17,20 @@ within 0.3 points.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import table, write_json  # noqa: E402
 
-from parlay.bench.accuracy import split_specs as _split_specs
-from parlay.bench.accuracy import train_compressors as _worker
-from parlay.testing import run_world
+from parlay.testing import run_world  # noqa: E402
+from tools.bench.accuracy import split_specs as _split_specs  # noqa: E402
+from tools.bench.accuracy import train_compressors as _worker  # noqa: E402
 
 ALL = ["none", "fp16", "bf16", "topk:0.01", "topk:0.001", "randomk:0.01", "powersgd:4", "auto"]
 TARGETS = {"topk:0.01": (0.3, 40.0), "topk:0.001": (0.5, 300.0), "powersgd:4": (0.3, None),
            "auto": (0.3, None)}
-
-
-def _table(rows: list[dict]) -> str:
-    cols = [("compressor", "{}"), ("test_acc", "{:.2f}"), ("acc_delta_pts", "{:+.2f}"),
-            ("wire_bytes_per_step", "{:,.0f}"), ("reduction", "{:.1f}x"), ("wall_s", "{:.1f}"),
-            ("time_vs_none", "{:.2f}"), ("target", "{}")]
-    cells = [[f.format(r[c]) for c, f in cols] for r in rows]
-    w = [max(len(c), *(len(x[i]) for x in cells)) for i, (c, _) in enumerate(cols)]
-    out = ["  ".join(c.rjust(w[i]) for i, (c, _) in enumerate(cols)),
-           "  ".join("-" * n for n in w)]
-    return "\n".join(out + ["  ".join(x.rjust(w[i]) for i, x in enumerate(row)) for row in cells])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,19 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"MNIST 784-800-800-10 MLP, {args.world} ranks (gloo), {epochs} epoch(s)"
           f"{' on 12k samples (quick)' if args.quick else ''}, per-rank batch {args.batch}, "
           f"SGD lr {args.lr} momentum {args.momentum}; {total:.0f} s in all")
-    print(_table(rows))
+    print(table(rows, ["compressor", "test_acc", "acc_delta_pts", "wire_bytes_per_step",
+                       "reduction", "wall_s", "time_vs_none", "target"]))
     if not all(r["ranks_agree"] for r in rows):
         print("WARNING: ranks ended with different parameters for",
               [r["compressor"] for r in rows if not r["ranks_agree"]])
     print("targets missed: " + (", ".join(misses) if misses else "none")
           + (" (the targets are for the full run; --quick is a smoke test)" if args.quick else ""))
-    if args.json:
-        doc = {"benchmark": "compression", "config": {**cfg, "data": str(args.data)},
-               "ratios": ratios, "results": rows, "targets_missed": misses,
-               "env": {"python": sys.version.split()[0], "torch": torch.__version__,
-                       "time": time.strftime("%Y-%m-%dT%H:%M:%S")}}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
+    write_json(args.json, "compression", ratios, rows, config={**cfg, "data": str(args.data)},
+               targets_missed=misses)
     return 0
 
 

@@ -1,10 +1,11 @@
 """Data-parallel throughput: PyTorch DDP vs a naive per-parameter allreduce loop vs parlay.
 
-Two gloo processes (one thread each) train the same MLP with SGD; each round times every
-contestant for the same number of steps, in an order that rotates from round to round, so
-machine noise hits all of them alike. Ratios are medians over rounds of per-round ratios.
-The perfect-scaling limit is 2 x the samples/s of one process alone, measured in the same rounds
-(rank 0 trains alone while rank 1 waits).
+Two gloo processes (one thread each) train the same MLP with SGD. The contestants are timed
+interleaved step by step (``time_interleaved`` of the shared harness, ``tools/bench``): each
+round takes one step of every contestant, in an order drawn afresh each round (the same on
+every rank), each step between barriers, so machine noise hits all of them alike. Ratios are
+medians over rounds of per-round ratios. The perfect-scaling limit is 2 x the samples/s of one
+process alone, measured in the same rounds (rank 0 steps alone while rank 1 waits).
 
     python benchmarks/dp_throughput.py [--quick] [--json out.json]
 """
@@ -13,22 +14,17 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, mlp as _mlp, table, write_json  # noqa: E402
+from _common import MODELS, median, table, time_interleaved, write_json  # noqa: E402
+from _common import mlp as _mlp  # noqa: E402
 
 import parlay  # noqa: E402
 from parlay.testing import run_world  # noqa: E402
-
-MODELS = {
-    "small": ([784, 800, 800, 10], 500),
-    "big": ([784, 4096, 4096, 4096, 10], 64),
-}
 
 
 class _Naive:
@@ -45,7 +41,7 @@ class _Naive:
         self.opt.step()
 
 
-def _bench_rank(model_name: str, steps: int, rounds: int, bucket_mb: float,
+def _bench_rank(model_name: str, rounds: int, bucket_mb: float,
                 overlap: bool = True) -> list[dict]:
     widths, batch = MODELS[model_name]
     x = torch.randn(batch, widths[0])
@@ -79,37 +75,21 @@ def _bench_rank(model_name: str, steps: int, rounds: int, bucket_mb: float,
         o_pl.step()
 
     def step_single() -> None:
-        o_single.zero_grad()
-        loss_fn(m_single(x), y).backward()
-        o_single.step()
+        if dist.get_rank() == 0:  # one process alone; the other waits at the barrier
+            o_single.zero_grad()
+            loss_fn(m_single(x), y).backward()
+            o_single.step()
 
     contestants = {"ddp": step_ddp, "naive": step_naive, "parlay": step_parlay,
                    "single": step_single}
-    names = list(contestants)
-    rows = []
     for fn in contestants.values():  # warm-up (allocator, gloo connections)
-        if fn is step_single:
-            if dist.get_rank() == 0:
-                fn()
-        else:
-            fn()
-    for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
-            parlay.comm.barrier()
-            t0 = time.perf_counter()
-            if name == "single":
-                if dist.get_rank() == 0:
-                    for _ in range(steps):
-                        step_single()
-            else:
-                for _ in range(steps):
-                    contestants[name]()
-            dt = time.perf_counter() - t0
-            parlay.comm.barrier()
+        fn()
+    rows = []
+    for r, times in enumerate(time_interleaved(contestants, rounds)):
+        for name in contestants:
             per_rank = 1 if name == "single" else dist.get_world_size()
-            rows.append({"model": model_name, "round": r, "impl": name,
-                         "samples_per_s": steps * batch * per_rank / dt})
+            rows.append({"model": model_name, "round": r, "impl": name, "step_s": times[name],
+                         "samples_per_s": batch * per_rank / times[name]})
     return rows
 
 
@@ -118,22 +98,25 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (< 2 min)")
     ap.add_argument("--json", default=None, help="write the JSON document here")
     ap.add_argument("--models", default="small,big")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="timed rounds, each one step of every contestant (default: small "
+                         "120, big 48; --quick 24 and 12)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="alias of --rounds (each contestant takes one timed step a round)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--no-overlap", action="store_true",
                     help="parlay starts every bucket in step() instead of during backward")
     args = ap.parse_args()
-    rounds = args.rounds or (3 if args.quick else 9)
     results: list[dict] = []
     summary: list[dict] = []
     ratios: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for model_name in args.models.split(","):
-        steps = args.steps or {"small": 6 if args.quick else 20, "big": 3 if args.quick else 8}[model_name]
-        out = run_world(_bench_rank, 2, model_name, steps, rounds, args.bucket_mb,
-                        not args.no_overlap,
-                        timeout=1800, comm_timeout=600)
-        rows = out[0]
+        default = {"small": 24 if args.quick else 120, "big": 12 if args.quick else 48}
+        rounds = counts[model_name] = args.rounds or args.steps or default[model_name]
+        out = run_world(_bench_rank, 2, model_name, rounds, args.bucket_mb,
+                        not args.no_overlap, timeout=1800, comm_timeout=600)
+        rows = out[0]  # the slowest rank's step times: the same rows on every rank
         results += rows
         by = {(r["round"], r["impl"]): r["samples_per_s"] for r in rows}
         vs_ddp = [by[(i, "parlay")] / by[(i, "ddp")] for i in range(rounds)]
@@ -155,8 +138,8 @@ def main() -> None:
     print()
     for k, v in ratios.items():
         print(f"{k:>24}: {v:.3f}")
-    write_json(args.json, "dp_throughput", ratios, results, rounds=rounds,
-               bucket_mb=args.bucket_mb)
+    write_json(args.json, "dp_throughput", ratios, results, rounds=counts,
+               bucket_mb=args.bucket_mb, timing="interleaved step by step")
 
 
 if __name__ == "__main__":

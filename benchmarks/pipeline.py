@@ -15,8 +15,9 @@ and is reported too, with ``core_share`` = CPU seconds / wall seconds of compute
 the rank had a core whenever it computed).
 
 Throughput. The same MLP, split the same way, trained with the same schedule and m by parlay's
-Pipeline (with its DistributedOptimizer) and by PipelineStage + Schedule written by hand;
-rounds alternate the order, the ratio is the median of per-round ratios.
+Pipeline (with its DistributedOptimizer) and by PipelineStage + Schedule written by hand, timed
+interleaved step by step (the shared harness's ``time_interleaved``: each round one step of
+each, in a fresh order the same on every rank); the ratio is the median of per-round ratios.
 
     python benchmarks/pipeline.py [--quick] [--json out.json]
 """
@@ -32,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import median, table, write_json  # noqa: E402
+from _common import median, table, time_interleaved, write_json  # noqa: E402
 
 from parlay.pipeline import Pipeline, theoretical_bubble  # noqa: E402
 from parlay.testing import run_world  # noqa: E402
@@ -103,7 +104,7 @@ def _bubble_rank(workload: str, schedules: list[str], chunks: list[int], steps: 
     return rows
 
 
-def _throughput_rank(schedule: str, m: int, rounds: int, steps: int, batch: int,
+def _throughput_rank(schedule: str, m: int, rounds: int, batch: int,
                      width: int) -> list[dict]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -139,21 +140,11 @@ def _throughput_rank(schedule: str, m: int, rounds: int, steps: int, batch: int,
     contestants = {"parlay": parlay_step, "hand": hand_step}
     for f in contestants.values():  # warm-up: shape inference, communicators
         f()
-    rows = []
-    for k in range(rounds):
-        order = ["parlay", "hand"] if k % 2 == 0 else ["hand", "parlay"]
-        row: dict = {"round": k}
-        for name in order:
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                contestants[name]()
-            row[name] = steps * batch / (time.perf_counter() - t0)
-            # CPU seconds of this process (all threads) per step: what the host's load does
-            # not inflate, so overhead shows here even when wall time is noisy.
-            row[f"{name}_cpu_ms"] = 1e3 * (time.process_time() - c0) / steps
-        rows.append(row)
-    return rows
+    # Samples/s of the slowest stage's step, and this rank's CPU seconds per step (what the
+    # host's load does not inflate, so overhead shows there even when wall time is noisy).
+    return [{"round": k, **{n: batch / t[n] for n in contestants},
+             **{f"{n}_cpu_ms": 1e3 * t[n + "_cpu"] for n in contestants}}
+            for k, t in enumerate(time_interleaved(contestants, rounds))]
 
 
 def main() -> None:
@@ -210,9 +201,9 @@ def main() -> None:
     tp_rows = []
     for s in stages:
         for sched, m in (("gpipe", 4), ("1f1b", 8)):
-            per_rank = run_world(_throughput_rank, s, sched, m, rounds, tsteps, 256, 512,
+            per_rank = run_world(_throughput_rank, s, sched, m, rounds * tsteps, 256, 512,
                                  timeout=600, comm_timeout=300)
-            rows = per_rank[0]  # rank 0 times whole steps; every rank is in lock-step
+            rows = per_rank[0]  # wall times are the slowest rank's: the same on every rank
             rs = sorted(row["parlay"] / row["hand"] for row in rows)
             ratio = median(rs)
             cpu = median([sum(r[k]["hand_cpu_ms"] / r[k]["parlay_cpu_ms"] for r in per_rank)
@@ -227,7 +218,7 @@ def main() -> None:
             results += [{"kind": "throughput_round", "S": s, "schedule": sched, "m": m, **row}
                         for row in rows]
     print("\nThroughput, parlay Pipeline vs hand-written torch.distributed.pipelining "
-          "(MLP 512 wide, 2 Linear+ReLU per stage, batch 256; median of alternating rounds):")
+          "(MLP 512 wide, 2 Linear+ReLU per stage, batch 256; median of interleaved rounds):")
     print(table(tp_rows, ["S", "schedule", "m", "parlay_samples_s", "hand_samples_s",
                           "parlay/hand", "q1", "q3", "cpu_hand/parlay"]))
     write_json(args.json, "pipeline", ratios, results, quick=args.quick,

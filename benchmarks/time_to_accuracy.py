@@ -10,9 +10,10 @@ cross the target at (almost) the same step and the ratio measures speed.
 * anchor: the DDP script a PyTorch user writes: ``DistributedDataParallel``, a
   ``DistributedSampler`` + ``DataLoader(batch_size=128)``, ``LambdaLR`` for the same schedule.
 
-Both trainings live in the same two processes and take turns of ``--chunk`` steps (parlay
-then DDP, then DDP then parlay, ...), each with its own clock, so load from other processes on
-a shared machine hits both alike (whole runs one after the other differed by up to 2x here).
+Both trainings live in the same two processes and take turns step by step (``--chunk`` 1: each
+round one step of each side, in a fresh order the same on both ranks, the shared harness's
+``round_order``), each with its own clock, so load from other processes on a shared machine
+hits both alike (whole runs one after the other differed by up to 2x here).
 Every ``--eval-every`` steps the test accuracy is measured on the full test set; evaluation is
 excluded from the clock, set-up (model, optimizer, broadcast) included. The ratio is parlay /
 DDP time to target (median over ``--repeats`` runs; < 1 means parlay is faster).
@@ -30,7 +31,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import round_order, write_json  # noqa: E402
 
 EPOCHS, BATCH, LR, WARMUP = 4, 128, 1e-3, 1.0
 
@@ -156,7 +159,7 @@ def worker(data: str | None, target: float, eval_every: int, chunk: int, out: st
     rnd = 0
     while any(r["seconds_to_target"] is None and r["steps"] < sides[k].total
               for k, r in rows.items()):
-        order = ["parlay", "ddp"] if rnd % 2 == 0 else ["ddp", "parlay"]
+        order = round_order(["parlay", "ddp"], rnd)
         rnd += 1
         for k in order:
             r, side = rows[k], sides[k]
@@ -209,8 +212,8 @@ def main() -> None:
                    help="folder with the MNIST .gz files (default: PARLAY_DATA_DIR)")
     p.add_argument("--target", type=float, default=0.98)
     p.add_argument("--eval-every", type=int, default=59, help="steps (a quarter epoch)")
-    p.add_argument("--chunk", type=int, default=10,
-                   help="steps per turn when alternating the two trainings")
+    p.add_argument("--chunk", type=int, default=1,
+                   help="steps per turn when interleaving the two trainings (1: step by step)")
     p.add_argument("--repeats", type=int, default=3, help="runs (each alternates both sides)")
     p.add_argument("--quick", action="store_true", help="one run")
     p.add_argument("--json", default=None)
@@ -249,10 +252,8 @@ def main() -> None:
     print(f"{'parlay':>8} | {med['parlay']:.1f}")
     print(f"{'DDP':>8} | {med['ddp']:.1f}")
     print(f"ratio parlay/DDP (median of runs): {ratio:.3f}  (< 1: parlay faster)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"benchmark": "time_to_accuracy", "target": args.target,
-                       "ratios": {"time_to_target": ratio}, "results": rows}, f, indent=1)
+    write_json(args.json, "time_to_accuracy", {"time_to_target": ratio}, rows,
+               target=args.target, chunk=args.chunk)
 
 
 if __name__ == "__main__":

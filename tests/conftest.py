@@ -2,9 +2,17 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+# The repository root, so tests reach the tooling under tools/ (not shipped in the wheel),
+# in this process and in the ranks run_world starts (its forkserver inherits sys.path).
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 
 # Set by pytest itself or lazily by torch's own modules on first use, not by parlay.

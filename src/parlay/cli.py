@@ -280,16 +280,39 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
                               f"Hint: -n {fix}, or --pp to change the stage count.")
 
 
+def _checkout() -> str | None:
+    """The source checkout holding ``tools/`` (the working directory, or the one an editable
+    install points into), or ``None``: the wheel does not ship the benchmark tools."""
+    import parlay
+
+    here = os.path.dirname(os.path.abspath(parlay.__file__))
+    for root in (os.getcwd(), os.path.dirname(os.path.dirname(here))):
+        if os.path.isfile(os.path.join(root, "tools", "bench", "runner.py")):
+            return root
+    return None
+
+
 def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     import runpy
 
-    if ns.name in (None, "suite"):  # the suite that ships with parlay (see parlay.bench)
-        from parlay.bench.runner import main as suite
+    root = _checkout()
+    if ns.name in (None, "suite"):  # the suite: tools/bench in a source checkout
+        if root is None:
+            raise _fail("bench: the benchmark suite lives in tools/ of parlay's source "
+                        "checkout, which the installed package does not ship. Hint: clone "
+                        "parlay's repository, pip install -e '.[bench]' there and run "
+                        "parlay bench from its root.")
+        if root not in sys.path:
+            sys.path.insert(0, root)
+        from tools.bench.runner import main as suite  # the checkout's, never the wheel's
 
         return suite(rest)
     path = os.path.join("benchmarks", f"{ns.name}.py")
+    if not os.path.exists(path) and root is not None:
+        path = os.path.join(root, "benchmarks", f"{ns.name}.py")
     if not os.path.exists(path):
-        raise _fail(f"bench: no benchmark {path}; run it from the repository root")
+        raise _fail(f"bench: no benchmark benchmarks/{ns.name}.py; run it from the root of "
+                    "parlay's source checkout")
     sys.argv = [path, *rest]
     runpy.run_path(path, run_name="__main__")
     return 0
@@ -316,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo.add_argument("-h", "--help", action="store_true", help="the demo's options")
     p_demo.add_argument("name")
     _add_launch_args(p_demo)
-    # Its options are the suite's (parlay.bench.runner) or NAME's own: parsed there.
+    # Its options are the suite's (tools/bench/runner.py) or NAME's own: parsed there.
     p_bench = sub.add_parser("bench", help="run the benchmark suite (parlay bench --help), or "
                              "benchmarks/NAME.py", add_help=False)
     p_bench.add_argument("name", nargs="?")

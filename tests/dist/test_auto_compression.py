@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import parlay
 from parlay import comm
-from parlay.bench.common import mlp as _mlp
+from tools.bench.harness import mlp as _mlp
 from parlay.compress import AutoCompressor, get_compressor, reduce_async
 from parlay.compress import auto as auto_module
 from parlay.compress.auto import switch_margin

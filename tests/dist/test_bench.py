@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-import parlay.testing.cluster as cluster_mod
+import tools.cluster as cluster_mod
 from parlay import cli
-from parlay.bench import plots, runner
+from tools.bench import plots, runner
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -125,3 +125,10 @@ def test_from_results_predicts_again_without_measuring(tiny_run, tmp_path):
     assert [p["step_s"] for p in again["points"]] == [p["step_s"] for p in doc["points"]]
     assert all(p["predicted_step_s"] > 0 for p in again["points"] if p["mode"] != "compute")
     assert (tmp_path / "again" / "report.md").exists()
+
+
+def test_outside_a_checkout_says_how_to_get_the_suite(monkeypatch, tmp_path):
+    # An installed wheel has no tools/: the command says where the suite lives, not a traceback.
+    monkeypatch.setattr(cli, "_checkout", lambda: None)
+    with pytest.raises(SystemExit, match="tools/ of parlay's source checkout"):
+        cli.main(["bench", "--quick", "--out", str(tmp_path)])

@@ -4,12 +4,14 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from parlay.testing import process_alive
-from parlay.testing.cluster import Cluster, ClusterError, parse_rate, unavailable_reason
+from tools.cluster import Cluster, ClusterError, parse_rate, unavailable_reason
 
+ROOT = Path(__file__).resolve().parents[2]
 _WHY = unavailable_reason()
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(_WHY is not None, reason=f"simulated cluster: {_WHY}")]
@@ -107,7 +109,7 @@ def test_everything_is_removed_after_an_exception():
 
 _CHILD = """
 import signal, sys
-from parlay.testing.cluster import Cluster
+from tools.cluster import Cluster
 # A shell that starts the suite in the background starts it with SIGINT ignored, and Python
 # then installs no KeyboardInterrupt handler: restore it, as an interactive run has it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -120,7 +122,7 @@ with Cluster(hosts=2, rate="100mbit") as c:
 
 def _child() -> tuple[subprocess.Popen[str], str, int]:
     p = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, text=True, cwd=ROOT)  # ROOT holds tools/
     assert p.stdout is not None
     tag, pid = p.stdout.readline().split()
     assert {f"{tag}-h0", f"{tag}-h1", f"{tag}-sw"} <= _netns()

@@ -1,6 +1,6 @@
 """Real multi-node runs: 2 simulated hosts x 2 local ranks, launched with ``parlay run --nnodes``.
 
-Each host is a network namespace of :class:`parlay.testing.cluster.Cluster`; each runs
+Each host is a network namespace of :class:`tools.cluster.Cluster`; each runs
 ``parlay run -n 2 --nnodes 2 --node-rank K --rdzv-endpoint <host 0>:PORT`` exactly as a user
 would on two machines, and the ranks talk over the bridge (gloo on the hosts' ``eth0``).
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from parlay.testing.cluster import Cluster, unavailable_reason
+from tools.cluster import Cluster, unavailable_reason
 
 from tests.dist import multinode_train as script
 

@@ -11,7 +11,7 @@ from parlay.plan import ClusterSpec, Costs, Link, Workload, predict, wire_rounds
 from parlay.plan.insitu import exchange_link
 from parlay.plan.model import rounds_s
 from parlay.plan.pipesim import pipeline_s
-from parlay.testing.cluster import tbf_burst
+from tools.cluster import tbf_burst
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -164,7 +164,7 @@ def _bench_point(**kw: object) -> dict:
 
 def test_bench_predicts_from_what_it_timed_next_to_the_point_never_its_step(
         monkeypatch) -> None:
-    from parlay.bench import predict as bp
+    from tools.bench import predict as bp
     from parlay.plan.calibrate import Calibration
 
     cal = Calibration(Costs(), Link(3e9, 0.0, 1.0), 1e10)
@@ -246,7 +246,7 @@ HELD_OUT_100MBIT = [
 
 
 def test_codecs_timed_in_the_run_predict_a_held_out_slow_link(monkeypatch) -> None:
-    from parlay.bench import predict as bp
+    from tools.bench import predict as bp
     from parlay.plan.calibrate import Calibration
 
     monkeypatch.setattr(bp, "_calibration", [Calibration(MEASURED_COSTS, Link(3e9, 0, 1), 1e10)])

@@ -1,7 +1,5 @@
 """Test harness: run a function on real gloo ranks spawned on loopback.
 
-(:mod:`parlay.testing.cluster` goes further: hosts in network namespaces joined by shaped links.)
-
 ``run_world(fn, world_size)`` starts ``world_size`` processes, each with a real process group
 (``parlay.init()`` over gloo on 127.0.0.1 and a free port), calls ``fn(*args, **kwargs)`` on
 every rank and returns the per-rank results. Exceptions are propagated with the failing rank

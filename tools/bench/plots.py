@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from parlay.bench.report import label
+from tools.bench.report import label
 
 __all__ = ["write_all", "INSTALL_HINT"]
 

@@ -1,4 +1,4 @@
-"""The contestants :mod:`parlay.bench.worker` times: one training step each, built alike.
+"""The contestants :mod:`tools.bench.worker` times: one training step each, built alike.
 
 ``compute`` (the same step with communication skipped: the limit), ``ddp`` (PyTorch's
 DistributedDataParallel), ``none``/``parlay`` (parlay dense), any compressor spec (``fp16``,
@@ -46,8 +46,8 @@ def _pipe_contestant(schedule: str, widths: list[int], chunks: int) -> tuple[Cal
     import torch
     import torch.nn as nn
 
-    from parlay.bench.common import mlp
     from parlay.pipeline import Pipeline
+    from tools.bench.harness import mlp
 
     pipe = Pipeline(mlp(widths), nn.functional.cross_entropy, chunks=chunks, schedule=schedule)
     opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=0.01))
@@ -75,8 +75,8 @@ def contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable,
     import torch
     import torch.nn as nn
 
-    import parlay
-    from parlay.bench.common import mlp
+    from parlay.horovod import DistributedOptimizer  # what parlay.DistributedOptimizer is
+    from tools.bench.harness import mlp
 
     if name.startswith("pipe:"):
         return _pipe_contestant(name[5:], widths, chunks)
@@ -91,9 +91,9 @@ def contestant(name: str, widths: list[int], chunks: int = 4) -> tuple[Callable,
         base = torch.optim.SGD(model.parameters(), lr=0.01)
     else:
         comp = None if name in ("none", "parlay", "flat", "hier") else name
-        opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                          named_parameters=model.named_parameters(),
-                                          compression=comp, hierarchical=name == "hier")
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(),
+                                   compression=comp, hierarchical=name == "hier")
         base = opt
 
     def step(x: Any, y: Any) -> None:

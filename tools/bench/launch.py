@@ -1,8 +1,8 @@
-"""The orchestrator side: start one launch of :mod:`parlay.bench.worker` and gather its rows.
+"""The orchestrator side: start one launch of :mod:`tools.bench.worker` and gather its rows.
 
 On loopback the ranks come from :func:`parlay.testing.run_world` (real gloo ranks on
 127.0.0.1, started in well under a second each). On a simulated link they come from
-:class:`parlay.testing.cluster.Cluster`: ``parlay run --nnodes H`` on every host, exactly as a
+:class:`tools.cluster.Cluster`: ``parlay run --nnodes H`` on every host, exactly as a
 user would start them on real nodes, each rank writing its rows to a JSON file.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from parlay.bench.common import MODELS, model_params
+from tools.bench.harness import MODELS, model_params
 
 __all__ = ["launch_loopback", "launch_cluster", "per_host", "model_bytes"]
 
@@ -26,8 +26,8 @@ def launch_loopback(spec: dict[str, Any], nproc: int, num_ps: int = 0,
     Returns:
         Every rank's rows.
     """
-    from parlay.bench.worker import run_spec
     from parlay.testing import run_world
+    from tools.bench.worker import run_spec
 
     env = {"PARLAY_NUM_PS": str(num_ps)} if num_ps else {}
     out = run_world(run_spec, nproc, spec, timeout=timeout, comm_timeout=600, env=env)
@@ -40,7 +40,7 @@ def launch_cluster(spec: dict[str, Any], hosts: int, rate: str | None, nproc: in
     """Run ``spec`` on ``hosts`` simulated hosts of ``nproc`` ranks each, links at ``rate``.
 
     Args:
-        spec: The worker spec (see :mod:`parlay.bench.worker`).
+        spec: The worker spec (see :mod:`tools.bench.worker`).
         hosts: Hosts (network namespaces), each on its own shaped link to one switch.
         rate: tc rate of every link (``"100mbit"``), ``None`` for unshaped.
         nproc: Ranks per host.
@@ -56,14 +56,16 @@ def launch_cluster(spec: dict[str, Any], hosts: int, rate: str | None, nproc: in
             included). A failure after that (at exit) is kept in the info's ``exit_errors``.
     """
     import parlay
-    from parlay.testing.cluster import Cluster
+    from tools.cluster import Cluster
 
-    src = str(Path(parlay.__file__).resolve().parents[1])  # works from a checkout too
-    path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    # The hosts import this parlay and these tools (the checkout's root holds tools/).
+    src = str(Path(parlay.__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join([src, root, *filter(None, [os.environ.get("PYTHONPATH")])])
     out = tempfile.mktemp(prefix="parlay-bench-")
     with Cluster(hosts=hosts, rate=rate) as c:
         link = c.measure(1, 0, seconds=1.0) / 1e6 if calibrate else None
-        procs = c.parlay_run(["-m", "parlay.bench.worker", "--spec", json.dumps(spec),
+        procs = c.parlay_run(["-m", "tools.bench.worker", "--spec", json.dumps(spec),
                               "--out", out], nproc_per_host=nproc, flags=flags,
                              env={"PYTHONPATH": path}, stdout=-1, stderr=-1, text=True)
         failed = []

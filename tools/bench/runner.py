@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
-from parlay.bench.common import MODELS, model_params
+from tools.bench.harness import MODELS, env_info, model_params
 
 __all__ = ["build_parser", "main", "run_suite", "repredict", "compressor_specs", "NETS"]
 
@@ -76,7 +75,7 @@ def _ps_chunk_bytes(one_host: bool) -> int:
 def _points(rows: list[dict[str, Any]], spec: dict[str, Any], net: str, launch: str,
             topo: dict[str, Any]) -> list[dict[str, Any]]:
     """One point per contestant: measured, with everything the cost model needs."""
-    from parlay.bench.launch import per_host
+    from tools.bench.launch import per_host
 
     widths, batch = MODELS[spec["model"]]
     compute = sorted(r["step_s"] for r in rows if r["contestant"] == "compute")
@@ -158,8 +157,8 @@ def _launches(cfg: dict[str, Any], net: str) -> list[tuple[str, dict, int, int, 
 def _run_net(net: str, cfg: dict[str, Any], log: Any) -> tuple[list, dict, list, list]:
     """The launches of one link: (points, timelines, cluster reports, notes). A launch that
     fails is a note; the others still run."""
-    from parlay.bench.launch import launch_cluster, launch_loopback
-    from parlay.testing.cluster import parse_rate
+    from tools.bench.launch import launch_cluster, launch_loopback
+    from tools.cluster import parse_rate
 
     rate = None if net in ("loopback", "unshaped") else net
     points: list[dict[str, Any]] = []
@@ -205,7 +204,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
         nets: ``loopback`` and/or tc rates (``1gbit``, ``100mbit``) or ``unshaped``.
         quick: 5 s of timed steps per point (30 full) and the compression benchmark's quick
             settings.
-        model: A :data:`parlay.bench.common.MODELS` name.
+        model: A :data:`tools.bench.harness.MODELS` name.
         steps: Timed steps per point at most (default 30; the budget stops
             slow points sooner; a parameter-server session runs 10: the budget cannot cut it).
         budget: Seconds of timed steps per point (a slower first step is the measurement).
@@ -218,7 +217,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
     Returns:
         The results document (also written as ``results.json``).
     """
-    from parlay.bench import predict
+    from tools.bench import predict
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -244,7 +243,7 @@ def run_suite(out: str, nets: list[str], quick: bool = False, model: str = "suit
     doc = {"benchmark": "parlay bench", "quick": quick, "nets": nets, "config": cfg,
            "model_widths": MODELS[model][0], "points": points,
            "summary": predict.summary(points), "timelines": timelines, "accuracy": acc,
-           "clusters": clusters, "notes": notes, "wall_s": 0.0, "env": _env()}
+           "clusters": clusters, "notes": notes, "wall_s": 0.0, "env": env_info()}
     _write(doc, out, t0, log)
     return doc
 
@@ -253,7 +252,7 @@ def repredict(results: str, out: str, log: Any = print) -> dict[str, Any]:
     """Predict again every point of an earlier run's ``results.json`` (the cost model or its
     calibration changed; nothing is measured again) and write results, report and plots to
     ``out``."""
-    from parlay.bench import predict
+    from tools.bench import predict
 
     with open(results) as f:
         doc = json.load(f)
@@ -271,7 +270,7 @@ def repredict(results: str, out: str, log: Any = print) -> dict[str, Any]:
 
 def _usable(nets: list[str], notes: list[str], log: Any) -> list[str]:
     """``nets`` less the simulated links, with one line saying why, where none can be built."""
-    from parlay.testing.cluster import unavailable_reason
+    from tools.cluster import unavailable_reason
 
     links = [n for n in nets if n != "loopback"]
     why = unavailable_reason() if links else None
@@ -284,7 +283,7 @@ def _usable(nets: list[str], notes: list[str], log: Any) -> list[str]:
 
 def _accuracy(cfg: dict[str, Any], quick: bool, samples: int | None, data: str | None,
               notes: list[str], log: Any) -> list[dict[str, Any]]:
-    from parlay.bench.accuracy import run_accuracy
+    from tools.bench.accuracy import run_accuracy
 
     log("parlay bench: MNIST accuracy vs bytes per step ...")
     try:
@@ -299,7 +298,7 @@ def _accuracy(cfg: dict[str, Any], quick: bool, samples: int | None, data: str |
 
 def _write(doc: dict[str, Any], out: str, t0: float, log: Any) -> None:
     """Plots (when matplotlib is there), then results.json and report.md."""
-    from parlay.bench import plots, report
+    from tools.bench import plots, report
 
     doc["plots"], plot_note = plots.write_all(doc, out)
     if plot_note:
@@ -310,17 +309,6 @@ def _write(doc: dict[str, Any], out: str, t0: float, log: Any) -> None:
         json.dump(doc, f, indent=1, default=str)
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(report.render(doc))
-
-
-def _env() -> dict[str, Any]:
-    import platform
-
-    import torch
-
-    return {"python": sys.version.split()[0], "torch": torch.__version__,
-            "machine": platform.machine(), "cores": os.cpu_count(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -357,12 +345,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = build_parser().parse_args(argv)
     if ns.source:
         doc = repredict(ns.source, ns.out)
-        from parlay.bench.report import console
+        from tools.bench.report import console
 
         print(console(doc))
         return 0
     nets = [n.strip() for n in ns.net.split(",") if n.strip()]
-    from parlay.testing.cluster import parse_rate
+    from tools.cluster import parse_rate
 
     for n in nets:
         if n not in ("loopback", "unshaped"):
@@ -371,13 +359,13 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError:
                 raise SystemExit(f"parlay bench: --net takes loopback, unshaped or a rate like "
                                  f"100mbit or 1gbit, got {n!r}") from None
-    from parlay.bench.accuracy import split_specs
+    from tools.bench.accuracy import split_specs
 
     comps = split_specs(ns.compressors) if ns.compressors is not None else None
     doc = run_suite(ns.out, nets, quick=ns.quick, model=ns.model, steps=ns.steps,
                     budget=ns.budget, accuracy=not ns.no_accuracy,
                     accuracy_samples=ns.accuracy_samples, data=ns.data, compressors=comps)
-    from parlay.bench.report import console
+    from tools.bench.report import console
 
     print(console(doc))
     print(f"\nwrote {ns.out}/results.json, report.md"

@@ -1,4 +1,4 @@
-"""Low-level pieces of :mod:`parlay.testing.cluster`: iproute2 calls, availability, sweeping.
+"""Low-level pieces of :mod:`tools.cluster`: iproute2 calls, availability, sweeping.
 
 Kept apart so the cluster module reads as the life of one cluster.
 """

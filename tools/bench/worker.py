@@ -1,7 +1,7 @@
 """The rank side of the benchmarks: time contestants side by side in one process group.
 
 Every rank of a launch runs :func:`run_spec` with the same spec and returns its own rows; the
-orchestrator (:mod:`parlay.bench.launch`) gathers them. A spec is a plain dict::
+orchestrator (:mod:`tools.bench.launch`) gathers them. A spec is a plain dict::
 
     {"kind": "dp", "model": "suite", "contestants": ["compute", "none", "ddp", "fp16",
      "pipe:1f1b", ...], "warmup": 1, "steps": 3, "budget": 8.0}
@@ -16,7 +16,7 @@ its row carries one step's compute intervals per rank: the timeline).
 On a simulated cluster each host's interface is ``eth0``; its byte counters are read around the
 timed steps (on loopback there is no per-host counter and those fields are 0).
 
-    python -m parlay.bench.worker --spec JSON --out PREFIX   # under parlay run, on each host
+    python -m tools.bench.worker --spec JSON --out PREFIX   # under parlay run, on each host
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ import statistics
 import time
 from typing import Any, Callable
 
-from parlay.bench.common import MODELS, model_params
-from parlay.bench.contestants import contestant as _contestant
-from parlay.bench.probes import codec_spec, ps_exchange, timed_next_to
+from tools.bench.contestants import contestant as _contestant
+from tools.bench.harness import model_params, rounds, slowest
+from tools.bench.probes import codec_spec, ps_exchange, spec_widths, timed_next_to
 
 __all__ = ["run_spec", "main"]
 
@@ -42,24 +42,6 @@ def _nic() -> dict[str, int]:
     if "PARLAY_CLUSTER_HOST" not in os.environ or not os.path.isdir(_NIC):
         return {"tx": 0, "rx": 0}
     return {k: int(open(f"{_NIC}/{k}_bytes").read()) for k in ("tx", "rx")}
-
-
-def _widths(spec: dict[str, Any]) -> tuple[list[int], int]:
-    m = spec.get("model", "suite")
-    widths, batch = MODELS[m] if isinstance(m, str) else (list(m), 0)
-    return widths, int(spec.get("batch") or batch)
-
-
-def _slowest(times: list[float]) -> list[float]:
-    """Per-step maximum over the ranks: every step starts after a barrier, so a step lasts
-    until its slowest rank is done (a pipeline's first stage, the rank that was descheduled)."""
-    import torch
-
-    from parlay import comm
-
-    t = torch.tensor(times, dtype=torch.float64)
-    comm.allreduce(t, "max")
-    return t.tolist()
 
 
 class _Timing:
@@ -92,8 +74,8 @@ class _Timing:
     def result(self) -> tuple[float, dict[str, float], dict[str, int]]:
         """(median s per step, {probe: median s}, NIC bytes): medians of the per-step maximum
         over the ranks."""
-        med = {k: statistics.median(_slowest(v)) for k, v in self.probed.items()}
-        return statistics.median(_slowest(self.steps)), med, dict(self.nic)
+        med = {k: statistics.median(slowest(v)) for k, v in self.probed.items()}
+        return statistics.median(slowest(self.steps)), med, dict(self.nic)
 
 
 def _timed(step: Callable, x: Any, y: Any, n: int, opt: Any,
@@ -127,7 +109,7 @@ def _prepare(name: str, spec: dict[str, Any], x: Any, y: Any,
     size its timed steps from the budget: everything before its timed steps."""
     import parlay
 
-    widths, _ = _widths(spec)
+    widths, _ = spec_widths(spec)
     step, opt = _contestant(name, widths, int(spec.get("chunks", 4)))
     pipe = name.startswith("pipe:")
     xs, ys = (x.repeat(parlay.size(), 1), y.repeat(parlay.size())) if pipe else (x, y)
@@ -162,7 +144,7 @@ def _row(c: dict[str, Any], batch: int) -> dict[str, Any]:
     name, opt, step = c["name"], c["opt"], c["step"]
     if c["n"]:
         dt, probed, nic = c["timing"].result()
-        stats = (c["stats0"], opt.comm_stats() if opt is not None else None)
+        stats: Any = (c["stats0"], opt.comm_stats() if opt is not None else None)
     else:
         dt, probed, nic, stats = c["first"]
     n = max(c["n"], 1)
@@ -196,18 +178,14 @@ def _row(c: dict[str, Any], batch: int) -> dict[str, Any]:
 
 
 def _time_dp(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every contestant prepared, then their timed steps interleaved: round ``i`` takes step
-    ``i`` of each contestant that has one left, in an order drawn afresh each round (the same
-    on every rank). The load of other processes drifts by 10% and more within a minute here,
-    so contestants timed one after the other compared each one's minute as much as its speed;
-    interleaved, every contestant sees the same minutes."""
-    import random
-
+    """Every contestant prepared, then their timed steps interleaved step by step
+    (:func:`tools.bench.harness.rounds`): round ``i`` takes step ``i`` of each contestant that
+    has one left, in an order drawn afresh each round (the same on every rank)."""
     import torch
 
     from parlay import comm
 
-    widths, batch = _widths(spec)
+    widths, batch = spec_widths(spec)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, widths[0], generator=g)
     y = torch.randint(0, widths[-1], (batch,), generator=g)
@@ -218,11 +196,10 @@ def _time_dp(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if c["pipe"] and c["n"]:
             c["step"].recorder.on = True
     comm.barrier()
-    for i in range(max((c["n"] for c in prepared), default=0)):
-        due = [c for c in prepared if c["n"] > i]
-        random.Random(i).shuffle(due)
-        for c in due:
-            c["timing"].once(c["step"], c["xs"], c["ys"])
+    by_name = {c["name"]: c for c in prepared}
+    for _, name in rounds({k: c["n"] for k, c in by_name.items()}):
+        c = by_name[name]
+        c["timing"].once(c["step"], c["xs"], c["ys"])
     return [_row(c, batch) for c in prepared]
 
 
@@ -232,13 +209,14 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
     import torch.nn as nn
 
     import parlay
-    from parlay.bench.common import mlp
+    from parlay.ps import DistributedSession
+    from tools.bench.harness import mlp
 
-    widths, batch = _widths(spec)
+    widths, batch = spec_widths(spec)
     task = parlay.TaskSpec.from_env()
     x, y = torch.randn(batch, widths[0]), torch.randint(0, widths[-1], (batch,))
     warmup, steps = int(spec.get("warmup", 1)), int(spec.get("steps", 3))
-    rows = []
+    rows: list[dict[str, Any]] = []
     cstep, _ = _contestant("compute", widths)
     # On one machine: the servers' dense traffic, timed before each session (every rank).
     exchange = ps_exchange(task.is_ps, model_params(widths)) if spec.get("probe_link") else None
@@ -254,7 +232,7 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
         nic: list[dict[str, int]] = []
         # sync: one update per round of all workers; otherwise one per push.
         total = (warmup + steps) * (1 if consistency == "sync" else task.num_workers)
-        with parlay.DistributedSession(task_spec=task, model=mlp(widths),
+        with DistributedSession(task_spec=task, model=mlp(widths),
                                        optimizer=torch.optim.SGD, optimizer_args={"lr": 0.01},
                                        consistency=consistency, max_steps=total,
                                        checkpoint_every=None) as sess:

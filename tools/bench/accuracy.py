@@ -69,20 +69,21 @@ def build_mlp() -> nn.Module:
 
 
 def _runs(cfg: dict[str, Any]) -> list[dict[str, Any]]:
-    import parlay
+    from parlay.compression import get_compressor
+    from parlay.horovod import DistributedOptimizer  # what parlay.DistributedOptimizer is
 
     runs = []
     for name in cfg["compressors"]:
         model = build_mlp()
-        comp = parlay.compression.get_compressor(name)
+        comp = get_compressor(name)
         # DGC momentum correction (e.g. "topk:0.001,momentum=0.9") moves the momentum into
         # the compressor, so the optimizer runs without it (Lin et al. 2018).
         dgc = getattr(getattr(comp, "memory", None), "momentum", 0.0)
         base = torch.optim.SGD(model.parameters(), lr=cfg["lr"],
                                momentum=0.0 if dgc else cfg["momentum"],
                                weight_decay=cfg["weight_decay"])
-        opt = parlay.DistributedOptimizer(base, named_parameters=model.named_parameters(),
-                                          compression=comp)
+        opt = DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   compression=comp)
         runs.append({"name": name, "model": model, "opt": opt, "time": 0.0})
     return runs
 

@@ -1,4 +1,4 @@
-"""What :mod:`parlay.bench.worker` times next to each measured step, so the cost model
+"""What :mod:`tools.bench.worker` times next to each measured step, so the cost model
 predicts from the machine's state at that moment rather than from a calibration cached at
 another time and load: the contestant's compressor encoding and decoding a gradient of the
 model's shapes, an activation-sized message between pipeline stages, and (ranks on one
@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from parlay.bench.common import MODELS, model_params
+from tools.bench.harness import MODELS, model_params
 
-__all__ = ["timed_next_to", "codec_spec"]
+__all__ = ["timed_next_to", "codec_spec", "ps_exchange", "spec_widths"]
 
 
-def _widths(spec: dict[str, Any]) -> tuple[list[int], int]:
+def spec_widths(spec: dict[str, Any]) -> tuple[list[int], int]:
+    """(layer widths, per-rank batch) of a worker spec's model: a MODELS name or widths."""
     m = spec.get("model", "suite")
     widths, batch = MODELS[m] if isinstance(m, str) else (list(m), 0)
     return widths, int(spec.get("batch") or batch)
@@ -45,7 +46,7 @@ def timed_next_to(name: str, spec: dict[str, Any], opt: Any, cstep: Callable, x:
 
     from parlay.plan.calibrate import codec_timer
 
-    widths, _ = _widths(spec)
+    widths, _ = spec_widths(spec)
     out: dict[str, Callable] = {"compute": lambda: cstep(x, y)}
     comp = codec_spec(name, opt)
     if comp is not None:
@@ -75,7 +76,7 @@ def _act_ping(widths: list[int], spec: dict[str, Any]) -> Callable:
     import torch
     import torch.distributed as dist
 
-    _, batch = _widths(spec)
+    _, batch = spec_widths(spec)
     r, n = dist.get_rank(), dist.get_world_size()
     micro = max(1, batch * n // int(spec.get("chunks", 4)))
     buf = torch.zeros(micro * max(widths[1:-1], default=widths[-1]))

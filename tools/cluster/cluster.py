@@ -45,8 +45,18 @@ import subprocess
 import threading
 from typing import Any, Mapping, Sequence
 
-from parlay.testing._netns import (_IFNAME, _PREFIX, _SINK, _SOURCE, ClusterError, _kill_inside,
-                                   _sh, parse_rate, sweep_stale, unavailable_reason)
+from tools.cluster.netns import (
+    _IFNAME,
+    _PREFIX,
+    _SINK,
+    _SOURCE,
+    ClusterError,
+    _kill_inside,
+    _sh,
+    parse_rate,
+    sweep_stale,
+    unavailable_reason,
+)
 
 __all__ = ["Cluster", "ClusterError", "unavailable_reason", "parse_rate", "sweep_stale",
            "tbf_burst"]
@@ -326,7 +336,7 @@ class Cluster:
 
         server = self.run(dst, [sys.executable, "-c", _SINK, self.addr(dst), str(port)],
                           stdout=subprocess.PIPE, text=True)
-        assert server.stdout is not None
+        assert isinstance(server, subprocess.Popen) and server.stdout is not None
         if server.stdout.readline().strip() != "ready":
             raise ClusterError(f"throughput sink on host {dst} did not start")
         self.run(src, [sys.executable, "-c", _SOURCE, self.addr(dst), str(port), str(seconds)],

@@ -10,7 +10,7 @@ import dataclasses
 import math
 from typing import Any
 
-from parlay.bench.common import median
+from tools.bench.harness import median
 
 __all__ = ["predict_point", "attach_predictions", "summary", "recommendations", "TIE"]
 
@@ -43,7 +43,7 @@ def predict_point(p: dict[str, Any]) -> dict[str, Any] | None:
     """The cost model's step time for one measured point, or ``None`` without the model.
 
     Args:
-        p: A point as :mod:`parlay.bench.runner` records it (params, shapes, batch, workers,
+        p: A point as :mod:`tools.bench.runner` records it (params, shapes, batch, workers,
             hosts, ranks_per_host, link_bps, compute_s_per_sample, mode, compressor, opts).
 
     Returns:
@@ -53,7 +53,7 @@ def predict_point(p: dict[str, Any]) -> dict[str, Any] | None:
     if plan is None or p["mode"] == "compute":
         return None
     from parlay.plan.calibrate import local_overlap
-    from parlay.testing.cluster import tbf_burst
+    from tools.cluster import tbf_burst
 
     cal = _costs()
     wl = plan.Workload(params=p["params"], batch=p["batch"],

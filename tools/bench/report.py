@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from parlay.bench.common import fmt, table
+from tools.bench.harness import fmt, table
 
 __all__ = ["render", "console", "limit_table", "points_table", "LABELS"]
 
