@@ -15,7 +15,8 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +26,8 @@ __all__ = ["Meter", "reduce_meters", "MetricsLogger", "default_metrics", "choose
 
 
 class Meter:
-    """Weighted running mean: ``add(value, weight)``; ``sum``/``count`` are exposed for reduction."""
+    """Weighted running mean: ``add(value, weight)``; ``sum``/``count`` are exposed for
+    reduction."""
 
     def __init__(self) -> None:
         self.sum = 0.0

@@ -8,7 +8,8 @@ computes and reports the loss, and metrics are reduced over the last stages' ``d
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -18,7 +18,8 @@ server and every still-training worker holds, and workers lost before it sit out
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

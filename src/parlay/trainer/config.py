@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn

@@ -3,7 +3,8 @@ means are reduced over the strategy's ``dp_group`` in tensors only (no peer's by
 unpickled), so every reporting rank returns the mean over the whole dataset."""
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch.utils.data import Dataset

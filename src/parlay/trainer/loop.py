@@ -104,7 +104,8 @@ class Trainer:
         try:
             n = len(dataset)  # type: ignore[arg-type]
         except TypeError:
-            raise ConfigError("training_dataset must be a map-style Dataset with __len__.") from None
+            raise ConfigError(
+                "training_dataset must be a map-style Dataset with __len__.") from None
         self.sampler = ShardedSampler(n, s.dp_size, s.dp_rank, shuffle=cfg.shuffle,
                                       seed=cfg.seed or 0, drop_last=cfg.drop_last)
         self._loader_options: dict[str, Any] = {"num_workers": cfg.num_workers,
@@ -178,13 +179,15 @@ class Trainer:
     def _next_batch(self) -> Any:
         if self._it is None:
             self.sampler.epoch = self.state.epoch
-            self.sampler.position = min(len(self.sampler), self.state.batch_in_epoch * self.batch_size)
+            self.sampler.position = min(len(self.sampler),
+                                        self.state.batch_in_epoch * self.batch_size)
             self._it = iter(self.loader)  # type: ignore[arg-type]
         try:
             return next(self._it)
         except StopIteration:
             raise CheckpointError("the data loader ended before the epoch did (the dataset "
-                                  "changed size?). Hint: keep the dataset fixed during a run.") from None
+                                  "changed size?). Hint: keep the dataset fixed during a "
+                                  "run.") from None
 
     def train_on_batch(self) -> float | None:
         """Run one optimizer step on the next batch of every replica.
@@ -366,7 +369,7 @@ class Trainer:
         self.persistence.close(over)  # over: the run ended, the snapshots' memory goes back
 
     @property
-    def session(self) -> "TrainerSession":
+    def session(self) -> TrainerSession:
         """The object the seed's TensorLayer loop asks, in every mode:
         ``while not trainer.session.should_stop(): trainer.train_on_batch()``."""
         return TrainerSession(self)

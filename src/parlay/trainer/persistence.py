@@ -13,7 +13,8 @@ import math
 import time
 import warnings
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
