@@ -13,7 +13,9 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   the A/A control, how far the same code reads from itself here); with a full copy of the state
   every step, copied before ``save`` returns (inline, ``PARLAY_SNAPSHOT_BACKGROUND=0``) or while the
   rank waits for the gradient reduction of the next step (deferred, the default,
-  :mod:`parlay.snapshot.deferred`). Modes take turns in chunks of ``--chunk`` timed steps, each
+  :mod:`parlay.snapshot.deferred`); and with the Trainer's default, ``snapshot_every="auto"``
+  (deferred copies every K steps, K the interval the Trainer chose from its own measurement,
+  meant to cost at most 2% of a step). Modes take turns in chunks of ``--chunk`` timed steps, each
   round in a fresh random order (so load from other processes, and what one mode leaves in the
   caches for the next, hits all alike; before each chunk, untimed, the previous mode's deferred
   copy is finished and one step taken). Ratios of the mean step times (medians are printed
@@ -63,7 +65,7 @@ def _data() -> Any:
                              torch.randint(0, 10, (60000,), generator=g))
 
 
-def _trainer(a: argparse.Namespace, steps: int, snapshot_every: int, ckpt: str | None,
+def _trainer(a: argparse.Namespace, steps: int, snapshot_every: int | str, ckpt: str | None,
              data: Any = None) -> Any:
     import parlay
     from parlay.demos.mnist import build_mlp
@@ -101,7 +103,7 @@ def worker_recovery(a: argparse.Namespace) -> None:
 # PARLAY_SNAPSHOT_BACKGROUND per mode. inline, deferred: a full copy of the state every step.
 # "off again" is snapshots off a second time: its ratio to "off" is the A/A control, what the
 # same code reads against itself on this machine.
-MODES = {"off": None, "off again": None, "inline": "0", "deferred": None}
+MODES = {"off": None, "off again": None, "inline": "0", "deferred": None, "auto": None}
 
 
 class _InCode:
@@ -139,13 +141,18 @@ def worker_overhead(a: argparse.Namespace) -> None:
         for cls, name in ((SnapshotStore, "save"), (DeferredCopy, "step"),
                           (DeferredCopy, "finish")):
             in_code.wrap(cls, name)
-    t = _trainer(a, len(MODES) * (a.chunk + 1) * (a.pairs + 1), 1, None)
+    warm = 16  # the Trainer's default, snapshot_every="auto", measures and picks its interval
+    t = _trainer(a, warm + len(MODES) * (a.chunk + 1) * (a.pairs + 1), "auto", None)
+    for _ in range(warm):
+        t.train_on_batch()
+    chosen = t.snapshot_every
     times: dict[str, list[float]] = {m: [] for m in MODES}
     cpu: dict[str, list[float]] = {m: [] for m in times}
     order = list(times)
     for pair in range(a.pairs + 1):  # round 0 warms up (first slot files, allocator)
         for mode in order:
-            t.snapshot_every = 10**9 if mode.startswith("off") else 1
+            t.snapshot_every = (10**9 if mode.startswith("off") else
+                                chosen if mode == "auto" else 1)
             os.environ.pop("PARLAY_SNAPSHOT_BACKGROUND", None)
             if MODES[mode] is not None:
                 os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
@@ -165,7 +172,8 @@ def worker_overhead(a: argparse.Namespace) -> None:
         random.Random(pair).shuffle(order)
     t.should_stop()
     Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({
-        "wall": times, "cpu": cpu, "in_code_s": in_code.seconds if a.in_code else None}))
+        "wall": times, "cpu": cpu, "in_code_s": in_code.seconds if a.in_code else None,
+        "auto_every": chosen}))
 
 
 # ---------------------------------------------------------------------- driver
@@ -354,14 +362,16 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
         return statistics.fmean(r), 1.96 * statistics.stdev(r) / len(r) ** 0.5
 
     rows = []
-    for mode in ("off again", "inline", "deferred"):
+    for mode in ("off again", "inline", "deferred", "auto"):
         walls = [ratio(run, "wall", mode) for run in launches]
         mean, half = paired(mode)
         in_code = (in_code_run["in_code_s"] / sum(in_code_run["wall"]["deferred"])
                    if mode == "deferred" else None)
         rows.append({"mode": mode,
                      "overhead": ("snapshots off again vs off (A/A control)" if mode == "off again"
-                                  else f"snapshot_every=1, {mode} vs off"),
+                                  else "snapshot_every='auto' (the default: every "
+                                  f"{sorted({r['auto_every'] for r in launches})} steps) vs off"
+                                  if mode == "auto" else f"snapshot_every=1, {mode} vs off"),
                      "step_ms_on": 1e3 * median([statistics.fmean(r["wall"][mode])
                                                  for r in launches]),
                      "step_ms_off": 1e3 * median([statistics.fmean(r["wall"]["off"])

@@ -65,15 +65,36 @@ def test_auto_interval_is_measured_logged_and_kept(run_id, monkeypatch, capsys):
         return 3
 
     monkeypatch.setattr(persistence, "choose_interval", choose)
-    t, out, held = _train(capsys, 12)
+    t, out, held = _train(capsys, 3 * PROBE_STEPS + 6)
     (copy_s, step_s), = seen
     assert copy_s > 0 and step_s > 0, "a real snapshot and a real step were timed"
     assert t.snapshot_every == 3
     assert "snapshot interval: measured over the first steps" in out
     assert "in-memory snapshots every 3 step(s)" in out and "steps at risk: 3" in out
-    # Every step while measuring, then every third: the newest two held at step 12.
-    assert held == [9, 12]
-    assert PROBE_STEPS + 1 < 9
+    # Measured over the first 3 * PROBE_STEPS steps, then every third: the newest two held.
+    assert held == [3 * PROBE_STEPS + 3, 3 * PROBE_STEPS + 6]
+
+
+def test_auto_interval_prices_what_a_snapshot_costs_the_step(run_id, monkeypatch, capsys):
+    """The cost is what a snapshot adds to a step (steps timed with and without), not only the
+    store's own copy time: here each save costs its step 20 ms outside the store's timing."""
+    import time
+
+    from parlay.snapshot import SnapshotStore
+
+    save = SnapshotStore.save
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.02)  # the cost under test, not a synchronisation
+        return save(self, *args, **kwargs)
+
+    seen = []
+    monkeypatch.setattr(SnapshotStore, "save", slow)
+    monkeypatch.setattr(persistence, "choose_interval", lambda c, s: seen.append((c, s)) or 7)
+    t, out, _ = _train(capsys, 3 * PROBE_STEPS + 1)
+    (cost_s, step_s), = seen
+    assert cost_s >= 0.015 > step_s, (cost_s, step_s)
+    assert t.snapshot_every == 7 and "steps at risk: 7" in out
 
 
 @pytest.mark.parametrize("options, risk", [
@@ -109,7 +130,7 @@ def test_a_failing_snapshot_stops_snapshots_not_training(run_id, monkeypatch, ca
 
 def _agree(want: list[int]) -> int:
     persistence.choose_interval = lambda copy_s, step_s: want[parlay.rank()]
-    t = parlay.Trainer(_build, _data(), batch_size=4, max_iteration=PROBE_STEPS + 2,
+    t = parlay.Trainer(_build, _data(), batch_size=4, max_iteration=3 * PROBE_STEPS + 2,
                        progress=False)
     t.train_to_end()
     return t.snapshot_every

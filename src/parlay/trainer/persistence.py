@@ -3,8 +3,8 @@
 :class:`Persistence` owns both stores, decides when each is due, and is the
 :class:`~parlay.snapshot.resume.TrainingRun` that checkpoints and snapshots save and resume:
 its ``state_dict`` is everything stateful on the rank (counters, strategy, sampler, RNG).
-With ``snapshot_every="auto"`` it snapshots the first few steps, measures what a snapshot and
-a step take, and keeps the smallest interval at which snapshots cost at most 2% of training.
+With ``snapshot_every="auto"`` it times the first steps with a snapshot each and then without,
+and keeps the smallest interval at which snapshots cost at most 2% of training.
 """
 from __future__ import annotations
 
@@ -39,9 +39,11 @@ log = logging.getLogger("parlay")
 
 #: Largest share of training time the automatic snapshot interval lets snapshots take.
 BUDGET = 0.02
-#: Steps snapshotted every step before the automatic interval is chosen: the first save into
-#: each of the store's slots also creates its file, so the last one is the typical cost.
-PROBE_STEPS = 3
+#: Steps timed with a snapshot each, and then as many without, to choose the automatic interval
+#: (after as many steps that snapshot untimed: the first save into each of the store's slots
+#: also creates its file). A snapshot's cost is the difference, not the copy's time alone: the
+#: deferred copy shares the memory bus and the caches with the step it overlaps.
+PROBE_STEPS = 4
 
 
 def choose_interval(copy_s: float, step_s: float, budget: float = BUDGET) -> int:
@@ -173,13 +175,18 @@ class Persistence:
                       stacklevel=4)
 
     def _probe_step(self) -> None:
-        """Time the probe steps; after ``PROBE_STEPS + 1`` of them choose the interval (the
-        largest any training rank asks for, so every rank snapshots the same steps)."""
-        assert self._probe is not None
-        self._probe.append(time.perf_counter())
-        if len(self._probe) <= PROBE_STEPS:
+        """Time the probe steps: ``PROBE_STEPS`` untimed and ``PROBE_STEPS`` timed with a
+        snapshot each, then ``PROBE_STEPS`` without; then choose the interval (the largest any
+        training rank asks for, so every rank snapshots the same steps)."""
+        probe, p = self._probe, PROBE_STEPS
+        assert probe is not None
+        probe.append(time.perf_counter())  # probe[k - 1]: the end of the probe's step k
+        if len(probe) == 2 * p:
+            self.every = 0  # steps 2p+1 .. 3p carry no snapshot (step 2p's is skipped too)
+        if len(probe) < 3 * p:
             return
-        mean = (self._probe[-1] - self._probe[0]) / PROBE_STEPS
+        with_snapshot = (probe[2 * p - 1] - probe[p - 1]) / p
+        without = (probe[3 * p - 1] - probe[2 * p - 1]) / p
         copy = 0.0
         try:
             if self.store is not None:
@@ -187,9 +194,9 @@ class Persistence:
                 copy = self.store.last_save_s or 0.0
         except CheckpointError as e:  # still agree below: the other ranks are waiting
             self._stop_snapshots(e)
-        # Each probe step also paid one snapshot: what is left is the step itself.
-        step = max(mean - copy, mean / 2, 1e-9)
-        want = choose_interval(copy, step)
+        # Noise can make the difference smaller than the copy's own time: never below that.
+        cost, step = max(with_snapshot - without, copy), max(without, 1e-9)
+        want = choose_interval(cost, step)
         group = self.strategy.train_group
         k = torch.tensor([want], dtype=torch.int64, device=comm.group_device(group))
         if comm.group_size(group) > 1:
@@ -198,8 +205,8 @@ class Persistence:
         if self.store is None:  # stopped here (warned): this rank's steps at risk are others
             return
         self.every = agreed
-        self._report(f"in-memory snapshots every {agreed} step(s): a snapshot took "
-                     f"{copy * 1e3:.2f} ms, a step {step * 1e3:.2f} ms (at most "
+        self._report(f"in-memory snapshots every {agreed} step(s): a snapshot cost "
+                     f"{cost * 1e3:.2f} ms, a step {step * 1e3:.2f} ms (at most "
                      f"{BUDGET:.0%} of training); steps at risk: {agreed}")
 
     def steps_at_risk(self, total_steps: int, steps_per_epoch: int) -> int | None:
