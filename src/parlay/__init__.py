@@ -4,8 +4,8 @@ Three communication modes behind one :class:`Trainer`: data parallel (``allreduc
 parameter server (``ps``) and hybrid pipeline x data parallel (``hybrid``).
 """
 from parlay import comm, compress
-from parlay.comm import ReduceOp
 from parlay.dp import (Adasum, Average, Max, Min, Product, Sum, allgather_object,
+from parlay.reduce_ops import ReduceOp
                        broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
 from parlay.taskspec import TaskSpecDef, create_task_spec_def

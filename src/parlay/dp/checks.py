@@ -10,24 +10,21 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.dp.ops import ReduceOp
 from parlay.errors import ConfigError
+from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["check_arguments", "check_passes", "named_parameters", "check_consistency"]
 
 
 def _check_op(op: Any) -> ReduceOp:
-    try:
-        op = ReduceOp(int(op))
-    except (ValueError, TypeError):
-        raise ConfigError(f"op must be parlay.Average or parlay.Sum, got {op!r}.") from None
-    if op == ReduceOp.Adasum:
+    rop = reduce_op(op)
+    if rop == ReduceOp.Adasum:
         raise ConfigError("op=Adasum is not supported by parlay's DistributedOptimizer. "
                           "Hint: use op=parlay.Average (with the learning rate scaled "
                           "by parlay.size()), which is what Adasum approximates.")
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {op.name}.")
-    return op
+    if rop not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {rop.name}.")
+    return rop
 
 
 def check_passes(passes: Any) -> int:

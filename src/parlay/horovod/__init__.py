@@ -15,8 +15,8 @@ its Horovod-only names (``parlay.allreduce``, ``parlay.DistributedOptimizer``, `
 ...) lazily, so only a script that uses one of them loads this package; a ``Trainer`` never
 does, and so never negotiates or exports ``HOROVOD_*`` variables.
 """
-from parlay.comm import ReduceOp
 from parlay.dp.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
+from parlay.reduce_ops import ReduceOp
                                  broadcast_parameters)
 from parlay.dp.ops import Adasum, Average, Max, Min, Product, Sum
 from parlay.horovod import elastic

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from parlay.comm import ReduceOp
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["run_ready", "check", "scale_", "adasum", "scatter_rows"]
 

@@ -16,9 +16,9 @@ from typing import Any, Iterable
 import torch
 
 from parlay.compress.base import Compressor, NoneCompressor
-from parlay.comm import ReduceOp
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
+from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["DistributedOptimizer"]
 
@@ -107,8 +107,8 @@ def _bucket_cap_mb(given: float | None) -> float:
 
 def _is_adasum(op: Any) -> bool:
     try:
-        return ReduceOp(int(op)) == ReduceOp.Adasum
-    except (TypeError, ValueError):
+        return reduce_op(op) == ReduceOp.Adasum
+    except ConfigError:
         return False
 
 

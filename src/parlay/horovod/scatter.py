@@ -10,10 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
-from parlay.comm import ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod.basics import HorovodUnsupportedError
 from parlay.horovod.collectives import _first, set_size, submit
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["alltoall_splits", "AlltoallFn", "reducescatter_check", "ReducescatterFn",
            "GroupedReducescatterFn"]
