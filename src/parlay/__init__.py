@@ -5,7 +5,6 @@ parameter server (``ps``) and hybrid pipeline x data parallel (``hybrid``).
 """
 from parlay import comm, compress
 from parlay.dp import (Adasum, Average, Max, Min, Product, Sum, allgather_object,
-from parlay.reduce_ops import ReduceOp
                        broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
 from parlay.taskspec import TaskSpecDef, create_task_spec_def
@@ -13,6 +12,7 @@ from parlay.errors import CheckpointError, CommError, ConfigError, NonFiniteErro
 from parlay.runtime import (backend, cluster, cross_rank, cross_size, device, init,
                             is_chief, is_initialized, local_rank, local_size, rank, role,
                             shutdown, size)
+from parlay.reduce_ops import ReduceOp
 
 __version__ = "0.1.0"
 

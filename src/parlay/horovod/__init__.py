@@ -16,7 +16,6 @@ its Horovod-only names (``parlay.allreduce``, ``parlay.DistributedOptimizer``, `
 does, and so never negotiates or exports ``HOROVOD_*`` variables.
 """
 from parlay.dp.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
-from parlay.reduce_ops import ReduceOp
                                  broadcast_parameters)
 from parlay.dp.ops import Adasum, Average, Max, Min, Product, Sum
 from parlay.horovod import elastic
@@ -39,6 +38,7 @@ from parlay.horovod.process_sets import (ProcessSet, add_process_set, global_pro
                                          remove_process_set)
 from parlay.horovod.sync_batch_norm import SyncBatchNorm
 from parlay.horovod.timeline import start_timeline, stop_timeline
+from parlay.reduce_ops import ReduceOp
 from parlay.runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                             rank, shutdown, size)
 
