@@ -435,14 +435,14 @@ class AutoCompressor(Compressor):
                    out: torch.Tensor | None = None) -> torch.Tensor:
         cand, inner = self._cand(ctx)
         if out is not None and cand.decodes_into:
-            return cand.decompress(payload, inner, out=out)  # type: ignore[call-arg]
+            return cand.decompress(payload, inner, out=out)
         return cand.decompress(payload, inner)
 
     def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         cand, inner = self._cand(ctx)
         if out is not None and cand.decodes_into:
-            return cand.aggregate(payloads, inner, out=out)  # type: ignore[call-arg]
+            return cand.aggregate(payloads, inner, out=out)
         return cand.aggregate(payloads, inner)
 
     # ------------------------------------------------------------------ state

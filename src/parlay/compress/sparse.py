@@ -249,8 +249,9 @@ class TopK(_Sparsifier):
         r = r[:-1] + f", sample={self.sample})" if self.sample else r
         return r[:-1] + ", compact=True)" if self.compact else r
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
-        return self.aggregate([payload], ctx)
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.aggregate([payload], ctx, out)
 
     def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
                   out: torch.Tensor | None = None) -> torch.Tensor:

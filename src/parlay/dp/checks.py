@@ -45,18 +45,18 @@ def check_arguments(optimizer: Any, op: Any, passes: Any, bucket_cap_mb: Any,
         raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                           f"{type(optimizer).__name__}. Hint: build the optimizer first, "
                           "e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
-    op = _check_op(op)
+    rop = _check_op(op)
     check_passes(passes)
     if not bucket_cap_mb > 0:
         raise ConfigError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
     if not predivide > 0:
         raise ConfigError(f"gradient_predivide_factor must be positive, got {predivide!r}.")
-    if op == ReduceOp.Sum and predivide != 1.0:
+    if rop == ReduceOp.Sum and predivide != 1.0:
         raise ConfigError("gradient_predivide_factor only applies to op=Average.")
     if not dist.is_initialized():
         raise ConfigError("DistributedOptimizer needs a process group. "
                           "Hint: call parlay.init() first.")
-    return op
+    return rop
 
 
 def named_parameters(optimizer: torch.optim.Optimizer,

@@ -38,7 +38,8 @@ class _HorovodCompressor(Compressor):
         sent, ctx = self.inner.compress(flat)
         return [sent], ctx
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # no decodes_into: no out
         return self.inner.decompress(payload[0], ctx)
 
     def __repr__(self) -> str:

@@ -191,7 +191,7 @@ def _malformed(why: str) -> CommError:
     """A message no parlay peer would send (truncated, corrupt, or not from parlay)."""
     return CommError(f"malformed parameter-server message: {why}. Hint: every rank must run "
                      "the same parlay version, and only parlay ranks may reach the cluster's "
-                     "ports (see the README's Security section).", op="ps-unpack")
+                     "ports (see docs/security.md).", op="ps-unpack")
 
 
 # -- compressor contexts without pickle -------------------------------------------------------
@@ -202,10 +202,15 @@ def _malformed(why: str) -> CommError:
 _NONE, _BOOL, _INT, _FLOAT, _DTYPE, _STR = range(6)
 
 
+# ``object.__getstate__`` exists from Python 3.11 on; before, only classes that define one have it.
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
+
+
 def _fields(obj: Any) -> dict[str, Any] | None:
     if isinstance(obj, (tuple, list, dict)) or not hasattr(obj, "__dict__"):
         return None
-    if type(obj).__getstate__ is not object.__getstate__:  # honours e.g. CastCtx dropping source
+    # A class's own __getstate__ is honoured (e.g. CastCtx dropping its source tensor).
+    if getattr(type(obj), "__getstate__", None) is not _DEFAULT_GETSTATE:
         state = obj.__getstate__()
         if isinstance(state, dict):
             return state
