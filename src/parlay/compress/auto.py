@@ -73,7 +73,7 @@ class AutoCtx:
 
     choice: int
     inner: Any = None
-    wire: tuple = ()
+    wire: tuple[Any, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"choice": self.choice, "wire": self.wire}

@@ -69,7 +69,7 @@ class _Cast(Compressor):
         return [Round("allreduce", numel * 2, half=True)]
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return numel * costs.cast_s_per_elem
+        return float(numel * costs.cast_s_per_elem)
 
     def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
         return (ctx.dtype, ctx.scale, ctx.fallback)

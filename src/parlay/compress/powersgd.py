@@ -187,7 +187,8 @@ class PowerSGD(Compressor):
         return [Round("allreduce", p * 4)] + ([Round("allreduce", q * 4)] if q else [])
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return numel * (costs.powersgd_s_per_elem + self.rank * costs.powersgd_s_per_elem_rank)
+        return float(numel * (costs.powersgd_s_per_elem
+                              + self.rank * costs.powersgd_s_per_elem_rank))
 
     def _start_q(self, key: str, i: int, m: _Mat, like: torch.Tensor, step: int) -> torch.Tensor:
         qs = self._q.setdefault(key, [])

@@ -226,7 +226,7 @@ class TopK(_Sparsifier):
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
         k = max(1.0, self.ratio * numel)  # every rank's k values are added into the bucket
-        return numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem
+        return float(numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem)
 
     def _rounded(self, values: torch.Tensor) -> torch.Tensor:
         if not self.compact:
@@ -305,7 +305,7 @@ class RandomK(_Sparsifier):
         return [Round("allreduce", self.k_for(numel, self.ratio) * bytes_per_element)]
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return numel * costs.randomk_s_per_elem
+        return float(numel * costs.randomk_s_per_elem)
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
         seed = seed_for(self.seed, key, step)

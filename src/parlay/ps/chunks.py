@@ -151,7 +151,7 @@ class ChunkedServing:
     worker_ranks: list[int]
     group: Any
     index: int
-    _q: queue.Queue
+    _q: queue.Queue[tuple[str, int, Any]]
 
     def _init_chunks(self, per_chunk: int, params: list[tuple[Any, int]]) -> None:
         """``params``: (parameter, chunk index) of every server parameter."""
@@ -234,7 +234,8 @@ class ChunkedServing:
             return []
         # After a failure this push is answered with the error (the others were told already).
         # The gradient "value" is the worker index: the chunks are applied already.
-        return self.core.push(w, msg.step, msg.version, w, msg.scalar, now)
+        replies: list[Any] = self.core.push(w, msg.step, msg.version, w, msg.scalar, now)
+        return replies
 
     def _advance(self) -> None:
         """Apply every chunk that every active worker has sent."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -64,7 +64,7 @@ class Piece:
     offset: int
     shape: tuple[int, ...]
 
-    def as_row(self) -> list:
+    def as_row(self) -> list[Any]:
         """Plain list form (for checkpoints loaded with ``weights_only=True``)."""
         return [self.name, self.param, self.start, self.length, self.server, self.offset,
                 list(self.shape)]
@@ -202,7 +202,7 @@ class ShardPlan:
                               f"known: {', '.join(n for n, _, _ in self.params)}.")
         return [p.server for p in sorted(found, key=lambda p: p.start)]
 
-    def rows(self) -> list[list]:
+    def rows(self) -> list[list[Any]]:
         """The plan as plain lists (stored in checkpoints to detect a changed placement)."""
         return [p.as_row() for p in self.all_pieces()]
 

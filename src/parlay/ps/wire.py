@@ -321,7 +321,9 @@ def probe(compressor: Any, numel: int, dtype: torch.dtype,
         compressor = copy.deepcopy(compressor)
     except Exception:  # noqa: BLE001 - uncopyable compressors are probed as they are
         pass
-    return compressor.compress(torch.zeros(numel, dtype=dtype), key)
+    probed: tuple[list[torch.Tensor], Any] = compressor.compress(torch.zeros(numel, dtype=dtype),
+                                                                 key)
+    return probed
 
 
 def push_capacity(compressor: Any, numel: int, dtype: torch.dtype, key: str) -> int:
