@@ -64,7 +64,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "TaskSpecDef", "create_task_spec_def", "detect",
+    "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "TaskSpecDef",
+    "create_task_spec_def", "detect",
     "ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "cluster",

@@ -11,7 +11,8 @@ import contextlib
 import datetime as _dt
 import hashlib
 import re
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -27,8 +27,9 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,7 +79,7 @@ class AutoCtx:
     def __getstate__(self) -> dict[str, Any]:
         return {"choice": self.choice, "wire": self.wire}
 
-    def __copy__(self) -> "AutoCtx":
+    def __copy__(self) -> AutoCtx:
         return AutoCtx(self.choice, None, self.wire)
 
 
@@ -282,7 +283,7 @@ class AutoCompressor(Compressor):
         self._margin = switch_margin(self.margin)
         self._world = comm.group_size(group) if dist.is_initialized() else 1
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "AutoCompressor":
+    def __deepcopy__(self, memo: dict[int, Any]) -> AutoCompressor:
         """A frozen twin that never communicates or decides (a parameter server's setup
         probes such a copy on every rank): it encodes with the choices it was copied with."""
         twin = AutoCompressor(self.specs, self.margin, self.trial)

@@ -36,8 +36,9 @@ The contract every caller may rely on (stable API):
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -201,7 +202,7 @@ def available() -> list[str]:
     return _REGISTRY.available()
 
 
-def get_compressor(spec: "str | Compressor | None") -> Compressor:
+def get_compressor(spec: str | Compressor | None) -> Compressor:
     """Build a compressor from a name with options (``"topk:0.01"``) or return the object given.
 
     Raises:
@@ -264,7 +265,8 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 
 def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any,
                    stats: CommStats | None,
-                   reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+                   reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                   ) -> list[torch.Tensor]:
     """Run a summable compressor's further rounds (:meth:`Compressor.next_round`, e.g.
     PowerSGD's Q or fp16's overflow retry) with ``reduce`` summing each round's payload over
     the group; returns the last reduced payload."""

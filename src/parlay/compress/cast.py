@@ -19,8 +19,9 @@ bf16 has fp32's exponent range and needs no scale.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -114,7 +115,8 @@ class FP16(_Cast):
         scale = float(init_scale)
         if not (math.isfinite(scale) and scale > 0):
             raise ConfigError(f"fp16 init_scale must be a finite number > 0, got {init_scale!r}. "
-                              "Hint: use a power of two such as fp16:1 (a plain cast) or fp16:1024.")
+                              "Hint: use a power of two such as fp16:1 (a plain cast) or "
+                              "fp16:1024.")
         self.init_scale = scale
         self.dynamic = bool(dynamic)
         self._scale: dict[str, float] = {}

@@ -27,8 +27,9 @@ that to pay is sent dense. PowerSGD needs its two collective rounds, so it only 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

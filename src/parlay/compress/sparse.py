@@ -28,8 +28,9 @@ order, so all ranks pick the same coordinates and one allreduce of the values is
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

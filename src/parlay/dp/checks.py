@@ -4,7 +4,8 @@ crosses the network)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist

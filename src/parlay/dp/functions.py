@@ -19,7 +19,8 @@ core's own tensor collectives are :mod:`parlay.comm`'s.
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterable, Mapping, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -82,7 +83,8 @@ def _group_and_root(root_rank: int, process_set: Any, process_group: Any) -> tup
 def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
                         process_group: Any = None) -> None:
     """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = collections.defaultdict(list)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = \
+        collections.defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
     for ts in groups.values():

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 

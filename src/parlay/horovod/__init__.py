@@ -6,8 +6,9 @@ Everything runs on PyTorch's own distributed engine (c10d: gloo on CPU, NCCL on 
 sets are process groups; asynchronous operations return handles for ``poll``/``synchronize``;
 operations are matched across ranks by name, as in Horovod (negotiated when a rank waits, with
 descriptors sent as tensors), and ranks that disagree on shapes, dtypes or roots get
-:class:`HorovodInternalError` rather than a hang. The names parlay also exports (``init``, ``rank``, ``DistributedOptimizer``,
-``allreduce``, ``Compression``, ...) are the very same objects as ``parlay.<name>``.
+:class:`HorovodInternalError` rather than a hang. The names parlay also exports (``init``,
+``rank``, ``DistributedOptimizer``, ``allreduce``, ``Compression``, ...) are the very same
+objects as ``parlay.<name>``.
 
 This package is a leaf: it builds on parlay's core (runtime, comm, dp, compress) and nothing in
 the core imports it (an import contract in ``pyproject.toml`` holds that). ``parlay`` re-exports

@@ -11,7 +11,8 @@ gradient (sliced, or zero off the root). Alltoall and reducescatter are in
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

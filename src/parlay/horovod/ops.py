@@ -8,7 +8,8 @@ and (keyword-only) ``process_group`` for a plain torch group. See
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

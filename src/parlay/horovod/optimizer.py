@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

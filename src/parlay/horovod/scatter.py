@@ -6,7 +6,8 @@ allgather of the (size-scaled, for Sum) gradient. Both run through
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -10,7 +10,7 @@ backward), ``push`` / ``pull`` / ``apply`` (parameter servers), ``bubble`` and
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from parlay.errors import ConfigError
 from parlay.compress import NoneCompressor

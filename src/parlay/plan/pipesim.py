@@ -10,7 +10,7 @@ done and its receiver has posted the receive (one at a time per link and directi
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["stage_order", "pipeline_s"]
 

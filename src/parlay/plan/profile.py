@@ -19,8 +19,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from parlay.errors import ConfigError
 from parlay.plan.model import Workload

@@ -28,7 +28,8 @@ import logging
 import math
 import os
 import queue
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -161,7 +162,7 @@ class ChunkedServing:
         # only that chunk's parameters with a gradient (optimizers skip grad=None).
         self._all = [(p, p.grad) for p, _ in params]
         self._by_chunk: list[list[tuple[Any, Any]]] = [[] for _ in self.bounds]
-        for (p, k), pg in zip(params, self._all):
+        for (_, k), pg in zip(params, self._all):
             self._by_chunk[k].append(pg)
         n = len(self.worker_ranks)
         self._wbuf = ([torch.empty_like(self.flat) for _ in range(n)] if per_chunk else [])

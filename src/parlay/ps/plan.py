@@ -24,8 +24,9 @@ optimizers see the same tensors as in single-process training); chunks are 1-D.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -120,7 +121,7 @@ class ShardPlan:
             self._pieces[server].append(Piece(name, pi, start, length, server, off, pshape))
 
     @classmethod
-    def from_module(cls, model: nn.Module, num_servers: int, **kw: object) -> "ShardPlan":
+    def from_module(cls, model: nn.Module, num_servers: int, **kw: object) -> ShardPlan:
         """Plan for ``model``'s parameters with ``requires_grad`` (frozen ones stay local)."""
         specs = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()
                  if p.requires_grad]

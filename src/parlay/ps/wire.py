@@ -26,7 +26,8 @@ import torch
 from parlay.errors import CommError, ConfigError
 
 __all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
-           "TAG_PUSH", "TAG_REPLY", "TAG_PUSH_CHUNK", "TAG_REPLY_CHUNK", "MAX_CHUNKS", "encode_ctx", "decode_ctx", "probe", "push_capacity"]
+           "TAG_PUSH", "TAG_REPLY", "TAG_PUSH_CHUNK", "TAG_REPLY_CHUNK", "MAX_CHUNKS",
+           "encode_ctx", "decode_ctx", "probe", "push_capacity"]
 
 #: Tag of worker -> server messages (any-source on the server).
 TAG_PUSH = 0x5053

@@ -8,7 +8,8 @@ import io
 import logging
 import os
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
