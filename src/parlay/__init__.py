@@ -25,9 +25,10 @@ _LAZY = {
     "compression": "parlay.compression",
     "Compression": "parlay.compression",
     # Horovod's names: the very objects of parlay.horovod (parlay.allreduce is
-    # parlay.horovod.allreduce), with Horovod's semantics (matched by name on a background
-    # engine). Resolved here, on first use, so that only scripts using them load
-    # parlay.horovod; the core never does (its collectives are parlay.comm's, on c10d).
+    # parlay.horovod.allreduce), with Horovod's semantics (matched across ranks by name,
+    # negotiated in the calling thread when a rank waits). Resolved here, on first use, so
+    # that only scripts using them load parlay.horovod; the core never does (its collectives
+    # are parlay.comm's, on c10d).
     "DistributedOptimizer": "parlay.horovod",
     "allreduce": "parlay.horovod",
     "allreduce_async": "parlay.horovod",

@@ -9,8 +9,9 @@ al. 2018) applied to communication. The scale is per bucket and is derived from 
 *reduced* result, which is identical on every rank, so every rank always uses the same scale and
 the fp16 sum stays decodable; no extra message is needed to agree on it. The target puts the
 summed bucket's largest magnitude at 2**10, a factor 64 below the fp16 limit: room for partial
-sums and for gradient spikes between steps (with 4x headroom, MNIST training retried about one
-step in a hundred), while entries down to 2**-24 of the largest still stay normal numbers. If a sum still overflows (first step, a gradient spike, or genuinely
+sums and for gradient spikes between steps (less headroom made MNIST training retry steps often;
+see docs/benchmarks.md, "Design measurements"), while entries down to 2**-24 of the largest
+still stay normal numbers. If a sum still overflows (first step, a gradient spike, or genuinely
 non-finite gradients), every rank sees the ``inf`` in the same reduced tensor and the bucket is
 re-sent in its own dtype in a second round, so an overflow never reaches the gradient; the scale
 is then recomputed. Multiplying by a power of two is exact, so scaling adds no rounding error.

@@ -12,9 +12,9 @@ parlay.horovod.broadcast_parameters``). With a ``process_group``, ``root_rank`` 
 that group; everywhere else it is a global rank.
 
 The Horovod-named tensor collectives (``parlay.allreduce``, ``allgather``, ``broadcast`` and
-their ``_async`` forms) keep Horovod's semantics (matched by name, join-aware, on a background
-engine) and so live in :mod:`parlay.horovod.functions`; ``parlay`` re-exports them lazily. The
-core's own tensor collectives are :mod:`parlay.comm`'s.
+their ``_async`` forms) keep Horovod's semantics (matched by name, join-aware, negotiated in
+the calling thread) and so live in :mod:`parlay.horovod.functions`; ``parlay`` re-exports them
+lazily. The core's own tensor collectives are :mod:`parlay.comm`'s.
 """
 from __future__ import annotations
 

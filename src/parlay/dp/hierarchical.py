@@ -14,9 +14,9 @@ Only step 2 uses host links: ``2(n-1)/n`` of the model per host and step (one mo
 split over ``l`` parallel rings. This is the scheme of Horovod's hierarchical allreduce and of
 NCCL's tree/ring split, built from c10d collectives on subgroups. The sum is the same as the
 flat one up to floating-point summation order. Steps 1 and 3 are allreduces rather than a
-reduce-scatter and an all-gather: gloo's allreduce is 2-3x faster for the same bucket (67 MB
-on 2 local ranks: 0.15-0.35 s against 0.45-0.7 s), and its reduce-scatter spends 0.1-0.2 s of
-its launch on the calling thread, which held up backward.
+reduce-scatter and an all-gather: gloo's allreduce is faster for the same bucket, and its
+reduce-scatter spends much of its launch on the calling thread, which held up backward
+(figures in docs/benchmarks.md, "Design measurements").
 
 Step 2 of a bucket starts the moment its step 1 finishes, also while backward still runs: a
 helper thread (one per step) waits for step 1 of each bucket in turn, starts its step 2,

@@ -65,8 +65,8 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 def chunk_bytes(environ: dict[str, str] | None = None, one_host: bool = False) -> int:
     """The chunk size from ``PARLAY_PS_CHUNK_BYTES``; unset: :data:`DEFAULT_CHUNK_BYTES`, or 0
     when every rank is on ``one_host``. There a push and a pull are copies on the same cores,
-    so overlapping them gains nothing and each chunk adds its per-message cost (measured on 2
-    cores: sync steps 15-20 ms slower chunked than whole).
+    so overlapping them gains nothing and each chunk adds its per-message cost (measured: sync
+    steps are slower chunked than whole; figures in docs/benchmarks.md, "Design measurements").
 
     Raises:
         ConfigError: The variable is not an integer >= 0.
