@@ -149,8 +149,8 @@ def worker_overhead(a: argparse.Namespace) -> None:
             os.environ.pop("PARLAY_SNAPSHOT_BACKGROUND", None)
             if MODES[mode] is not None:
                 os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
-            if t._snap is not None:  # noqa: SLF001 - the last mode's deferred copy, untimed
-                t._snap.wait()  # noqa: SLF001
+            if t.persistence.store is not None:  # the last mode's deferred copy, untimed
+                t.persistence.store.wait()
             for i in range(a.chunk + 1):  # the first step of a chunk is not timed either
                 in_code.on = bool(pair and i and mode == "deferred")
                 t0, c0 = time.perf_counter(), time.thread_time()

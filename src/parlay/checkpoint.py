@@ -26,7 +26,8 @@ import secrets
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -36,7 +37,8 @@ from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "load", "CheckpointManager", "FORMAT_VERSION", "rng_state", "set_rng_state"]
+__all__ = ["save_atomic", "load", "CheckpointManager", "FORMAT_VERSION", "rng_state",
+           "set_rng_state"]
 
 log = logging.getLogger("parlay")
 
@@ -77,8 +79,8 @@ def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     except Exception as e:  # noqa: BLE001 - disk errors and unpicklable state alike
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"could not write checkpoint {path}: {e}. Hint: check free disk "
-                              "space and write permission of the checkpoint directory, and that the state "
-                              "holds only tensors and plain Python values.") from e
+                              "space and write permission of the checkpoint directory, and that "
+                              "the state holds only tensors and plain Python values.") from e
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -191,7 +193,8 @@ class CheckpointManager:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise CheckpointError(f"cannot create checkpoint directory {self.directory}: {e}") from e
+            raise CheckpointError(
+                f"cannot create checkpoint directory {self.directory}: {e}") from e
         self._lock = DirLock(self.directory)
         if lock:
             self._take_lock()
@@ -217,7 +220,8 @@ class CheckpointManager:
     # ------------------------------------------------------------------ helpers
     def path(self, step: int, rank: int | None = None) -> Path:
         """File of ``rank`` (default: this rank) for ``step``."""
-        return self.directory / f"ckpt-{int(step):010d}.rank{self.rank if rank is None else rank}.pt"
+        owner = self.rank if rank is None else rank
+        return self.directory / f"ckpt-{int(step):010d}.rank{owner}.pt"
 
     def steps(self) -> list[int]:
         """Steps this rank has a file for, ascending."""

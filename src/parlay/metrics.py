@@ -15,17 +15,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
+from collections.abc import Callable
 
 import torch
 
-from parlay import comm
+from parlay import comm, runtime
 
-__all__ = ["Meter", "reduce_meters", "MetricsLogger", "default_metrics"]
+__all__ = ["Meter", "reduce_meters", "MetricsLogger", "default_metrics", "choose_printer"]
 
 
 class Meter:
-    """Weighted running mean: ``add(value, weight)``; ``sum``/``count`` are exposed for reduction."""
+    """Weighted running mean: ``add(value, weight)``; ``sum``/``count`` are exposed for
+    reduction."""
 
     def __init__(self) -> None:
         self.sum = 0.0
@@ -62,6 +64,21 @@ def default_metrics(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., dict[
             out["accuracy"] = (output.argmax(1) == target).double().mean()
         return out
     return fn
+
+
+def choose_printer(trains: bool, reports_loss: bool, group: Any) -> bool:
+    """Whether this rank prints: the lowest rank of ``group`` (the training ranks) that reports
+    a loss, else its lowest rank; agreed with one int64 allreduce. Ranks that do not train
+    (``trains`` False) never print and take no part."""
+    if not trains:
+        return False
+    me = runtime.rank()
+    low = torch.tensor([me if reports_loss else 2 ** 62, me], dtype=torch.int64,
+                       device=comm.group_device(group))
+    if comm.group_size(group) > 1:
+        comm.allreduce(low, "min", group=group)
+    reporter, lowest = low.tolist()
+    return me == (reporter if reporter != 2 ** 62 else lowest)
 
 
 def _fmt(v: Any) -> str:

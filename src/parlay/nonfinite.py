@@ -16,7 +16,8 @@ non-finite, so a data-parallel job never splits into ranks that stepped and rank
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn

@@ -51,7 +51,8 @@ def _first_difference(saved: list[list[Any]], now: list[list[Any]]) -> str:
         a = saved[k] if k < len(saved) else None
         b = now[k] if k < len(now) else None
         if a != b:
-            fmt = (lambda e: "absent" if e is None else f"{e[0]!r} {tuple(e[1])} {e[2]}")
+            def fmt(e: Any) -> str:
+                return "absent" if e is None else f"{e[0]!r} {tuple(e[1])} {e[2]}"
             return f"entry #{k} is {fmt(a)} in the checkpoint but {fmt(b)} in this model"
     return "the fingerprints differ"
 
@@ -67,8 +68,9 @@ def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
         return (f"it was written in mode {saved['mode']!r}, this run uses mode {now['mode']!r}. "
                 f"Fix: resume with mode={saved['mode']!r},{fresh}")
     if any(has(k) and saved[k] != now[k] for k in _LAYOUT):
-        lay = (lambda d: f"{d.get('world_size')} rank(s): {d.get('dp_size')} data-parallel "
-               f"replica(s) x {d.get('pp', 1)} pipeline stage(s)")
+        def lay(d: dict[str, Any]) -> str:
+            return (f"{d.get('world_size')} rank(s): {d.get('dp_size')} data-parallel "
+                    f"replica(s) x {d.get('pp', 1)} pipeline stage(s)")
         return (f"it was written by {lay(saved)}; this run has {lay(now)}. Resuming on another "
                 "layout cannot continue exactly (each replica's data shard, compression "
                 "residuals and RNG belong to its rank). Fix: relaunch with the same layout "

@@ -18,7 +18,7 @@ from parlay.compress.auto import agreed_max
 from parlay.dp.functions import broadcast_optimizer_state
 from parlay.metrics import Meter, reduce_meters
 from parlay.testing import run_world
-from parlay.trainer_support import reduce_metrics
+from parlay.trainer.evaluation import reduce_metrics
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -335,7 +335,7 @@ def test_killed_server_ends_every_worker_with_a_comm_error_naming_it(tmp_path, c
 
 # -- validation reduces tensors only ------------------------------------------------------------
 def _reduce(case: str):
-    from parlay.trainer_support import reduce_metrics as _reduce_metrics
+    from parlay.trainer.evaluation import reduce_metrics as _reduce_metrics
 
     r = parlay.rank()
     if case == "empty-rank":  # rank 2 saw no validation samples

@@ -58,7 +58,8 @@ SCRIPT = textwrap.dedent('''
     t = parlay.Trainer(build, ds, optimizer_args={"lr": 1e-2}, batch_size=4,
                        max_iteration=STEPS, mode="hybrid" if hybrid else "allreduce",
                        compression="topk:0.3" if case == "topk" else None,
-                       strategy_options={"chunks": 2} if hybrid else None, progress=False)
+                       strategy_options={"chunks": 2} if hybrid else None, progress=False,
+                       snapshot_every=1)
     rank = parlay.rank()
     print(f"attempt {attempt} rank {rank} start {t.state.step} "
           f"snapshot {t.resumed_from_snapshot}", flush=True)

@@ -19,10 +19,11 @@ import random
 import statistics
 import sys
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
-__all__ = ["MODELS", "mlp", "model_params", "table", "median", "fmt", "round_order", "rounds", "slowest",
-           "time_interleaved", "env_info", "write_json"]
+__all__ = ["MODELS", "mlp", "model_params", "table", "median", "fmt", "round_order", "rounds",
+           "slowest", "time_interleaved", "env_info", "write_json"]
 
 # name -> (layer widths, per-rank batch). "suite" is sized so a dense step on a 100 Mbit/s
 # link takes about one second: every point fits the quick budget and the link still dominates.

@@ -7,7 +7,8 @@ is the step itself: a point's own step time never feeds its prediction.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tools.bench.harness import MODELS, model_params
 

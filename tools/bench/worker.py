@@ -25,7 +25,8 @@ import json
 import os
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tools.bench.contestants import contestant as _contestant
 from tools.bench.harness import model_params, rounds, slowest

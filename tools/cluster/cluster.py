@@ -43,7 +43,8 @@ import os
 import signal
 import subprocess
 import threading
-from typing import Any, Mapping, Sequence
+from typing import Any
+from collections.abc import Mapping, Sequence
 
 from tools.cluster.netns import (
     _IFNAME,
@@ -119,7 +120,7 @@ class Cluster:
         self._open = False
 
     # ------------------------------------------------------------------ lifecycle
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         why = unavailable_reason()
         if why:
             raise ClusterError(f"simulated cluster unavailable: {why}")
@@ -258,7 +259,7 @@ class Cluster:
 
     def run(self, host: int, argv: Sequence[str], env: Mapping[str, str] | None = None,
             wait: bool = False, timeout: float | None = None,
-            **popen: Any) -> "subprocess.Popen[Any] | subprocess.CompletedProcess[Any]":
+            **popen: Any) -> subprocess.Popen[Any] | subprocess.CompletedProcess[Any]:
         """Start ``argv`` in ``host``; the process is killed when the cluster closes.
 
         Args:

@@ -9,7 +9,7 @@ import re
 import shutil
 import signal
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["ClusterError", "parse_rate", "unavailable_reason", "sweep_stale"]
 

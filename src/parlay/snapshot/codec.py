@@ -12,7 +12,8 @@ import hashlib
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 

@@ -16,7 +16,8 @@ import atexit
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +28,7 @@ __all__ = ["DeferredCopy", "CHUNK_BYTES", "settle_before_optimizer_steps"]
 #: Bytes copied per call while waiting: small, so a wait returns at most one chunk's copy late.
 CHUNK_BYTES = 1 << 19
 
-_LIVE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
 _HOOK_LOCK = threading.Lock()
 _HOOKED = False
 
@@ -71,7 +72,7 @@ class DeferredCopy:
         self.error: Exception | None = None
         self.seconds = 0.0
 
-    def start(self) -> "DeferredCopy":
+    def start(self) -> DeferredCopy:
         """Queue the chunks on this thread's waits for communication."""
         while_waiting(self.step)
         return self

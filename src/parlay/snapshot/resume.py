@@ -13,21 +13,21 @@ import logging
 import os
 import random
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-
 import torch
 
 from parlay import comm, runtime
-from parlay.errors import CheckpointError, ConfigError
+from parlay.data.sampler import ShardedSampler
+from parlay.errors import CheckpointError
 from parlay.rngstate import rng_state
 from parlay.snapshot.owner import run_name
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
-__all__ = ["run_key", "agree", "open_for_trainer", "resume_trainer", "optimizer_tensors",
-           "SUPPORTED_MODES"]
+__all__ = ["TrainingRun", "run_key", "agree", "open_for_trainer", "resume_trainer",
+           "optimizer_tensors", "SUPPORTED_MODES"]
 
 log = logging.getLogger("parlay")
 
@@ -39,6 +39,32 @@ log = logging.getLogger("parlay")
 #: (told ``snapshot_every`` on every rank) and ``snapshot_state_dict`` (the state a snapshot
 #: holds, without the side effects of a checkpoint's ``state_dict``).
 SUPPORTED_MODES = ("allreduce", "hybrid")
+
+
+class TrainingRun(Protocol):
+    """What snapshots need of a training run (the Trainer's persistence implements it).
+
+    Attributes:
+        strategy: The run's :class:`~parlay.strategies.Strategy`.
+        mode: Its registry name.
+        batch_size: Samples per batch per data-parallel replica.
+        sampler: The training data's sampler (its seed, size and order settings).
+        step: Optimizer steps taken.
+    """
+
+    strategy: Any
+    mode: str
+    batch_size: int
+    sampler: ShardedSampler
+
+    @property
+    def step(self) -> int: ...
+
+    def state_dict(self, snapshot: bool = False) -> dict[str, Any]:
+        """Everything stateful on this rank (``snapshot``: as an in-memory snapshot holds it)."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (a checkpoint's or a snapshot's)."""
 
 
 def run_key(identity: str) -> str | None:
@@ -103,39 +129,33 @@ def agree(store: SnapshotStore, group: Any = None,
     return None
 
 
-def _identity(trainer: Any) -> str:
+def _identity(run: TrainingRun) -> str:
     """What must match for a snapshot to continue this run exactly."""
-    s, smp = trainer.strategy, trainer.sampler
+    s, smp = run.strategy, run.sampler
     model = getattr(s, "snapshot_state_dict", s.state_dict)().get("model", {})
     shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.items()
               if isinstance(v, torch.Tensor)]
-    return repr((trainer.mode, runtime.size(), s.dp_size, trainer.batch_size, smp.n,
+    return repr((run.mode, runtime.size(), s.dp_size, run.batch_size, smp.n,
                  smp.seed, smp.shuffle, smp.drop_last, shapes))
 
 
-def open_for_trainer(trainer: Any, every: int | None) -> SnapshotStore | None:
-    """The snapshot store of ``trainer``'s rank, or ``None`` when snapshots are off: ``every``
-    is 0/None, the rank does not train, the mode does not support them, or the job has no run
-    id (see :func:`run_key`).
-
-    Raises:
-        ConfigError: ``every`` is not a non-negative int or None.
-    """
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-        raise ConfigError(f"snapshot_every must be an int >= 0 or None (0/None: no in-memory "
-                          f"snapshots), got {every!r}.")
-    s = trainer.strategy
+def open_for_trainer(run: TrainingRun, every: int) -> SnapshotStore | None:
+    """The snapshot store of ``run``'s rank, or ``None`` when snapshots are off: ``every`` is
+    0, the rank does not train, the mode does not support them, or the job has no run id (see
+    :func:`run_key`). A strategy whose serving ranks snapshot in step is told ``every`` here
+    (on every rank)."""
+    s = run.strategy
     if hasattr(s, "configure_snapshots"):  # every rank: serving ranks snapshot in step
-        s.configure_snapshots(every or 0)
+        s.configure_snapshots(every)
     if not every or not s.consumes_data:
         return None
     if not getattr(s, "supports_snapshots", s.name in SUPPORTED_MODES):
-        log.info("in-memory snapshots are not available in mode %r", trainer.mode)
+        log.info("in-memory snapshots are not available in mode %r", run.mode)
         return None
     if hasattr(s, "snapshot_store"):  # opened before the ranks agreed where to resume
-        s.snapshot_identity = hashlib.sha1(_identity(trainer).encode()).hexdigest()[:16]
+        s.snapshot_identity = hashlib.sha1(_identity(run).encode()).hexdigest()[:16]
         return s.snapshot_store
-    key = run_key(_identity(trainer))
+    key = run_key(_identity(run))
     if key is None:
         log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
                  "PARLAY_RUN_ID to an id that stays the same across restarts of this job)")
@@ -155,23 +175,23 @@ def replicated_part(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _complete(trainer: Any, shared: dict[str, Any]) -> dict[str, Any]:
+def _complete(run: TrainingRun, shared: dict[str, Any]) -> dict[str, Any]:
     """A full Trainer state from a replica's shared part: the sampler position follows from the
     step, the RNG is re-seeded from (seed, rank, step), the residuals restart at zero."""
     st = shared["trainer"]
-    seed = int(hashlib.sha1(f"{trainer.sampler.seed}|{runtime.rank()}|{st['step']}".encode())
+    seed = int(hashlib.sha1(f"{run.sampler.seed}|{runtime.rank()}|{st['step']}".encode())
                .hexdigest()[:8], 16)
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
     sampler = {"epoch": int(st["epoch"]),
-               "position": int(st["batch_in_epoch"]) * trainer.batch_size}
+               "position": int(st["batch_in_epoch"]) * run.batch_size}
     return {**shared, "sampler": sampler, "rng": rng_state()}
 
 
-def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
-    """Load the newest snapshot the ranks agree on into ``trainer`` when it is newer than the
-    step the trainer is at (its disk checkpoint); returns that step or ``None``.
+def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
+    """Load the newest snapshot the ranks agree on into ``run`` when it is newer than the
+    step it is at (its disk checkpoint); returns that step or ``None``.
 
     First choice: the newest step every training rank holds (exact: each rank its own state).
     Otherwise the newest step every replica group holds somewhere: ranks without it receive the
@@ -180,10 +200,10 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
     correctly but not bit for bit like an uninterrupted one (other dropout masks; the gradient
     mass those residuals still owed is lost), and a warning says so.
     """
-    s = trainer.strategy
+    s = run.strategy
     if hasattr(s, "agreed_snapshot_step"):
-        return _resume_agreed(trainer, store, s.agreed_snapshot_step)
-    after = trainer.state.step
+        return _resume_agreed(run, store, s.agreed_snapshot_step)
+    after = run.step
     found = agree(store, s.train_group, after=after)
     exact = True
     if found is not None:
@@ -195,10 +215,8 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
             return None
         step, state, exact = shared
         if not exact:
-            state = _complete(trainer, state)
-    last_ckpt = trainer._last_ckpt_step  # noqa: SLF001 - the disk still lacks this step
-    trainer._load(state)  # noqa: SLF001
-    trainer._last_ckpt_step = last_ckpt  # noqa: SLF001
+            state = _complete(run, state)
+    run.load_state_dict(state)
     if not exact:
         warnings.warn(f"rank {runtime.rank()} had no snapshot of step {step}: it resumed with a "
                       "replica's model and optimizer, a re-seeded RNG and zero compression "
@@ -206,7 +224,7 @@ def resume_trainer(trainer: Any, store: SnapshotStore) -> int | None:
     return step
 
 
-def _resume_agreed(trainer: Any, store: SnapshotStore, step: int | None) -> int | None:
+def _resume_agreed(run: TrainingRun, store: SnapshotStore, step: int | None) -> int | None:
     """Load exactly ``step``, which the ranks agreed before the Trainer existed (parameter
     servers loaded their snapshots of it at start); ``None``: they resumed from disk.
 
@@ -217,7 +235,7 @@ def _resume_agreed(trainer: Any, store: SnapshotStore, step: int | None) -> int 
     if step is None:
         return None
     state = store.load(step)
-    mine = getattr(trainer.strategy, "snapshot_identity", "")
+    mine = getattr(run.strategy, "snapshot_identity", "")
     theirs = state.get("strategy", {}).get("identity", mine)
     if theirs != mine or state.get("trainer", {}).get("step") != step:
         raise CheckpointError(
@@ -225,9 +243,7 @@ def _resume_agreed(trainer: Any, store: SnapshotStore, step: int | None) -> int 
             f"{store.directory} was written by a run with other Trainer settings (batch size, "
             "data, seed or model) under the same run id. Fix: delete that folder, or give "
             "this job its own PARLAY_RUN_ID.")
-    last_ckpt = trainer._last_ckpt_step  # noqa: SLF001 - the disk still lacks this step
-    trainer._load(state)  # noqa: SLF001
-    trainer._last_ckpt_step = last_ckpt  # noqa: SLF001
+    run.load_state_dict(state)
     return step
 
 

@@ -11,13 +11,8 @@ strategy. Owned by the Trainer: the mode packages (:mod:`parlay.dp`, :mod:`parla
   :mod:`parlay.ps` and :mod:`parlay.pipeline`, imported when their mode is first asked for
   (the hybrid mode pulls in ``torch.distributed.pipelining``, seconds on a loaded machine).
 """
-from parlay.strategies.base import (
-    _REGISTRY,
-    StepResult,
-    Strategy,
-    available_strategies,
-    get_strategy,
-    register_strategy,
-)
+from parlay.strategies.base import _REGISTRY as _REGISTRY  # the shared table (test_registry)
+from parlay.strategies.base import (StepResult, Strategy, available_strategies, get_strategy,
+                                    register_strategy)
 
 __all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies"]

@@ -9,7 +9,8 @@ without a message.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -18,7 +19,7 @@ from parlay import comm, runtime
 from parlay.dp.functions import broadcast_parameters
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
-from parlay.strategies.base import StepResult, register_strategy
+from parlay.strategies.base import StepResult, register_strategy, reject_unknown
 from parlay.strategies.template import StepTemplate, autocast_context, batch_size_of, to_device
 
 __all__ = ["AllreduceStrategy"]
@@ -50,11 +51,7 @@ class AllreduceStrategy(StepTemplate):
                  bucket_cap_mb: float = 25, process_group: Any = None,
                  loss_scale: float | None = None, hierarchical: bool | str = False,
                  **unknown: Any) -> None:
-        if unknown:
-            raise ConfigError(f"mode 'allreduce' got unknown option(s) {sorted(unknown)}; it "
-                              "takes compression, precision, grad_clip, "
-                              "backward_passes_per_step, bucket_cap_mb, process_group, "
-                              "loss_scale, hierarchical.")
+        reject_unknown(AllreduceStrategy, unknown)
         # The scaler checks gradients averaged over the whole group, identical on every rank:
         # each rank finds the same overflow without a message.
         super().__init__(precision, grad_clip, loss_scale, scaler_group=process_group,

@@ -7,15 +7,19 @@ to this module (``allreduce.py``, ``ps.py``, ``hybrid.py``) and register when fi
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
 
+from parlay.errors import ConfigError
 from parlay.registry import Registry
 
-__all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies"]
+__all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies",
+           "reject_unknown"]
 
 
 @dataclass
@@ -128,6 +132,20 @@ class Strategy:
     def use_checkpoint_dir(self, path: str) -> None:
         """The Trainer's ``checkpoint_dir``, given before :meth:`setup`, for state the Trainer's
         own checkpoints cannot hold (e.g. parameter-server shards, saved on the servers)."""
+
+
+def reject_unknown(cls: type[Strategy], unknown: dict[str, Any]) -> None:
+    """Raise ConfigError for options ``cls`` does not take, listing those it does (read from
+    its constructor, so the list never goes stale).
+
+    Raises:
+        ConfigError: ``unknown`` is not empty.
+    """
+    if unknown:
+        takes = [n for n, p in inspect.signature(cls.__init__).parameters.items()
+                 if n != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
+        raise ConfigError(f"mode {cls.name!r} got unknown option(s) {sorted(unknown)}; it takes "
+                          f"{', '.join(takes)}.")
 
 
 # Built-in mode -> the module whose import registers it.

@@ -8,7 +8,8 @@ computes and reports the loss, and metrics are reduced over the last stages' ``d
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ import torch.nn as nn
 from parlay import runtime
 from parlay.errors import ConfigError
 from parlay.pipeline.pipe import Pipeline
-from parlay.strategies.base import StepResult, register_strategy
+from parlay.strategies.base import StepResult, register_strategy, reject_unknown
 from parlay.strategies.template import PRECISIONS, StepTemplate, batch_size_of, to_device
 
 __all__ = ["HybridStrategy"]
@@ -55,11 +56,7 @@ class HybridStrategy(StepTemplate):
                  virtual_stages: int | None = None, activation_dtype: Any = None,
                  bucket_cap_mb: float = 25.0, loss_scale: float | None = None,
                  **unknown: Any) -> None:
-        if unknown:
-            raise ConfigError(f"mode 'hybrid' got unknown option(s) {sorted(unknown)}; it takes "
-                              "compression, precision, grad_clip, pp, chunks, schedule, balance, "
-                              "split_points, by, virtual_stages, activation_dtype, bucket_cap_mb, "
-                              "loss_scale.")
+        reject_unknown(HybridStrategy, unknown)
         # Stages hold different gradients: the overflow flag is agreed over the world.
         super().__init__(precision, grad_clip, loss_scale, scaler_group=None, scaler_agree=True)
         self.compression = compression

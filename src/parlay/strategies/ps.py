@@ -18,7 +18,8 @@ server and every still-training worker holds, and workers lost before it sit out
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,7 @@ from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.consistency import get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
 from parlay.ps.session import DistributedSession
-from parlay.strategies.base import StepResult, Strategy, register_strategy
+from parlay.strategies.base import StepResult, Strategy, register_strategy, reject_unknown
 from parlay.strategies.template import autocast_context, batch_size_of, check_precision
 
 __all__ = ["ParameterServerStrategy"]
@@ -65,10 +66,7 @@ class ParameterServerStrategy(Strategy):
                  split_bytes: int | None = DEFAULT_SPLIT_BYTES, timeout: float | None = None,
                  checkpoint_every: int | None = 100, max_steps: int | None = None,
                  **unknown: Any) -> None:
-        if unknown:
-            raise ConfigError(f"mode 'ps' got unknown option(s) {sorted(unknown)}; it takes "
-                              "compression, precision, consistency, checkpoint_dir, placement, "
-                              "split_bytes, timeout, checkpoint_every, max_steps.")
+        reject_unknown(ParameterServerStrategy, unknown)
         check_precision(precision, "ps", supported=("fp32", "bf16"))
         if grad_clip is not None:
             raise ConfigError("mode 'ps' cannot clip the global gradient norm (gradients are "

@@ -19,7 +19,8 @@ is agreed by every rank that steps together, so all of them skip the same steps:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -61,7 +62,8 @@ def check_precision(precision: str, mode: str | None = None,
     return precision
 
 
-def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+def autocast_context(precision: str,
+                     device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """``torch.autocast`` for ``precision`` on ``device`` (a no-op context for fp32)."""
     dtype = PRECISIONS[precision]
     if dtype is None:

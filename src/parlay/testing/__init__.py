@@ -15,7 +15,8 @@ import queue as _queue
 import socket
 import time
 import traceback
-from typing import Any, Callable, Mapping
+from typing import Any
+from collections.abc import Callable, Mapping
 
 from parlay.errors import ParlayError
 
@@ -29,7 +30,7 @@ class WorldError(ParlayError):
         failures: ``{rank: RankFailure}`` for every rank that did not return normally.
     """
 
-    def __init__(self, message: str, failures: dict[int, "RankFailure"]) -> None:
+    def __init__(self, message: str, failures: dict[int, RankFailure]) -> None:
         super().__init__(message)
         self.failures = failures
 
@@ -159,8 +160,8 @@ class _Reports:
             if time.monotonic() > deadline:
                 for r in range(self.world_size):
                     if self._open(r):
-                        self.failures[r] = RankFailure(r, "hung", None,
-                                                       f"rank {r} did not finish within {timeout} s")
+                        self.failures[r] = RankFailure(
+                            r, "hung", None, f"rank {r} did not finish within {timeout} s")
                 return
 
     def outcome(self, return_exceptions: bool) -> list[Any]:

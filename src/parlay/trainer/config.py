@@ -1,0 +1,204 @@
+"""The Trainer's options as one frozen, validated-once object, and where training stands.
+
+:class:`TrainerConfig` is what ``Trainer(...)`` is called with: its fields are the Trainer's
+arguments (the seed's five by position, every other one by keyword), checked once when it is
+built, so the loop and its collaborators read plain, valid fields instead of passing them along.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from parlay.errors import ConfigError
+from parlay.nonfinite import check_policy
+
+__all__ = ["TrainerConfig", "TrainerState", "check_positive", "SCHEDULES", "AUTO"]
+
+SCHEDULES = ("constant", "cosine")
+#: ``snapshot_every`` default: an interval chosen from the measured copy and step times.
+AUTO = "auto"
+
+
+def check_positive(name: str, value: Any, allow_none: bool = True, kind: type = int) -> None:
+    """Raise ConfigError unless ``value`` is a positive ``kind`` (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    number = isinstance(value, int) if kind is int else isinstance(value, (int, float))
+    if isinstance(value, bool) or not number or not value > 0:
+        raise ConfigError(f"{name} must be a positive {kind.__name__}"
+                          f"{' or None' if allow_none else ''}, got {value!r}.")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """Everything a :class:`~parlay.trainer.Trainer` is told, checked once.
+
+    The first five fields are the seed's own (TensorLayer users pass them by position or by
+    name); every field after them is keyword-only, in five groups: *mode and schedule*
+    (``mode`` .. ``lr_schedule``), *data* (``shuffle`` .. ``build_validation_func``),
+    *precision and numerics* (``precision`` .. ``nonfinite``), *checkpoints and snapshots*
+    (``checkpoint_dir`` .. ``snapshot_every``) and *logging* (``log_step_size`` ..
+    ``progress``).
+
+    Args:
+        build_training_func: Returns ``(model, loss_fn)`` with ``loss_fn(output, target)``;
+            called on every rank (the same function serves every mode).
+        training_dataset: A map-style dataset of ``(input, target)`` pairs.
+        optimizer: A ``torch.optim.Optimizer`` class.
+        optimizer_args: Its keyword arguments (``lr`` is the single-replica learning rate).
+        batch_size: Samples per batch *per data-parallel replica*.
+        mode: A registered strategy: ``"allreduce"``, ``"ps"`` or ``"hybrid"``.
+        strategy_options: Extra keyword options for the mode (e.g. ``{"consistency": "async"}``).
+        num_epochs: Stop after this many epochs (with neither limit: one epoch).
+        max_iteration: Stop after this many optimizer steps in total.
+        scaling_learning_rate: Multiply the learning rate by the number of replicas (Goyal
+            et al. 2017, "Accurate, Large Minibatch SGD"), reached by a linear warm-up.
+        warmup_epochs: Length of that warm-up, in epochs (may be fractional; 0: none).
+        lr_schedule: After the warm-up, ``"constant"`` or ``"cosine"`` (decay to 0 at the
+            last step, Loshchilov & Hutter 2017).
+        shuffle: Shuffle the training data each epoch.
+        drop_last: Drop the dataset's tail instead of padding it (see ShardedSampler).
+        seed: Seeds model construction and the data order (same on every rank); None leaves
+            the global RNG alone (data order then uses seed 0).
+        prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread);
+            None: 2, or inline for in-memory tensor datasets (see :func:`build_loader`).
+        num_workers: DataLoader worker processes (0: a loading thread in this process).
+        validation_dataset: Dataset for :meth:`~parlay.trainer.Trainer.validate`.
+        validation_batch_size: Batch size for validation (default: ``batch_size``).
+        build_validation_func: Returns ``fn(output, target) -> dict[str, tensor]`` of batch
+            means (default: loss and, for class scores, accuracy).
+        precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + GradScaler).
+        compression: Gradient compressor name or object (e.g. ``"fp16"``, ``"topk:0.01"``).
+        grad_clip: Clip the global gradient norm (after averaging) to this value.
+        nonfinite: A step whose loss or averaged gradient holds a NaN or an infinity:
+            ``"raise"`` a :class:`~parlay.errors.NonFiniteError` on every rank before the
+            update (naming the step, rank and parameter), or ``"skip"`` it identically on
+            every rank (counted in ``skipped_steps``). fp16 keeps GradScaler's overflow skips.
+        checkpoint_dir: Save checkpoints here and resume from the latest valid one.
+        checkpoint_every: Steps between checkpoints (None: at every epoch end). A final one
+            is always written when training stops.
+        keep_last: Checkpoints kept.
+        snapshot_every: Steps between in-memory snapshots of every rank's training state (host
+            shared memory, written off the critical path). ``"auto"`` (default): the Trainer
+            snapshots the first few steps, measures what a snapshot and a step take, and
+            picks the smallest interval at which snapshots cost at most 2% of training (the
+            ranks agree on it; modes whose servers snapshot in step use 1). An int K: every
+            K steps. 0/None: off. A job restarted by ``parlay run --max-restarts`` resumes
+            from the newest snapshot every rank holds when it is newer than the disk
+            checkpoint (see :mod:`parlay.snapshot`); the printing rank logs how many steps a
+            crash can cost (``steps at risk: K``).
+        log_step_size: Steps between (reduced) loss logs.
+        metrics_path: JSONL metrics file (default: ``<checkpoint_dir>/metrics.jsonl`` when
+            checkpointing, else none).
+        progress: Show the progress bar on the printing rank.
+
+    Raises:
+        ConfigError: Bad arguments (with the expected value and a hint).
+        TypeError: An option after ``batch_size`` passed by position.
+    """
+
+    build_training_func: Callable[[], tuple[nn.Module, Callable[..., Any]]]
+    training_dataset: Dataset
+    optimizer: type[torch.optim.Optimizer] = torch.optim.Adam
+    optimizer_args: dict[str, Any] | None = None
+    batch_size: int = 32
+    _: KW_ONLY
+    # mode and schedule
+    mode: str = "allreduce"
+    strategy_options: dict[str, Any] | None = None
+    num_epochs: int | None = None
+    max_iteration: int | None = None
+    scaling_learning_rate: bool = True
+    warmup_epochs: float = 1.0
+    lr_schedule: str = "constant"
+    # data
+    shuffle: bool = True
+    drop_last: bool = False
+    seed: int | None = 0
+    prefetch: int | None = None
+    num_workers: int = 0
+    validation_dataset: Dataset | None = None
+    validation_batch_size: int | None = None
+    build_validation_func: Callable[[], Callable[..., dict[str, Any]]] | None = None
+    # precision and numerics
+    precision: str = "fp32"
+    compression: Any = None
+    grad_clip: float | None = None
+    nonfinite: str = "raise"
+    # checkpoints and snapshots
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    keep_last: int = 3
+    snapshot_every: int | str | None = AUTO
+    # logging
+    log_step_size: int = 50
+    metrics_path: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        """Check every option that needs no process group, the first bad one raising."""
+        if not callable(self.build_training_func):
+            raise ConfigError("build_training_func must be a function returning (model, loss_fn).")
+        opt = self.optimizer
+        if not (isinstance(opt, type) and issubclass(opt, torch.optim.Optimizer)):
+            raise ConfigError(f"optimizer must be a torch.optim.Optimizer class (e.g. "
+                              f"torch.optim.Adam), got {opt!r}.")
+        for name in ("batch_size", "log_step_size"):
+            check_positive(name, getattr(self, name), allow_none=False)
+        for name in ("num_epochs", "max_iteration", "checkpoint_every", "validation_batch_size"):
+            check_positive(name, getattr(self, name))
+        w = self.warmup_epochs
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) and w >= 0):
+            raise ConfigError(f"warmup_epochs must be a number >= 0, got {w!r}.")
+        if self.lr_schedule not in SCHEDULES:
+            raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ConfigError(f"seed must be an int >= 0 or None, got {self.seed!r}.")
+        check_policy(self.nonfinite)
+        twice = sorted({"compression", "precision", "grad_clip"} & set(self.strategy_options or {}))
+        if twice:
+            raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "
+                              f"Hint: pass them as Trainer({twice[0]}=...).")
+        every = self.snapshot_every
+        if every != AUTO and every is not None and (
+                isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise ConfigError(f"snapshot_every must be 'auto', an int >= 0 or None (0/None: no "
+                              f"in-memory snapshots), got {every!r}.")
+
+    @property
+    def base_lr(self) -> Any:
+        """The single-replica learning rate: ``optimizer_args["lr"]``, else the optimizer's
+        default (None when it has none)."""
+        if "lr" in (self.optimizer_args or {}):
+            return (self.optimizer_args or {})["lr"]
+        try:
+            p = inspect.signature(self.optimizer).parameters.get("lr")
+        except (TypeError, ValueError):
+            return None
+        return None if p is None or p.default is inspect.Parameter.empty else p.default
+
+
+@dataclass
+class TrainerState:
+    """Where training stands (identical on every training rank).
+
+    Attributes:
+        epoch: Current epoch (0-based; equals ``num_epochs`` when training is over).
+        step: Optimizer steps taken.
+        samples_seen: Training samples consumed over all replicas.
+        batch_in_epoch: Batches of the current epoch already consumed by each replica.
+        skipped_steps: Steps skipped on every rank (non-finite, fp16 overflow), counted across
+            restarts.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    samples_seen: int = 0
+    batch_in_epoch: int = 0
+    skipped_steps: int = 0

@@ -1,0 +1,120 @@
+"""Validation across the replicas: each evaluates its own shard, and the sample-weighted metric
+means are reduced over the strategy's ``dp_group`` in tensors only (no peer's bytes are
+unpickled), so every reporting rank returns the mean over the whole dataset."""
+from __future__ import annotations
+
+from typing import Any
+from collections.abc import Callable
+
+import torch
+from torch.utils.data import Dataset
+
+from parlay import comm
+from parlay.data.loader import build_loader
+from parlay.data.sampler import ShardedSampler
+from parlay.errors import ConfigError
+from parlay.strategies import Strategy
+
+__all__ = ["Evaluation", "reduce_metrics"]
+
+
+class Evaluation:
+    """Validates a strategy's model on a dataset, reusing one loader for the default dataset.
+
+    Args:
+        strategy: The Trainer's strategy (``eval_forward``, ``dp_group``, ``reports_loss``).
+        metric_fn: ``fn(output, target) -> {name: batch mean}``.
+        dataset: The default dataset (``Trainer(validation_dataset=...)``), or None.
+        batch_size: Validation batch size.
+        loader_options: ``num_workers``, ``prefetch`` and ``pin_memory`` for the loaders.
+    """
+
+    def __init__(self, strategy: Strategy, metric_fn: Callable[..., dict[str, Any]],
+                 dataset: Dataset | None, batch_size: int, **loader_options: Any) -> None:
+        self.strategy, self.metric_fn = strategy, metric_fn
+        self.dataset, self.batch_size = dataset, batch_size
+        self.loader_options = loader_options
+        self._loader: Any = None  # the default dataset's, kept for the next validation
+
+    def _loader_for(self, ds: Dataset) -> Any:
+        s = self.strategy
+        # A replica alone in its dp_group among several (async PS workers, whose models
+        # differ) evaluates the whole dataset itself.
+        alone = s.reports_loss and s.dp_size > 1 and comm.group_size(s.dp_group) == 1
+        shards, index = (1, 0) if alone else (s.dp_size, s.dp_rank)
+        sampler = ShardedSampler(len(ds), shards, index, shuffle=False, even=False)  # type: ignore[arg-type]
+        return build_loader(ds, sampler, self.batch_size, **self.loader_options)
+
+    def validate(self, dataset: Dataset | None) -> dict[str, float]:
+        """Metrics over ``dataset`` (None: the default one); ``{}`` on ranks that do not report
+        metrics (servers, non-last pipeline stages), at once on ranks that take no data."""
+        s = self.strategy
+        if not s.consumes_data:
+            return {}
+        if dataset is None:
+            self._loader = self._loader or self._loader_for(self.dataset)  # type: ignore[arg-type]
+            loader = self._loader
+        else:
+            loader = self._loader_for(dataset)
+        sums, count = self._evaluate(loader)
+        if loader is not self._loader:
+            loader.close()
+        return reduce_metrics(sums, count, s.dp_group) if s.reports_loss else {}
+
+    def _evaluate(self, loader: Any) -> tuple[dict[str, float], int]:
+        """Sample-weighted metric sums and the sample count of this rank's share."""
+        s = self.strategy
+        sums: dict[str, float] = {}
+        count = 0
+        for x, y in loader:
+            out = s.eval_forward(x)
+            if out is None or not s.reports_loss:
+                continue
+            y = y.to(out.device) if isinstance(y, torch.Tensor) else y
+            k = len(y)
+            for name, v in self.metric_fn(out, y).items():
+                sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
+            count += k
+        return sums, count
+
+    def close(self) -> None:
+        """Stop the default dataset's loading thread."""
+        if self._loader is not None:
+            self._loader.close()
+
+
+def reduce_metrics(sums: dict[str, float], count: int, group: Any) -> dict[str, float]:
+    """Sample-weighted means of ``sums`` over ``group``, in tensors only (no peer's bytes are
+    unpickled). Ranks without samples take the others' metric names; ranks with samples must
+    agree on them (checked with one max over the UTF-8 codes and one over their negation).
+
+    Raises:
+        ConfigError: The ranks computed different metric names.
+    """
+    names = sorted(sums) if count else []
+    dev = comm.group_device(group)  # a NCCL-only group reduces CUDA tensors only
+    if comm.group_size(group) > 1:
+        code = torch.tensor(list("\0".join(names).encode()), dtype=torch.int64, device=dev)
+        width = comm.allreduce(torch.tensor([code.numel()], device=dev), "max", group=group)
+        both = torch.full((2, max(1, int(width.item()))), -1, dtype=torch.int64, device=dev)
+        if names:
+            both[0].fill_(256)  # padding differs from every byte: lengths must agree too
+            both[0, : code.numel()] = code
+            both[1] = -both[0]
+        else:
+            both[1].fill_(-1000)  # below any -code: ranks without samples do not vote
+        both = comm.allreduce(both, "max", group=group).cpu()
+        hi, lo = both[0], -both[1]
+        if not torch.equal(hi, lo) and bool((hi >= 0).any()):
+            raise ConfigError(f"the replicas computed different validation metrics (this rank: "
+                              f"{names}). Hint: build_validation_func must return the same "
+                              "keys on every rank.")
+        raw = bytes(int(b) for b in hi.tolist() if 0 <= b < 256)
+        names = raw.decode().split("\0") if raw else []
+    vec = torch.tensor([float(count)] + [sums.get(n, 0.0) for n in names], dtype=torch.float64)
+    if comm.group_size(group) > 1:
+        vec = comm.allreduce(vec.to(dev), "sum", group=group).cpu()
+    total = vec[0].item()
+    result = {n: vec[i + 1].item() / max(total, 1.0) for i, n in enumerate(names)}
+    result["samples"] = float(total)
+    return result

@@ -1,0 +1,404 @@
+"""Trainer: a model and a dataset in, distributed training out, in any mode.
+
+The Trainer never branches on the mode. It asks :func:`parlay.strategies.get_strategy` for one
+and drives it: shard the data over ``strategy.dp_size`` replicas, scale the learning rate,
+step and log. Validation is an :class:`~parlay.trainer.evaluation.Evaluation`'s, checkpoints,
+snapshots and resume a :class:`~parlay.trainer.persistence.Persistence`'s. Parameter-server
+ranks serve inside :meth:`Trainer.should_stop` and return ``True`` when the workers are done.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+from parlay import runtime
+from parlay.data.loader import build_loader
+from parlay.data.sampler import ShardedSampler
+from parlay.errors import CheckpointError, ConfigError, NonFiniteError
+from parlay.metrics import MetricsLogger, choose_printer, default_metrics
+from parlay.nonfinite import NonFiniteGuard, with_step
+from parlay.strategies import StepResult, Strategy, get_strategy
+from parlay.trainer.config import TrainerConfig, TrainerState, check_positive
+from parlay.trainer.evaluation import Evaluation
+from parlay.trainer.persistence import Persistence
+
+__all__ = ["Trainer", "TrainerSession"]
+
+log = logging.getLogger("parlay")
+
+
+class Trainer:
+    """Train ``build_training_func()``'s model on ``training_dataset`` across all processes.
+
+    Takes the arguments of :class:`~parlay.trainer.config.TrainerConfig` (the seed's five by
+    position or by name, every other one by keyword), kept as :attr:`config`.
+
+    Raises:
+        ConfigError: Bad arguments (with the expected value and a hint).
+        CheckpointError: ``checkpoint_dir`` holds checkpoints of an incompatible run.
+        TypeError: An option after ``batch_size`` passed by position.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.config = cfg = TrainerConfig(*args, **kwargs)
+        if not runtime.is_initialized():
+            runtime.init()
+        self.mode, self.batch_size, self.lr_schedule = cfg.mode, cfg.batch_size, cfg.lr_schedule
+        self.num_epochs = cfg.num_epochs if (cfg.num_epochs or cfg.max_iteration) else 1
+        self.max_iteration = cfg.max_iteration
+        self.state = TrainerState()
+        self.strategy: Strategy = get_strategy(
+            cfg.mode, compression=cfg.compression, precision=cfg.precision,
+            grad_clip=cfg.grad_clip, **(cfg.strategy_options or {}))
+        if hasattr(self.strategy, "guard"):  # strategies that check for NaN/inf steps
+            self.strategy.guard = NonFiniteGuard(cfg.nonfinite)
+        model = self._build_model()
+        self._build_data(cfg.training_dataset)
+        self.last_step: StepResult | None = None
+        self._it: Any = None
+        self._stopped = False
+        self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
+                                       self._say)
+        self.metrics = self._start_metrics()
+        self.evaluation = Evaluation(self.strategy, self._metric_fn, cfg.validation_dataset,
+                                     cfg.validation_batch_size or cfg.batch_size,
+                                     **self._loader_options)
+        self._say(self._start_message())
+        self.metrics.write("start", mode=self.mode, dp_size=self.strategy.dp_size,
+                           batch_size=self.batch_size, lr_scale=self.lr_scale,
+                           warmup_steps=self.warmup_steps, step=self.state.step,
+                           epoch=self.state.epoch)
+
+    # ------------------------------------------------------------------ construction steps
+    def _build_model(self) -> nn.Module:
+        """Build the model (same seed on every rank) and hand it to the strategy."""
+        cfg, s = self.config, self.strategy
+        if cfg.seed is not None:
+            torch.manual_seed(cfg.seed)
+        built = cfg.build_training_func()
+        if not (isinstance(built, tuple) and len(built) == 2
+                and isinstance(built[0], nn.Module) and callable(built[1])):
+            raise ConfigError(f"build_training_func() must return (model, loss_fn) with an "
+                              f"nn.Module and a callable loss_fn(output, target), got "
+                              f"{type(built).__name__}. Hint: return model, nn.CrossEntropyLoss().")
+        model, self.loss_fn = built
+        if cfg.checkpoint_dir is not None:
+            s.use_checkpoint_dir(str(cfg.checkpoint_dir))
+        s.setup(model, self.loss_fn, cfg.optimizer, dict(cfg.optimizer_args or {}))
+        if cfg.seed is not None:  # distinct dropout masks per rank, reproducible per run
+            torch.manual_seed(cfg.seed + 1 + runtime.rank())
+        self._metric_fn = (cfg.build_validation_func() if cfg.build_validation_func is not None
+                           else default_metrics(self.loss_fn))
+        return model
+
+    def _build_data(self, dataset: Dataset) -> None:
+        """Shard the data over the replicas and derive the step counts and LR scaling."""
+        cfg, s = self.config, self.strategy
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ConfigError(
+                "training_dataset must be a map-style Dataset with __len__.") from None
+        self.sampler = ShardedSampler(n, s.dp_size, s.dp_rank, shuffle=cfg.shuffle,
+                                      seed=cfg.seed or 0, drop_last=cfg.drop_last)
+        self._loader_options: dict[str, Any] = {"num_workers": cfg.num_workers,
+                                                "prefetch": cfg.prefetch,
+                                                "pin_memory": runtime.device().type == "cuda"}
+        self.loader = (build_loader(dataset, self.sampler, self.batch_size,
+                                    **self._loader_options) if s.consumes_data else None)
+        self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
+        self.lr_scale = float(s.dp_size) if cfg.scaling_learning_rate else 1.0
+        self.warmup_steps = (round(cfg.warmup_epochs * self.steps_per_epoch)
+                             if self.lr_scale != 1 else 0)
+
+    def _start_metrics(self) -> MetricsLogger:
+        """The metrics logger: progress bar and console on the printing rank, JSONL file."""
+        cfg, s = self.config, self.strategy
+        full, rest = divmod(self.total_steps, self.steps_per_epoch)
+        total = full * self.sampler.total_size + rest * self.batch_size * s.dp_size
+        path = cfg.metrics_path
+        if path is None and cfg.checkpoint_dir is not None:
+            path = f"{cfg.checkpoint_dir}/metrics.jsonl"
+        return MetricsLogger(printer=choose_printer(s.consumes_data, s.reports_loss,
+                                                    s.train_group),
+                             reduces=s.reports_loss and s.consumes_data, group=s.dp_group,
+                             total_samples=total, initial_samples=self.state.samples_seen,
+                             jsonl_path=path, progress=cfg.progress)
+
+    def _say(self, msg: str) -> None:
+        """Log a line and show it on the printing rank."""
+        log.info(msg)
+        self.metrics.print(msg)
+
+    def _start_message(self) -> str:
+        """The line the printing rank shows when a Trainer starts (or resumes)."""
+        cfg, s, st = self.config, self.strategy, self.state
+        risk = self.persistence.steps_at_risk(self.total_steps, self.steps_per_epoch)
+        return (f"parlay Trainer: mode={self.mode}, {s.dp_size} replica(s) x batch "
+                f"{self.batch_size} = {self.batch_size * s.dp_size} samples/step, "
+                f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps; learning rate "
+                f"x{self.lr_scale:g} "
+                + (f"(linear scaling, warm-up over {self.warmup_steps} steps = "
+                   f"{cfg.warmup_epochs:g} epoch(s) from x1; base lr {cfg.base_lr})"
+                   if self.lr_scale != 1 else "(no scaling)")
+                + f"; precision={cfg.precision}, compression={cfg.compression}"
+                + (f"; resumed at step {st.step}, epoch {st.epoch}" if st.step else "")
+                + (f"; steps at risk: {risk}" if risk is not None
+                   else "; snapshot interval: measured over the first steps"))
+
+    # ------------------------------------------------------------------ schedule
+    @property
+    def total_steps(self) -> int:
+        """Steps of the whole run (the smaller of both limits)."""
+        limits = [self.max_iteration] if self.max_iteration else []
+        if self.num_epochs:
+            limits.append(self.num_epochs * self.steps_per_epoch)
+        return min(limits)
+
+    def lr_factor(self, step: int | None = None) -> float:
+        """Learning-rate multiplier for ``step`` (default: the next one): linear warm-up from
+        1 to the replica count over ``warmup_steps`` (Goyal et al. 2017), then constant or a
+        cosine decay to 0 at the last step (``lr_schedule``)."""
+        t = self.state.step if step is None else step
+        if self.warmup_steps > 0 and t < self.warmup_steps:
+            return 1.0 + (self.lr_scale - 1.0) * t / self.warmup_steps
+        if self.lr_schedule == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            done = min(1.0, (t - self.warmup_steps) / span)
+            return self.lr_scale * 0.5 * (1.0 + math.cos(math.pi * done))
+        return self.lr_scale
+
+    # ------------------------------------------------------------------ training
+    def _next_batch(self) -> Any:
+        if self._it is None:
+            self.sampler.epoch = self.state.epoch
+            self.sampler.position = min(len(self.sampler),
+                                        self.state.batch_in_epoch * self.batch_size)
+            self._it = iter(self.loader)  # type: ignore[arg-type]
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise CheckpointError("the data loader ended before the epoch did (the dataset "
+                                  "changed size?). Hint: keep the dataset fixed during a "
+                                  "run.") from None
+
+    def train_on_batch(self) -> float | None:
+        """Run one optimizer step on the next batch of every replica.
+
+        Returns:
+            This rank's batch loss (``None`` on ranks that do not compute one).
+
+        Raises:
+            ConfigError: Called on a rank that only serves (a parameter server).
+        """
+        s = self.strategy
+        if not s.consumes_data:
+            raise ConfigError("train_on_batch() was called on a serving-only rank (parameter "
+                              "server). Hint: loop `while not trainer.should_stop(): "
+                              "trainer.train_on_batch()`; should_stop() serves on these ranks.")
+        batch = self._next_batch()
+        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+            raise ConfigError(f"each training sample must be an (input, target) pair; the loader "
+                              f"gave a {type(batch).__name__} of length "
+                              f"{len(batch) if hasattr(batch, '__len__') else '?'}.")
+        x, y = batch
+        factor = self.lr_factor()
+        s.set_lr_factor(factor)
+        try:
+            res = self.last_step = s.train_step(x, y)
+        except NonFiniteError as e:
+            raise with_step(e, self.state.step + 1) from None
+        if res.skipped:
+            self._note_skip()
+        self._advance(len(y), res.loss, factor)
+        return res.loss
+
+    def _advance(self, n: int, loss: float | None, factor: float) -> None:
+        """Count a step of ``n`` samples per replica: log, close the epoch, checkpoint and
+        snapshot when due."""
+        st, s = self.state, self.strategy
+        st.step += 1
+        st.samples_seen += n * s.dp_size
+        st.batch_in_epoch += 1
+        self.sampler.advance(n)
+        self.metrics.step(loss if loss is None or math.isfinite(loss) else None, n, n * s.dp_size)
+        if st.step % self.config.log_step_size == 0:
+            self.metrics.log(st.step, st.epoch, factor, console=True)
+        epoch_done = st.batch_in_epoch >= self.steps_per_epoch
+        if epoch_done:
+            self.metrics.epoch_end(st.epoch, st.step)
+            st.epoch += 1
+            st.batch_in_epoch = 0
+            self.sampler.set_epoch(st.epoch)
+            self._close_iter()
+        self.persistence.after_step(epoch_done)
+
+    def _reached_end(self) -> bool:
+        st = self.state
+        return bool((self.max_iteration is not None and st.step >= self.max_iteration)
+                    or (self.num_epochs is not None and st.epoch >= self.num_epochs))
+
+    def should_stop(self) -> bool:
+        """True when training is over. On serving-only ranks (parameter servers) this serves
+        until the workers finish, then returns True. The first True also writes the final
+        checkpoint and releases the servers."""
+        if self._stopped:
+            return True
+        if self.strategy.serve_until_done():
+            self._stopped = True
+            self.close()
+            return True
+        if self._reached_end():
+            self._stopped = True
+            self.persistence.finish()
+            self.strategy.finish()
+            self._close(over=True)
+            return True
+        return False
+
+    def _note_skip(self) -> None:
+        self.state.skipped_steps += 1
+        msg = (f"step {self.state.step + 1} was skipped on every rank: its loss or gradient was "
+               f"not finite ({self.skipped_steps} skipped so far; under fp16 a loss-scale "
+               "overflow, which GradScaler expects now and then)")
+        log.warning(msg)
+        self.metrics.write("skipped_step", step=self.state.step + 1,
+                           skipped_steps=self.skipped_steps)
+
+    def train_to_end(self) -> None:
+        """Train until :meth:`should_stop` (TensorLayer's ``train_to_end``); parameter servers
+        serve until the workers finish."""
+        while not self.should_stop():
+            self.train_on_batch()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, dataset: Dataset | None = None) -> dict[str, float]:
+        """Evaluate on ``dataset`` (default: ``validation_dataset``) across all replicas.
+
+        Each replica evaluates its own shard (no sample twice); metrics are batch means
+        weighted by sample counts and reduced over the strategy's ``dp_group`` (as tensors),
+        so every reporting rank returns the mean over the whole dataset. A replica whose
+        ``dp_group`` holds only itself while there are several replicas (asynchronous
+        parameter-server workers, whose models differ) evaluates the whole dataset alone.
+        Servers return ``{}`` at once, also after :meth:`should_stop`.
+
+        Returns:
+            ``{name: value}`` plus ``"samples"``; empty on ranks without metrics.
+
+        Raises:
+            ConfigError: No dataset.
+        """
+        if dataset is None and self.config.validation_dataset is None:
+            raise ConfigError("validate() needs a dataset: pass validation_dataset=... to the "
+                              "Trainer or validate(dataset).")
+        t0 = time.perf_counter()
+        result = self.evaluation.validate(dataset)
+        if result:
+            self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch,
+                                    result, seconds=time.perf_counter() - t0)
+        return result
+
+    def train_and_validate_to_end(self, validate_every: int | None = None) -> dict[str, float]:
+        """Train until :meth:`should_stop`, validating every ``validate_every`` steps (default:
+        at every epoch end) and at the end.
+
+        Returns:
+            The last validation metrics (empty without a validation set, or on ranks that
+            do not report metrics).
+        """
+        check_positive("validate_every", validate_every)
+        has_val = self.config.validation_dataset is not None
+        last: dict[str, float] = {}
+        validated_at = -1
+        while not self._stopped and not self._reached_end():
+            if not self.strategy.consumes_data:
+                break
+            epoch = self.state.epoch
+            self.train_on_batch()
+            due = (self.state.step % validate_every == 0 if validate_every
+                   else self.state.epoch != epoch)
+            if has_val and due:
+                last, validated_at = self.validate(), self.state.step
+        if (has_val and self.strategy.consumes_data and validated_at != self.state.step
+                and not self._stopped):
+            last = self.validate()
+        self.should_stop()
+        return last
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of everything stateful now (every training rank must call it)."""
+        self.persistence.save_checkpoint()
+
+    @property
+    def resumed_from_snapshot(self) -> int | None:
+        """The step resumed from an in-memory snapshot, or None."""
+        return self.persistence.resumed_from_snapshot
+
+    @property
+    def snapshot_every(self) -> int:
+        """Steps between in-memory snapshots now (0: none; 1 while ``"auto"`` measures)."""
+        return self.persistence.every
+
+    @snapshot_every.setter
+    def snapshot_every(self, every: int) -> None:
+        self.persistence.every = every
+
+    # ------------------------------------------------------------------ teardown
+    def _close_iter(self) -> None:
+        if self.loader is not None:
+            self.loader.close()
+        self._it = None
+
+    def close(self) -> None:
+        """Stop loading threads, close the progress bar and metrics file, release the
+        checkpoint directory and commit a snapshot still being copied."""
+        self._close(over=False)
+
+    def _close(self, over: bool) -> None:
+        self._close_iter()
+        self.evaluation.close()
+        self.metrics.close()
+        self.persistence.close(over)  # over: the run ended, the snapshots' memory goes back
+
+    @property
+    def session(self) -> TrainerSession:
+        """The object the seed's TensorLayer loop asks, in every mode:
+        ``while not trainer.session.should_stop(): trainer.train_on_batch()``."""
+        return TrainerSession(self)
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped on every rank (non-finite, fp16 overflow); restored on resume."""
+        return self.state.skipped_steps
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The model being trained on this rank, when the strategy exposes it."""
+        return getattr(self.strategy, "model", None)
+
+
+# The signature users see (help(), IDEs, inspect): the configuration's fields.
+Trainer.__signature__ = inspect.signature(TrainerConfig)  # type: ignore[attr-defined]
+
+
+class TrainerSession:
+    """``trainer.session``: TensorLayer's training-session handle, a view of its Trainer.
+
+    Args:
+        trainer: The Trainer whose loop this session reports on.
+    """
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def should_stop(self) -> bool:
+        """Same as :meth:`Trainer.should_stop` (serves on parameter-server ranks)."""
+        return self.trainer.should_stop()

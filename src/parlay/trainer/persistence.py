@@ -1,0 +1,230 @@
+"""The Trainer's state across runs: disk checkpoints and in-memory snapshots.
+
+:class:`Persistence` owns both stores, decides when each is due, and is the
+:class:`~parlay.snapshot.resume.TrainingRun` that checkpoints and snapshots save and resume:
+its ``state_dict`` is everything stateful on the rank (counters, strategy, sampler, RNG).
+With ``snapshot_every="auto"`` it snapshots the first few steps, measures what a snapshot and
+a step take, and keeps the smallest interval at which snapshots cost at most 2% of training.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+import warnings
+from dataclasses import asdict
+from typing import Any
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+from parlay import comm, runtime
+from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
+from parlay.data.sampler import ShardedSampler
+from parlay.errors import CheckpointError, ConfigError
+from parlay.runinfo import trainer_identity
+from parlay.snapshot import (
+    SnapshotStore,
+    open_for_trainer,
+    optimizer_tensors,
+    resume_trainer,
+)
+from parlay.strategies import Strategy
+from parlay.trainer.config import AUTO, TrainerConfig, TrainerState
+
+__all__ = ["Persistence", "choose_interval", "BUDGET", "PROBE_STEPS"]
+
+log = logging.getLogger("parlay")
+
+#: Largest share of training time the automatic snapshot interval lets snapshots take.
+BUDGET = 0.02
+#: Steps snapshotted every step before the automatic interval is chosen: the first save into
+#: each of the store's slots also creates its file, so the last one is the typical cost.
+PROBE_STEPS = 3
+
+
+def choose_interval(copy_s: float, step_s: float, budget: float = BUDGET) -> int:
+    """The smallest snapshot interval K (>= 1) at which a snapshot of ``copy_s`` seconds every
+    K steps of ``step_s`` (> 0) seconds costs at most ``budget`` of the training time."""
+    return max(1, math.ceil(copy_s / (budget * step_s) - 1e-9))
+
+
+class Persistence:
+    """Checkpoints and snapshots of one rank's training run; resumes on construction.
+
+    Args:
+        config: The Trainer's options (``checkpoint_dir``, ``checkpoint_every``,
+            ``keep_last``, ``snapshot_every``, ``mode``, ``batch_size``).
+        strategy: The run's strategy, set up.
+        sampler: The training data's sampler.
+        state: The Trainer's counters (updated in place on resume).
+        model: The model as built (its layout is the checkpoints' identity).
+        report: Shows a line on the printing rank (the interval chosen, steps at risk).
+
+    Raises:
+        CheckpointError: ``checkpoint_dir`` holds checkpoints of an incompatible run.
+    """
+
+    def __init__(self, config: TrainerConfig, strategy: Strategy, sampler: ShardedSampler,
+                 state: TrainerState, model: nn.Module, report: Callable[[str], None]) -> None:
+        self.strategy, self.sampler, self.state = strategy, sampler, state
+        self.mode, self.batch_size = config.mode, config.batch_size
+        self.checkpoint_every = config.checkpoint_every
+        self._report = report
+        self.last_checkpoint_step = -1
+        self.checkpoints = self._open_checkpoints(config, model)
+        auto = config.snapshot_every == AUTO
+        # Auto probes every step; strategies whose servers snapshot in step keep 1 throughout.
+        self.every: int = 1 if auto else int(config.snapshot_every or 0)  # type: ignore[arg-type]
+        self.store: SnapshotStore | None = open_for_trainer(self, self.every)
+        self._probe: list[float] | None = (
+            [] if auto and self.store is not None
+            and not hasattr(strategy, "configure_snapshots") else None)
+        self.resumed_from_snapshot = (resume_trainer(self, self.store)
+                                      if self.store is not None else None)
+        if self.resumed_from_snapshot is not None:
+            log.info("resumed from the in-memory snapshot of step %d", self.resumed_from_snapshot)
+        if self.store is None:
+            self.every = 0
+
+    def _open_checkpoints(self, config: TrainerConfig,
+                          model: nn.Module) -> CheckpointManager | None:
+        """Lock ``checkpoint_dir`` and resume from its newest checkpoint every rank holds."""
+        s = self.strategy
+        if config.checkpoint_dir is None or not s.consumes_data:
+            return None
+        ckpt = CheckpointManager(config.checkpoint_dir, config.keep_last, rank=runtime.rank(),
+                                 group=s.train_group, lock=True,
+                                 identity=trainer_identity(s, self.mode, self.batch_size, model))
+        resumed = ckpt.load_latest()
+        if resumed is not None:
+            self.load_state_dict(resumed, where=str(ckpt.directory))
+            self.last_checkpoint_step = self.state.step
+        # Saves may agree over fewer ranks than the resume (ps async/stale: each worker).
+        ckpt.group = getattr(s, "checkpoint_group", s.train_group)
+        return ckpt
+
+    # ------------------------------------------------------------------ the training state
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def state_dict(self, snapshot: bool = False) -> dict[str, Any]:
+        """Everything stateful on this rank, as checkpoints and snapshots store it (a strategy
+        may state a snapshot differently: ps workers do not ask the servers to save)."""
+        s = self.strategy
+        strategy = (s.snapshot_state_dict() if snapshot and hasattr(s, "snapshot_state_dict")
+                    else s.state_dict())
+        return {"trainer": asdict(self.state), "mode": self.mode, "strategy": strategy,
+                "sampler": self.sampler.state_dict(), "rng": rng_state()}
+
+    def load_state_dict(self, state: dict[str, Any], where: str = "snapshot") -> None:
+        """Continue from ``state``.
+
+        Raises:
+            CheckpointError: It was written in another mode or does not fit the model.
+        """
+        if state.get("mode") != self.mode:
+            raise CheckpointError(f"the checkpoint in {where} was written in mode "
+                                  f"{state.get('mode')!r}, this Trainer runs mode {self.mode!r}. "
+                                  "Hint: use a fresh checkpoint_dir for a different mode.")
+        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.strategy.load_state_dict(state["strategy"])
+        except (RuntimeError, KeyError, ValueError) as e:  # torch's shape errors, ConfigError
+            first = " ".join(str(e).split())[:300]  # torch's first line alone says little
+            raise CheckpointError(f"the checkpoint does not fit this model ({type(e).__name__}: "
+                                  f"{first}). Hint: build the same model (and mode, pp, balance) "
+                                  "as the run that wrote it, or use a fresh checkpoint_dir.") from e
+        vars(self.state).update(asdict(TrainerState(**state["trainer"])))
+        set_rng_state(state["rng"])
+
+    # ------------------------------------------------------------------ saving
+    def save_checkpoint(self) -> None:
+        """Write a checkpoint of everything stateful now (every training rank must call it)."""
+        if self.checkpoints is None:
+            raise ConfigError("save_checkpoint() needs checkpoint_dir=... on the Trainer.")
+        model = getattr(self.strategy, "model", None)
+        inf_ok = {b.data_ptr() for b in model.buffers()} if model is not None else set()
+        self.checkpoints.save(self.state.step, self.state_dict(),
+                              allow_inf=lambda t: t.data_ptr() in inf_ok)  # -inf masks
+        self.last_checkpoint_step = self.state.step
+
+    def after_step(self, epoch_done: bool) -> None:
+        """Checkpoint and snapshot when due (the Trainer calls it after every step)."""
+        step = self.state.step
+        every = self.checkpoint_every
+        if self.checkpoints is not None and (step % every == 0 if every else epoch_done):
+            self.save_checkpoint()
+        if self._probe is not None:
+            self._probe_step()
+        if self.store is not None and self.every and step % self.every == 0:
+            try:
+                self.store.save(step, self.state_dict(snapshot=True),
+                                defer=optimizer_tensors(self.strategy))
+            except CheckpointError as e:
+                self._stop_snapshots(e)
+
+    def _stop_snapshots(self, error: CheckpointError) -> None:
+        """Snapshots are a speed-up: training goes on without them, with a warning."""
+        self.store, self.every = None, 0
+        warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {error}",
+                      stacklevel=4)
+
+    def _probe_step(self) -> None:
+        """Time the probe steps; after ``PROBE_STEPS + 1`` of them choose the interval (the
+        largest any training rank asks for, so every rank snapshots the same steps)."""
+        assert self._probe is not None
+        self._probe.append(time.perf_counter())
+        if len(self._probe) <= PROBE_STEPS:
+            return
+        mean = (self._probe[-1] - self._probe[0]) / PROBE_STEPS
+        copy = 0.0
+        try:
+            if self.store is not None:
+                self.store.wait()
+                copy = self.store.last_save_s or 0.0
+        except CheckpointError as e:  # still agree below: the other ranks are waiting
+            self._stop_snapshots(e)
+        # Each probe step also paid one snapshot: what is left is the step itself.
+        step = max(mean - copy, mean / 2, 1e-9)
+        want = choose_interval(copy, step)
+        group = self.strategy.train_group
+        k = torch.tensor([want], dtype=torch.int64, device=comm.group_device(group))
+        if comm.group_size(group) > 1:
+            comm.allreduce(k, "max", group=group)
+        agreed, self._probe = int(k.item()), None
+        if self.store is None:  # stopped here (warned): this rank's steps at risk are others
+            return
+        self.every = agreed
+        self._report(f"in-memory snapshots every {agreed} step(s): a snapshot took "
+                     f"{copy * 1e3:.2f} ms, a step {step * 1e3:.2f} ms (at most "
+                     f"{BUDGET:.0%} of training); steps at risk: {agreed}")
+
+    def steps_at_risk(self, total_steps: int, steps_per_epoch: int) -> int | None:
+        """Steps a crash can cost now: the snapshot interval, else the checkpoint interval,
+        else the whole run; None while the automatic interval is being chosen."""
+        if self._probe is not None:
+            return None
+        if self.every:
+            return self.every
+        if self.checkpoints is not None:
+            return self.checkpoint_every or steps_per_epoch
+        return total_steps
+
+    # ------------------------------------------------------------------ the end
+    def finish(self) -> None:
+        """Training reached its end: the final checkpoint, unless one is at this step."""
+        if self.checkpoints is not None and self.last_checkpoint_step != self.state.step:
+            self.save_checkpoint()
+
+    def close(self, over: bool = False) -> None:
+        """Release the checkpoint directory's lock and commit a snapshot still being copied;
+        ``over``: the run is over, so the snapshots' memory goes back first."""
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        if self.store is not None:
+            if over:
+                self.store.clear()
+            self.store.close()
