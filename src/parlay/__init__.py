@@ -4,7 +4,6 @@ Three communication modes behind one :class:`Trainer`: data parallel (``allreduc
 parameter server (``ps``) and hybrid pipeline x data parallel (``hybrid``).
 """
 from parlay import comm, compress
-from parlay.comm import ReduceOp
 from parlay.dp import (Adasum, Average, Max, Min, Product, Sum, allgather_object,
                        broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
@@ -13,6 +12,7 @@ from parlay.errors import CheckpointError, CommError, ConfigError, NonFiniteErro
 from parlay.runtime import (backend, cluster, cross_rank, cross_size, device, init,
                             is_chief, is_initialized, local_rank, local_size, rank, role,
                             shutdown, size)
+from parlay.reduce_ops import ReduceOp
 
 __version__ = "0.1.0"
 
@@ -25,9 +25,10 @@ _LAZY = {
     "compression": "parlay.compression",
     "Compression": "parlay.compression",
     # Horovod's names: the very objects of parlay.horovod (parlay.allreduce is
-    # parlay.horovod.allreduce), with Horovod's semantics (matched by name on a background
-    # engine). Resolved here, on first use, so that only scripts using them load
-    # parlay.horovod; the core never does (its collectives are parlay.comm's, on c10d).
+    # parlay.horovod.allreduce), with Horovod's semantics (matched across ranks by name,
+    # negotiated in the calling thread when a rank waits). Resolved here, on first use, so
+    # that only scripts using them load parlay.horovod; the core never does (its collectives
+    # are parlay.comm's, on c10d).
     "DistributedOptimizer": "parlay.horovod",
     "allreduce": "parlay.horovod",
     "allreduce_async": "parlay.horovod",
@@ -64,7 +65,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "TaskSpecDef", "create_task_spec_def", "detect",
+    "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "TaskSpecDef",
+    "create_task_spec_def", "detect",
     "ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "cluster",

@@ -11,8 +11,8 @@ import contextlib
 import datetime as _dt
 import hashlib
 import re
-import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -147,26 +147,11 @@ def comm_errors(op: str, *, group: Any = _UNKNOWN, peer: int | None = None) -> I
         raise _as_comm_error(op, e, group=group, peer=peer) from e
 
 
-class _Pending:
-    """Completion of an operation that another thread runs (see :meth:`Handle.pending`)."""
-
-    __slots__ = ("event", "result", "error")
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def is_completed(self) -> bool:
-        return self.event.is_set()
-
-
 class Handle:
     """An in-flight operation. :meth:`wait` blocks and returns the result.
 
-    The one handle type of parlay: c10d work objects, operations that completed synchronously
-    and operations run by another thread (:meth:`pending`, e.g. parlay.horovod's negotiation
-    engine) all answer ``is_completed()`` and ``wait()`` alike.
+    The core's one handle type: c10d work objects and operations that completed synchronously
+    answer ``is_completed()`` and ``wait()`` alike.
 
     Args:
         work: The c10d work object (``None`` for an operation that completed synchronously).
@@ -186,21 +171,6 @@ class Handle:
         self._done = False
         self._result: Any = None
 
-    @classmethod
-    def pending(cls, op: str) -> "Handle":
-        """A handle that another thread completes with :meth:`resolve`."""
-        box = _Pending()
-        return cls(box, op, lambda: box.result)
-
-    def resolve(self, result: Any = None, error: BaseException | None = None) -> None:
-        """Complete a :meth:`pending` handle: ``wait()`` returns ``result`` or raises ``error``
-        (raised as given: the completing thread already chose the error type)."""
-        box = self._work
-        if not isinstance(box, _Pending):
-            raise TypeError("resolve() completes handles made by Handle.pending().")
-        box.result, box.error = result, error
-        box.event.set()
-
     @property
     def name(self) -> str:
         """The operation's name."""
@@ -217,18 +187,11 @@ class Handle:
             CommError: A peer was lost or the operation timed out.
         """
         if not self._done:
-            if isinstance(self._work, _Pending):
-                _idle_until(self._work.event.is_set)
-                self._work.event.wait()
-                if self._work.error is not None:
-                    raise self._work.error
-                self._result = self._work.result
-            else:
-                with comm_errors(self._op, **self._where):
-                    if self._work is not None:
-                        _idle_until(self._work.is_completed)
-                        self._work.wait()
-                    self._result = self._finish()
+            with comm_errors(self._op, **self._where):
+                if self._work is not None:
+                    _idle_until(self._work.is_completed)
+                    self._work.wait()
+                self._result = self._finish()
             self._done = True
         return self._result
 

@@ -220,8 +220,8 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     after at most about twice that). The check-in waits ``td`` for every rank and names the
     absent ones. Only then does gloo build its full mesh: every peer is alive and past the
     check-in, so the mesh gets a short budget; gloo retries a refused connect several times, each
-    try waiting the group timeout, which made a peer that died mid-rendezvous cost ~5x the
-    timeout. The group's collective timeout is set to ``td`` right after.
+    try waiting the group timeout, which made a peer that died mid-rendezvous cost several
+    timeouts. The group's collective timeout is set to ``td`` right after.
     """
     global _generation
     url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"

@@ -3,14 +3,13 @@
 A Trainer in every mode, and the state broadcasts (``parlay.broadcast_parameters``, ...), must
 leave ``parlay.horovod`` unimported and write no ``HOROVOD_*`` variable; the Horovod-named
 functions (``parlay.allreduce``, ...) stay the very objects of ``parlay.horovod``. Also here:
-the one reduce-op table and the one ``Handle`` of :mod:`parlay.comm`.
+the one reduce-op table of :mod:`parlay.reduce_ops`.
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -178,20 +177,6 @@ def test_reduce_op_table_maps_horovod_numbers_and_rejects_adasum_on_c10d():
         comm.c10d_op(parlay.Adasum)
     with pytest.raises(ConfigError, match="reduction op must be one of"):
         comm.reduce_op(True)
-
-
-def test_a_pending_handle_completes_from_another_thread():
-    ok, bad = comm.Handle.pending("allreduce.x"), comm.Handle.pending("allreduce.y")
-    assert not ok.is_completed() and ok.name == "allreduce.x"
-    threading.Thread(target=ok.resolve, args=(41,)).start()
-    assert ok.wait() == 41 and ok.is_completed()
-    err = ValueError("ranks disagree")
-    bad.resolve(error=err)
-    with pytest.raises(ValueError) as info:     # raised as given, not re-wrapped
-        bad.wait()
-    assert info.value is err
-    with pytest.raises(TypeError, match="Handle.pending"):
-        comm.Handle(None, "x", lambda: None).resolve(1)
 
 
 def _fusion_threshold():

@@ -46,7 +46,8 @@ def test_matches_hand_computed_power_iteration_and_conserves():
     out = simulate(comps, ms, "b")
     mats = [m[:500].view(20, 25) for m in ms]
     phat = torch.linalg.qr(sum(m @ q0 for m in mats)).Q
-    expect = torch.cat([sum(phat @ phat.t() @ m for m in mats).reshape(-1), ms[0][500:] + ms[1][500:]])
+    expect = torch.cat([sum(phat @ phat.t() @ m for m in mats).reshape(-1),
+                        ms[0][500:] + ms[1][500:]])
     for o in out:
         torch.testing.assert_close(o, expect, rtol=1e-12, atol=1e-12)
     for c, m, mat in zip(comps, ms, mats):  # sent_w + residual_w == produced_w

@@ -55,7 +55,9 @@ def test_balanced_beats_round_robin_on_skewed_sizes():
     sizes = (1000, 10, 10, 10, 900, 10)
     bal = ShardPlan(_specs(*sizes), 2, split_bytes=None)
     rr = ShardPlan(_specs(*sizes), 2, placement="round_robin", split_bytes=None)
-    spread = lambda p: max(p.nbytes(s) for s in range(2)) - min(p.nbytes(s) for s in range(2))
+    def spread(p: ShardPlan) -> int:
+        return max(p.nbytes(s) for s in range(2)) - min(p.nbytes(s) for s in range(2))
+
     assert spread(bal) < spread(rr)
     assert [p.name for p in rr.pieces(0)] == ["p0", "p2", "p4"]  # model order, i % 2
     assert [p.name for p in rr.pieces(1)] == ["p1", "p3", "p5"]

@@ -27,8 +27,9 @@ import logging
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,12 +74,12 @@ class AutoCtx:
 
     choice: int
     inner: Any = None
-    wire: tuple = ()
+    wire: tuple[Any, ...] = ()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"choice": self.choice, "wire": self.wire}
 
-    def __copy__(self) -> "AutoCtx":
+    def __copy__(self) -> AutoCtx:
         return AutoCtx(self.choice, None, self.wire)
 
 
@@ -282,7 +283,7 @@ class AutoCompressor(Compressor):
         self._margin = switch_margin(self.margin)
         self._world = comm.group_size(group) if dist.is_initialized() else 1
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> "AutoCompressor":
+    def __deepcopy__(self, memo: dict[int, Any]) -> AutoCompressor:
         """A frozen twin that never communicates or decides (a parameter server's setup
         probes such a copy on every rank): it encodes with the choices it was copied with."""
         twin = AutoCompressor(self.specs, self.margin, self.trial)
@@ -435,14 +436,14 @@ class AutoCompressor(Compressor):
                    out: torch.Tensor | None = None) -> torch.Tensor:
         cand, inner = self._cand(ctx)
         if out is not None and cand.decodes_into:
-            return cand.decompress(payload, inner, out=out)  # type: ignore[call-arg]
+            return cand.decompress(payload, inner, out=out)
         return cand.decompress(payload, inner)
 
     def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         cand, inner = self._cand(ctx)
         if out is not None and cand.decodes_into:
-            return cand.aggregate(payloads, inner, out=out)  # type: ignore[call-arg]
+            return cand.aggregate(payloads, inner, out=out)
         return cand.aggregate(payloads, inner)
 
     # ------------------------------------------------------------------ state

@@ -36,8 +36,9 @@ The contract every caller may rely on (stable API):
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -95,17 +96,27 @@ class Compressor:
         """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
         raise NotImplementedError
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode one payload (or the sum of payloads, when summable) to a flat tensor shaped
-        and typed like the original bucket."""
+        and typed like the original bucket.
+
+        Args:
+            payload: What :meth:`compress` returned (or the group's sum of it).
+            ctx: The context :meth:`compress` returned with it.
+            out: Only for compressors with ``decodes_into``: a tensor shaped like the bucket to
+                decode into (and return) when it fits. Others are never given one.
+        """
         raise NotImplementedError
 
-    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any) -> torch.Tensor:
-        """Sum of the decoded payloads of every rank (used when not summable)."""
-        out = self.decompress(payloads[0], ctx)
+    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of the decoded payloads of every rank (used when not summable); ``out`` as for
+        :meth:`decompress`."""
+        total = self.decompress(payloads[0], ctx)
         for p in payloads[1:]:
-            out = out + self.decompress(p, ctx)
-        return out
+            total = total + self.decompress(p, ctx)
+        return total
 
     def next_round(self, reduced: list[torch.Tensor], ctx: Any) -> list[torch.Tensor] | None:
         """After a round's allreduce, return the next payload to allreduce, or ``None``.
@@ -171,9 +182,9 @@ class NoneCompressor(Compressor):
     summable = True
     homogeneous = True
     _horovod_style = True
-    compress = ClassOrInstance(lambda t: (t, None),  # type: ignore[assignment]
+    compress = ClassOrInstance(lambda t: (t, None),
                                lambda self, flat, key: ([flat], None))
-    decompress = ClassOrInstance(lambda t, ctx: t,  # type: ignore[assignment]
+    decompress = ClassOrInstance(lambda t, ctx: t,
                                  lambda self, payload, ctx: payload[0])
 
 
@@ -191,7 +202,7 @@ def available() -> list[str]:
     return _REGISTRY.available()
 
 
-def get_compressor(spec: "str | Compressor | None") -> Compressor:
+def get_compressor(spec: str | Compressor | None) -> Compressor:
     """Build a compressor from a name with options (``"topk:0.01"``) or return the object given.
 
     Raises:
@@ -206,7 +217,7 @@ def get_compressor(spec: "str | Compressor | None") -> Compressor:
     if not isinstance(spec, str):
         # Duck-typed compressors (e.g. parlay.Compression.fp16 objects) are accepted as is.
         if hasattr(spec, "compress") and hasattr(spec, "decompress"):
-            return spec  # type: ignore[return-value]
+            return spec
         raise ConfigError(f"compression must be a name like 'fp16' or 'topk:0.01' or a "
                           f"Compressor, got {type(spec).__name__}.")
     factory, args = _REGISTRY.lookup(spec)
@@ -254,7 +265,8 @@ def _nbytes(ts: list[torch.Tensor]) -> int:
 
 def further_rounds(compressor: Compressor, reduced: list[torch.Tensor], ctx: Any,
                    stats: CommStats | None,
-                   reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]) -> list[torch.Tensor]:
+                   reduce: Callable[[list[torch.Tensor]], list[torch.Tensor]]
+                   ) -> list[torch.Tensor]:
     """Run a summable compressor's further rounds (:meth:`Compressor.next_round`, e.g.
     PowerSGD's Q or fp16's overflow retry) with ``reduce`` summing each round's payload over
     the group; returns the last reduced payload."""
@@ -332,7 +344,7 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         def finish() -> torch.Tensor:
             reduced = rounds.result()
             if into is not None and getattr(compressor, "decodes_into", False):
-                out = compressor.decompress(reduced, ctx, out=into)  # type: ignore[call-arg]
+                out = compressor.decompress(reduced, ctx, out=into)
             else:
                 out = compressor.decompress(reduced, ctx)
             return out.div_(world) if average else out
@@ -349,7 +361,7 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
                     for r in range(world)]
         if into is not None and getattr(compressor, "decodes_into", False):
-            out = compressor.aggregate(per_rank, ctx, out=into)  # type: ignore[call-arg]
+            out = compressor.aggregate(per_rank, ctx, out=into)
         else:
             out = compressor.aggregate(per_rank, ctx)
         return out.div_(world) if average else out

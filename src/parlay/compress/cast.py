@@ -9,8 +9,9 @@ al. 2018) applied to communication. The scale is per bucket and is derived from 
 *reduced* result, which is identical on every rank, so every rank always uses the same scale and
 the fp16 sum stays decodable; no extra message is needed to agree on it. The target puts the
 summed bucket's largest magnitude at 2**10, a factor 64 below the fp16 limit: room for partial
-sums and for gradient spikes between steps (with 4x headroom, MNIST training retried about one
-step in a hundred), while entries down to 2**-24 of the largest still stay normal numbers. If a sum still overflows (first step, a gradient spike, or genuinely
+sums and for gradient spikes between steps (less headroom made MNIST training retry steps often;
+see docs/benchmarks.md, "Design measurements"), while entries down to 2**-24 of the largest
+still stay normal numbers. If a sum still overflows (first step, a gradient spike, or genuinely
 non-finite gradients), every rank sees the ``inf`` in the same reduced tensor and the bucket is
 re-sent in its own dtype in a second round, so an overflow never reaches the gradient; the scale
 is then recomputed. Multiplying by a power of two is exact, so scaling adds no rounding error.
@@ -19,8 +20,9 @@ bf16 has fp32's exponent range and needs no scale.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -69,7 +71,7 @@ class _Cast(Compressor):
         return [Round("allreduce", numel * 2, half=True)]
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return numel * costs.cast_s_per_elem
+        return float(numel * costs.cast_s_per_elem)
 
     def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
         return (ctx.dtype, ctx.scale, ctx.fallback)
@@ -114,7 +116,8 @@ class FP16(_Cast):
         scale = float(init_scale)
         if not (math.isfinite(scale) and scale > 0):
             raise ConfigError(f"fp16 init_scale must be a finite number > 0, got {init_scale!r}. "
-                              "Hint: use a power of two such as fp16:1 (a plain cast) or fp16:1024.")
+                              "Hint: use a power of two such as fp16:1 (a plain cast) or "
+                              "fp16:1024.")
         self.init_scale = scale
         self.dynamic = bool(dynamic)
         self._scale: dict[str, float] = {}

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -247,10 +248,13 @@ class ErrorFeedback(Compressor):
             self.memory.clear(ctx.key)
         return nxt
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+    # ``out`` is never given: this wrapper does not set ``decodes_into``.
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.decompress(payload, ctx.inner)
 
-    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any) -> torch.Tensor:
+    def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         return self.inner.aggregate(payloads, ctx.inner)
 
     def set_layout(self, key: str, shapes: list[tuple[int, ...]]) -> None:

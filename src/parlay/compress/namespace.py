@@ -38,8 +38,8 @@ class FP16Compressor(FP16):
     parlay's fp16 with a shared power-of-two scale that avoids overflow."""
 
     _horovod_style = True
-    compress = ClassOrInstance(_fp16_compress, FP16.compress)  # type: ignore[assignment]
-    decompress = ClassOrInstance(_fp16_decompress, FP16.decompress)  # type: ignore[assignment]
+    compress = ClassOrInstance(_fp16_compress, FP16.compress)
+    decompress = ClassOrInstance(_fp16_decompress, FP16.decompress)
 
 
 class Compression:

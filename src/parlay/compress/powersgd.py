@@ -27,8 +27,9 @@ that to pay is sent dense. PowerSGD needs its two collective rounds, so it only 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -39,9 +40,8 @@ from parlay.errors import ConfigError
 __all__ = ["PowerSGD"]
 
 # Row blocks for the rank-r products. BLAS runs a product with an inner or outer dimension of
-# r (4) far below its peak; in blocks whose output stays in cache the same FLOPs take 0.6-0.8x
-# the time (measured on a 4096x4096 matrix, one thread: decode 13 -> 8.6 ms, residual update
-# 9.1 -> 7.6 ms, P = M Q 10.5 -> 7-8 ms).
+# r (4) far below its peak; in blocks whose output stays in cache the same FLOPs take less time
+# (figures in docs/benchmarks.md, "Design measurements").
 _ROWS_OUT = 16     # decode and residual update: a 16 x cols output block
 _ROWS_IN = 512     # P = M Q: 512 rows of M per product
 
@@ -187,7 +187,8 @@ class PowerSGD(Compressor):
         return [Round("allreduce", p * 4)] + ([Round("allreduce", q * 4)] if q else [])
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return numel * (costs.powersgd_s_per_elem + self.rank * costs.powersgd_s_per_elem_rank)
+        return float(numel * (costs.powersgd_s_per_elem
+                              + self.rank * costs.powersgd_s_per_elem_rank))
 
     def _start_q(self, key: str, i: int, m: _Mat, like: torch.Tensor, step: int) -> torch.Tensor:
         qs = self._q.setdefault(key, [])

@@ -28,8 +28,9 @@ order, so all ranks pick the same coordinates and one allreduce of the values is
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -226,7 +227,7 @@ class TopK(_Sparsifier):
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
         k = max(1.0, self.ratio * numel)  # every rank's k values are added into the bucket
-        return numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem
+        return float(numel * costs.topk_s_per_elem + world * k * costs.scatter_s_per_elem)
 
     def _rounded(self, values: torch.Tensor) -> torch.Tensor:
         if not self.compact:
@@ -249,8 +250,9 @@ class TopK(_Sparsifier):
         r = r[:-1] + f", sample={self.sample})" if self.sample else r
         return r[:-1] + ", compact=True)" if self.compact else r
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
-        return self.aggregate([payload], ctx)
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        return self.aggregate([payload], ctx, out)
 
     def aggregate(self, payloads: list[list[torch.Tensor]], ctx: Any,
                   out: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,7 +306,7 @@ class RandomK(_Sparsifier):
         return [Round("allreduce", self.k_for(numel, self.ratio) * bytes_per_element)]
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return numel * costs.randomk_s_per_elem
+        return float(numel * costs.randomk_s_per_elem)
 
     def _indices(self, x: torch.Tensor, k: int, key: str, step: int) -> tuple[torch.Tensor, int]:
         seed = seed_for(self.seed, key, step)

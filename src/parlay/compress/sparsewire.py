@@ -28,7 +28,7 @@ def pack_compact(values: torch.Tensor, idx: torch.Tensor, numel: int, k: int) ->
     with zeros at coordinate 0): per-block counts, bfloat16 values, 16-bit offsets."""
     nblocks = (numel + (1 << _BLOCK_BITS) - 1) >> _BLOCK_BITS
     if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):  # (top-k's are ascending)
-        idx, order = torch.sort(idx, stable=True)  # a radix sort here: 2-3x faster than not
+        idx, order = torch.sort(idx, stable=True)  # stable: a radix sort, faster here
         values = values.index_select(0, order)
     counts = torch.bincount(idx >> _BLOCK_BITS, minlength=nblocks)
     pad = k - idx.numel()

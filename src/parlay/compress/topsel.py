@@ -1,13 +1,13 @@
 """Top-k selection: the indices of the ``k`` largest entries (or magnitudes) of a bucket.
 
-A full ``torch.topk`` over a large bucket is the slowest part of top-k compression (47 ms for
-2.9M floats on one core here). Like DGC (Lin et al. 2018) we first estimate a threshold from a
-random sample, keep only the entries above it (one pass), and choose among those few.
+A full ``torch.topk`` over a large bucket is the slowest part of top-k compression. Like DGC
+(Lin et al. 2018) we first estimate a threshold from a random sample, keep only the entries
+above it (one pass), and choose among those few.
 
 That pass is memory-bound work: |x|, a comparison and a scan for the set bits. On CPU tensors of
-the dtypes NumPy knows it runs on NumPy views of the same memory (no copy): 2.2 ms for a 2.9M
-bucket on one core here against 5.2 ms for the same three steps as torch ops (torch's CPU
-``nonzero`` alone takes 3 ms; NumPy's ``flatnonzero`` 1). Other devices and dtypes (CUDA,
+the dtypes NumPy knows it runs on NumPy views of the same memory (no copy), which measured
+faster than the same three steps as torch ops (torch's CPU ``nonzero`` is the slow one; figures
+in docs/benchmarks.md, "Design measurements"). Other devices and dtypes (CUDA,
 bfloat16) take the torch ops. Both give the same indices.
 
 The final choice among the candidates keeps them in ascending order (a partition for the k-th
@@ -104,7 +104,7 @@ def _select(x: torch.Tensor, k: int, magnitude: bool, sample: float,
     # tie-breaking at the k-th value); the sampled path draws a new one each step.
     g = torch.Generator(device=x.device).manual_seed(n * 31 + k + (1_000_003 * seed if sample
                                                                    else 0))
-    # index_select/index_fill_/scatter_add_ rather than x[idx]: 2-3x faster on CPU
+    # index_select/index_fill_/scatter_add_ rather than x[idx]: faster on CPU
     sample_vals = x.index_select(0, torch.randint(n, (m,), generator=g, device=x.device))
     if magnitude:
         sample_vals = sample_vals.abs()

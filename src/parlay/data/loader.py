@@ -7,8 +7,8 @@ Two things the original TensorLayer trainer got wrong are fixed here:
   ``num_workers=0`` a background thread keeps ``prefetch`` batches ready, so loading overlaps
   the training step even without worker processes. ``prefetch=None`` (the default) chooses:
   2 batches, except for in-memory tensor datasets in this process, whose batch costs one
-  ``index_select`` (~0.1 ms for MNIST) -- there a thread only competes for the GIL and the
-  cores, which measured ~10% slower on 2 loaded cores, so they load inline.
+  ``index_select`` -- there a thread only competes for the GIL and the cores, which measured
+  slower than loading inline (docs/benchmarks.md, "Design measurements"), so they load inline.
 * In-memory tensor datasets (``TensorDataset`` and ``parlay.data.mnist``) are fetched one batch
   at a time with a single fancy index instead of ``batch_size`` ``__getitem__`` calls and a
   collate, which costs almost nothing next to the training step.

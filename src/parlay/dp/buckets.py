@@ -8,8 +8,8 @@ Buckets never mix dtypes or devices; a bucket closes as soon as it reaches the c
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -53,7 +53,7 @@ class BucketPlan:
 
     @staticmethod
     def build(params: Sequence[ParamInfo], cap_bytes: int,
-              first_cap_bytes: int | None = None) -> "BucketPlan":
+              first_cap_bytes: int | None = None) -> BucketPlan:
         """Plan buckets for ``params`` (in registration order).
 
         Args:

@@ -4,30 +4,28 @@ crosses the network)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.dp.ops import ReduceOp
 from parlay.errors import ConfigError
+from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["check_arguments", "check_passes", "named_parameters", "check_consistency"]
 
 
 def _check_op(op: Any) -> ReduceOp:
-    try:
-        op = ReduceOp(int(op))
-    except (ValueError, TypeError):
-        raise ConfigError(f"op must be parlay.Average or parlay.Sum, got {op!r}.") from None
-    if op == ReduceOp.Adasum:
+    rop = reduce_op(op)
+    if rop == ReduceOp.Adasum:
         raise ConfigError("op=Adasum is not supported by parlay's DistributedOptimizer. "
                           "Hint: use op=parlay.Average (with the learning rate scaled "
                           "by parlay.size()), which is what Adasum approximates.")
-    if op not in (ReduceOp.Average, ReduceOp.Sum):
-        raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {op.name}.")
-    return op
+    if rop not in (ReduceOp.Average, ReduceOp.Sum):
+        raise ConfigError(f"DistributedOptimizer supports op=Average or Sum, got {rop.name}.")
+    return rop
 
 
 def check_passes(passes: Any) -> int:
@@ -48,18 +46,18 @@ def check_arguments(optimizer: Any, op: Any, passes: Any, bucket_cap_mb: Any,
         raise ConfigError(f"DistributedOptimizer wraps a torch.optim.Optimizer, got "
                           f"{type(optimizer).__name__}. Hint: build the optimizer first, "
                           "e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
-    op = _check_op(op)
+    rop = _check_op(op)
     check_passes(passes)
     if not bucket_cap_mb > 0:
         raise ConfigError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
     if not predivide > 0:
         raise ConfigError(f"gradient_predivide_factor must be positive, got {predivide!r}.")
-    if op == ReduceOp.Sum and predivide != 1.0:
+    if rop == ReduceOp.Sum and predivide != 1.0:
         raise ConfigError("gradient_predivide_factor only applies to op=Average.")
     if not dist.is_initialized():
         raise ConfigError("DistributedOptimizer needs a process group. "
                           "Hint: call parlay.init() first.")
-    return op
+    return rop
 
 
 def named_parameters(optimizer: torch.optim.Optimizer,

@@ -12,19 +12,21 @@ parlay.horovod.broadcast_parameters``). With a ``process_group``, ``root_rank`` 
 that group; everywhere else it is a global rank.
 
 The Horovod-named tensor collectives (``parlay.allreduce``, ``allgather``, ``broadcast`` and
-their ``_async`` forms) keep Horovod's semantics (matched by name, join-aware, on a background
-engine) and so live in :mod:`parlay.horovod.functions`; ``parlay`` re-exports them lazily. The
-core's own tensor collectives are :mod:`parlay.comm`'s.
+their ``_async`` forms) keep Horovod's semantics (matched by name, join-aware, negotiated in
+the calling thread) and so live in :mod:`parlay.horovod.functions`; ``parlay`` re-exports them
+lazily. The core's own tensor collectives are :mod:`parlay.comm`'s.
 """
 from __future__ import annotations
 
 import collections
-from typing import Any, Iterable, Mapping, Protocol
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from parlay import comm
+from parlay._tree import map_tensors, tensors_in
 from parlay.errors import ConfigError
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
@@ -81,7 +83,8 @@ def _group_and_root(root_rank: int, process_set: Any, process_group: Any) -> tup
 def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
                         process_group: Any = None) -> None:
     """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = collections.defaultdict(list)
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = \
+        collections.defaultdict(list)
     for t in tensors:
         groups[(t.dtype, t.device)].append(t)
     for ts in groups.values():
@@ -136,35 +139,6 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any],
     coalesced_broadcast(tensors, root, group)
 
 
-def _strip_tensors(obj: Any, out: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return ("__parlay_tensor__", len(out) - 1, tuple(obj.shape), str(obj.dtype).split(".")[-1])
-    if isinstance(obj, dict):
-        return {k: _strip_tensors(v, out) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_strip_tensors(v, out) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_strip_tensors(v, out) for v in obj)
-    return obj
-
-
-def _is_slot(o: Any) -> bool:
-    return isinstance(o, tuple) and len(o) == 4 and o[0] == "__parlay_tensor__"
-
-
-def _fill_tensors(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if _is_slot(obj):
-        return tensors[obj[1]]
-    if isinstance(obj, dict):
-        return {k: _fill_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_fill_tensors(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_fill_tensors(v, tensors) for v in obj)
-    return obj
-
-
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int = 0,
                               model: Any = None, process_set: Any = None, *,
                               process_group: Any = None) -> None:
@@ -183,34 +157,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     """
     group, root = _group_and_root(root_rank, process_set, process_group)
     me = comm.group_rank(group)
-    tensors: list[torch.Tensor] = []
-    skeleton = _strip_tensors(optimizer.state_dict(), tensors) if me == root else None
-    skeleton = comm.broadcast_object(skeleton, src=root, group=group)
+    state = optimizer.state_dict() if me == root else None
+    # The structure travels as an object, each tensor in it as a shape-only ("meta") tensor.
+    skeleton = comm.broadcast_object(
+        None if state is None else map_tensors(lambda t: t.to("meta"), state),
+        src=root, group=group)
     # Every rank sends or receives on the first parameter's device, so the fused broadcasts
     # match (root's Adam steps live on the CPU, its buffers on the parameters' device).
     dev = next((p.device for g in optimizer.param_groups for p in g["params"]),
                torch.device("cpu"))
-    if me != root:
-        metas: list[tuple[int, tuple[int, ...], str]] = []
-
-        def collect(o: Any) -> None:
-            if _is_slot(o):
-                metas.append((o[1], o[2], o[3]))
-            elif isinstance(o, dict):
-                for v in o.values():
-                    collect(v)
-            elif isinstance(o, (list, tuple)):
-                for v in o:
-                    collect(v)
-        collect(skeleton)
-        metas.sort()
-        tensors = [torch.empty(shape, dtype=getattr(torch, dt), device=dev)
-                   for _, shape, dt in metas]
+    if state is not None:
+        tensors = [t.detach().to(dev, copy=True) for t in tensors_in(state)]
     else:
-        tensors = [t.detach().to(dev, copy=True) for t in tensors]
+        tensors = [torch.empty(t.shape, dtype=t.dtype, device=dev)
+                   for t in tensors_in(skeleton)]
     coalesced_broadcast(tensors, root, group)
-    if me != root:
-        optimizer.load_state_dict(_fill_tensors(skeleton, tensors))
+    if state is None:
+        received = iter(tensors)
+        optimizer.load_state_dict(map_tensors(lambda _: next(received), skeleton))
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,

@@ -14,9 +14,9 @@ Only step 2 uses host links: ``2(n-1)/n`` of the model per host and step (one mo
 split over ``l`` parallel rings. This is the scheme of Horovod's hierarchical allreduce and of
 NCCL's tree/ring split, built from c10d collectives on subgroups. The sum is the same as the
 flat one up to floating-point summation order. Steps 1 and 3 are allreduces rather than a
-reduce-scatter and an all-gather: gloo's allreduce is 2-3x faster for the same bucket (67 MB
-on 2 local ranks: 0.15-0.35 s against 0.45-0.7 s), and its reduce-scatter spends 0.1-0.2 s of
-its launch on the calling thread, which held up backward.
+reduce-scatter and an all-gather: gloo's allreduce is faster for the same bucket, and its
+reduce-scatter spends much of its launch on the calling thread, which held up backward
+(figures in docs/benchmarks.md, "Design measurements").
 
 Step 2 of a bucket starts the moment its step 1 finishes, also while backward still runs: a
 helper thread (one per step) waits for step 1 of each bucket in turn, starts its step 2,
@@ -56,7 +56,7 @@ class Topology:
     hosts: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def from_node_ids(cls, node_ids: list[int]) -> "Topology":
+    def from_node_ids(cls, node_ids: list[int]) -> Topology:
         """Group ranks by host: ``node_ids[r]`` is the host of group rank ``r``."""
         order: dict[int, list[int]] = {}
         for r, node in enumerate(node_ids):
@@ -145,7 +145,7 @@ class HierarchicalReducer:
         self._open = 0  # buckets handed to the helper this step and not waited for yet
 
     # ----------------------------------------------------------------- the three steps
-    def _sum_local(self, payload: list[torch.Tensor]) -> "_Bucket":
+    def _sum_local(self, payload: list[torch.Tensor]) -> _Bucket:
         """Step 1 for every tensor of ``payload``, started asynchronously."""
         ls = self.local_size
         bk = _Bucket([p.numel() for p in payload], [p.shape for p in payload])
@@ -163,7 +163,7 @@ class HierarchicalReducer:
         n = flat.numel() // self.local_size
         return slice(self.local_index * n, (self.local_index + 1) * n)
 
-    def _cross(self, bk: "_Bucket") -> None:
+    def _cross(self, bk: _Bucket) -> None:
         """Wait for step 1, then step 2 (blocking: one bucket on the host link at a time)."""
         for w in bk.works:
             w.wait()
@@ -178,7 +178,7 @@ class HierarchicalReducer:
         for w in works:
             w.wait()
 
-    def _share(self, bk: "_Bucket") -> None:
+    def _share(self, bk: _Bucket) -> None:
         """Step 3, started asynchronously (step 2 is done)."""
         bk.works = []
         for flat in bk.flats:
@@ -187,7 +187,7 @@ class HierarchicalReducer:
             flat[mine.stop:].zero_()
             bk.works.append(comm.allreduce(flat, "sum", group=self._share_group, async_op=True))
 
-    def _result(self, bk: "_Bucket") -> list[torch.Tensor]:
+    def _result(self, bk: _Bucket) -> list[torch.Tensor]:
         for w in bk.works:
             w.wait()
         return [flat[:k].view(shape) for flat, k, shape in zip(bk.flats, bk.numels, bk.shapes)]
@@ -200,13 +200,13 @@ class HierarchicalReducer:
         return self._result(bk)
 
     # ----------------------------------------------------------------- the helper thread
-    def _hand_over(self, bk: "_Bucket") -> None:
+    def _hand_over(self, bk: _Bucket) -> None:
         if self._helper is None:
             self._helper = _Helper(self)
         self._helper.todo.put(bk)
         self._open += 1
 
-    def _await(self, bk: "_Bucket") -> list[torch.Tensor]:
+    def _await(self, bk: _Bucket) -> list[torch.Tensor]:
         helper = self._helper
         assert helper is not None
         while not bk.crossed.wait(1.0):
@@ -259,7 +259,7 @@ class _Helper(threading.Thread):
     def __init__(self, reducer: HierarchicalReducer) -> None:
         super().__init__(name="parlay-hierarchical", daemon=True)
         self.reducer = reducer
-        self.todo: "queue.SimpleQueue[_Bucket | None]" = queue.SimpleQueue()
+        self.todo: queue.SimpleQueue[_Bucket | None] = queue.SimpleQueue()
         self.start()
 
     def run(self) -> None:

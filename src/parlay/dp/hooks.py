@@ -11,7 +11,8 @@ this small state object; the collective itself is a :class:`Reducer`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 

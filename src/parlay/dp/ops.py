@@ -2,7 +2,7 @@
 ``parlay.dp`` (and ``parlay``) export them, numbered as Horovod numbers them."""
 from __future__ import annotations
 
-from parlay.comm import ReduceOp
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product"]
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_compressor
@@ -97,9 +97,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     trainable parameters are ``_named`` (``(name, parameter)`` pairs).
     """
 
-    param_groups = _shared("param_groups")  # type: ignore[assignment]
-    state = _shared("state")  # type: ignore[assignment]
-    defaults = _shared("defaults")  # type: ignore[assignment]
+    param_groups = _shared("param_groups")
+    state = _shared("state")
+    defaults = _shared("defaults")
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -278,7 +278,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         finally:
             eng.silent = was
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize gradients (unless inside :meth:`skip_synchronize`), then step."""
         if self._should_synchronize:
             if self._synchronized:

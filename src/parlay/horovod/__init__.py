@@ -6,8 +6,9 @@ Everything runs on PyTorch's own distributed engine (c10d: gloo on CPU, NCCL on 
 sets are process groups; asynchronous operations return handles for ``poll``/``synchronize``;
 operations are matched across ranks by name, as in Horovod (negotiated when a rank waits, with
 descriptors sent as tensors), and ranks that disagree on shapes, dtypes or roots get
-:class:`HorovodInternalError` rather than a hang. The names parlay also exports (``init``, ``rank``, ``DistributedOptimizer``,
-``allreduce``, ``Compression``, ...) are the very same objects as ``parlay.<name>``.
+:class:`HorovodInternalError` rather than a hang. The names parlay also exports (``init``,
+``rank``, ``DistributedOptimizer``, ``allreduce``, ``Compression``, ...) are the very same
+objects as ``parlay.<name>``.
 
 This package is a leaf: it builds on parlay's core (runtime, comm, dp, compress) and nothing in
 the core imports it (an import contract in ``pyproject.toml`` holds that). ``parlay`` re-exports
@@ -15,7 +16,6 @@ its Horovod-only names (``parlay.allreduce``, ``parlay.DistributedOptimizer``, `
 ...) lazily, so only a script that uses one of them loads this package; a ``Trainer`` never
 does, and so never negotiates or exports ``HOROVOD_*`` variables.
 """
-from parlay.comm import ReduceOp
 from parlay.dp.functions import (allgather_object, broadcast_object, broadcast_optimizer_state,
                                  broadcast_parameters)
 from parlay.dp.ops import Adasum, Average, Max, Min, Product, Sum
@@ -39,6 +39,7 @@ from parlay.horovod.process_sets import (ProcessSet, add_process_set, global_pro
                                          remove_process_set)
 from parlay.horovod.sync_batch_norm import SyncBatchNorm
 from parlay.horovod.timeline import start_timeline, stop_timeline
+from parlay.reduce_ops import ReduceOp
 from parlay.runtime import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                             rank, shutdown, size)
 

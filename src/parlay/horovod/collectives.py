@@ -11,19 +11,19 @@ gradient (sliced, or zero off the root). Alltoall and reducescatter are in
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from parlay import comm
-from parlay.comm import ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod import execute
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.engine import Engine, Handle, Meta, Request, decode, encode, exchange
 from parlay.horovod.groups import Group
 from parlay.horovod.process_sets import ProcessSet, global_process_set
+from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["target", "resolve_op", "submit", "AllreduceFn", "GroupedAllreduceFn",
            "AllgatherFn", "GroupedAllgatherFn", "BroadcastFn", "set_size", "set_rank_of",
@@ -121,13 +121,7 @@ def resolve_op(average: bool | None, op: Any, default: ReduceOp = ReduceOp.Avera
         raise ConfigError("pass either average= (deprecated) or op=, not both.")
     if op is None:
         return default if average is None else (ReduceOp.Average if average else ReduceOp.Sum)
-    if isinstance(op, str):
-        return comm.reduce_op(op)       # parlay's names ("sum", "avg", ...) map the same way
-    try:
-        return ReduceOp(int(op))
-    except (ValueError, TypeError):
-        raise ConfigError(f"op must be one of hvd.Average, Sum, Adasum, Min, Max, Product; "
-                          f"got {op!r}.") from None
+    return reduce_op(op)  # hvd.Average, ..., their numbers, or parlay's names ("sum", "avg")
 
 
 def _check_tensors(kind: str, tensors: Sequence[torch.Tensor]) -> None:

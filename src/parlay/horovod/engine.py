@@ -28,6 +28,7 @@ from parlay import comm, runtime
 from parlay.horovod import execute, timeline
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["Engine", "Handle", "Meta", "Request", "exchange"]
 
@@ -348,7 +349,7 @@ class Engine:
         assert self.group is not None
         counters = torch.tensor(self._counters, dtype=torch.int64,
                                 device=self.group.control_device())
-        self.group.all_reduce(counters, int(comm.ReduceOp.Max))
+        self.group.all_reduce(counters, int(ReduceOp.Max))
         self._counters = counters.tolist()
         return self.global_ranks[last]
 

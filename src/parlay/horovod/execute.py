@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from parlay.comm import ReduceOp
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["run_ready", "check", "scale_", "adasum", "scatter_rows"]
 
@@ -233,8 +233,8 @@ def _run_one(g: Group, m: Any, metas: dict[int, Any], req: Any) -> Any:
         return None
     if m.kind == "allreduce":              # Adasum: gather everything, combine locally
         outs = []
-        for i, t in enumerate(req.outputs if req is not None else
-                              [_zeros(m, j) for j in range(len(m.dtypes))]):
+        for t in (req.outputs if req is not None else
+                  [_zeros(m, j) for j in range(len(m.dtypes))]):
             scale_(t, m.prescale)
             parts = _gather_bytes(g, [t.reshape(1, -1)], {r: [1] for r in range(size)})[0]
             parts = parts.view(size, -1)

@@ -5,8 +5,8 @@ parlay.horovod.allreduce``: ``parlay`` re-exports these lazily, for Horovod user
 Same argument names and order as Horovod, defaults (``op=Average``), autograd rules and
 asynchronous handles (``hvd.poll`` / ``hvd.synchronize``, or ``handle.wait()``). They run on a
 *process set* (default: every rank), matched across ranks by name (:mod:`parlay.horovod.engine`:
-an operation runs once every rank submitted it and some rank waits); ranks that disagree on shape, dtype or root
-get :class:`~parlay.horovod.HorovodInternalError` instead of a hang.
+an operation runs once every rank submitted it and some rank waits); ranks that disagree on
+shape, dtype or root get :class:`~parlay.horovod.HorovodInternalError` instead of a hang.
 
 Every function also takes ``process_group=``: a plain torch group, on which the operation runs
 at once, matched by call order as c10d does (no names, no join). There,

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from parlay import comm, runtime
+from parlay.reduce_ops import c10d_op
 
 __all__ = ["Group"]
 
@@ -78,7 +79,7 @@ class Group:
 
     def all_reduce(self, t: torch.Tensor, op: int) -> None:
         o = dist.AllreduceOptions()
-        o.reduceOp = comm.c10d_op(op)
+        o.reduceOp = c10d_op(op)
         self._run("allreduce", t, lambda be: be.allreduce([t], o))
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
@@ -102,5 +103,5 @@ class Group:
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: int) -> None:
         o = dist.ReduceScatterOptions()
-        o.reduceOp = comm.c10d_op(op)
+        o.reduceOp = c10d_op(op)
         self._run("reducescatter", t, lambda be: be._reduce_scatter_base(out, t, o))

@@ -8,17 +8,18 @@ and (keyword-only) ``process_group`` for a plain torch group. See
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from parlay.comm import ReduceOp
 from parlay.horovod import collectives as c
 from parlay.horovod import scatter
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
 from parlay.horovod.engine import Handle, Meta, Request
 from parlay.horovod.functions import allgather_async, global_root, horovod_compressor
 from parlay.horovod.process_sets import ProcessSet, global_process_set
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["allreduce_", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
            "grouped_allreduce_async", "grouped_allreduce_async_", "sparse_allreduce_async",

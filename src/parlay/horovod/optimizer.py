@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
 from parlay.compress.base import Compressor, NoneCompressor
-from parlay.comm import ReduceOp
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
+from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["DistributedOptimizer"]
 
@@ -38,7 +39,8 @@ class _HorovodCompressor(Compressor):
         sent, ctx = self.inner.compress(flat)
         return [sent], ctx
 
-    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+    def decompress(self, payload: list[torch.Tensor], ctx: Any,
+                   out: torch.Tensor | None = None) -> torch.Tensor:  # no decodes_into: no out
         return self.inner.decompress(payload[0], ctx)
 
     def __repr__(self) -> str:
@@ -107,8 +109,8 @@ def _bucket_cap_mb(given: float | None) -> float:
 
 def _is_adasum(op: Any) -> bool:
     try:
-        return ReduceOp(int(op)) == ReduceOp.Adasum
-    except (TypeError, ValueError):
+        return reduce_op(op) == ReduceOp.Adasum
+    except ConfigError:
         return False
 
 

@@ -10,7 +10,8 @@ it, in the same order, as with ``HOROVOD_DYNAMIC_PROCESS_SETS=1``. ``root_rank``
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -22,7 +23,7 @@ __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_proces
 
 # id -> set, for the current init generation (runtime.generation(): groups made before the last
 # shutdown/init are dead, so a set from an older generation is stale)
-_sets: dict[int, "ProcessSet"] = {}
+_sets: dict[int, ProcessSet] = {}
 _next_id = 1
 
 

@@ -6,14 +6,15 @@ allgather of the (size-scaled, for Sum) gradient. Both run through
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from parlay.comm import ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod.basics import HorovodUnsupportedError
 from parlay.horovod.collectives import _first, set_size, submit
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["alltoall_splits", "AlltoallFn", "reducescatter_check", "ReducescatterFn",
            "GroupedReducescatterFn"]

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from parlay.comm import ReduceOp
 from parlay.errors import ConfigError
 from parlay.horovod import collectives as c
+from parlay.reduce_ops import ReduceOp
 
 __all__ = ["SyncBatchNorm"]
 

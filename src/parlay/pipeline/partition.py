@@ -19,8 +19,9 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn

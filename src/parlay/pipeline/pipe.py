@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -208,7 +209,8 @@ class Pipeline:
         """This rank's parameters and buffers under their full-model names."""
         out: dict[str, torch.Tensor] = {}
         for mod in self.modules:
-            out.update({original_name(k, self.traced): v for k, v in mod.layers.state_dict().items()})
+            out.update({original_name(k, self.traced): v
+                        for k, v in mod.layers.state_dict().items()})
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -221,7 +223,7 @@ class Pipeline:
             keys = mod.layers.state_dict().keys()
             mod.layers.load_state_dict({k: state[original_name(k, self.traced)] for k in keys})
 
-    def train(self, mode: bool = True) -> "Pipeline":
+    def train(self, mode: bool = True) -> Pipeline:
         """Set the stage modules' training mode."""
         for mod in self.modules:
             mod.train(mode)

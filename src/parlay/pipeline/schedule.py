@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -33,8 +34,9 @@ from torch.distributed.pipelining import (
 from parlay.errors import ConfigError
 from parlay.registry import Registry
 
-__all__ = ["wire_dtype", "StageModule", "StageMeter", "InstrumentedStage", "ScheduleSpec", "register_schedule",
-           "get_schedule", "available_schedules", "theoretical_bubble", "WIRE_DTYPES"]
+__all__ = ["wire_dtype", "StageModule", "StageMeter", "InstrumentedStage", "ScheduleSpec",
+           "register_schedule", "get_schedule", "available_schedules", "theoretical_bubble",
+           "WIRE_DTYPES"]
 
 #: Names accepted for ``activation_dtype``.
 WIRE_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -74,8 +76,12 @@ def _cast(value: Any, dtypes: Any) -> Any:
 
 
 def _device_type(value: Any) -> str:
-    t = value if isinstance(value, torch.Tensor) else next(
-        (v for v in value if isinstance(v, torch.Tensor)), None) if isinstance(value, tuple) else None
+    if isinstance(value, torch.Tensor):
+        t: torch.Tensor | None = value
+    elif isinstance(value, tuple):
+        t = next((v for v in value if isinstance(v, torch.Tensor)), None)
+    else:
+        t = None
     return t.device.type if t is not None else "cpu"
 
 
@@ -153,7 +159,8 @@ class StageMeter:
     fwd_dense_bytes: int = 0
     bwd_dense_bytes: int = 0
     messages: int = 0
-    defer_grad_sync: Callable[[], ContextManager[Any]] | None = field(default=None, repr=False)
+    defer_grad_sync: Callable[[], contextlib.AbstractContextManager[Any]] | None = field(
+        default=None, repr=False)
 
     def reset(self) -> None:
         self.compute_s = self.compute_cpu_s = 0.0

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -70,9 +71,9 @@ class ScaledLoss:
         with self.meter.timing(), amp:
             loss = self.fn(output, target)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ConfigError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                                  f"{'' if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}."
-                                  " Hint: use reduction='mean'.")
+                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+                raise ConfigError(f"loss_fn must return a scalar tensor, got "
+                                  f"{type(loss).__name__}{shape}. Hint: use reduction='mean'.")
             return loss * self.scale if self.scale != 1.0 else loss
 
 

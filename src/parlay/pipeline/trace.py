@@ -10,7 +10,8 @@ skips a stage is refused with a hint.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch.nn as nn
 

@@ -12,8 +12,8 @@ latency), so ``parlay plan`` can rank them before anything runs::
         print(p.label, p.step_s, p.dominant)
 
 The pure formulas live in :mod:`parlay.plan.model` and :mod:`parlay.plan.modes` (they ask each
-compressor for its own wire and codec cost); :mod:`parlay.plan.calibrate` measures this machine's constants and a
-user's model (import it explicitly: it starts processes).
+compressor for its own wire and codec cost); :mod:`parlay.plan.calibrate` measures this
+machine's constants and a user's model (import it explicitly: it starts processes).
 """
 from parlay.plan.advise import (COMPRESSORS, MODES, Prediction, explain, predict, rank_configs,
                                 recommend)

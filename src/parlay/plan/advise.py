@@ -6,8 +6,9 @@ and says why (the term that dominates its step, and what the runner-up loses to)
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from parlay.errors import ConfigError
 from parlay.plan.model import ClusterSpec, Costs, Workload, compressor_of

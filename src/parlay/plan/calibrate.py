@@ -25,8 +25,9 @@ import platform
 import socket
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from parlay.plan.model import Costs, Link
 
@@ -62,7 +63,7 @@ class Calibration:
                 "links_measured": self.links_measured}
 
     @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> "Calibration":
+    def from_json(cls, doc: dict[str, Any]) -> Calibration:
         known = {f.name for f in dataclasses.fields(Costs)}
         costs = Costs(**{k: float(v) for k, v in doc["costs"].items() if k in known})
         lb = doc["loopback"]

@@ -51,12 +51,11 @@ class PlanInputError(ConfigError, SystemExit):
 
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command to ``parlay``'s sub-parsers."""
-    p = sub.add_parser("plan", help="predict step time of every mode x compressor and "
-                                    "recommend one",
-                       description="Predict the step time and samples/s of every mode x "
-                                   "compressor on your cluster, fastest first,\nand say which "
-                                   "term dominates the recommended one.",
-                       epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p: argparse.ArgumentParser = sub.add_parser(
+        "plan", help="predict step time of every mode x compressor and recommend one",
+        description="Predict the step time and samples/s of every mode x compressor on your "
+                    "cluster, fastest first,\nand say which term dominates the recommended one.",
+        epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (give --model-params, or --script to profile your own)")
     g.add_argument("--model-params", help="trainable parameters, e.g. 25e6 or 25M")
     g.add_argument("--batch", help="samples per rank (GPU) per step, e.g. 64")

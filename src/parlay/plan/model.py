@@ -15,8 +15,8 @@ registered.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from parlay.compress import Compressor, Round, available, get_compressor
 from parlay.errors import ConfigError
@@ -215,7 +215,7 @@ class Costs:
     copy_s_per_byte: float = 0.1e-9
 
 
-def compressor_of(spec: "str | Compressor | None") -> Compressor:
+def compressor_of(spec: str | Compressor | None) -> Compressor:
     """The compressor a compression string names (the registry's one grammar, e.g.
     ``"topk:0.01,compact=1"``): the cost model asks it for its rounds, bytes and codec time.
 
@@ -229,7 +229,7 @@ def compressor_of(spec: "str | Compressor | None") -> Compressor:
                           f"({', '.join(available())}): {e}") from None
 
 
-def wire_rounds(compressor: "str | Compressor | None", numel: float, world: int,
+def wire_rounds(compressor: str | Compressor | None, numel: float, world: int,
                 shapes: Sequence[Sequence[int]] | None = None,
                 bytes_per_element: int = 4) -> list[Round]:
     """The collectives that reduce ``numel`` gradient elements with ``compressor``.
@@ -245,13 +245,13 @@ def wire_rounds(compressor: "str | Compressor | None", numel: float, world: int,
     return compressor_of(compressor).wire_rounds(int(numel), shapes, bytes_per_element)
 
 
-def wire_bytes(compressor: "str | Compressor | None", numel: float, world: int = 2,
+def wire_bytes(compressor: str | Compressor | None, numel: float, world: int = 2,
                shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Payload bytes one rank contributes per reduction (what ``comm_stats()`` counts)."""
     return sum(r.nbytes for r in wire_rounds(compressor, numel, world, shapes))
 
 
-def link_bytes(compressor: "str | Compressor | None", numel: float, world: int,
+def link_bytes(compressor: str | Compressor | None, numel: float, world: int,
                shapes: Sequence[Sequence[int]] | None = None) -> float:
     """Bytes one rank sends over its link per reduction (ring collectives)."""
     return _ring_bytes(wire_rounds(compressor, numel, world, shapes), world)
@@ -302,7 +302,7 @@ def rounds_s(rounds: Sequence[Round], world: int, link: Link, costs: Costs,
     return total - min(_ring_bytes(rounds, world), credit) * link.beta
 
 
-def codec_s(compressor: "str | Compressor | None", numel: float, world: int,
+def codec_s(compressor: str | Compressor | None, numel: float, world: int,
             costs: Costs) -> float:
     """CPU time to encode this rank's gradient and decode the reduced result."""
     return compressor_of(compressor).codec_s(numel, world, costs)

@@ -10,7 +10,7 @@ backward), ``push`` / ``pull`` / ``apply`` (parameter servers), ``bubble`` and
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from parlay.errors import ConfigError
 from parlay.compress import NoneCompressor
@@ -183,10 +183,9 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     pull_b = w.grad_bytes
     # Several senders converging on one link overflow its queue: TCP incast. Every worker's
     # push lands on a server at once (sync workers leave their barrier together), so the
-    # pushes overrun the queue once together they exceed it (PS sync at 1 Gbit/s, 2 workers x
-    # 5.9 MB into a 6.25 MB queue, ran 18-25% slower than without incast in five runs). The
-    # servers' replies to a worker go out as each push (or chunk) is served, staggered, and
-    # overrun it only when each is larger than the queue.
+    # pushes overrun the queue once together they exceed it (measured: docs/benchmarks.md,
+    # "Design measurements"). The servers' replies to a worker go out as each push (or chunk)
+    # is served, staggered, and overrun it only when each is larger than the queue.
     into_server = _incast(nw, push_b / ns, slink, costs, together=True)
     into_worker = _incast(ns, pull_b / ns, wlink, costs)
     msgs = costs.ps_request_s + ns * wlink.latency_s
@@ -205,9 +204,9 @@ def ps_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
         terms.update(_sync_terms(push, pull, apply, chunks))
         return terms
     # Workers drift apart: one's push into a server meets another's pull out of it, the two
-    # directions of a full-duplex link, so a worker's own chain pays no incast (measured at
-    # 100 Mbit/s: 53-68 samples/s in 5 runs against 52 predicted with it); the servers'
-    # links still bound all workers together below.
+    # directions of a full-duplex link, so a worker's own chain pays no incast (measured
+    # throughput beat the prediction with it: docs/benchmarks.md, "Design measurements"); the
+    # servers' links still bound all workers together below.
     own = sum(terms.values()) + push_w + pull_w + 2 * msgs + apply
     servers_busy = nw * max(push_b / into_server, pull_b) / ns * slink.beta
     terms.update(push=push_w + msgs, apply=apply, pull=pull_w + msgs)

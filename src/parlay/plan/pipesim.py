@@ -10,7 +10,8 @@ done and its receiver has posted the receive (one at a time per link and directi
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["stage_order", "pipeline_s"]
 
@@ -30,14 +31,15 @@ def stage_order(schedule: str, stage: int, stages: int, chunks: int) -> list[tup
     return order
 
 
-def _input_ready(kind: str, s: int, i: int, p: int, st: dict) -> float | None:
+def _input_ready(kind: str, s: int, i: int, p: int, st: dict[str, Any]) -> float | None:
     """When op (kind, s, i) can start computing, or ``None`` while a producer has not run.
     A transfer starts once its producer is done, its receiver is waiting for it (gloo sends
     a message when the other side has posted the matching receive) and the link is free."""
     if kind == "F" and s == 0:
         return 0.0
     if kind == "B" and s == st["p"] - 1:
-        return st["done"].get(("F", s, i))
+        done: float | None = st["done"].get(("F", s, i))
+        return done
     src = s - 1 if kind == "F" else s + 1
     sent = st["done"].get((kind, src, i))
     if sent is None:
@@ -47,10 +49,10 @@ def _input_ready(kind: str, s: int, i: int, p: int, st: dict) -> float | None:
     end = start + st["t"] + _token_wait(st, key, start)
     st["link"][key] = end
     st["arrive"][(kind, s, i)] = end
-    return end
+    return float(end)
 
 
-def _token_wait(st: dict, key: tuple, start: float) -> float:
+def _token_wait(st: dict[str, Any], key: tuple[Any, ...], start: float) -> float:
     """Extra seconds a message starting at ``start`` waits for a token-bucket shaper on its
     link and direction (0 without one): the bucket refills at the rate while the link rests
     and holds at most the burst."""
@@ -61,7 +63,7 @@ def _token_wait(st: dict, key: tuple, start: float) -> float:
     have = min(burst, have + (start - since) * rate)
     wait = max(0.0, size - have) / rate
     st["tokens"][key] = (0.0, start + wait) if wait else (have - size, start)
-    return wait
+    return float(wait)
 
 
 def pipeline_s(fwd: Sequence[float], bwd: Sequence[float], chunks: int, transfer_s: float,
@@ -83,7 +85,7 @@ def pipeline_s(fwd: Sequence[float], bwd: Sequence[float], chunks: int, transfer
     p = len(fwd)
     orders = [stage_order(schedule, s, p, chunks) for s in range(p)]
     nxt = [0] * p
-    st: dict = {"p": p, "t": transfer_s, "free": [0.0] * p, "done": {}, "arrive": {},
+    st: dict[str, Any] = {"p": p, "t": transfer_s, "free": [0.0] * p, "done": {}, "arrive": {},
                 "link": {}, "tb": shaper, "tokens": {}}
     left = sum(len(o) for o in orders)
     while left:
@@ -112,4 +114,4 @@ def pipeline_s(fwd: Sequence[float], bwd: Sequence[float], chunks: int, transfer
             progressed = True
         if not progressed:
             raise ValueError(f"schedule {schedule!r} deadlocked (a bug in stage_order)")
-    return max(st["free"])
+    return float(max(st["free"]))

@@ -19,8 +19,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from parlay.errors import ConfigError
 from parlay.plan.model import Workload
@@ -70,7 +71,7 @@ class _Recorder:
         self.params: list[Any] = []
         self.owner: int | None = None
 
-    def pre(self, module: Any, args: tuple) -> None:
+    def pre(self, module: Any, args: tuple[Any, ...]) -> None:
         import torch
 
         if self.depth == 0 and any(True for _ in module.parameters()):
@@ -79,7 +80,7 @@ class _Recorder:
                 self.top, self.batch = module, int(first.shape[0])
         self.depth += 1
 
-    def post(self, module: Any, args: tuple, out: Any) -> None:
+    def post(self, module: Any, args: tuple[Any, ...], out: Any) -> None:
         import torch
 
         self.depth -= 1

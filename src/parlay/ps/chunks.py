@@ -28,7 +28,8 @@ import logging
 import math
 import os
 import queue
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -64,8 +65,8 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim
 def chunk_bytes(environ: dict[str, str] | None = None, one_host: bool = False) -> int:
     """The chunk size from ``PARLAY_PS_CHUNK_BYTES``; unset: :data:`DEFAULT_CHUNK_BYTES`, or 0
     when every rank is on ``one_host``. There a push and a pull are copies on the same cores,
-    so overlapping them gains nothing and each chunk adds its per-message cost (measured on 2
-    cores: sync steps 15-20 ms slower chunked than whole).
+    so overlapping them gains nothing and each chunk adds its per-message cost (measured: sync
+    steps are slower chunked than whole; figures in docs/benchmarks.md, "Design measurements").
 
     Raises:
         ConfigError: The variable is not an integer >= 0.
@@ -151,7 +152,7 @@ class ChunkedServing:
     worker_ranks: list[int]
     group: Any
     index: int
-    _q: queue.Queue
+    _q: queue.Queue[tuple[str, int, Any]]
 
     def _init_chunks(self, per_chunk: int, params: list[tuple[Any, int]]) -> None:
         """``params``: (parameter, chunk index) of every server parameter."""
@@ -161,7 +162,7 @@ class ChunkedServing:
         # only that chunk's parameters with a gradient (optimizers skip grad=None).
         self._all = [(p, p.grad) for p, _ in params]
         self._by_chunk: list[list[tuple[Any, Any]]] = [[] for _ in self.bounds]
-        for (p, k), pg in zip(params, self._all):
+        for (_, k), pg in zip(params, self._all):
             self._by_chunk[k].append(pg)
         n = len(self.worker_ranks)
         self._wbuf = ([torch.empty_like(self.flat) for _ in range(n)] if per_chunk else [])
@@ -234,7 +235,8 @@ class ChunkedServing:
             return []
         # After a failure this push is answered with the error (the others were told already).
         # The gradient "value" is the worker index: the chunks are applied already.
-        return self.core.push(w, msg.step, msg.version, w, msg.scalar, now)
+        replies: list[Any] = self.core.push(w, msg.step, msg.version, w, msg.scalar, now)
+        return replies
 
     def _advance(self) -> None:
         """Apply every chunk that every active worker has sent."""

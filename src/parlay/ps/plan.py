@@ -24,8 +24,9 @@ optimizers see the same tensors as in single-process training); chunks are 1-D.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -64,7 +65,7 @@ class Piece:
     offset: int
     shape: tuple[int, ...]
 
-    def as_row(self) -> list:
+    def as_row(self) -> list[Any]:
         """Plain list form (for checkpoints loaded with ``weights_only=True``)."""
         return [self.name, self.param, self.start, self.length, self.server, self.offset,
                 list(self.shape)]
@@ -120,7 +121,7 @@ class ShardPlan:
             self._pieces[server].append(Piece(name, pi, start, length, server, off, pshape))
 
     @classmethod
-    def from_module(cls, model: nn.Module, num_servers: int, **kw: object) -> "ShardPlan":
+    def from_module(cls, model: nn.Module, num_servers: int, **kw: object) -> ShardPlan:
         """Plan for ``model``'s parameters with ``requires_grad`` (frozen ones stay local)."""
         specs = [(n, tuple(p.shape), p.dtype) for n, p in model.named_parameters()
                  if p.requires_grad]
@@ -202,7 +203,7 @@ class ShardPlan:
                               f"known: {', '.join(n for n, _, _ in self.params)}.")
         return [p.server for p in sorted(found, key=lambda p: p.start)]
 
-    def rows(self) -> list[list]:
+    def rows(self) -> list[list[Any]]:
         """The plan as plain lists (stored in checkpoints to detect a changed placement)."""
         return [p.as_row() for p in self.all_pieces()]
 

@@ -26,7 +26,8 @@ import torch
 from parlay.errors import CommError, ConfigError
 
 __all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
-           "TAG_PUSH", "TAG_REPLY", "TAG_PUSH_CHUNK", "TAG_REPLY_CHUNK", "MAX_CHUNKS", "encode_ctx", "decode_ctx", "probe", "push_capacity"]
+           "TAG_PUSH", "TAG_REPLY", "TAG_PUSH_CHUNK", "TAG_REPLY_CHUNK", "MAX_CHUNKS",
+           "encode_ctx", "decode_ctx", "probe", "push_capacity"]
 
 #: Tag of worker -> server messages (any-source on the server).
 TAG_PUSH = 0x5053
@@ -191,7 +192,7 @@ def _malformed(why: str) -> CommError:
     """A message no parlay peer would send (truncated, corrupt, or not from parlay)."""
     return CommError(f"malformed parameter-server message: {why}. Hint: every rank must run "
                      "the same parlay version, and only parlay ranks may reach the cluster's "
-                     "ports (see the README's Security section).", op="ps-unpack")
+                     "ports (see docs/security.md).", op="ps-unpack")
 
 
 # -- compressor contexts without pickle -------------------------------------------------------
@@ -202,10 +203,15 @@ def _malformed(why: str) -> CommError:
 _NONE, _BOOL, _INT, _FLOAT, _DTYPE, _STR = range(6)
 
 
+# ``object.__getstate__`` exists from Python 3.11 on; before, only classes that define one have it.
+_DEFAULT_GETSTATE = getattr(object, "__getstate__", None)
+
+
 def _fields(obj: Any) -> dict[str, Any] | None:
     if isinstance(obj, (tuple, list, dict)) or not hasattr(obj, "__dict__"):
         return None
-    if type(obj).__getstate__ is not object.__getstate__:  # honours e.g. CastCtx dropping source
+    # A class's own __getstate__ is honoured (e.g. CastCtx dropping its source tensor).
+    if getattr(type(obj), "__getstate__", None) is not _DEFAULT_GETSTATE:
         state = obj.__getstate__()
         if isinstance(state, dict):
             return state
@@ -316,7 +322,9 @@ def probe(compressor: Any, numel: int, dtype: torch.dtype,
         compressor = copy.deepcopy(compressor)
     except Exception:  # noqa: BLE001 - uncopyable compressors are probed as they are
         pass
-    return compressor.compress(torch.zeros(numel, dtype=dtype), key)
+    probed: tuple[list[torch.Tensor], Any] = compressor.compress(torch.zeros(numel, dtype=dtype),
+                                                                 key)
+    return probed
 
 
 def push_capacity(compressor: Any, numel: int, dtype: torch.dtype, key: str) -> int:

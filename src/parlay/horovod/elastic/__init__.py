@@ -56,7 +56,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from parlay import runtime
 from parlay.errors import CommError

@@ -8,11 +8,13 @@ import io
 import logging
 import os
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from parlay import checkpoint, comm, runtime
+from parlay._tree import map_tensors
 from parlay.errors import ConfigError
 
 __all__ = ["State", "ObjectState", "TorchState"]
@@ -50,13 +52,7 @@ def _check_plain(value: Any, where: str) -> None:
 def _host_copy(value: Any) -> Any:
     """A copy of ``value`` whose tensors live in host memory: a commit never doubles the
     accelerator memory the model takes (restoring copies back to each tensor's device)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return type(value)((k, _host_copy(v)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
-        return type(value)(_host_copy(v) for v in value)
-    return value  # None, numbers, strings and torch.Size are immutable
+    return map_tensors(lambda t: t.detach().to("cpu", copy=True), value)
 
 
 def _stateful(value: Any) -> bool:
