@@ -204,7 +204,7 @@ class CheckpointManager:
     def _take_lock(self) -> None:
         chief = not torch.distributed.is_initialized() or comm.group_rank(self.group) == 0
         holder = self._lock.acquire({"world_size": self._world()}) if chief else None
-        if self._all(holder is None):
+        if comm.all_ok(holder is None, self.group):
             return
         self._lock.release()
         holder = holder or self._lock.holder()
@@ -241,13 +241,6 @@ class CheckpointManager:
         """``values`` as int64 on the device the group reduces (CUDA for NCCL alone)."""
         return torch.tensor(values, dtype=torch.int64, device=comm.group_device(self.group))
 
-    def _all(self, ok: bool) -> bool:
-        if self._world() == 1:
-            return ok
-        t = self._tensor([1 if ok else 0])
-        comm.allreduce(t, "min", group=self.group)
-        return bool(t.item())
-
     # ------------------------------------------------------------------ save / load
     def save(self, step: int, state: dict[str, Any], *,
              allow_inf: Callable[[torch.Tensor], bool] | None = None) -> Path:
@@ -282,7 +275,7 @@ class CheckpointManager:
                 save_atomic(payload, path)
             except CheckpointError as e:
                 err = e
-        if not self._all(err is None):
+        if not comm.all_ok(err is None, self.group):
             if bad is None:
                 path.unlink(missing_ok=True)
             raise err or CheckpointError(f"checkpoint at step {step} failed on another rank "
@@ -299,11 +292,9 @@ class CheckpointManager:
             return mine, len(mine)
         counts = self._tensor([len(mine)])
         comm.allreduce(counts, "max", group=self.group)
-        # -1 pads an empty list: no rank sends a zero-size tensor.
-        everyone = comm.allgather(self._tensor(mine or [-1]), group=self.group)
-        held = collections.Counter(everyone.tolist())
-        return (sorted(s for s, n in held.items() if n == self._world() and s >= 0),
-                int(counts.item()))
+        most = int(counts.item())
+        rows = comm.gather_ints(mine, max(most, 1), self.group)  # at least one: -1 pads
+        return sorted(set.intersection(*({s for s in r if s >= 0} for r in rows))), most
 
     def _new_run_id(self) -> str:
         """A fresh run id, drawn by the group's first rank and sent to the others as a tensor."""
@@ -383,7 +374,7 @@ class CheckpointManager:
                     state = None
             except CheckpointError as e:
                 problem = str(e)
-            if self._all(state is not None):
+            if comm.all_ok(state is not None, self.group):
                 self._check_identity(step, state)  # type: ignore[arg-type]
                 return state
             msg = (f"checkpoint step {step} is not usable on every rank"

@@ -359,3 +359,26 @@ def recv(tensor: torch.Tensor, src: int | None = None, tag: int = 0, group: Any 
     return h if async_op else h.wait()
 
 
+
+
+def gather_ints(values: list[int], width: int, group: Any = None) -> list[list[int]]:
+    """Every rank's last ``width`` ``values``, padded with -1 to ``width``, one row per rank of
+    ``group``: how ranks agree on steps (an ``int64`` allgather, never pickled objects). Without
+    a process group, or in a group of one, the only row is this rank's."""
+    row = list(values)[-width:] if width > 0 else []
+    row += [-1] * (width - len(row))
+    if not dist.is_initialized() or group_size(group) == 1:
+        return [row]
+    dev = group_device(group)  # a NCCL-only group gathers CUDA tensors only
+    out = torch.empty(group_size(group) * width, dtype=torch.int64, device=dev)
+    allgather_into(out, torch.tensor(row, dtype=torch.int64, device=dev), group=group)
+    return out.view(-1, width).tolist()
+
+
+def all_ok(ok: bool, group: Any = None) -> bool:
+    """True on every rank of ``group`` when ``ok`` is true on every one (an allreduce)."""
+    if not dist.is_initialized() or group_size(group) == 1:
+        return ok
+    t = torch.tensor([1 if ok else 0], dtype=torch.int64, device=group_device(group))
+    allreduce(t, "min", group=group)
+    return bool(t.item())

@@ -159,14 +159,11 @@ class DirLock:
 
 
 def trainer_identity(strategy: Any, mode: str, batch_size: int, model: nn.Module) -> dict[str, Any]:
-    """The identity a Trainer's checkpoints record and a resume must match."""
-    from parlay import comm
-
+    """The identity a Trainer's checkpoints record and a resume must match (``strategy``: a
+    :class:`~parlay.strategies.Strategy`; its ``layout_world_size`` counts ps workers that sit
+    a resume out)."""
     layout = model_layout(model)
-    # A strategy whose training group can shrink on resume (ps workers that sit out) states
-    # the layout's size itself.
-    world = getattr(strategy, "layout_world_size", None) or comm.group_size(strategy.train_group)
-    return {"mode": mode, "world_size": int(world),
+    return {"mode": mode, "world_size": int(strategy.layout_world_size),
             "dp_size": int(strategy.dp_size), "dp_rank": int(strategy.dp_rank),
-            "pp": int(getattr(strategy, "pp", 1) or 1), "batch_size": int(batch_size),
+            "pp": int(strategy.pp), "batch_size": int(batch_size),
             "model_fingerprint": fingerprint(layout), "model_layout": layout}

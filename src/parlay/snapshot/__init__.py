@@ -5,9 +5,9 @@ each copied while the rank waits for communication (:mod:`parlay.snapshot.store`
 :mod:`parlay.snapshot.deferred`); :func:`agree` makes the ranks resume from the same step
 (:mod:`parlay.snapshot.resume`).
 """
-from parlay.snapshot.resume import (agree, open_for_trainer, optimizer_tensors, resume_trainer,
-                                    run_key)
+from parlay.snapshot.resume import (agree, key_or_off, open_for_trainer, optimizer_tensors,
+                                    resume_trainer, run_key)
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore, default_root
 
-__all__ = ["SnapshotStore", "agree", "run_key", "open_for_trainer", "resume_trainer",
+__all__ = ["SnapshotStore", "agree", "run_key", "key_or_off", "open_for_trainer", "resume_trainer",
            "optimizer_tensors", "default_root", "FORMAT_VERSION"]

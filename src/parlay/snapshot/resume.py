@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from parlay import comm, runtime
+from parlay.discovery import run_id
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError
 from parlay.rngstate import rng_state
@@ -26,19 +27,10 @@ from parlay.snapshot.owner import run_name
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
 
-__all__ = ["TrainingRun", "run_key", "agree", "open_for_trainer", "resume_trainer",
-           "optimizer_tensors", "SUPPORTED_MODES"]
+__all__ = ["TrainingRun", "run_key", "key_or_off", "agree", "open_for_trainer",
+           "resume_trainer", "optimizer_tensors"]
 
 log = logging.getLogger("parlay")
-
-#: Modes whose whole training state lives in the Trainer's state dict on the training ranks. A
-#: strategy may say otherwise with a ``supports_snapshots`` attribute. One whose state also
-#: lives on serving ranks (parameter servers, ``sync``) agrees on the step before the Trainer
-#: exists and says so with ``snapshot_store`` (its store, opened for that agreement),
-#: ``agreed_snapshot_step`` (loaded exactly, never re-agreed here), ``configure_snapshots``
-#: (told ``snapshot_every`` on every rank) and ``snapshot_state_dict`` (the state a snapshot
-#: holds, without the side effects of a checkpoint's ``state_dict``).
-SUPPORTED_MODES = ("allreduce", "hybrid")
 
 
 class TrainingRun(Protocol):
@@ -71,37 +63,30 @@ def run_key(identity: str) -> str | None:
     """Snapshot key for this job: its run id plus a digest of ``identity`` (what must match for
     a snapshot to continue this run exactly), or ``None`` when the job has no run id.
 
-    The run id is ``$PARLAY_RUN_ID``, else torchrun's ``$TORCHELASTIC_RUN_ID`` (a fresh id per
-    ``parlay run`` job, kept across its restarts), else ``$SLURM_JOB_ID``. torchrun's default
-    multi-node id ``"none"`` does not count: two jobs would share it.
+    The run id is :func:`parlay.discovery.run_id`.
     """
-    for var in ("PARLAY_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
-        run = os.environ.get(var, "")
-        if run and run != "none":
-            break
-    else:
+    run = run_id()
+    if run is None:
         return None
     digest = hashlib.sha1(f"{FORMAT_VERSION}|{identity}".encode()).hexdigest()[:12]
     return f"{run_name(run)}-{digest}"
 
 
+#: Why snapshots are off without a run id, and how to turn them on.
+NO_RUN_ID = ("in-memory snapshots off: no run id (launch with parlay run, or set PARLAY_RUN_ID "
+             "to an id that stays the same across restarts of this job)")
+
+
+def key_or_off(identity: str, message: str = NO_RUN_ID, level: int = logging.INFO) -> str | None:
+    """:func:`run_key` of ``identity``, or ``None`` after logging ``message`` (at ``level``)
+    when the job has no run id."""
+    key = run_key(identity)
+    if key is None:
+        log.log(level, message)
+    return key
+
+
 _REPORT = 16  # newest steps each rank reports when the ranks agree where to resume
-
-
-def _gather_steps(steps: list[int], group: Any) -> list[set[int]]:
-    world = comm.group_size(group)
-    newest = steps[-_REPORT:]
-    dev = comm.group_device(group)  # a NCCL-only group gathers CUDA tensors only
-    row = torch.tensor(newest + [-1] * (_REPORT - len(newest)), dtype=torch.int64, device=dev)
-    out = torch.empty(world * _REPORT, dtype=torch.int64, device=dev)
-    comm.allgather_into(out, row, group=group)
-    return [{v for v in r if v >= 0} for r in out.view(world, _REPORT).tolist()]
-
-
-def _everyone(ok: bool, group: Any) -> bool:
-    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=comm.group_device(group))
-    comm.allreduce(t, "min", group=group)
-    return bool(t.item())
 
 
 def agree(store: SnapshotStore, group: Any = None,
@@ -114,15 +99,15 @@ def agree(store: SnapshotStore, group: Any = None,
     so after a single failure the common step is at most one behind the newest.
     """
     mine = [s for s in store.steps() if s > after]
-    held = _gather_steps(mine, group) if comm.group_size(group) > 1 else [set(mine)]
-    common = set.intersection(*held)
+    common = set.intersection(*({v for v in r if v >= 0}
+                                for r in comm.gather_ints(mine, _REPORT, group)))
     for step in sorted(common, reverse=True):
         state: dict[str, Any] | None = None
         try:
             state = store.load(step)
         except CheckpointError as e:
             log.warning("rank %d: %s", store.rank, e)
-        if _everyone(state is not None, group):
+        if comm.all_ok(state is not None, group):
             return step, state  # type: ignore[return-value]
         log.warning("snapshot of step %d is not readable on every rank; trying an older one",
                     step)
@@ -132,7 +117,7 @@ def agree(store: SnapshotStore, group: Any = None,
 def _identity(run: TrainingRun) -> str:
     """What must match for a snapshot to continue this run exactly."""
     s, smp = run.strategy, run.sampler
-    model = getattr(s, "snapshot_state_dict", s.state_dict)().get("model", {})
+    model = s.snapshot_state_dict().get("model", {})
     shapes = [(k, tuple(v.shape), str(v.dtype)) for k, v in model.items()
               if isinstance(v, torch.Tensor)]
     return repr((run.mode, runtime.size(), s.dp_size, run.batch_size, smp.n,
@@ -145,22 +130,18 @@ def open_for_trainer(run: TrainingRun, every: int) -> SnapshotStore | None:
     :func:`run_key`). A strategy whose serving ranks snapshot in step is told ``every`` here
     (on every rank)."""
     s = run.strategy
-    if hasattr(s, "configure_snapshots"):  # every rank: serving ranks snapshot in step
+    if s.agrees_snapshots_early:  # every rank: serving ranks snapshot in step
         s.configure_snapshots(every)
     if not every or not s.consumes_data:
         return None
-    if not getattr(s, "supports_snapshots", s.name in SUPPORTED_MODES):
+    if not s.supports_snapshots:
         log.info("in-memory snapshots are not available in mode %r", run.mode)
         return None
-    if hasattr(s, "snapshot_store"):  # opened before the ranks agreed where to resume
+    if s.agrees_snapshots_early:  # its store was opened before the ranks agreed the step
         s.snapshot_identity = hashlib.sha1(_identity(run).encode()).hexdigest()[:16]
         return s.snapshot_store
-    key = run_key(_identity(run))
-    if key is None:
-        log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
-                 "PARLAY_RUN_ID to an id that stays the same across restarts of this job)")
-        return None
-    return SnapshotStore(key, runtime.rank())
+    key = key_or_off(_identity(run))
+    return SnapshotStore(key, runtime.rank()) if key is not None else None
 
 
 def replicated_part(state: dict[str, Any]) -> dict[str, Any]:
@@ -201,7 +182,7 @@ def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
     mass those residuals still owed is lost), and a warning says so.
     """
     s = run.strategy
-    if hasattr(s, "agreed_snapshot_step"):
+    if s.agrees_snapshots_early:
         return _resume_agreed(run, store, s.agreed_snapshot_step)
     after = run.step
     found = agree(store, s.train_group, after=after)
@@ -209,8 +190,7 @@ def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
     if found is not None:
         step, state = found
     else:
-        shared = share_newest(store, s.train_group, getattr(s, "replica_group", s.dp_group),
-                              after, replicated_part)
+        shared = share_newest(store, s.train_group, s.replica_group, after, replicated_part)
         if shared is None:
             return None
         step, state, exact = shared
@@ -235,7 +215,7 @@ def _resume_agreed(run: TrainingRun, store: SnapshotStore, step: int | None) -> 
     if step is None:
         return None
     state = store.load(step)
-    mine = getattr(run.strategy, "snapshot_identity", "")
+    mine = run.strategy.snapshot_identity
     theirs = state.get("strategy", {}).get("identity", mine)
     if theirs != mine or state.get("trainer", {}).get("step") != step:
         raise CheckpointError(

@@ -30,17 +30,6 @@ log = logging.getLogger("parlay")
 _WIDTH = 17  # replica-group id + the newest 16 steps of each rank
 
 
-def _gather(head: int, values: list[int], group: Any) -> list[list[int]]:
-    world = comm.group_size(group)
-    tail = values[-(_WIDTH - 1):]
-    dev = comm.group_device(group)  # a NCCL-only group gathers CUDA tensors only
-    row = torch.tensor([head] + tail + [-1] * (_WIDTH - 1 - len(tail)), dtype=torch.int64,
-                       device=dev)
-    out = torch.empty(world * _WIDTH, dtype=torch.int64, device=dev)
-    comm.allgather_into(out, row, group=group)
-    return out.view(world, _WIDTH).tolist()
-
-
 def _newest_covered(rows: list[list[int]], bad: set[tuple[int, int]]) -> int | None:
     """Newest step of which every replica group has a holder not known to be unreadable."""
     groups = {row[0] for row in rows}
@@ -100,11 +89,8 @@ def _load_newest(store: SnapshotStore, rows: list[list[int]], me: int,
                 state = store.load(step)
             except CheckpointError as e:
                 log.warning("rank %d: %s", store.rank, e)
-        dev = comm.group_device(group)
-        flag = torch.tensor([1 if state is not None else (0 if holds else -1)], device=dev)
-        flags = torch.empty(len(rows), dtype=torch.int64, device=dev)
-        comm.allgather_into(flags, flag, group=group)
-        flag_list = flags.tolist()
+        flag = 1 if state is not None else (0 if holds else -1)
+        flag_list = [r[0] for r in comm.gather_ints([flag], 1, group)]
         bad |= {(r, step) for r, f in enumerate(flag_list) if f == 0}
         if _newest_covered(rows, bad) == step:
             return step, state, flag_list
@@ -125,7 +111,8 @@ def share_newest(store: SnapshotStore, group: Any, replica_group: Any, after: in
     """
     me = comm.group_rank(group)
     head = comm.to_global_rank(replica_group, 0)
-    rows = _gather(head, [s for s in store.steps() if s > after], group)
+    recent = [s for s in store.steps() if s > after][-(_WIDTH - 1):]
+    rows = comm.gather_ints([head] + recent, _WIDTH, group)
     newest = _newest_covered(rows, set())
     if newest is None or newest <= after + 1:
         return None  # see above: sharing would save at most one step over an exact resume

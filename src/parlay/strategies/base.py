@@ -15,7 +15,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
+from parlay import comm
 from parlay.errors import ConfigError
+from parlay.nonfinite import NonFiniteGuard
 from parlay.registry import Registry
 
 __all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies",
@@ -62,6 +64,17 @@ class Strategy:
     """
 
     name: ClassVar[str] = "base"
+    #: Non-finite policy, set by ``Trainer(nonfinite=...)``; ``None``: this strategy does not
+    #: check its steps for NaN/inf.
+    guard: NonFiniteGuard | None = None
+    #: True for a strategy whose state also lives on serving ranks: it opens its snapshot
+    #: store and agrees the resume step before the Trainer exists (:attr:`snapshot_store`,
+    #: :attr:`agreed_snapshot_step`) and is told ``snapshot_every`` on every rank
+    #: (:meth:`configure_snapshots`).
+    agrees_snapshots_early: bool = False
+    #: Digest of the Trainer's settings, stored in each snapshot and checked on resume (set
+    #: by the Trainer for strategies that agree snapshots early).
+    snapshot_identity: str = ""
 
     # --- data sharding: which replica am I, among how many that read distinct data?
     @property
@@ -132,6 +145,56 @@ class Strategy:
     def use_checkpoint_dir(self, path: str) -> None:
         """The Trainer's ``checkpoint_dir``, given before :meth:`setup`, for state the Trainer's
         own checkpoints cannot hold (e.g. parameter-server shards, saved on the servers)."""
+
+    # --- checkpoints and snapshots: what the Trainer's persistence asks (defaults suit most)
+    @property
+    def supports_snapshots(self) -> bool:
+        """Whether the Trainer keeps in-memory snapshots of this strategy's state (default:
+        the built-in modes whose whole training state lives in the Trainer's state dict on the
+        training ranks)."""
+        return self.name in ("allreduce", "hybrid")
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages per replica (1: no pipeline)."""
+        return 1
+
+    @property
+    def checkpoint_group(self) -> Any:
+        """Process group of the ranks that agree on each checkpoint save (default:
+        :attr:`train_group`; the resume always agrees over :attr:`train_group`)."""
+        return self.train_group
+
+    @property
+    def layout_world_size(self) -> int:
+        """Ranks a checkpoint's layout counts (default: the size of :attr:`train_group`)."""
+        return comm.group_size(self.train_group)
+
+    @property
+    def replica_group(self) -> Any:
+        """Process group of the ranks whose model and optimizer state are identical
+        (default: :attr:`dp_group`)."""
+        return self.dp_group
+
+    def snapshot_state_dict(self) -> dict[str, Any]:
+        """The state an in-memory snapshot holds (default: :meth:`state_dict`)."""
+        return self.state_dict()
+
+    @property
+    def snapshot_store(self) -> Any:
+        """With :attr:`agrees_snapshots_early`: the store opened before the resume step was
+        agreed (``None``: off here)."""
+        return None
+
+    @property
+    def agreed_snapshot_step(self) -> int | None:
+        """With :attr:`agrees_snapshots_early`: the snapshot step every rank agreed to resume
+        (``None``: they resumed from disk or afresh)."""
+        return None
+
+    def configure_snapshots(self, every: int) -> None:
+        """With :attr:`agrees_snapshots_early`: the Trainer's ``snapshot_every``, on every
+        rank before training."""
 
 
 def reject_unknown(cls: type[Strategy], unknown: dict[str, Any]) -> None:

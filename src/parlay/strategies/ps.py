@@ -56,9 +56,8 @@ class ParameterServerStrategy(Strategy):
     """
 
     name = "ps"
-    #: In-memory snapshots: ``sync`` only (set per instance), where servers snapshot after
-    #: every update and workers' Trainer snapshots describe the same step.
-    supports_snapshots = False
+    #: Servers snapshot in step with the workers; the ranks agree the step before the Trainer.
+    agrees_snapshots_early = True
 
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, consistency: str = "sync",
@@ -73,15 +72,13 @@ class ParameterServerStrategy(Strategy):
                               "averaged on the servers, each holding a different shard). Hint: "
                               "use mode='allreduce' for grad_clip, or clip in the loss.")
         self.precision = precision
-        self.supports_snapshots = get_consistency(consistency).aggregate
-        #: Digest of the Trainer's settings, stored in each snapshot and checked on resume.
-        self.snapshot_identity = ""
+        get_consistency(consistency)  # an unknown one fails here, naming the valid ones
         self.options = dict(consistency=consistency, compression=compression,
                             checkpoint_dir=checkpoint_dir, max_steps=max_steps,
                             placement=placement, split_bytes=split_bytes, timeout=timeout,
                             checkpoint_every=checkpoint_every)
         #: Non-finite policy (set by ``Trainer(nonfinite=...)``): workers check before pushing.
-        self.guard = NonFiniteGuard("raise")
+        self.guard: NonFiniteGuard = NonFiniteGuard("raise")
         self.session: DistributedSession | None = None
         self._ckpt_dir: str | None = None
         self._metrics_group: Any = None
@@ -103,6 +100,12 @@ class ParameterServerStrategy(Strategy):
     def dp_rank(self) -> int:
         c = self._cluster()
         return max(0, c.rank - c.num_ps)
+
+    @property
+    def supports_snapshots(self) -> bool:
+        """``sync`` only: servers snapshot after every update and the workers' Trainer
+        snapshots describe the same step."""
+        return get_consistency(self.options["consistency"]).aggregate
 
     @property
     def layout_world_size(self) -> int:

@@ -221,7 +221,7 @@ class StepTemplate(Strategy):
         self._base_lrs: list[float] = []
         #: The non-finite policy (the Trainer sets it from ``Trainer(nonfinite=...)``); fp16
         #: steps keep the loss scaler's own agreed overflow skipping.
-        self.guard = NonFiniteGuard("raise")
+        self.guard: NonFiniteGuard = NonFiniteGuard("raise")
 
     def _new_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], params: Iterable[Any],
                        optimizer_args: dict[str, Any]) -> torch.optim.Optimizer:

@@ -57,8 +57,7 @@ class Trainer:
         self.strategy: Strategy = get_strategy(
             cfg.mode, compression=cfg.compression, precision=cfg.precision,
             grad_clip=cfg.grad_clip, **(cfg.strategy_options or {}))
-        if hasattr(self.strategy, "guard"):  # strategies that check for NaN/inf steps
-            self.strategy.guard = NonFiniteGuard(cfg.nonfinite)
+        self.strategy.guard = NonFiniteGuard(cfg.nonfinite)  # strategies that check steps use it
         model = self._build_model()
         self._build_data(cfg.training_dataset)
         self.last_step: StepResult | None = None

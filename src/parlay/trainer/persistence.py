@@ -82,7 +82,7 @@ class Persistence:
         self.store: SnapshotStore | None = open_for_trainer(self, self.every)
         self._probe: list[float] | None = (
             [] if auto and self.store is not None
-            and not hasattr(strategy, "configure_snapshots") else None)
+            and not strategy.agrees_snapshots_early else None)
         self.resumed_from_snapshot = (resume_trainer(self, self.store)
                                       if self.store is not None else None)
         if self.resumed_from_snapshot is not None:
@@ -104,7 +104,7 @@ class Persistence:
             self.load_state_dict(resumed, where=str(ckpt.directory))
             self.last_checkpoint_step = self.state.step
         # Saves may agree over fewer ranks than the resume (ps async/stale: each worker).
-        ckpt.group = getattr(s, "checkpoint_group", s.train_group)
+        ckpt.group = s.checkpoint_group
         return ckpt
 
     # ------------------------------------------------------------------ the training state
@@ -116,8 +116,7 @@ class Persistence:
         """Everything stateful on this rank, as checkpoints and snapshots store it (a strategy
         may state a snapshot differently: ps workers do not ask the servers to save)."""
         s = self.strategy
-        strategy = (s.snapshot_state_dict() if snapshot and hasattr(s, "snapshot_state_dict")
-                    else s.state_dict())
+        strategy = s.snapshot_state_dict() if snapshot else s.state_dict()
         return {"trainer": asdict(self.state), "mode": self.mode, "strategy": strategy,
                 "sampler": self.sampler.state_dict(), "rng": rng_state()}
 
