@@ -18,6 +18,7 @@ files are read with ``torch.load(weights_only=True)``: a checkpoint cannot execu
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -26,7 +27,7 @@ import secrets
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from collections.abc import Callable
 
 import torch
@@ -37,8 +38,8 @@ from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "load", "CheckpointManager", "FORMAT_VERSION", "rng_state",
-           "set_rng_state"]
+__all__ = ["save_atomic", "write_atomic", "read_atomic", "load", "CheckpointManager",
+           "FORMAT_VERSION", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("parlay")
 
@@ -49,16 +50,38 @@ _NAME = re.compile(r"^ckpt-(\d{10})\.rank(\d+)\.pt$")
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # e.g. platforms that cannot open directories
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. platforms that cannot open directories
-        return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], object], what: str, hint: str, *,
+                 durable: bool = True) -> None:
+    """Have ``write`` fill a temporary file next to ``path``, then rename it to ``path``: a
+    reader sees the old file or the whole new one, and a process killed in between leaves only
+    a temporary file (its owner removes it when it opens the folder again). ``durable``: the
+    file and its folder are ``fsync``-ed too (a disk's, not host memory's, crash safety).
+
+    Raises:
+        CheckpointError: The file could not be written: "could not write ``what`` ``path``",
+            the cause and ``hint`` (the previous file, if any, is intact).
+    """
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        with open(tmp, "wb") as f:
+            write(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if durable:
+            _fsync_dir(path.parent)
+    except Exception as e:  # noqa: BLE001 - disk errors and unpicklable state alike
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"could not write {what} {path}: {e}. Hint: {hint}") from e
 
 
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -67,20 +90,24 @@ def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     Raises:
         CheckpointError: The file could not be written (the previous file, if any, is intact).
     """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    write_atomic(Path(path), lambda f: torch.save(obj, f), "checkpoint",
+                 "check free disk space and write permission of the checkpoint directory, and "
+                 "that the state holds only tensors and plain Python values.")
+
+
+_RETRY = ("e.g. the disk filled up or a copy was cut short; delete it and the previous "
+          "checkpoint is used.")
+
+
+def read_atomic(path: Path, what: str = "checkpoint", retry: str = _RETRY,
+                **load_args: Any) -> Any:
+    """``torch.load(path, weights_only=True)`` onto the CPU, every failure a
+    :class:`CheckpointError` that says what the file is (``what``) and what happens next
+    (``retry``)."""
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except Exception as e:  # noqa: BLE001 - disk errors and unpicklable state alike
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write checkpoint {path}: {e}. Hint: check free disk "
-                              "space and write permission of the checkpoint directory, and that "
-                              "the state holds only tensors and plain Python values.") from e
+        return torch.load(path, map_location="cpu", weights_only=True, **load_args)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
+        raise CheckpointError(_unreadable(path, e, what, retry)) from e
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -93,10 +120,7 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist.")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
-        raise CheckpointError(_unreadable(path, e)) from e
+    obj = read_atomic(path)
     if not isinstance(obj, dict) or _KEY not in obj:
         raise CheckpointError(f"{path} is not a parlay checkpoint (expected a dict with "
                               f"{_KEY!r}, got {type(obj).__name__}).")
@@ -135,26 +159,25 @@ def _show(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _unreadable(path: Path, err: BaseException) -> str:
+def _unreadable(path: Path, err: BaseException, what: str, retry: str) -> str:
     """Why ``torch.load`` failed on ``path``, told apart by what the file is (torch's own
     message for a non-archive speaks of weights_only, which would mislead)."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
     cause = f" ({type(err).__name__}: {text.splitlines()[0]})" if text else ""
     size = path.stat().st_size if path.exists() else 0
     if size == 0:
-        what = "empty (0 bytes): it is truncated or corrupt"
+        state = "empty (0 bytes): it is truncated or corrupt"
     elif not zipfile.is_zipfile(path):
-        what = (f"not a valid checkpoint file ({size} bytes that are not a torch.save "
-                "archive): it is truncated or corrupt")
+        state = (f"not a valid {what} file ({size} bytes that are not a torch.save archive): it is "
+                 "truncated or corrupt")
     elif "weights_only" in text or "Unsupported global" in text:
-        return (f"checkpoint {path} holds objects that weights_only loading refuses{cause}. "
+        return (f"{what} {path} holds objects that weights_only loading refuses{cause}. "
                 "Hint: parlay writes only tensors and plain values; a file holding other "
                 "objects was not written by parlay (unpickling it could run code), so it is "
                 "not loaded.")
     else:
-        what = f"unreadable: it is truncated or corrupt{cause}"
-    return (f"checkpoint {path} is {what}. Hint: e.g. the disk filled up or a copy was cut "
-            "short; delete it and the previous checkpoint is used.")
+        state = f"unreadable: it is truncated or corrupt{cause}"
+    return f"{what} {path} is {state}. Hint: {retry}"
 
 
 class CheckpointManager:

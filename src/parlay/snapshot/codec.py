@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from collections.abc import Callable
 
 import torch
 
+from parlay import checkpoint
+from parlay.checkpoint import read_atomic
 from parlay.errors import CheckpointError
 
 __all__ = ["encode", "decode", "layout", "read_data", "write_atomic", "map_shared"]
@@ -81,34 +82,21 @@ def layout(tensors: list[torch.Tensor]) -> str:
     return hashlib.sha1(sig.encode()).hexdigest()[:16]
 
 
-def read_data(path: Path, **load_args: Any) -> Any:
-    """``torch.load(path, weights_only=True)``, every failure a :class:`CheckpointError`."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, **load_args)
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
-        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"snapshot file {path} is unreadable ({type(e).__name__}: {text}). "
-                              "Hint: it is truncated or corrupt; the previous snapshot or the "
-                              "disk checkpoint is used instead.") from e
+def read_data(path: Path) -> Any:
+    """The tensors file ``path`` (``torch.load(weights_only=True)``), every failure a
+    :class:`CheckpointError`."""
+    return read_atomic(path, "snapshot", "it is truncated or corrupt; the previous snapshot or "
+                       "the disk checkpoint is used instead.")
 
 
-def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
-    """Have ``write`` fill a temporary file next to ``path``, then rename it to ``path``: a
-    reader sees the old file or the whole new one, and a process killed in between leaves only
-    a temporary file (removed when the folder is opened again).
+def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """:func:`parlay.checkpoint.write_atomic` for host memory (no ``fsync``).
 
     Raises:
         CheckpointError: The file could not be written (the temporary file is removed).
     """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write snapshot file {path}: {e}. Hint: host shared "
-                              "memory (/dev/shm) may be full; set PARLAY_SNAPSHOT_DIR or "
-                              "snapshot_every=0.") from e
+    checkpoint.write_atomic(path, write, "snapshot file", "host shared memory (/dev/shm) may be "
+                            "full; set PARLAY_SNAPSHOT_DIR or snapshot_every=0.", durable=False)
 
 
 #: Marks a data file of :func:`map_shared` (bumped when its layout changes incompatibly).
@@ -133,6 +121,6 @@ def map_shared(path: Path, tensors: list[torch.Tensor], lay: str) -> list[torch.
         if not ok:
             fresh = {"parlay_snapshot_data": DATA_VERSION, "layout": lay,
                      "tensors": [t.to("cpu", copy=True) for t in tensors]}
-            write_atomic(path, lambda tmp: torch.save(fresh, tmp))
+            write_atomic(path, lambda f: torch.save(fresh, f))
             data = torch.load(path, mmap=True, weights_only=True)
     return data["tensors"]

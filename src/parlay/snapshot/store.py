@@ -209,7 +209,7 @@ class SnapshotStore:
     def _commit(self, record: dict[str, Any]) -> None:
         step, slot = record["step"], record["slot"]
         text = json.dumps(record)
-        write_atomic(self._meta_path(step, slot), lambda tmp: tmp.write_text(text))
+        write_atomic(self._meta_path(step, slot), lambda f: f.write(text.encode()))
         self._held.append((step, slot))
 
     def _settle(self) -> None:
