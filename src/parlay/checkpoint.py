@@ -99,13 +99,12 @@ _RETRY = ("e.g. the disk filled up or a copy was cut short; delete it and the pr
           "checkpoint is used.")
 
 
-def read_atomic(path: Path, what: str = "checkpoint", retry: str = _RETRY,
-                **load_args: Any) -> Any:
+def read_atomic(path: Path, what: str = "checkpoint", retry: str = _RETRY) -> Any:
     """``torch.load(path, weights_only=True)`` onto the CPU, every failure a
     :class:`CheckpointError` that says what the file is (``what``) and what happens next
     (``retry``)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, **load_args)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
         raise CheckpointError(_unreadable(path, e, what, retry)) from e
 

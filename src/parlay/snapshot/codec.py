@@ -17,10 +17,9 @@ from collections.abc import Callable
 import torch
 
 from parlay import checkpoint
-from parlay.checkpoint import read_atomic
 from parlay.errors import CheckpointError
 
-__all__ = ["encode", "decode", "layout", "read_data", "write_atomic", "map_shared"]
+__all__ = ["encode", "decode", "layout", "write_atomic", "map_shared"]
 
 
 _PLAIN = frozenset({type(None), bool, int, float, str})
@@ -80,13 +79,6 @@ def layout(tensors: list[torch.Tensor]) -> str:
     """A short digest of the tensors' dtypes and shapes (what a data slot must match)."""
     sig = repr([(str(t.dtype), tuple(t.shape)) for t in tensors])
     return hashlib.sha1(sig.encode()).hexdigest()[:16]
-
-
-def read_data(path: Path) -> Any:
-    """The tensors file ``path`` (``torch.load(weights_only=True)``), every failure a
-    :class:`CheckpointError`."""
-    return read_atomic(path, "snapshot", "it is truncated or corrupt; the previous snapshot or "
-                       "the disk checkpoint is used instead.")
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:

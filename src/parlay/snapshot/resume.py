@@ -190,7 +190,8 @@ def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
     if found is not None:
         step, state = found
     else:
-        shared = share_newest(store, s.train_group, s.replica_group, after, replicated_part)
+        # Replicas of the model and optimizer: the ranks of one dp_group (one pipeline stage).
+        shared = share_newest(store, s.train_group, s.dp_group, after, replicated_part)
         if shared is None:
             return None
         step, state, exact = shared

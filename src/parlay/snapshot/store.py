@@ -41,8 +41,8 @@ from typing import Any
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
-from parlay.snapshot.codec import (decode, encode, layout, map_shared, read_data,
-                                   write_atomic)
+from parlay.checkpoint import read_atomic
+from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
 from parlay.snapshot.owner import default_root, hold
 
@@ -263,7 +263,8 @@ class SnapshotStore:
                 and meta.get("slot") == slots[0]):
             raise CheckpointError(f"{path} is not a format-{FORMAT_VERSION} snapshot of run "
                                   f"{self.key!r} at step {step}. Hint: delete it.")
-        data = read_data(self._data_path(slots[0]))
+        data = read_atomic(self._data_path(slots[0]), "snapshot", "it is truncated or corrupt; "
+                           "the previous snapshot or the disk checkpoint is used instead.")
         tensors = data.get("tensors") if isinstance(data, dict) else None
         if not (isinstance(tensors, list) and all(isinstance(t, torch.Tensor) for t in tensors)
                 and data.get("layout") == meta.get("layout") == layout(tensors)):

@@ -170,12 +170,6 @@ class Strategy:
         """Ranks a checkpoint's layout counts (default: the size of :attr:`train_group`)."""
         return comm.group_size(self.train_group)
 
-    @property
-    def replica_group(self) -> Any:
-        """Process group of the ranks whose model and optimizer state are identical
-        (default: :attr:`dp_group`)."""
-        return self.dp_group
-
     def snapshot_state_dict(self) -> dict[str, Any]:
         """The state an in-memory snapshot holds (default: :meth:`state_dict`)."""
         return self.state_dict()
