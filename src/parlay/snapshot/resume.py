@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from parlay import comm, runtime
-from parlay.discovery import run_id
 from parlay.data.sampler import ShardedSampler
+from parlay.discovery import run_id
 from parlay.errors import CheckpointError
 from parlay.rngstate import rng_state
 from parlay.snapshot.owner import run_name
