@@ -25,7 +25,7 @@ __all__ = [
     "Handle", "comm_errors", "allreduce", "allgather", "allgather_into", "broadcast",
     "broadcast_object", "allgather_object", "barrier", "send", "recv", "group_rank",
     "group_size", "to_global_rank", "ReduceOp", "REDUCE_OPS", "reduce_op", "c10d_op",
-    "all_gather_single", "reduce_scatter_single", "group_device",
+    "all_gather_single", "reduce_scatter_single", "group_device", "gather_ints", "all_ok",
 ]
 
 

@@ -235,9 +235,20 @@ def test_deferred_copy_runs_in_chunks_while_waiting_for_communication(tmp_path, 
     store.save(1, {"model": model.state_dict(), "optimizer": opt.state_dict()}, defer=defer)
     done = comm.Handle(None, "test", lambda: "nothing to wait for")
     assert done.wait() == "nothing to wait for" and not chunks, "no work when nothing is pending"
-    handle = comm.Handle.pending("allreduce")
+
+    class InFlight:  # an operation that completes when the idle-time queue reaches it
+        done = False
+
+        def is_completed(self) -> bool:
+            return self.done
+
+        def wait(self) -> bool:
+            return True
+
+    work = InFlight()
+    handle = comm.Handle(work, "allreduce", lambda: "reduced")
     from parlay.idle import while_waiting
-    while_waiting(lambda: handle.resolve("reduced") or False)   # queued after the copy
+    while_waiting(lambda: setattr(work, "done", True) or False)   # queued after the copy
     assert handle.wait() == "reduced"
     nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
     assert len(chunks) > nbytes // CHUNK_BYTES, "copied a chunk per call, then committed"
