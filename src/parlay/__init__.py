@@ -16,51 +16,50 @@ from parlay.reduce_ops import ReduceOp
 
 __version__ = "0.1.0"
 
-# Heavier parts load on first use (``parlay.Trainer``), which keeps ``import parlay`` fast and
-# lets each mode live in its own package.
-_LAZY = {
-    "Trainer": "parlay.trainer",
-    "DistributedSession": "parlay.ps",
-    "ShardPlan": "parlay.ps",
-    "compression": "parlay.compression",
-    "Compression": "parlay.compression",
-    # Horovod's names: the very objects of parlay.horovod (parlay.allreduce is
-    # parlay.horovod.allreduce), with Horovod's semantics (matched across ranks by name,
-    # negotiated in the calling thread when a rank waits). Resolved here, on first use, so
-    # that only scripts using them load parlay.horovod; the core never does (its collectives
-    # are parlay.comm's, on c10d).
-    "DistributedOptimizer": "parlay.horovod",
-    "allreduce": "parlay.horovod",
-    "allreduce_async": "parlay.horovod",
-    "allgather": "parlay.horovod",
-    "allgather_async": "parlay.horovod",
-    "broadcast": "parlay.horovod",
-    "broadcast_async": "parlay.horovod",
-    "join": "parlay.horovod",
-    "barrier": "parlay.horovod",
-    "poll": "parlay.horovod",
-    "synchronize": "parlay.horovod",
-    "nccl_built": "parlay.horovod",
-    "gloo_built": "parlay.horovod",
-    "mpi_built": "parlay.horovod",
-    "mpi_enabled": "parlay.horovod",
-    "data": "parlay.data",
-    "pipeline": "parlay.pipeline",
-    "horovod": "parlay.horovod",
-    "testing": "parlay.testing",
-}
+# Horovod's names: the very objects of parlay.horovod (parlay.allreduce is
+# parlay.horovod.allreduce), with Horovod's semantics (matched across ranks by name, negotiated
+# in the calling thread when a rank waits). Only scripts that use them load parlay.horovod; the
+# core never does (its collectives are parlay.comm's, on c10d).
+_HOROVOD = ("DistributedOptimizer", "allreduce", "allreduce_async", "allgather",
+            "allgather_async", "broadcast", "broadcast_async", "join", "barrier", "poll",
+            "synchronize", "nccl_built", "gloo_built", "mpi_built", "mpi_enabled")
+_LAZY = ("Trainer", "DistributedSession", "ShardPlan", "compression", "Compression", "data",
+         "pipeline", "horovod", "testing", *_HOROVOD)
 
 
 def __getattr__(name: str) -> object:
-    import importlib
+    """Heavier parts load on first use (``parlay.Trainer``), which keeps ``import parlay`` fast
+    and lets each mode live in its own package. The imports are statements (at function
+    level), so the import contracts see these edges."""
+    value = _load(name)
+    globals()[name] = value
+    return value
 
-    if name in _LAZY:
-        # The one place outside parlay/horovod/ that may load parlay.horovod (the import
-        # contract "horovod is a leaf" sees no import here: the module name is data).
-        mod = importlib.import_module(_LAZY[name])
-        value = mod if mod.__name__ == f"parlay.{name}" else getattr(mod, name)
-        globals()[name] = value
-        return value
+
+def _load(name: str) -> object:
+    # "import parlay.x as m", not "from parlay import x": the latter asks this module for x
+    # first, which would call __getattr__ again.
+    if name == "Trainer":
+        import parlay.trainer as trainer
+        return trainer.Trainer
+    if name in ("DistributedSession", "ShardPlan"):
+        import parlay.ps as ps
+        return getattr(ps, name)
+    if name in ("compression", "Compression"):
+        import parlay.compression as compression
+        return compression if name == "compression" else compression.Compression
+    if name == "horovod" or name in _HOROVOD:
+        import parlay.horovod as horovod
+        return horovod if name == "horovod" else getattr(horovod, name)
+    if name == "data":
+        import parlay.data as data
+        return data
+    if name == "pipeline":
+        import parlay.pipeline as pipeline
+        return pipeline
+    if name == "testing":
+        import parlay.testing as testing
+        return testing
     raise AttributeError(f"module 'parlay' has no attribute {name!r}")
 
 

@@ -70,7 +70,9 @@ class Registry(Generic[T]):
                               "per kind. Hint: register into parlay.registry.registries()"
                               f"[{kind!r}] instead of creating another.")
         self.kind, self.valid, self.example = kind, valid, example
-        self._normalize, self._load = normalize, load
+        self._normalize = normalize
+        #: The lazy loader (see ``load`` above); a package may set it after building the table.
+        self.load = load
         self._entries: dict[str, T] = {}
         _ALL[kind] = self
 
@@ -84,8 +86,8 @@ class Registry(Generic[T]):
 
     def available(self) -> list[str]:
         """Every registered name, sorted."""
-        if self._load is not None:
-            self._load(None)
+        if self.load is not None:
+            self.load(None)
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
@@ -103,8 +105,8 @@ class Registry(Generic[T]):
                 name and the closest one.
         """
         key = self.key(name)
-        if key not in self._entries and self._load is not None:
-            self._load(key)
+        if key not in self._entries and self.load is not None:
+            self.load(key)
         if key not in self._entries:
             raise self.unknown(name if shown is None else shown, key)
         return self._entries[key]

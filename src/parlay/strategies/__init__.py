@@ -16,3 +16,19 @@ from parlay.strategies.base import (StepResult, Strategy, available_strategies, 
                                     register_strategy)
 
 __all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies"]
+
+
+def _load_builtin(only: str | None = None) -> None:
+    """Import the built-in mode ``only`` (every one for another name or None): importing an
+    adapter registers it. Only the mode asked for is imported: the hybrid mode pulls in
+    ``torch.distributed.pipelining``, which takes seconds on a loaded machine."""
+    every = only not in ("allreduce", "ps", "hybrid")
+    if every or only == "allreduce":
+        import parlay.strategies.allreduce  # noqa: F401
+    if every or only == "ps":
+        import parlay.strategies.ps  # noqa: F401
+    if every or only == "hybrid":
+        import parlay.strategies.hybrid  # noqa: F401
+
+
+_REGISTRY.load = _load_builtin

@@ -206,28 +206,11 @@ def reject_unknown(cls: type[Strategy], unknown: dict[str, Any]) -> None:
 
 
 # Built-in mode -> the module whose import registers it.
-_BUILTIN = {"allreduce": "parlay.strategies.allreduce", "ps": "parlay.strategies.ps",
-            "hybrid": "parlay.strategies.hybrid"}
-
-
-def _load_builtin(only: str | None = None) -> None:
-    # Importing a mode's module registers it; modes that are not built yet are skipped. Only
-    # the mode asked for is imported when it is built in: the pipeline mode pulls in
-    # torch.distributed.pipelining (1.4 s here, several seconds on a loaded machine).
-    import importlib
-
-    mods = [_BUILTIN[only]] if only in _BUILTIN else list(_BUILTIN.values())
-    for mod in mods:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as e:
-            if e.name != mod:
-                raise
-
-
 # Mode names are case-sensitive: the Trainer reports and checkpoints the name as given.
+# The built-in modes' adapters register on first use: parlay.strategies sets the loader (it
+# imports them; they import this module, so the loader cannot live here without a cycle).
 _REGISTRY: Registry[Callable[..., Strategy]] = Registry(
-    "mode", valid="valid modes", normalize=str, load=_load_builtin)
+    "mode", valid="valid modes", normalize=str)
 
 
 def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
