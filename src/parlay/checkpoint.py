@@ -34,18 +34,21 @@ import torch
 
 from parlay import comm
 from parlay.errors import CheckpointError, ConfigError
+from parlay.integrity import state_crc
 from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "write_atomic", "read_atomic", "load", "CheckpointManager",
+__all__ = ["save_atomic", "write_atomic", "read_atomic", "read_verified", "verify", "load", "CheckpointManager",
            "FORMAT_VERSION", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("parlay")
 
-#: Bumped when the layout of the saved dictionary changes incompatibly.
-FORMAT_VERSION = 1
+#: Bumped when the layout of the saved dictionary changes incompatibly (2: a checksum).
+FORMAT_VERSION = 2
 _KEY = "parlay_checkpoint"
+#: Key of the CRC-32 of everything else in a file that :func:`save_atomic` writes.
+CRC_KEY = "parlay_crc32"
 _NAME = re.compile(r"^ckpt-(\d{10})\.rank(\d+)\.pt$")
 
 
@@ -85,11 +88,15 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], what: str, hin
 
 
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj)`` to ``path`` atomically: temp file, flush, fsync, rename.
+    """``torch.save(obj)`` to ``path`` atomically: temp file, flush, fsync, rename. A dict is
+    saved with the CRC-32 of its contents under :data:`CRC_KEY`, which :func:`read_verified`
+    checks.
 
     Raises:
         CheckpointError: The file could not be written (the previous file, if any, is intact).
     """
+    if isinstance(obj, dict):
+        obj = {**obj, CRC_KEY: state_crc(obj)}
     write_atomic(Path(path), lambda f: torch.save(obj, f), "checkpoint",
                  "check free disk space and write permission of the checkpoint directory, and "
                  "that the state holds only tensors and plain Python values.")
@@ -109,6 +116,40 @@ def read_atomic(path: Path, what: str = "checkpoint", retry: str = _RETRY) -> An
         raise CheckpointError(_unreadable(path, e, what, retry)) from e
 
 
+def verify(obj: Any, path: Path, what: str = "checkpoint", retry: str = _RETRY, *,
+           required: bool = False) -> Any:
+    """``obj`` (read from ``path``) without its checksum, once the checksum matches.
+
+    A dict without one was written before files carried checksums: it is returned with a
+    warning, or refused when ``required``.
+
+    Raises:
+        CheckpointError: The contents changed after the file was written (a flipped bit or
+            byte on disk or in a copy), or ``required`` and the checksum is missing.
+    """
+    if not isinstance(obj, dict):
+        return obj
+    if CRC_KEY not in obj:
+        if required:
+            raise CheckpointError(f"{what} {path} carries no checksum: it is corrupt or was "
+                                  f"not written by parlay. It is not used. Hint: {retry}")
+        log.warning("%s %s predates checksums: it is loaded unverified", what, path)
+        return obj
+    crc = obj.pop(CRC_KEY)
+    if crc != state_crc(obj):
+        raise CheckpointError(f"{what} {path} fails its checksum: its contents changed after it "
+                              "was written (a flipped bit or byte, on disk or in a copy). It is "
+                              f"not used. Hint: {retry}")
+    return obj
+
+
+def read_verified(path: str | os.PathLike[str], what: str = "checkpoint",
+                  retry: str = _RETRY) -> Any:
+    """:func:`read_atomic` then :func:`verify`: the contents :func:`save_atomic` wrote, or a
+    :class:`CheckpointError`."""
+    return verify(read_atomic(Path(path), what, retry), Path(path), what, retry)
+
+
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a checkpoint written by :class:`CheckpointManager` (``weights_only=True``).
 
@@ -124,9 +165,10 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a parlay checkpoint (expected a dict with "
                               f"{_KEY!r}, got {type(obj).__name__}).")
     version = obj[_KEY]
-    if not _is_int(version) or version != FORMAT_VERSION:
+    if not _is_int(version) or version not in (1, FORMAT_VERSION):
         raise CheckpointError(f"{path} has checkpoint format {_show(version)}, this parlay reads "
-                              f"format {FORMAT_VERSION}.")
+                              f"formats 1 and {FORMAT_VERSION}.")
+    verify(obj, path, required=version >= 2)  # format 1 predates checksums
     if "step" in obj and not (_is_int(obj["step"]) and obj["step"] >= 0):
         raise CheckpointError(f"{path} is corrupt: its step is {_show(obj['step'])}, expected an "
                               "int >= 0. Hint: delete it and the previous checkpoint is used.")

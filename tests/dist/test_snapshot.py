@@ -363,3 +363,43 @@ def test_whole_job_sigkill_keeps_snapshots_until_the_next_launch_sweeps_them(tmp
                        timeout=60)
     assert q.returncode == 0, q.stderr[-3000:]
     assert sorted(p.name for p in shm.iterdir()) == ["my-job-0123456789ab"]
+
+
+# ---------------------------------------------------------------------- verified state
+def _flip_in_largest_tensor(path: Path) -> None:
+    """Flip one bit in the middle of the largest tensor stored in the torch.save file ``path``."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    raw = bytearray(path.read_bytes())
+    head = info.header_offset
+    start = head + 30 + int.from_bytes(raw[head + 26:head + 28], "little") + \
+        int.from_bytes(raw[head + 28:head + 30], "little")
+    raw[start + info.file_size // 2] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("where", ["snapshot", "checkpoint"])
+def test_a_corrupt_newest_state_on_one_rank_is_never_resumed(tmp_path, where):
+    """A flipped bit in rank 1's newest snapshot (or disk checkpoint) between the kill and the
+    restart: both ranks resume from the newest state that verifies on both, with a warning that
+    names the file, and finish with the weights of an uninterrupted run."""
+    from parlay.testing import run_world
+
+    env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "job-v"}
+    ck = str(tmp_path / "ckpt")
+    snap, every = (1, 100) if where == "snapshot" else (0, 2)
+    run_world(_phase, 2, ck, 8, every, snap, False, env=env, timeout=90)
+    if where == "snapshot":
+        record = next((tmp_path / "shm").rglob("rank1/snap-0000000008.s*.json"))
+        victim = record.parent / f"data-{record.name.split('.s')[1].split('.')[0]}.pt"
+    else:
+        victim = Path(ck) / "ckpt-0000000008.rank1.pt"
+    _flip_in_largest_tensor(victim)
+    second = run_world(_phase, 2, ck, 12, every, snap, True, env=env, timeout=90)
+    full = run_world(_phase, 2, None, 12, None, 0, True, env=env, timeout=90)
+    want = (7, 7) if where == "snapshot" else (6, None)
+    for (start, params), (_, want_params) in zip(second, full):
+        assert start == want
+        assert all(torch.equal(p, q) for p, q in zip(params, want_params))

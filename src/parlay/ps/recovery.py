@@ -15,13 +15,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from pathlib import Path
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
 from parlay import comm, runtime
-from parlay.checkpoint import save_atomic
+from parlay.checkpoint import save_atomic, verify
 from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError
 from parlay.launch import droppable_marker
@@ -209,4 +210,6 @@ def load_worker_state(path: str | None, compressor: Compressor) -> None:
         except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
             raise CheckpointError(f"could not read worker checkpoint {path!r}: {e}. Hint: "
                                   "delete it to start the worker's residuals at zero.") from e
+        sd = verify(sd, Path(path), "worker checkpoint",
+                    "delete it to start the worker's residuals at zero.")
         compressor.load_state_dict(sd.get("compressor", {}))

@@ -20,11 +20,12 @@ import logging
 import os
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from parlay.checkpoint import save_atomic
+from parlay.checkpoint import save_atomic, verify
 from parlay.errors import CheckpointError
 from parlay.snapshot import SnapshotStore, optimizer_tensors
 
@@ -100,6 +101,8 @@ class ShardPersistence:
             raise CheckpointError(f"could not read checkpoint {path!r}: {e}. Hint: the file is "
                                   "truncated or corrupt; delete it (and the workers' files of "
                                   "the same step) to resume from the previous one.") from e
+        sd = verify(sd, Path(path), "parameter-server checkpoint", "delete it (and the "
+                    "workers' files of the same step) to resume from the previous one.")
         return self._restore(sd, f"checkpoint {path!r}")
 
     def _restore(self, sd: dict[str, Any], what: str) -> tuple[int, list[int]]:

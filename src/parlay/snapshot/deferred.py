@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from parlay.idle import discard, while_waiting
+from parlay.integrity import tensor_crc
 
 __all__ = ["DeferredCopy", "CHUNK_BYTES", "settle_before_optimizer_steps"]
 
@@ -53,7 +54,9 @@ def settle_before_optimizer_steps(store: Any) -> None:
 
 
 class DeferredCopy:
-    """Copies ``dst.copy_(src)`` of ``pairs`` in chunks, then calls ``commit``.
+    """Copies ``dst.copy_(src)`` of ``pairs`` in chunks, then calls ``commit``; :attr:`crcs`
+    holds each ``dst``'s CRC-32 (:func:`parlay.integrity.tensor_crc`), computed chunk by chunk
+    right after the copy, while the bytes are still in the cache.
 
     :meth:`step` (queued by :meth:`start` to run while this thread waits for communication)
     does one chunk; :meth:`finish` does the rest at once, on any thread. A failure of a copy
@@ -71,6 +74,7 @@ class DeferredCopy:
         self.done = False
         self.error: Exception | None = None
         self.seconds = 0.0
+        self.crcs = [0] * len(pairs)
 
     def start(self) -> DeferredCopy:
         """Queue the chunks on this thread's waits for communication."""
@@ -106,13 +110,18 @@ class DeferredCopy:
                 chunk = CHUNK_BYTES // max(1, src.element_size())
                 if chunked and src.is_contiguous() and dst.numel() - self._off > chunk:
                     end = self._off + chunk
-                    dst.view(-1)[self._off:end].copy_(src.view(-1)[self._off:end])
+                    piece = dst.view(-1)[self._off:end]
+                    piece.copy_(src.view(-1)[self._off:end])
+                    self.crcs[self._i] = tensor_crc([piece], self.crcs[self._i])
                     self._off = end
                     return
                 if self._off:
-                    dst.view(-1)[self._off:].copy_(src.view(-1)[self._off:])
+                    piece = dst.view(-1)[self._off:]
+                    piece.copy_(src.view(-1)[self._off:])
                 else:
+                    piece = dst
                     dst.copy_(src)
+                self.crcs[self._i] = tensor_crc([piece], self.crcs[self._i])
             self._i, self._off = self._i + 1, 0
         except Exception as e:  # noqa: BLE001 - reported by the store's wait()
             self.done, self.error = True, e

@@ -101,6 +101,7 @@ def agree(store: SnapshotStore, group: Any = None,
     mine = [s for s in store.steps() if s > after]
     common = set.intersection(*({v for v in r if v >= 0}
                                 for r in comm.gather_ints(mine, _REPORT, group)))
+    refused: list[int] = []
     for step in sorted(common, reverse=True):
         state: dict[str, Any] | None = None
         try:
@@ -108,9 +109,16 @@ def agree(store: SnapshotStore, group: Any = None,
         except CheckpointError as e:
             log.warning("rank %d: %s", store.rank, e)
         if comm.all_ok(state is not None, group):
+            if refused:
+                log.warning("rank %d resumes from the snapshot of step %d instead of step(s) %s, "
+                            "which did not verify on every rank", store.rank, step, refused)
             return step, state  # type: ignore[return-value]
+        refused.append(step)
         log.warning("snapshot of step %d is not readable on every rank; trying an older one",
                     step)
+    if refused:
+        log.warning("rank %d: no snapshot verifies on every rank (refused step(s) %s); the disk "
+                    "checkpoint, or a replica's state, is used instead", store.rank, refused)
     return None
 
 

@@ -8,8 +8,12 @@ Each rank owns a folder ``<root>/<key>/rank<r>/`` (root: ``$PARLAY_SNAPSHOT_DIR`
 * ``data-<slot>.pt``: the tensors of one snapshot, a ``torch.save`` file that the writer maps
   ``MAP_SHARED`` once (and again only when the state's shapes change) and then copies into in
   place: one memory copy per step, no serialisation and no allocation;
-* ``snap-<step>.s<slot>.json``: the commit record (step, slot, layout and the state's structure
-  with its plain values), written to a temporary name and renamed.
+* ``snap-<step>.s<slot>.json``: the commit record (step, slot, layout, the state's structure
+  with its plain values and the CRC-32 of every tensor), written to a temporary name and
+  renamed, with a CRC-32 of its own.
+
+:meth:`SnapshotStore.load` verifies both checksums: a flipped bit or byte anywhere in a
+snapshot makes it unreadable, and the caller resumes from another state instead.
 
 Before a slot is overwritten its commit record is deleted, so a process killed half way through
 a copy leaves the slot uncommitted and the previous snapshot intact. ``keep`` slots rotate: the
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 import os
 import re
 import shutil
@@ -42,6 +47,7 @@ import torch
 
 from parlay.errors import CheckpointError, ConfigError
 from parlay.checkpoint import read_atomic
+from parlay.integrity import tensor_crc
 from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
 from parlay.snapshot.owner import default_root, hold
@@ -50,9 +56,18 @@ __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
 log = logging.getLogger("parlay")
 
-FORMAT_VERSION = 1  #: Bumped when the snapshot layout changes incompatibly.
+FORMAT_VERSION = 2  #: Bumped when the snapshot layout changes incompatibly (2: checksums).
 _META = re.compile(r"^snap-(\d{10})\.s(\d+)\.json$")
 _MKDIR_TRIES = 20  # tries to create a rank's folder while other ranks clear the run folder
+
+
+_INSTEAD = ("The newest state that verifies is used instead: an older snapshot, a replica's "
+            "or the disk checkpoint.")
+
+
+def _record_crc(record: dict[str, Any]) -> int:
+    """CRC-32 of a commit record's canonical JSON (without its own ``check``)."""
+    return zlib.crc32(json.dumps(record, sort_keys=True).encode())
 
 
 class SnapshotStore:
@@ -188,27 +203,35 @@ class SnapshotStore:
             self._meta_path(*old).unlink(missing_ok=True)
             self._held.remove(old)
         views = self._mapped(slot, tensors, lay)
-        later = []
+        later: list[int] = []
+        crcs = [0] * len(views)
         with torch.no_grad():
-            for dst, src in zip(views, tensors):
+            for i, (dst, src) in enumerate(zip(views, tensors)):
                 if defer and src.is_cpu and src.data_ptr() in defer:
-                    later.append((dst, src))
+                    later.append(i)
                 else:
                     dst.copy_(src)
+                    crcs[i] = tensor_crc([dst])
         record = {"parlay_snapshot": FORMAT_VERSION, "key": self.key, "step": int(step),
-                  "slot": slot, "layout": lay, "skeleton": skeleton}
+                  "slot": slot, "layout": lay, "skeleton": skeleton, "crcs": crcs}
         if not later:
             self._commit(record)
             self.last_save_s = time.perf_counter() - t0
             return
+
+        def commit() -> None:
+            for i, crc in zip(later, job.crcs):
+                crcs[i] = crc
+            self._commit(record)
+
         settle_before_optimizer_steps(self)
-        self._job = DeferredCopy(later, lambda: self._commit(record))
+        job = self._job = DeferredCopy([(views[i], tensors[i]) for i in later], commit)
         self._job.seconds = time.perf_counter() - t0
         self._job.start()
 
     def _commit(self, record: dict[str, Any]) -> None:
         step, slot = record["step"], record["slot"]
-        text = json.dumps(record)
+        text = json.dumps({**record, "check": _record_crc(record)})
         write_atomic(self._meta_path(step, slot), lambda f: f.write(text.encode()))
         self._held.append((step, slot))
 
@@ -258,18 +281,29 @@ class SnapshotStore:
             raise CheckpointError(f"snapshot record {path} is unreadable ({e}). Hint: it is "
                                   "truncated or corrupt; the previous snapshot or the disk "
                                   "checkpoint is used instead.") from e
+        if isinstance(meta, dict) and meta.pop("check", None) != _record_crc(meta):
+            raise CheckpointError(f"rank {self.rank}: snapshot record {path} fails its "
+                                  f"checksum (corrupt); it is not used. {_INSTEAD}")
         if not (isinstance(meta, dict) and meta.get("parlay_snapshot") == FORMAT_VERSION
                 and meta.get("key") == self.key and meta.get("step") == step
                 and meta.get("slot") == slots[0]):
             raise CheckpointError(f"{path} is not a format-{FORMAT_VERSION} snapshot of run "
                                   f"{self.key!r} at step {step}. Hint: delete it.")
-        data = read_atomic(self._data_path(slots[0]), "snapshot", "it is truncated or corrupt; "
-                           "the previous snapshot or the disk checkpoint is used instead.")
+        data_path = self._data_path(slots[0])
+        data = read_atomic(data_path, "snapshot", f"it is truncated or corrupt. {_INSTEAD}")
         tensors = data.get("tensors") if isinstance(data, dict) else None
         if not (isinstance(tensors, list) and all(isinstance(t, torch.Tensor) for t in tensors)
                 and data.get("layout") == meta.get("layout") == layout(tensors)):
             raise CheckpointError(f"snapshot data of step {step} in {self.directory} does not "
                                   "match its commit record (corrupt). Hint: delete the folder.")
+        crcs = meta.get("crcs")
+        bad = [i for i, t in enumerate(tensors)
+               if not isinstance(crcs, list) or i >= len(crcs) or tensor_crc([t]) != crcs[i]]
+        if bad:
+            raise CheckpointError(f"rank {self.rank}: snapshot {data_path} of step {step} fails "
+                                  f"its checksum ({len(bad)} of {len(tensors)} tensors differ "
+                                  f"from what was written, the first is #{bad[0]}): it is "
+                                  f"not used. {_INSTEAD}")
         try:
             state = decode(meta["skeleton"], tensors)
         except (ValueError, KeyError, IndexError, TypeError, RecursionError) as e:
