@@ -39,8 +39,8 @@ from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "write_atomic", "read_atomic", "read_verified", "verify", "load", "CheckpointManager",
-           "FORMAT_VERSION", "rng_state", "set_rng_state"]
+__all__ = ["save_atomic", "write_atomic", "read_atomic", "read_verified", "verify", "load",
+           "CheckpointManager", "FORMAT_VERSION", "CRC_KEY", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("parlay")
 
