@@ -8,7 +8,14 @@ from parlay.dp import (Adasum, Average, Max, Min, Product, Sum, allgather_object
                        broadcast_object, broadcast_optimizer_state, broadcast_parameters)
 from parlay.env import ClusterEnv, TaskSpec, detect
 from parlay.taskspec import TaskSpecDef, create_task_spec_def
-from parlay.errors import CheckpointError, CommError, ConfigError, NonFiniteError, ParlayError
+from parlay.errors import (
+    CheckpointError,
+    CommError,
+    ConfigError,
+    NonFiniteError,
+    ParlayError,
+    ReplicaDivergence,
+)
 from parlay.runtime import (backend, cluster, cross_rank, cross_size, device, init,
                             is_chief, is_initialized, local_rank, local_size, rank, role,
                             shutdown, size)
@@ -67,6 +74,7 @@ __all__ = [
     "__version__", "comm", "compress", "ClusterEnv", "TaskSpec", "TaskSpecDef",
     "create_task_spec_def", "detect",
     "ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError",
+    "ReplicaDivergence",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_chief", "role", "device", "backend", "cluster",
     "ReduceOp", "Average", "Sum", "Adasum", "Min", "Max", "Product", "allgather_object",

@@ -39,7 +39,7 @@ from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "write_atomic", "read_atomic", "read_verified", "verify", "load",
+__all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load",
            "CheckpointManager", "FORMAT_VERSION", "CRC_KEY", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("parlay")
@@ -89,7 +89,7 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], what: str, hin
 
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     """``torch.save(obj)`` to ``path`` atomically: temp file, flush, fsync, rename. A dict is
-    saved with the CRC-32 of its contents under :data:`CRC_KEY`, which :func:`read_verified`
+    saved with the CRC-32 of its contents under :data:`CRC_KEY`, which :func:`verify`
     checks.
 
     Raises:
@@ -141,13 +141,6 @@ def verify(obj: Any, path: Path, what: str = "checkpoint", retry: str = _RETRY, 
                               "was written (a flipped bit or byte, on disk or in a copy). It is "
                               f"not used. Hint: {retry}")
     return obj
-
-
-def read_verified(path: str | os.PathLike[str], what: str = "checkpoint",
-                  retry: str = _RETRY) -> Any:
-    """:func:`read_atomic` then :func:`verify`: the contents :func:`save_atomic` wrote, or a
-    :class:`CheckpointError`."""
-    return verify(read_atomic(Path(path), what, retry), Path(path), what, retry)
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:

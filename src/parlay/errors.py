@@ -7,7 +7,8 @@ exception pickling keeps an instance's attributes, so an error crosses processes
 """
 from __future__ import annotations
 
-__all__ = ["ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError"]
+__all__ = ["ParlayError", "ConfigError", "CommError", "CheckpointError", "NonFiniteError",
+           "ReplicaDivergence"]
 
 
 class ParlayError(Exception):
@@ -58,3 +59,21 @@ class NonFiniteError(ParlayError, FloatingPointError):
         self.step = step
         self.rank = rank
         self.parameter = parameter
+
+
+class ReplicaDivergence(ParlayError, RuntimeError):
+    """Data-parallel replicas hold different parameters or optimizer state, and no majority
+    of three or more can heal the others.
+
+    Attributes:
+        step: The step at which the check found it.
+        ranks: The global ranks that differ (all of them when there is no majority).
+        agreed_at: The last step at which the replicas agreed.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None,
+                 ranks: list[int] | None = None, agreed_at: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+        self.ranks = ranks
+        self.agreed_at = agreed_at

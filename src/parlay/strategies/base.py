@@ -155,6 +155,13 @@ class Strategy:
         return self.name in ("allreduce", "hybrid")
 
     @property
+    def has_replicas(self) -> bool:
+        """Whether the ranks of :attr:`dp_group` hold identical parameters and optimizer state
+        in ``optimizer`` (default: the built-in data-parallel and hybrid modes), which the
+        Trainer's replica check compares."""
+        return self.name in ("allreduce", "hybrid")
+
+    @property
     def pp(self) -> int:
         """Pipeline stages per replica (1: no pipeline)."""
         return 1

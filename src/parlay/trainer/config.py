@@ -93,6 +93,12 @@ class TrainerConfig:
             from the newest snapshot every rank holds when it is newer than the disk
             checkpoint (see :mod:`parlay.snapshot`); the printing rank logs how many steps a
             crash can cost (``steps at risk: K``).
+        replica_check: Steps between comparisons of the data-parallel replicas' parameters
+            and optimizer state (a CRC-32 each, one small allgather; also right after a
+            resume). ``"auto"`` (default): an interval re-chosen at every check so checks cost
+            at most 0.5% of training. An int K: every K steps. 0/None: off. Three or more
+            replicas heal a minority that differs; two stop with
+            :class:`~parlay.errors.ReplicaDivergence` (see :mod:`parlay.trainer.replicas`).
         log_step_size: Steps between (reduced) loss logs.
         metrics_path: JSONL metrics file (default: ``<checkpoint_dir>/metrics.jsonl`` when
             checkpointing, else none).
@@ -136,6 +142,7 @@ class TrainerConfig:
     checkpoint_every: int | None = None
     keep_last: int = 3
     snapshot_every: int | str | None = AUTO
+    replica_check: int | str | None = AUTO
     # logging
     log_step_size: int = 50
     metrics_path: str | None = None
@@ -165,11 +172,13 @@ class TrainerConfig:
         if twice:
             raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "
                               f"Hint: pass them as Trainer({twice[0]}=...).")
-        every = self.snapshot_every
-        if every != AUTO and every is not None and (
-                isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise ConfigError(f"snapshot_every must be 'auto', an int >= 0 or None (0/None: no "
-                              f"in-memory snapshots), got {every!r}.")
+        for name, off in (("snapshot_every", "in-memory snapshots"),
+                          ("replica_check", "replica checks")):
+            every = getattr(self, name)
+            if every != AUTO and every is not None and (
+                    isinstance(every, bool) or not isinstance(every, int) or every < 0):
+                raise ConfigError(f"{name} must be 'auto', an int >= 0 or None (0/None: no "
+                                  f"{off}), got {every!r}.")
 
     @property
     def base_lr(self) -> Any:

@@ -32,6 +32,7 @@ from parlay.snapshot import (
 )
 from parlay.strategies import Strategy
 from parlay.trainer.config import AUTO, TrainerConfig, TrainerState
+from parlay.trainer.replicas import ReplicaCheck
 
 __all__ = ["Persistence", "choose_interval", "BUDGET", "PROBE_STEPS"]
 
@@ -89,6 +90,9 @@ class Persistence:
             log.info("resumed from the in-memory snapshot of step %d", self.resumed_from_snapshot)
         if self.store is None:
             self.every = 0
+        self.replicas = ReplicaCheck(strategy, config.replica_check or 0, self.state.step)
+        if self.state.step and self.replicas.every:  # resumed: do the replicas agree?
+            self.replicas.check(self.state.step)
 
     def _open_checkpoints(self, config: TrainerConfig,
                           model: nn.Module) -> CheckpointManager | None:
@@ -155,6 +159,7 @@ class Persistence:
     def after_step(self, epoch_done: bool) -> None:
         """Checkpoint and snapshot when due (the Trainer calls it after every step)."""
         step = self.state.step
+        self.replicas.after_step(step)  # before a diverged state is saved
         every = self.checkpoint_every
         if self.checkpoints is not None and (step % every == 0 if every else epoch_done):
             self.save_checkpoint()
