@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -29,7 +30,8 @@ try:
 except ImportError:  # pragma: no cover - not on Windows: no lock there
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["model_layout", "fingerprint", "describe_mismatch", "DirLock", "trainer_identity"]
+__all__ = ["model_layout", "fingerprint", "describe_mismatch", "DirLock", "trainer_identity",
+           "recipe_difference", "stable_repr"]
 
 #: Identity fields a resume must match exactly, with how to tell the user about each.
 _LAYOUT = ("world_size", "dp_size", "pp")
@@ -83,6 +85,12 @@ def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
         diff = _first_difference(saved.get("model_layout", []), now.get("model_layout", []))
         return (f"it was written for a different model architecture ({diff}). Fix: build the "
                 f"same model as the run that wrote it,{fresh}")
+    settings = recipe_difference(saved.get("recipe"), now.get("recipe"))
+    if settings:
+        return (f"it was written with other training settings ({settings}), so continuing it would "
+                "not be the run that wrote it (another job under the same directory or run "
+                "id?). Fix: resume with the same settings, give this job its own "
+                f"checkpoint_dir,{fresh}")
     if has("dp_rank") and saved["dp_rank"] != now["dp_rank"]:
         return (f"this rank's file was written by data-parallel replica {saved['dp_rank']}, "
                 f"this rank is replica {now['dp_rank']}. Fix: keep the rank order of the run "
@@ -158,12 +166,36 @@ class DirLock:
             os.close(held[0])
 
 
-def trainer_identity(strategy: Any, mode: str, batch_size: int, model: nn.Module) -> dict[str, Any]:
+def trainer_identity(strategy: Any, mode: str, batch_size: int, model: nn.Module,
+                     recipe: dict[str, str] | None = None) -> dict[str, Any]:
     """The identity a Trainer's checkpoints record and a resume must match (``strategy``: a
     :class:`~parlay.strategies.Strategy`; its ``layout_world_size`` counts ps workers that sit
-    a resume out)."""
+    a resume out; ``recipe``: the training settings, see :func:`stable_repr`)."""
     layout = model_layout(model)
-    return {"mode": mode, "world_size": int(strategy.layout_world_size),
-            "dp_size": int(strategy.dp_size), "dp_rank": int(strategy.dp_rank),
-            "pp": int(strategy.pp), "batch_size": int(batch_size),
-            "model_fingerprint": fingerprint(layout), "model_layout": layout}
+    out = {"mode": mode, "world_size": int(strategy.layout_world_size),
+           "dp_size": int(strategy.dp_size), "dp_rank": int(strategy.dp_rank),
+           "pp": int(strategy.pp), "batch_size": int(batch_size),
+           "model_fingerprint": fingerprint(layout), "model_layout": layout}
+    if recipe is not None:
+        out["recipe"] = dict(recipe)
+    return out
+
+
+def recipe_difference(saved: Any, now: Any) -> str | None:
+    """The settings two recipes (see :func:`stable_repr`) disagree on, as ``"k: a then, b
+    now; ..."``; ``None`` when they agree or either is missing (older states had none)."""
+    if not (isinstance(saved, dict) and isinstance(now, dict)) or saved == now:
+        return None
+    return "; ".join(f"{k}: {saved.get(k)} then, {now.get(k)} now"
+                     for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
+
+
+def stable_repr(value: Any) -> str:
+    """``repr(value)`` without memory addresses (``<... at 0x7f...>``), so a setting reads the
+    same in every process that is given it (a recipe field of a run's identity)."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {stable_repr(v)}" for k, v in sorted(
+            value.items(), key=lambda kv: str(kv[0]))) + "}"
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))

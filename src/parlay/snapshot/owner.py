@@ -19,6 +19,7 @@ owner file and are never swept: relaunching the job with the same id resumes fro
 """
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
@@ -28,12 +29,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from parlay.errors import ConfigError
+
 try:
     import fcntl
 except ImportError:  # pragma: no cover - not POSIX: no owner files, nothing swept
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "default_root"]
+__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "hold_live", "default_root"]
 
 log = logging.getLogger("parlay")
 
@@ -66,6 +69,8 @@ def _folders(root: Path, name: str) -> list[Path]:
 def _remove_run(root: Path, name: str) -> None:
     for d in _folders(root, name):
         shutil.rmtree(d, ignore_errors=True)
+    for live in root.glob(f"{glob.escape(name)}.rank*.live"):
+        live.unlink(missing_ok=True)
 
 
 class RunOwner:
@@ -139,6 +144,43 @@ def hold(root: Path, key: str) -> int:
     except OSError:
         os.close(fd)
         return -1
+    return fd
+
+
+def live_path(root: Path, key: str, rank: int) -> Path:
+    """The file a live rank of snapshot key ``key``'s run holds locked (see :func:`hold_live`)."""
+    m = re.fullmatch(r"(.+)" + _DIGEST, key)
+    return root / f"{m.group(1) if m else key}.rank{int(rank)}.live"
+
+
+def hold_live(root: Path, key: str, rank: int) -> int:
+    """An exclusive lock on this rank's live file of snapshot key ``key``'s run *id* (whatever
+    its recipe): held while the rank keeps snapshots, dropped by the kernel when the process
+    dies, so a restart of the same job takes it again while a second live job with the same
+    run id is refused; ``-1`` without ``fcntl``.
+
+    Raises:
+        ConfigError: Another live process holds it (the message names it).
+        OSError: The file cannot be created (the snapshot folder is not writable).
+    """
+    if fcntl is None:
+        return -1
+    path = live_path(root, key, rank)
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 300).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise ConfigError(
+            f"run id {path.name.rsplit('.rank', 1)[0]!r} is in use by a live job on this host: "
+            f"{holder} holds rank {rank} ({path}). Two jobs under one run id would resume from "
+            "and overwrite each other's snapshots. Fix: give this job its own PARLAY_RUN_ID "
+            "(or parlay run --rdzv-id), or stop the other job.") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     return fd
 
 

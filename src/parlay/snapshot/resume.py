@@ -21,8 +21,9 @@ import torch
 from parlay import comm, runtime
 from parlay.data.sampler import ShardedSampler
 from parlay.discovery import run_id
-from parlay.errors import CheckpointError
+from parlay.errors import CheckpointError, ConfigError
 from parlay.rngstate import rng_state
+from parlay.runinfo import recipe_difference
 from parlay.snapshot.owner import run_name
 from parlay.snapshot.share import share_newest
 from parlay.snapshot.store import FORMAT_VERSION, SnapshotStore
@@ -41,6 +42,8 @@ class TrainingRun(Protocol):
         mode: Its registry name.
         batch_size: Samples per batch per data-parallel replica.
         sampler: The training data's sampler (its seed, size and order settings).
+        recipe: The training settings a snapshot must have been written with (optimizer and
+            its arguments, schedule, precision, compression, mode options, data and seed).
         step: Optimizer steps taken.
     """
 
@@ -48,6 +51,7 @@ class TrainingRun(Protocol):
     mode: str
     batch_size: int
     sampler: ShardedSampler
+    recipe: dict[str, str]
 
     @property
     def step(self) -> int: ...
@@ -149,7 +153,32 @@ def open_for_trainer(run: TrainingRun, every: int) -> SnapshotStore | None:
         s.snapshot_identity = hashlib.sha1(_identity(run).encode()).hexdigest()[:16]
         return s.snapshot_store
     key = key_or_off(_identity(run))
-    return SnapshotStore(key, runtime.rank()) if key is not None else None
+    if key is None:
+        return None
+    store, status = None, 0
+    error: ConfigError | CheckpointError | None = None
+    try:
+        store = SnapshotStore(key, runtime.rank(), live=True)
+    except ConfigError as e:  # another live job holds this run id
+        status, error = 2, e
+    except CheckpointError as e:  # the folder cannot be written
+        status, error = 1, e
+    codes = [row[0] for row in comm.gather_ints([status], 1, s.train_group)]
+    if max(codes) == 0:
+        return store
+    if store is not None:
+        store.close()
+    failed = [comm.to_global_rank(s.train_group, i) for i, c in enumerate(codes) if c]
+    if max(codes) == 2:
+        if status == 2 and error is not None:
+            raise error
+        raise ConfigError(f"rank(s) {failed}: this job's run id is in use by another live job "
+                          "(see their error). Fix: give this job its own PARLAY_RUN_ID, or stop "
+                          "the other job.")
+    warnings.warn(f"in-memory snapshots off: {error}" if error else
+                  f"in-memory snapshots off: rank(s) {failed} cannot write theirs (see their "
+                  "warning)", stacklevel=3)
+    return None
 
 
 def replicated_part(state: dict[str, Any]) -> dict[str, Any]:
@@ -205,12 +234,31 @@ def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
         step, state, exact = shared
         if not exact:
             state = _complete(run, state)
+    _refuse_other_recipe(run, state, step, store)
     run.load_state_dict(state)
     if not exact:
         warnings.warn(f"rank {runtime.rank()} had no snapshot of step {step}: it resumed with a "
                       "replica's model and optimizer, a re-seeded RNG and zero compression "
                       "residuals (not bit-exact).", stacklevel=3)
     return step
+
+
+def _refuse_other_recipe(run: TrainingRun, state: dict[str, Any], step: int,
+                         store: SnapshotStore) -> None:
+    """Raise when ``state`` was written with other training settings than ``run``'s (the
+    same on every rank, so every rank refuses).
+
+    Raises:
+        CheckpointError: It was (the message names the settings and the folder).
+    """
+    diff = recipe_difference(state.get("recipe"), run.recipe)
+    if diff:
+        raise CheckpointError(
+            f"rank {runtime.rank()}: the in-memory snapshot of step {step} in {store.directory} "
+            f"was written with other training settings ({diff}) under this job's run id "
+            f"{run_id()!r}; it is not resumed. Fix: give this job its own PARLAY_RUN_ID (two "
+            "jobs must not share one), or resume with the settings that wrote it, or delete "
+            f"{store.directory.parent} to start afresh.")
 
 
 def _resume_agreed(run: TrainingRun, store: SnapshotStore, step: int | None) -> int | None:
@@ -232,6 +280,7 @@ def _resume_agreed(run: TrainingRun, store: SnapshotStore, step: int | None) -> 
             f"{store.directory} was written by a run with other Trainer settings (batch size, "
             "data, seed or model) under the same run id. Fix: delete that folder, or give "
             "this job its own PARLAY_RUN_ID.")
+    _refuse_other_recipe(run, state, step, store)
     run.load_state_dict(state)
     return step
 

@@ -50,7 +50,7 @@ from parlay.checkpoint import read_atomic
 from parlay.integrity import tensor_crc
 from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
-from parlay.snapshot.owner import default_root, hold
+from parlay.snapshot.owner import default_root, hold, hold_live, live_path
 
 __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
@@ -80,14 +80,17 @@ class SnapshotStore:
         root: Parent folder (default :func:`default_root`).
         keep: Committed snapshots kept (the newest ones); 2 lets a rank killed while writing
             step t still hold step t-1.
+        live: Hold this rank's live lock on the run id until :meth:`close`
+            (:func:`~parlay.snapshot.owner.hold_live`): a second live job with the same run id
+            is refused.
 
     Raises:
-        ConfigError: Bad key or keep.
+        ConfigError: Bad key or keep, or (``live``) another live job holds the run id.
         CheckpointError: The folder cannot be created.
     """
 
     def __init__(self, key: str, rank: int, root: str | os.PathLike[str] | None = None,
-                 keep: int = 2) -> None:
+                 keep: int = 2, *, live: bool = False) -> None:
         if not isinstance(key, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,200}", key):
             raise ConfigError(f"snapshot key must be 1-200 letters, digits, '.', '_' or '-', "
                               f"got {key!r}.")
@@ -96,6 +99,13 @@ class SnapshotStore:
         self.key, self.rank, self.keep = key, int(rank), keep
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.directory = self.root / key / f"rank{self.rank}"
+        self._live_fd = -1
+        if live:
+            try:
+                self._live_fd = hold_live(self.root, key, self.rank)
+            except OSError as e:
+                raise CheckpointError(f"cannot create snapshot folder {self.root}: {e}. Hint: "
+                                      "set PARLAY_SNAPSHOT_DIR to a writable folder.") from e
         self._make_folder()
         self._owner_fd = hold(self.root, key)  # a sweep leaves this run alone while it is held
         for stale in self.directory.glob(".*.tmp*"):
@@ -329,9 +339,14 @@ class SnapshotStore:
             self._settle()
         finally:
             self._maps.clear()
+            if self._live_fd >= 0:
+                os.close(self._live_fd)
+                self._live_fd = -1
 
     def clear(self) -> None:
         """Delete this rank's snapshots (and the run's folder once no rank has one left)."""
+        if self._live_fd >= 0:  # removed while still held: the run is over
+            live_path(self.root, self.key, self.rank).unlink(missing_ok=True)
         self.close()
         shutil.rmtree(self.directory, ignore_errors=True)
         try:  # only when empty: other ranks' folders are there, or another rank removed it

@@ -23,7 +23,7 @@ from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError
-from parlay.runinfo import trainer_identity
+from parlay.runinfo import stable_repr, trainer_identity
 from parlay.snapshot import (
     SnapshotStore,
     open_for_trainer,
@@ -53,6 +53,20 @@ def choose_interval(copy_s: float, step_s: float, budget: float = BUDGET) -> int
     return max(1, math.ceil(copy_s / (budget * step_s) - 1e-9))
 
 
+def recipe(config: TrainerConfig, sampler: ShardedSampler) -> dict[str, str]:
+    """The settings a checkpoint or snapshot must have been written with to be continued by
+    this run, as stable strings (part of the run's identity). Not the length of training:
+    raising ``num_epochs`` and resuming is how a run is extended."""
+    c = config
+    fields = {"optimizer": c.optimizer, "optimizer_args": c.optimizer_args or {},
+              "lr_schedule": c.lr_schedule, "warmup_epochs": c.warmup_epochs,
+              "scaling_learning_rate": c.scaling_learning_rate, "precision": c.precision,
+              "compression": c.compression, "grad_clip": c.grad_clip, "nonfinite": c.nonfinite,
+              "strategy_options": c.strategy_options or {}, "dataset_size": sampler.n,
+              "seed": sampler.seed, "shuffle": sampler.shuffle, "drop_last": sampler.drop_last}
+    return {k: stable_repr(v) for k, v in fields.items()}
+
+
 class Persistence:
     """Checkpoints and snapshots of one rank's training run; resumes on construction.
 
@@ -73,6 +87,7 @@ class Persistence:
                  state: TrainerState, model: nn.Module, report: Callable[[str], None]) -> None:
         self.strategy, self.sampler, self.state = strategy, sampler, state
         self.mode, self.batch_size = config.mode, config.batch_size
+        self.recipe = recipe(config, sampler)
         self.checkpoint_every = config.checkpoint_every
         self._report = report
         self.last_checkpoint_step = -1
@@ -102,7 +117,8 @@ class Persistence:
             return None
         ckpt = CheckpointManager(config.checkpoint_dir, config.keep_last, rank=runtime.rank(),
                                  group=s.train_group, lock=True,
-                                 identity=trainer_identity(s, self.mode, self.batch_size, model))
+                                 identity=trainer_identity(s, self.mode, self.batch_size, model,
+                                                           self.recipe))
         resumed = ckpt.load_latest()
         if resumed is not None:
             self.load_state_dict(resumed, where=str(ckpt.directory))
@@ -122,7 +138,7 @@ class Persistence:
         s = self.strategy
         strategy = s.snapshot_state_dict() if snapshot else s.state_dict()
         return {"trainer": asdict(self.state), "mode": self.mode, "strategy": strategy,
-                "sampler": self.sampler.state_dict(), "rng": rng_state()}
+                "sampler": self.sampler.state_dict(), "rng": rng_state(), "recipe": self.recipe}
 
     def load_state_dict(self, state: dict[str, Any], where: str = "snapshot") -> None:
         """Continue from ``state``.
