@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import errno
 import logging
 import os
 import re
@@ -84,7 +85,19 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], what: str, hin
             _fsync_dir(path.parent)
     except Exception as e:  # noqa: BLE001 - disk errors and unpicklable state alike
         tmp.unlink(missing_ok=True)
-        raise CheckpointError(f"could not write {what} {path}: {e}. Hint: {hint}") from e
+        cause = (f"no space left on device (the file system of {path.parent} is full)"
+                 if _no_space(e) else str(e))
+        raise CheckpointError(f"could not write {what} {path}: {cause}. Hint: {hint}") from e
+
+
+def _no_space(e: BaseException | None) -> bool:
+    """Whether ``e`` or an exception it was raised from is ``ENOSPC`` (torch's writer reports
+    a full disk as ``unexpected pos ...``, with the ``OSError`` as its context)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -98,8 +111,8 @@ def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
     if isinstance(obj, dict):
         obj = {**obj, CRC_KEY: state_crc(obj)}
     write_atomic(Path(path), lambda f: torch.save(obj, f), "checkpoint",
-                 "check free disk space and write permission of the checkpoint directory, and "
-                 "that the state holds only tensors and plain Python values.")
+                 f"check free disk space and write permission of {Path(path).parent}, and that "
+                 "the state holds only tensors and plain Python values.")
 
 
 _RETRY = ("e.g. the disk filled up or a copy was cut short; delete it and the previous "

@@ -87,8 +87,9 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
     Raises:
         CheckpointError: The file could not be written (the temporary file is removed).
     """
-    checkpoint.write_atomic(path, write, "snapshot file", "host shared memory (/dev/shm) may be "
-                            "full; set PARLAY_SNAPSHOT_DIR or snapshot_every=0.", durable=False)
+    checkpoint.write_atomic(path, write, "snapshot file", f"free space in {path.parent}, "
+                            "or set PARLAY_SNAPSHOT_DIR to a folder with room for a copy of the "
+                            "training state, or snapshot_every=0.", durable=False)
 
 
 #: Marks a data file of :func:`map_shared` (bumped when its layout changes incompatibly).
