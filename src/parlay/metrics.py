@@ -169,15 +169,24 @@ class MetricsLogger:
             self.print(f"step {step:>7d}  epoch {epoch}  loss {loss:.4f}  {rate:,.0f} samples/s")
         return loss
 
-    def epoch_end(self, epoch: int, step: int) -> float:
-        """Reduce and print the one-line summary of ``epoch``; returns its mean loss."""
+    def epoch_end(self, epoch: int, step: int, samples: int | None = None) -> float:
+        """Reduce and print the one-line summary of ``epoch``; returns its mean loss.
+
+        Args:
+            epoch: The epoch that ended.
+            step: The step it ended at.
+            samples: Samples trained in it, counted over the replicas (default: the sum of the
+                steps' ``global_samples``).
+        """
         loss = reduce_meters([self.epoch], self.group)[0] if self.reduces else math.nan
         now = time.perf_counter()
         secs = now - self._t_epoch
-        rate = self._samples_epoch / max(secs, 1e-9)
-        self.print(f"epoch {epoch}: loss {loss:.4f}  {self._samples_epoch} samples in "
+        n = self._samples_epoch if samples is None else samples
+        rate = n / max(secs, 1e-9)
+        self.print(f"epoch {epoch}: loss {loss:.4f}  {n} samples in "
                    f"{secs:.1f} s ({rate:,.0f} samples/s)  step {step}")
-        self.write("epoch", epoch=epoch, step=step, loss=loss, seconds=secs, samples_per_s=rate)
+        self.write("epoch", epoch=epoch, step=step, loss=loss, samples=n, seconds=secs,
+                   samples_per_s=rate)
         self.epoch.reset()
         self._t_epoch, self._samples_epoch = now, 0
         return loss

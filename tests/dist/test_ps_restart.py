@@ -280,9 +280,9 @@ def test_trainer_async_survivor_finishes_with_metrics_after_a_worker_dies():
                     return_exceptions=True)
     assert isinstance(out[2], WorldError)
     assert out[0]["lost"] == [2] and out[0]["val"] == {}
-    steps_per_epoch = N // 2 // BATCH
-    assert out[1]["steps"] == 2 * steps_per_epoch
-    assert out[1]["epochs"] == [steps_per_epoch, 2 * steps_per_epoch]  # epoch-end metrics ran
+    steps_per_epoch = N // 2 // BATCH  # epoch 1: the survivor alone trains every sample
+    assert out[1]["steps"] == 3 * steps_per_epoch
+    assert out[1]["epochs"] == [steps_per_epoch, 3 * steps_per_epoch]  # epoch-end metrics ran
     assert out[1]["val"]["samples"] == N  # alone, it evaluates the whole validation set
 
 

@@ -21,7 +21,8 @@ In the first two cases every rank holds the same number of samples, hence the sa
 batches. The position inside an epoch is *reported by the consumer* (:meth:`advance`), not
 counted by ``__iter__``, because a prefetching ``DataLoader`` pulls indices ahead of what the
 training loop has consumed; :meth:`state_dict` then resumes exactly at the first unconsumed
-sample.
+sample. :meth:`reshard` spreads later epochs over fewer replicas (the survivors of a lost
+asynchronous parameter-server worker take over its share); the state records the sharding.
 """
 from __future__ import annotations
 
@@ -84,6 +85,7 @@ class ShardedSampler(Sampler[int]):
                 f"ShardedSampler: the dataset has {self.n} samples, too few for "
                 f"{self.num_replicas} replicas{' with drop_last=True' if self.drop_last else ''}."
                 " Hint: use a larger dataset or fewer processes.")
+        self.world = self.num_replicas  # the replicas the run was built for
         self.epoch = 0
         self.position = 0
 
@@ -127,29 +129,51 @@ class ShardedSampler(Sampler[int]):
         self.epoch = _check_int("epoch", epoch, 0)
         self.position = 0
 
+    def reshard(self, num_replicas: int, rank: int) -> None:
+        """Shard the epochs from the next :meth:`set_epoch` on over ``num_replicas`` replicas
+        (at most the replicas the sampler was built for), this one at ``rank``.
+
+        Raises:
+            ConfigError: A sharding that does not fit.
+        """
+        if _check_int("num_replicas", num_replicas, 1) > self.world or \
+                _check_int("rank", rank, 0) >= num_replicas:
+            raise ConfigError(f"ShardedSampler.reshard: need 1 <= num_replicas <= {self.world} "
+                              f"and 0 <= rank < num_replicas, got {num_replicas} and {rank}.")
+        self.num_replicas, self.rank = num_replicas, rank
+
     def advance(self, num_samples: int) -> None:
         """Record that the consumer finished ``num_samples`` more samples of this epoch."""
         self.position = min(len(self), self.position + _check_int("num_samples", num_samples, 0))
 
     def state_dict(self) -> dict[str, Any]:
-        """Epoch, position and the settings that must match on resume."""
+        """Epoch, position, this epoch's sharding and the settings that must match on resume."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
                 "n": self.n, "num_replicas": self.num_replicas, "rank": self.rank,
+                "world": self.world,
                 "shuffle": self.shuffle, "drop_last": self.drop_last, "even": self.even}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume at the saved epoch and position.
+        """Resume at the saved epoch and position, with the saved sharding (a takeover's).
 
         Raises:
             CheckpointError: The saved sampler sharded a different dataset or world.
         """
-        for key in ("n", "num_replicas", "seed", "shuffle", "drop_last", "even"):
+        world = state.get("world", state.get("num_replicas", self.world))
+        if world != self.world:
+            raise CheckpointError(
+                f"cannot resume the data order: the checkpoint's sampler was built for "
+                f"num_replicas={world!r}, this run has {self.world}. Hint: resume with the same "
+                "number of processes, or start a fresh checkpoint_dir.")
+        for key in ("n", "seed", "shuffle", "drop_last", "even"):
             if key in state and state[key] != getattr(self, key):
                 raise CheckpointError(
                     f"cannot resume the data order: the checkpoint's sampler has {key}="
                     f"{state[key]!r}, this run has {getattr(self, key)!r}. Hint: resume with the "
                     "same dataset, number of processes, seed and drop_last, or start a fresh "
                     "checkpoint_dir.")
+        if state.get("num_replicas", world) != world:  # a takeover's sharding (reshard)
+            self.reshard(int(state["num_replicas"]), int(state["rank"]))
         self.epoch = int(state["epoch"])
         self.position = min(len(self), int(state["position"]))
 

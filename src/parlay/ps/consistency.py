@@ -123,12 +123,14 @@ class Update(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """What the server must send: ``kind`` in ``("params", "bye", "saved", "error")``."""
+    """What the server must send: ``kind`` in ``("params", "bye", "saved", "epoch",
+    "error")``."""
 
     kind: str
     worker: int
-    code: int = 0  # params: staleness of the worker's last push; error: Err kind
+    code: int = 0  # params: staleness of the worker's last push; error: Err kind; epoch: epoch
     peer: int = -1  # error: worker index the error is about
+    counts: tuple[int, ...] = ()  # epoch: samples each worker trained of it (-1: lost or done)
 
 
 RUN, HELD, SAVING, DONE, LOST = "run", "held", "saving", "done", "lost"
@@ -158,7 +160,8 @@ class ServerCore:
                  snapshot: Callable[[int], None] | None = None) -> None:
         self.policy = policy
         self._snapshot = snapshot or (lambda tag: None)
-        self.saving: dict[int, int] = {}  # worker -> checkpoint tag it waits for
+        # worker -> the barrier it waits at: ("save", step, 0) or ("epoch", epoch, samples)
+        self.saving: dict[int, tuple[str, int, int]] = {}
         self.num_workers = num_workers
         self.timeout = timeout
         self._apply = apply
@@ -272,13 +275,26 @@ class ServerCore:
         ``tag`` gradients of every live worker (``sync``: version ``tag``). Workers that
         disagree on ``tag`` are all told ``Err.SAVE_MISMATCH``.
         """
+        return self._wait(w, ("save", tag, 0), now)
+
+    def end_epoch(self, w: int, epoch: int, samples: int, now: float) -> list[Reply]:
+        """Worker ``w`` ended ``epoch``, having trained ``samples`` of it, and waits.
+
+        Once every live worker waits at the same epoch end, each is told how many samples
+        every worker trained of it (-1 for workers lost or done): the live workers of the next
+        epoch, the same list for each of them (the survivors of a lost worker re-shard the
+        data over it).
+        """
+        return self._wait(w, ("epoch", epoch, samples), now)
+
+    def _wait(self, w: int, barrier: tuple[str, int, int], now: float) -> list[Reply]:
         if self.state[w] == LOST:
             return [Reply("error", w, _EVICTED, w)]
         if self.failure is not None:
             return self._tell_failure(w)
         self.state[w] = SAVING
         self.deadline[w] = None
-        self.saving[w] = tag
+        self.saving[w] = barrier
         return self._maybe_save(now)
 
     def expire(self, now: float) -> list[Reply]:
@@ -324,10 +340,12 @@ class ServerCore:
         act = self.active()
         if not act or self.failure is not None or any(self.state[v] != SAVING for v in act):
             return []
-        tags = {self.saving[v] for v in act}
+        tags = {self.saving[v][:2] for v in act}
+        kind, tag = min(tags)
+        counts = tuple(self.saving[v][2] if v in act else -1 for v in range(self.num_workers))
+        if len(tags) == 1 and kind == "save":
+            self._snapshot(tag)
         out = []
-        if len(tags) == 1:
-            self._snapshot(tags.pop())
         for v in act:
             self.saving.pop(v, None)
             if len(tags) > 1:  # no consistent cut exists; every waiter is told
@@ -335,7 +353,8 @@ class ServerCore:
                 out.append(Reply("error", v, _SAVE_MISMATCH, v))
             else:
                 self.state[v], self.deadline[v] = RUN, now + self.timeout
-                out.append(Reply("saved", v))
+                out.append(Reply("saved", v) if kind == "save" else
+                           Reply("epoch", v, tag, counts=counts))
         return out
 
     def _release(self, now: float) -> list[Reply]:

@@ -38,11 +38,11 @@ from parlay.ps.wire import (
     Err,
     Message,
     Op,
-    capacity,
     decode_ctx,
     pack,
     probe,
     push_capacity,
+    reply_capacity,
     unpack,
 )
 
@@ -137,7 +137,8 @@ class Server(ShardPersistence, ChunkedServing):
         self.key = f"ps{index}"
         self.ctx_template = probe(compressor, numel, dtype, self.key)[1]
         self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
-        self.reply_capacity = capacity(self.flat.numel() * self.flat.element_size())
+        self.reply_capacity = reply_capacity(self.flat.numel(), self.flat.element_size(),
+                                             len(worker_ranks))
         version, clocks = self._resume(tagged, resume_step, from_memory)
         self.core: ServerCore = ServerCore(policy, len(worker_ranks), timeout, self._apply,
                                            time.monotonic(), version=version, clocks=clocks,
@@ -249,6 +250,9 @@ class Server(ShardPersistence, ChunkedServing):
             msg = Message(Op.BYE, self.index, c.clocks[w], c.version)
         elif r.kind == "saved":
             msg = Message(Op.SAVED, self.index, c.clocks[w], c.version)
+        elif r.kind == "epoch":
+            msg = Message(Op.EPOCHED, self.index, c.clocks[w], c.version, extra=r.code,
+                          tensors=[torch.tensor(r.counts, dtype=torch.int64)])
         else:
             msg = Message(Op.ERROR, self.index, c.clocks[w], c.version, float(r.code),
                           extra=self.worker_ranks[r.peer])
@@ -287,6 +291,8 @@ class Server(ShardPersistence, ChunkedServing):
             return c.done(w, now)
         if msg.op == Op.SAVE:
             return c.save(w, msg.extra, now)
+        if msg.op == Op.EPOCH:
+            return c.end_epoch(w, msg.extra, int(msg.scalar), now)
         if msg.op == Op.FAIL:
             return c.lose(w, Err.FAILED, now)
         raise CommError(f"parameter server {self.index} got an unknown message op {msg.op} from "

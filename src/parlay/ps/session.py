@@ -226,7 +226,7 @@ class DistributedSession:
             if callable(bind):  # "auto" decides at the first push, agreed over the workers
                 bind(self.dp_group, collective=False)
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
-                                 servers, self.ps_group, self.timeout)
+                                 servers, self.ps_group, self.timeout, len(workers))
             self.worker.hello()
             if not self.consistency.aggregate:
                 mark_droppable(c.rank)
@@ -335,6 +335,27 @@ class DistributedSession:
         with server_loss_is_fatal(self.rank, self.num_servers):
             if self.worker is not None:
                 self.worker.save_shards(step)
+
+    def end_epoch(self, epoch: int, samples: int) -> tuple[int, list[int]]:
+        """Workers: say this worker ended ``epoch`` after training ``samples`` of it, and wait
+        for every live worker to end it too (the servers' barrier; workers lost meanwhile are
+        left out). Servers: ``(0, [])`` at once.
+
+        Returns:
+            The samples every worker that ended ``epoch`` trained of it, and the global ranks
+            of the workers that train on: the same on every live worker, so the survivors of
+            a lost worker can re-shard the data over themselves alike.
+
+        Raises:
+            CommError: A server was lost (or, ``sync``, a worker).
+            CheckpointError: The live workers waited at different steps.
+        """
+        self._need_started("end_epoch")
+        if self.worker is None:
+            return 0, []
+        with server_loss_is_fatal(self.rank, self.num_servers):
+            samples, live = self.worker.end_epoch(epoch, samples)
+        return samples, [self.num_servers + w for w in live]
 
     # -- introspection ------------------------------------------------------------------------
     @property

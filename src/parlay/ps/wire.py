@@ -27,7 +27,7 @@ from parlay.errors import CommError, ConfigError
 
 __all__ = ["Op", "Err", "Message", "HEADER_BYTES", "MAX_TENSORS", "pack", "unpack", "capacity",
            "TAG_PUSH", "TAG_REPLY", "TAG_PUSH_CHUNK", "TAG_REPLY_CHUNK", "MAX_CHUNKS",
-           "encode_ctx", "decode_ctx", "probe", "push_capacity"]
+           "encode_ctx", "decode_ctx", "probe", "push_capacity", "reply_capacity"]
 
 #: Tag of worker -> server messages (any-source on the server).
 TAG_PUSH = 0x5053
@@ -61,10 +61,13 @@ class Op:
     DONE = 3   #: worker -> server: I finished; the reply is BYE
     FAIL = 4   #: worker -> server: I raised an error and stop
     SAVE = 5   #: worker -> server: checkpoint at my step (``extra``); the reply is SAVED
+    EPOCH = 6  #: worker -> server: I ended epoch ``extra``, training ``scalar`` samples of it
     PARAMS = 10  #: server -> worker: parameters (version, staleness of the last push)
     BYE = 11     #: server -> worker: acknowledged DONE
     ERROR = 12   #: server -> worker: training cannot go on (field ``extra`` = lost rank)
     SAVED = 13   #: server -> worker: checkpoint ``extra`` is written (every live worker asked)
+    EPOCHED = 14  #: server -> worker: every live worker ended the epoch; the payload holds
+    #: the samples each worker trained of it (-1: lost or done)
 
 
 class Err:
@@ -74,7 +77,7 @@ class Err:
     FAILED = 2    #: a peer worker raised an error (sync cannot continue)
     EVICTED = 3   #: this worker was declared lost earlier (it was silent past the timeout)
     MISMATCH = 4  #: this worker's model (its ShardPlan) differs from the server's
-    SAVE_MISMATCH = 5  #: the live workers asked for checkpoints of different steps
+    SAVE_MISMATCH = 5  #: the live workers waited at different checkpoints or epoch ends
     GONE = 6      #: a peer worker's connection closed (its process died; sync cannot continue)
 
 
@@ -108,6 +111,12 @@ def _align(n: int) -> int:
 def capacity(payload_bytes: int, ntensors: int = 1) -> int:
     """Buffer bytes needed for a message whose tensors hold ``payload_bytes`` in total."""
     return HEADER_BYTES + payload_bytes + 8 * max(ntensors, 1)
+
+
+def reply_capacity(numel: int, element_size: int, num_workers: int) -> int:
+    """Buffer bytes of a server's replies: its shard's parameters, or the per-worker sample
+    counts of an epoch end (EPOCHED)."""
+    return capacity(max(numel * element_size, 8 * num_workers))
 
 
 def pack(msg: Message, out: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from parlay.ps.chunks import chunk_bounds
 from parlay.ps.plan import ShardPlan
 from parlay.ps.server import lost_message
 from parlay.ps.wire import (TAG_PUSH, TAG_PUSH_CHUNK, TAG_REPLY, TAG_REPLY_CHUNK, Err, Message,
-                            Op, capacity, encode_ctx, pack, push_capacity, unpack)
+                            Op, encode_ctx, pack, push_capacity, reply_capacity, unpack)
 
 __all__ = ["Worker"]
 
@@ -48,11 +48,12 @@ class Worker:
         server_ranks: Global ranks of the servers, by server index.
         group: The gloo group of all ranks that carries PS traffic.
         timeout: The servers' lost-worker timeout (for error messages).
+        num_workers: Number of workers (an epoch end's reply holds a count for each).
     """
 
     def __init__(self, index: int, rank: int, plan: ShardPlan, model: nn.Module,
                  compressor: Compressor, server_ranks: list[int], group: Any,
-                 timeout: float) -> None:
+                 timeout: float, num_workers: int = 1) -> None:
         self.index, self.rank, self.plan, self.model = index, rank, plan, model
         self.compressor, self.server_ranks = compressor, server_ranks
         self.group, self.timeout = group, timeout
@@ -70,8 +71,9 @@ class Worker:
             # Same computation as the server's, so both agree on the message capacity.
             self.push_bufs.append(torch.empty(push_capacity(compressor, numel, self.dtype,
                                                             f"ps{s}"), dtype=torch.uint8))
-            nbytes = numel * self.grads[s].element_size()
-            self.reply_bufs.append(torch.empty(capacity(nbytes), dtype=torch.uint8))
+            self.reply_bufs.append(torch.empty(
+                reply_capacity(numel, self.grads[s].element_size(), num_workers),
+                dtype=torch.uint8))
         self.versions = [0] * plan.num_servers
         #: Per server, the chunks of a push (``None``: one message), as the server asked.
         self.bounds: list[list[tuple[int, int]] | None] = [None] * plan.num_servers
@@ -94,7 +96,7 @@ class Worker:
 
     # -- protocol -----------------------------------------------------------------------------
     def _exchange(self, op: int, payloads: list[list[torch.Tensor]] | None,
-                  what: str, extra: int = 0) -> list[Message]:
+                  what: str, extra: int = 0, scalar: float | None = None) -> list[Message]:
         chunked = op == Op.PUSH and any(b is not None for b in self.bounds)
         recvs = [(s, comm.recv(self.reply_bufs[s], src=r, tag=TAG_REPLY, group=self.group,
                                async_op=True)) for s, r in enumerate(self.server_ranks)]
@@ -102,7 +104,8 @@ class Worker:
         sends = []
         for s, r in enumerate(self.server_ranks):
             n = len(self.bounds[s] or ()) if chunked else 0
-            msg = Message(op, self.index, self.step, self.versions[s], self.lr_factor,
+            msg = Message(op, self.index, self.step, self.versions[s],
+                          self.lr_factor if scalar is None else scalar,
                           extra=self.plan.fingerprint() if op == Op.HELLO else n or extra,
                           tensors=payloads[s] if payloads is not None and not n else [])
             out = pack(msg, self.push_bufs[s])
@@ -161,11 +164,12 @@ class Worker:
                                   "the same DistributedSession options on every rank.")
             if m.op == Op.ERROR and int(m.scalar) == Err.SAVE_MISMATCH:
                 self.told_error = True
-                raise CheckpointError(f"checkpoint at step {self.step} on worker {self.index} "
+                raise CheckpointError(f"{what} at step {self.step} on worker {self.index} "
                                       f"(rank {self.rank}): the live workers asked parameter "
-                                      f"server {s} for checkpoints of different steps, so no "
-                                      "consistent checkpoint exists. Hint: every worker must "
-                                      "checkpoint at the same steps (same Trainer options).")
+                                      f"server {s} for checkpoints (or epoch ends) of different "
+                                      "steps, so no consistent cut exists. Hint: every worker "
+                                      "must checkpoint and end epochs at the same steps (same "
+                                      "Trainer options).")
             if m.op == Op.ERROR:
                 self.told_error = True
                 raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
@@ -239,11 +243,30 @@ class Worker:
         """Ask every server to checkpoint its shard as ``tag`` (this worker's step) and wait
         until it is written; servers write once every live worker asked for ``tag``."""
         for s, m in enumerate(self._exchange(Op.SAVE, None, "checkpoint", extra=int(tag))):
-            if m.op != Op.SAVED:
-                raise CommError(f"checkpoint on worker {self.index} (rank {self.rank}): "
-                                f"parameter server {s} answered op {m.op}, expected SAVED. "
-                                "Hint: every rank must run the same parlay version.",
-                                op="ps checkpoint", rank=self.rank, peer=self.server_ranks[s])
+            self._expect(m, Op.SAVED, s, "checkpoint")
+
+    def end_epoch(self, epoch: int, samples: int) -> tuple[int, list[int]]:
+        """Tell every server this worker ended ``epoch`` after training ``samples`` of it, and
+        wait until every live worker did (a barrier, like :meth:`save_shards`).
+
+        Returns:
+            The samples trained of ``epoch`` by every worker that ended it, and the indices of
+            the workers that train on (live at every server): the same on every live worker.
+        """
+        replies = self._exchange(Op.EPOCH, None, "epoch end", extra=int(epoch),
+                                 scalar=float(samples))
+        for s, m in enumerate(replies):
+            self._expect(m, Op.EPOCHED, s, "epoch end")
+        counts = list(zip(*(m.tensors[0].tolist() for m in replies)))  # per worker, per server
+        return (sum(max(0, *c) for c in counts),
+                [w for w, c in enumerate(counts) if min(c) >= 0])
+
+    def _expect(self, m: Message, op: int, s: int, what: str) -> None:
+        if m.op != op:
+            raise CommError(f"{what} on worker {self.index} (rank {self.rank}): parameter server "
+                            f"{s} answered op {m.op}, expected {op}. Hint: every rank must run "
+                            "the same parlay version.", op="ps " + what, rank=self.rank,
+                            peer=self.server_ranks[s])
 
     def finish(self) -> None:
         """Tell every server this worker is done and wait for their acknowledgement."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 from collections.abc import Callable
 
 import torch
@@ -20,8 +20,8 @@ from parlay.errors import ConfigError
 from parlay.nonfinite import NonFiniteGuard
 from parlay.registry import Registry
 
-__all__ = ["Strategy", "StepResult", "register_strategy", "get_strategy", "available_strategies",
-           "reject_unknown"]
+__all__ = ["Strategy", "StepResult", "EpochEnd", "register_strategy", "get_strategy",
+           "available_strategies", "reject_unknown"]
 
 
 @dataclass
@@ -38,6 +38,20 @@ class StepResult:
     loss: float | None
     samples: int
     skipped: bool = False
+
+
+class EpochEnd(NamedTuple):
+    """What the replicas agreed at the end of an epoch (:meth:`Strategy.end_epoch`).
+
+    Attributes:
+        samples: Samples trained in the epoch, counted over every replica that finished it.
+        shards: Replicas the next epoch's data is sharded over.
+        shard: This rank's shard among them.
+    """
+
+    samples: int
+    shards: int
+    shard: int
 
 
 class Strategy:
@@ -138,6 +152,12 @@ class Strategy:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         raise NotImplementedError
+
+    def end_epoch(self, epoch: int, samples: int) -> EpochEnd | None:
+        """Called on the training ranks at the end of ``epoch``, of which this rank trained
+        ``samples``. ``None`` (default): every replica trained as many and the data stays
+        sharded as it is; else the count over the replicas and the next epoch's sharding."""
+        return None
 
     def finish(self) -> None:
         """Called once when training ends (e.g. tell parameter servers to stop)."""

@@ -14,9 +14,15 @@ disk checkpoints (no step exists at which servers and workers stand together; se
 :mod:`parlay.ps.shard_io`): a lost worker is dropped and the others keep checkpointing
 (:attr:`ParameterServerStrategy.checkpoint_group`); a restart resumes the newest step every
 server and every still-training worker holds, and workers lost before it sit out.
+
+No data is dropped with a lost worker in ``async``/``stale``: at each epoch end the live
+workers meet at the servers (:meth:`ParameterServerStrategy.end_epoch`), which count what every
+worker trained and tell each the workers that train on, and the next epoch is sharded over
+those. The epoch in which a worker is lost misses the part of its shard it had not trained.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 from collections.abc import Callable
@@ -31,10 +37,13 @@ from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.consistency import get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
 from parlay.ps.session import DistributedSession
-from parlay.strategies.base import StepResult, Strategy, register_strategy, reject_unknown
+from parlay.strategies.base import (EpochEnd, StepResult, Strategy, register_strategy,
+                                    reject_unknown)
 from parlay.strategies.template import autocast_context, batch_size_of, check_precision
 
 __all__ = ["ParameterServerStrategy"]
+
+log = logging.getLogger("parlay.ps")
 
 
 class ParameterServerStrategy(Strategy):
@@ -83,6 +92,7 @@ class ParameterServerStrategy(Strategy):
         self._ckpt_dir: str | None = None
         self._metrics_group: Any = None
         self._train_group: Any = None
+        self._live: list[int] = []  # global ranks of the workers the data is sharded over
         self.model: nn.Module | None = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
         self._device = torch.device("cpu")
@@ -191,6 +201,7 @@ class ParameterServerStrategy(Strategy):
         # session closed (the servers have left by then). Every rank creates them, in order.
         c = self._cluster()
         workers = self._ready().training_workers
+        self._live = list(range(c.num_ps, c.world_size))
         with comm.comm_errors("ps strategy groups"):
             self._train_group = runtime.new_group(workers)
             self._metrics_group = self._train_group
@@ -218,6 +229,26 @@ class ParameterServerStrategy(Strategy):
         assert self._loss_fn is not None
         loss = s.train_step((x, y), self._loss_fn)
         return StepResult(loss=loss, samples=batch_size_of(y))
+
+    def end_epoch(self, epoch: int, samples: int) -> EpochEnd | None:
+        """``async``/``stale`` workers: wait at the servers until every live worker ended
+        ``epoch``; the next epoch is sharded over the workers that train on, so a lost
+        worker's share is taken over (a warning names it). ``None`` in ``sync``, where every
+        worker steps together and a lost one stops the job."""
+        s = self._ready()
+        if get_consistency(self.options["consistency"]).aggregate or not s.is_worker:
+            return None
+        total, live = s.end_epoch(epoch, samples)
+        c = self._cluster()
+        gone = [r for r in self._live if r not in live]
+        if gone:
+            log.warning("epoch %d: worker(s) %s no longer train (lost); from epoch %d on, their "
+                        "share of the data is taken over by the %d other worker(s) %s (%d samples "
+                        "counted in epoch %d, by the workers that finished it)", epoch,
+                        ", ".join(f"{r - c.num_ps} (rank {r})" for r in gone), epoch + 1,
+                        len(live), [r - c.num_ps for r in live], total, epoch)
+        self._live = live
+        return EpochEnd(total, len(live), live.index(s.rank))
 
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor | None:

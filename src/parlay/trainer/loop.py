@@ -65,6 +65,7 @@ class Trainer:
         self._stopped = False
         self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
                                        self._say)
+        self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)  # as resumed
         self.metrics = self._start_metrics()
         self.evaluation = Evaluation(self.strategy, self._metric_fn, cfg.validation_dataset,
                                      cfg.validation_batch_size or cfg.batch_size,
@@ -222,20 +223,25 @@ class Trainer:
     def _advance(self, n: int, loss: float | None, factor: float) -> None:
         """Count a step of ``n`` samples per replica: log, close the epoch, checkpoint and
         snapshot when due."""
-        st, s = self.state, self.strategy
+        st, smp = self.state, self.sampler
         st.step += 1
-        st.samples_seen += n * s.dp_size
+        st.samples_seen += n * smp.num_replicas
         st.batch_in_epoch += 1
-        self.sampler.advance(n)
-        self.metrics.step(loss if loss is None or math.isfinite(loss) else None, n, n * s.dp_size)
+        smp.advance(n)
+        self.metrics.step(loss if loss is None or math.isfinite(loss) else None, n,
+                          n * smp.num_replicas)
         if st.step % self.config.log_step_size == 0:
             self.metrics.log(st.step, st.epoch, factor, console=True)
         epoch_done = st.batch_in_epoch >= self.steps_per_epoch
-        if epoch_done:
-            self.metrics.epoch_end(st.epoch, st.step)
+        if epoch_done:  # replicas that do not step together count and re-shard here
+            end = self.strategy.end_epoch(st.epoch, smp.position)
+            self.metrics.epoch_end(st.epoch, st.step, None if end is None else end.samples)
             st.epoch += 1
             st.batch_in_epoch = 0
-            self.sampler.set_epoch(st.epoch)
+            if end is not None:
+                smp.reshard(end.shards, end.shard)
+                self.steps_per_epoch = math.ceil(len(smp) / self.batch_size)
+            smp.set_epoch(st.epoch)
             self._close_iter()
         self.persistence.after_step(epoch_done)
 
