@@ -25,6 +25,16 @@ Droppable workers (the contract with parameter-server code)
     marker behaves as torchrun's always does: every worker is stopped and restarted while
     ``--max-restarts`` allows, else the job fails. Markers are cleared before every (re)start
     of the workers, so each attempt's processes declare themselves again.
+
+Failure reports
+    A rank of ``parlay run`` records an uncaught exception in torchrun's error file instead of
+    printing it (:func:`parlay.lifeline.record_uncaught`). When ranks fail, the launcher prints
+    the traceback of the rank(s) whose failure caused the others' once (a ``CommError`` is the
+    consequence of another rank's loss), then one line: which ranks failed, how (exit code and
+    exception, or signal), and ``restart attempt k of N starting`` or, when no restart is left,
+    ``the job failed``. A rank that is stopped (SIGSTOP) acts on no signal but SIGKILL until it
+    is continued, so the launcher sends SIGCONT after torch's SIGTERM: the job ends when the
+    others' timeout does, not 30 s later when torch would fall back to SIGKILL.
 """
 from __future__ import annotations
 
@@ -123,31 +133,93 @@ def register_loopback_rendezvous() -> None:
         registry.register(LOOPBACK_BACKEND, _create_loopback_handler)
 
 
-# ---------------------------------------------------------------- droppable workers
+# ---------------------------------------------------------------- droppable workers, failure reports
 class DropPolicy:
-    """Which failed local workers may be dropped, and which were."""
+    """The launcher's account of an attempt: which failed local workers may be dropped and
+    which were, which ranks it stopped itself, and the reports of what failed."""
 
     def __init__(self, run_dir: str) -> None:
         self.run_dir = run_dir
         self.lost: list[int] = []
+        self.stopped: set[int] = set()  # ranks this attempt's launcher stopped, not failed
+        self.host = ""  # this node's name when the job spans nodes
+        self.max_restarts = 0
 
     def reset(self) -> None:
         """Forget the previous attempt's markers and losses (called at every worker start)."""
         self.lost = []
+        self.stopped = set()
         d = Path(self.run_dir, "droppable")
         if d.is_dir():
             for f in d.iterdir():
                 f.unlink(missing_ok=True)
 
-    def drop(self, global_rank: int) -> bool:
+    def drop(self, global_rank: int, failure: Any) -> bool:
         """Whether ``global_rank``'s failure is dropped (it has a marker); logs and counts it."""
         marker = droppable_marker(global_rank, self.run_dir)
         if marker is None or not marker.exists():
             return False
         self.lost.append(global_rank)
-        print(f"parlay run: rank {global_rank} (droppable parameter-server worker) was lost; "
-              "the other ranks go on", file=sys.stderr, flush=True)
+        _say(_traceback(global_rank, failure) + [
+            f"parlay run: rank {global_rank} (droppable parameter-server worker) was lost; "
+            "the other ranks go on"])
         return True
+
+    def report(self, failures: dict[int, Any], outcome: str) -> None:
+        """Print the causing ranks' tracebacks once, then one line naming them and ``outcome``.
+
+        The causes are the failures the launcher did not bring about (or that recorded an
+        exception before it stopped them) and that are no ``CommError``: a rank that lost a
+        peer fails as a consequence. When every such failure is a ``CommError`` (a silent
+        peer: its error names it), those are the causes. One traceback is printed per
+        distinct stack.
+        """
+        own = {r: f for r, f in sorted(failures.items())
+               if r not in self.stopped or _recorded(f)[0]} or dict(sorted(failures.items()))
+        causes = {r: f for r, f in own.items()
+                  if not _recorded(f)[0].startswith("CommError")} or own
+        stacks: dict[tuple[str, ...], list[str]] = {}
+        for r, f in causes.items():
+            frames = tuple(ln for ln in _recorded(f)[1].splitlines() if ln.startswith("  File"))
+            stacks.setdefault(frames, _traceback(r, f))
+        parts = [f"rank {r}{self._where(f)} failed ({_how(f, r in self.stopped)})"
+                 for r, f in causes.items()]
+        if len(parts) > 3:
+            parts[3:] = [f"{len(parts) - 3} more rank(s) failed"]
+        _say([ln for lines in stacks.values() for ln in lines]
+             + [f"parlay run: {'; '.join(parts)}; {outcome}"])
+
+    def _where(self, failure: Any) -> str:
+        return f" (local rank {failure.local_rank} on {self.host})" if self.host else ""
+
+
+def _say(lines: list[str]) -> None:
+    if lines:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _recorded(failure: Any) -> tuple[str, str]:
+    """The exception line and traceback a rank wrote to its error file ("" for none)."""
+    data = failure.error_file_data.get("message") if isinstance(
+        failure.error_file_data, dict) else None
+    if not isinstance(data, dict):  # torch's ErrorHandler format, which parlay's ranks write
+        return "", ""
+    info = data.get("extraInfo")
+    stack = info.get("py_callstack", "") if isinstance(info, dict) else ""
+    return str(data.get("message", "")), str(stack)
+
+
+def _how(failure: Any, stopped: bool) -> str:
+    """Exit code or signal, and the exception; a rank the launcher stopped while it was
+    exiting after an exception gets the exception alone (the signal was the launcher's)."""
+    how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
+           else f"exit code {failure.exitcode}")
+    message = _recorded(failure)[0].strip().splitlines()[:1]
+    return ": ".join(([] if stopped and message else [how]) + message)
+
+
+def _traceback(rank: int, failure: Any) -> list[str]:
+    return [f"[rank{rank}]: {ln}".rstrip() for ln in _recorded(failure)[1].rstrip().splitlines()]
 
 
 def _capture_with_drops(pc: Any, policy: DropPolicy, ranks: dict[int, int],
@@ -161,10 +233,22 @@ def _capture_with_drops(pc: Any, policy: DropPolicy, ranks: dict[int, int],
         if exitcode is None:
             continue
         done_local_ranks.add(local_rank)
-        if exitcode != 0 and not policy.drop(ranks[local_rank]):
-            pc._failures[local_rank] = ProcessFailure(  # noqa: SLF001
-                local_rank=local_rank, pid=handler.proc.pid, exitcode=exitcode,
-                error_file=pc.error_files[local_rank])
+        if exitcode == 0:
+            continue
+        failure = ProcessFailure(local_rank=local_rank, pid=handler.proc.pid, exitcode=exitcode,
+                                 error_file=pc.error_files[local_rank])
+        if not policy.drop(ranks[local_rank], failure):
+            pc._failures[local_rank] = failure  # noqa: SLF001
+
+
+def _stop(handler: Any, policy: DropPolicy, global_rank: int,
+          death_sig: signal.Signals | None = None) -> None:
+    """``SubprocessHandler.close``, then SIGCONT: a stopped process acts on the signal only
+    once continued (torch would wait 30 s for it, then SIGKILL it)."""
+    policy.stopped.add(global_rank)
+    type(handler).close(handler, death_sig)
+    with contextlib.suppress(ProcessLookupError, PermissionError, AttributeError):
+        os.killpg(handler.proc.pid, signal.SIGCONT)
 
 
 def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
@@ -172,32 +256,59 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
     from torch.distributed.elastic.multiprocessing.api import SubprocessContext
 
     class ParlayAgent(LocalElasticAgent):
-        """torchrun's local agent with the droppable-worker policy of this module."""
+        """torchrun's local agent with the droppable-worker policy and the failure reports of
+        this module."""
+
+        _last: Any = None  # the latest monitoring result
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             policy.reset()
+            policy.max_restarts = worker_group.spec.max_restarts
+            policy.host = socket.gethostname() if worker_group.group_world_size > 1 else ""
             pids: dict[int, Any] = super()._start_workers(worker_group)
             pc = self._pcontext
             if isinstance(pc, SubprocessContext):
                 ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
                 pc._capture_process_failures = functools.partial(  # type: ignore[method-assign]
                     _capture_with_drops, pc, policy, ranks)
+                for local_rank, handler in pc.subprocess_handlers.items():
+                    handler.close = functools.partial(  # type: ignore[method-assign]
+                        _stop, handler, policy, ranks[local_rank])
             return pids
+
+        def _monitor_workers(self, worker_group: Any) -> Any:
+            self._last = super()._monitor_workers(worker_group)
+            return self._last
+
+        def _restart_workers(self, worker_group: Any) -> None:
+            if self._last is not None and self._last.is_failed():  # not a membership change
+                n = worker_group.spec.max_restarts
+                policy.report(self._last.failures,
+                              f"restart attempt {n - self._remaining_restarts} of {n} starting")
+            super()._restart_workers(worker_group)
 
     return ParlayAgent
 
 
 @contextlib.contextmanager
 def _parlay_agent(policy: DropPolicy) -> Iterator[None]:
-    """torchrun's launcher builds ``LocalElasticAgent`` by name: use ours for this launch."""
+    """torchrun's launcher builds ``LocalElasticAgent`` by name: use ours for this launch (and
+    drop torch's per-failure log lines, which :meth:`DropPolicy.report` replaces)."""
     import torch.distributed.launcher.api as launcher_api
 
     original = launcher_api.LocalElasticAgent
     launcher_api.LocalElasticAgent = _agent_class(policy)  # type: ignore[misc]
+    torch_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    torch_log.addFilter(_said_by_parlay)
     try:
         yield
     finally:
         launcher_api.LocalElasticAgent = original  # type: ignore[misc]
+        torch_log.removeFilter(_said_by_parlay)
+
+
+def _said_by_parlay(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(("failed (exitcode", "Sending process"))
 
 
 # ---------------------------------------------------------------- running torchrun
@@ -233,9 +344,10 @@ def _run_agent(argv: list[str], run_dir: str) -> int:
     policy = DropPolicy(run_dir)
     try:
         with _parlay_agent(policy):
-            torchrun.main(argv)
+            torchrun.run(torchrun.parse_args(argv))  # not main(): its @record logs again
     except ChildFailedError as e:
-        print(_child_failure_text(e), file=sys.stderr, flush=True)
+        n = policy.max_restarts
+        policy.report(e.failures, f"the job failed, no restart attempt left (--max-restarts {n})")
         return 1
     except SignalException as e:
         return _interrupted(int(e.sigval))
@@ -258,16 +370,6 @@ def _interrupted(signum: int) -> int:
     print(f"parlay run: interrupted by {name}; every rank was stopped", file=sys.stderr,
           flush=True)
     return 128 + signum
-
-
-def _child_failure_text(e: Any) -> str:
-    lines = []
-    for rank, f in sorted(e.failures.items()):
-        how = (f"killed by {f.signal_name()}" if f.exitcode < 0
-               else f"exit code {f.exitcode}")
-        lines.append(f"parlay run: rank {rank} failed ({how}, pid {f.pid}); its traceback, if "
-                     "any, is above")
-    return "\n".join(lines) or f"parlay run: a rank failed: {e}"
 
 
 def _launcher_error_text(e: BaseException, argv: list[str]) -> str:

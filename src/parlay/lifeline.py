@@ -12,6 +12,10 @@ many containers and CI runners) ``print`` writes a line's text and its newline s
 ranks' lines could splice into one. A bound rank writes whole lines instead: its streams become
 line buffered, one ``write`` per line, flushed at every newline as before.
 
+A bound rank's uncaught exception goes to torchrun's error file (``TORCHELASTIC_ERROR_FILE``,
+torch's format) instead of stderr: ``parlay run`` prints the traceback of the rank that caused a
+failure once, with one line saying what failed, rather than every rank's consequences.
+
 A rank's exit: ``parlay.shutdown()`` (also run at exit) destroys every group, which joins its
 gloo threads, unless an object still holds the group (a pipeline stage or a parameter server
 keeps its subgroups as long as the Trainer lives, so to the end of a script). Such a group's
@@ -24,15 +28,18 @@ from __future__ import annotations
 
 import ctypes
 import io
+import json
 import os
 import signal
 import sys
 import time
+import traceback
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["bind_to_launcher", "whole_lines", "track_groups", "settle_groups"]
+__all__ = ["bind_to_launcher", "whole_lines", "record_uncaught", "track_groups",
+           "settle_groups"]
 
 _groups: list[weakref.ref[Any]] = []
 
@@ -51,6 +58,7 @@ def bind_to_launcher(environ: Mapping[str, str] | None = None) -> bool:
     if not sys.platform.startswith("linux") or not pid.isdigit() or os.getppid() != int(pid):
         return False
     whole_lines()  # a rank of `parlay run`, whether or not the kernel binds it below
+    record_uncaught(env.get("TORCHELASTIC_ERROR_FILE", ""))
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
@@ -77,6 +85,27 @@ def whole_lines(streams: Iterable[object] | None = None) -> None:
             stream.reconfigure(line_buffering=True, write_through=False)
         except (OSError, ValueError):
             pass
+
+
+def record_uncaught(path: str) -> None:
+    """Write this process's uncaught exception to ``path`` (torch's error-file format) instead
+    of stderr; stderr still gets it if the file cannot be written. Nothing for ``path=""``."""
+    if not path or getattr(sys.excepthook, "error_file", None) == path:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        record = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
+            "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
+            "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(record, f)
+        except OSError:
+            previous(kind, value, tb)
+
+    hook.error_file = path  # type: ignore[attr-defined]  # installed once per file
+    sys.excepthook = hook
 
 
 def track_groups(groups: Any = None) -> None:
