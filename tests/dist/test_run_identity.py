@@ -100,3 +100,28 @@ def test_an_unwritable_snapshot_dir_warns_and_trains_without_snapshots(tmp_path)
         off = [m for m in seen if m.startswith("in-memory snapshots off")]
         assert len(off) == 1 and str(blocker / "shm") in off[0] and "PARLAY_SNAPSHOT_DIR" in \
             off[0], seen
+
+
+def _ps_job():
+    import torch.nn as nn
+    from torch.utils.data import TensorDataset
+
+    import parlay
+
+    x = torch.randn(24, 6, generator=torch.Generator().manual_seed(3))
+    parlay.Trainer(lambda: (nn.Linear(6, 2), nn.CrossEntropyLoss()),
+                   TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4, max_iteration=4,
+                   mode="ps", progress=False)
+
+
+def test_a_second_live_ps_job_with_the_same_run_id_refuses_to_start(tmp_path):
+    shm = tmp_path / "shm"
+    env = {"PARLAY_SNAPSHOT_DIR": str(shm), "PARLAY_RUN_ID": "job-ps", "PARLAY_NUM_PS": "1"}
+    fds = [hold_live(shm, "job-ps-0123456789ab", r) for r in range(3)]  # the first job, alive
+    try:
+        out = run_world(_ps_job, 3, env=env, timeout=90, return_exceptions=True)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    for r, e in enumerate(out):
+        assert isinstance(e, ConfigError) and f"holds rank {r}" in str(e), out

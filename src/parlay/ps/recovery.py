@@ -161,8 +161,8 @@ def open_snapshots(session: Any) -> SnapshotStore | None:
         log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
                  "PARLAY_RUN_ID to an id that stays the same across restarts of this job)")
         return None
-    try:
-        return SnapshotStore(key, s.rank)
+    try:  # live: a second live job under this run id is refused (ConfigError names it)
+        return SnapshotStore(key, s.rank, live=True)
     except CheckpointError as e:
         log.warning("in-memory snapshots off on rank %d: %s", s.rank, e)
         return None
