@@ -106,7 +106,6 @@ class MetricsLogger:
                  total_samples: int | None = None, initial_samples: int = 0,
                  jsonl_path: str | os.PathLike[str] | None = None, progress: bool = True,
                  stream: TextIO | None = None) -> None:
-        self.printer = printer
         self.reduces = reduces
         self.group = group
         self.stream = stream or sys.stdout
@@ -116,15 +115,26 @@ class MetricsLogger:
         self._samples_log = self._samples_epoch = 0
         self._file: TextIO | None = None
         self._bar: Any = None
-        if printer and jsonl_path is not None:
-            Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(jsonl_path, "a", encoding="utf-8")
+        self._path = jsonl_path
+        self.printer = False
+        self.set_printer(printer)
         if printer and progress and sys.stderr.isatty():  # a bar in a log file is noise
             from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
             self._bar = tqdm(total=total_samples, initial=initial_samples, unit="sample",
                              unit_scale=True, dynamic_ncols=True, smoothing=0.1,
                              file=sys.stderr, desc="train")
+
+    def set_printer(self, printer: bool) -> None:
+        """Make this rank the one that prints and writes, or not (the first printer may be a
+        worker that was lost)."""
+        if printer and not self.printer and self._path is not None:
+            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._path, "a", encoding="utf-8")
+        elif not printer and self._file is not None:
+            self._file.close()
+            self._file = None
+        self.printer = printer
 
     # ------------------------------------------------------------------ sinks
     def write(self, event: str, **fields: Any) -> None:

@@ -26,7 +26,8 @@ N, BATCH = 24, 2  # 3 workers: 4 steps per epoch each; 2 survivors: 6
 DEAD_RANK, DIE_AT = 3, 2  # worker 2 dies at step 2, in the middle of epoch 0
 
 
-def _train(consistency: str, metrics: str, epochs: int, ckpt: str | None = None) -> dict:
+def _train(consistency: str, metrics: str, epochs: int, ckpt: str | None = None,
+           dead: int = DEAD_RANK) -> dict:
     g = torch.Generator().manual_seed(3)
     x = torch.randn(N, 5, generator=g)
     # Column 0 of each target is the sample's index: the loss records what was trained.
@@ -49,7 +50,7 @@ def _train(consistency: str, metrics: str, epochs: int, ckpt: str | None = None)
                        strategy_options={"consistency": consistency})
     per_epoch: dict[int, list[int]] = collections.defaultdict(list)
     while not t.should_stop():
-        if parlay.rank() == DEAD_RANK and t.state.step == DIE_AT:  # (sitting out: never)
+        if parlay.rank() == dead and t.state.step == DIE_AT:  # (sitting out: never)
             os._exit(1)
         epoch = t.state.epoch
         t.train_on_batch()
@@ -108,3 +109,12 @@ def test_a_checkpoint_after_the_takeover_resumes_with_the_new_sharding(tmp_path)
     _check_later_epochs([out[1], out[2]], range(2, 3))
     assert [s["step"] for s in out[1:3]] == [4 + 6 + 6] * 2
     assert _summaries(tmp_path / "m2.jsonl") == {2: N}
+
+
+def test_when_the_printing_worker_is_lost_the_lowest_survivor_writes_the_summaries(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    out = run_world(_train, 4, "async", str(metrics), 3, None, 1, env=PS1, comm_timeout=30,
+                    timeout=150, return_exceptions=True)
+    assert isinstance(out[1], WorldError)  # worker 0, the printer, dies in epoch 0
+    _check_later_epochs([out[2], out[3]], range(1, 3))
+    assert _summaries(metrics) == {0: 2 * N // 3, 1: N, 2: N}

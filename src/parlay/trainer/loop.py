@@ -235,6 +235,8 @@ class Trainer:
         epoch_done = st.batch_in_epoch >= self.steps_per_epoch
         if epoch_done:  # replicas that do not step together count and re-shard here
             end = self.strategy.end_epoch(st.epoch, smp.position)
+            if end is not None:  # the lowest replica left prints (the printer may be lost)
+                self.metrics.set_printer(end.shard == 0)
             self.metrics.epoch_end(st.epoch, st.step, None if end is None else end.samples)
             st.epoch += 1
             st.batch_in_epoch = 0
