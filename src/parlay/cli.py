@@ -292,16 +292,22 @@ def _checkout() -> str | None:
     return None
 
 
+def _refuse(msg: str) -> int:
+    """One line on stderr for input a command cannot use; its exit status (2, as argparse's)."""
+    print(f"parlay {msg}", file=sys.stderr)
+    return 2
+
+
 def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     import runpy
 
     root = _checkout()
     if ns.name in (None, "suite"):  # the suite: tools/bench in a source checkout
         if root is None:
-            raise _fail("bench: the benchmark suite lives in tools/ of parlay's source "
-                        "checkout, which the installed package does not ship. Hint: clone "
-                        "parlay's repository, pip install -e '.[bench]' there and run "
-                        "parlay bench from its root.")
+            return _refuse("bench: the benchmark suite lives in tools/ of parlay's source "
+                           "checkout, which the installed package does not ship. Hint: clone "
+                           "parlay's repository, pip install -e '.[bench]' there and run "
+                           "parlay bench from its root.")
         if root not in sys.path:
             sys.path.insert(0, root)
         from tools.bench.runner import main as suite  # the checkout's, never the wheel's
@@ -311,8 +317,11 @@ def _cmd_bench(ns: argparse.Namespace, rest: list[str]) -> int:
     if not os.path.exists(path) and root is not None:
         path = os.path.join(root, "benchmarks", f"{ns.name}.py")
     if not os.path.exists(path):
-        raise _fail(f"bench: no benchmark benchmarks/{ns.name}.py; run it from the root of "
-                    "parlay's source checkout")
+        known = sorted(f[:-3] for f in os.listdir(os.path.dirname(path) or ".")
+                       if f.endswith(".py") and not f.startswith("_")) if root else []
+        return _refuse(f"bench: no benchmark benchmarks/{ns.name}.py"
+                       + (f"; known: {', '.join(known)}" if known else "; run it from the root "
+                          "of parlay's source checkout"))
     sys.argv = [path, *rest]
     runpy.run_path(path, run_name="__main__")
     return 0

@@ -119,14 +119,32 @@ def _train(cfg: dict[str, Any], runs: list[dict[str, Any]], xtr: torch.Tensor,
                     opt.step()
                 parlay.comm.barrier()
                 run["time"] += time.perf_counter() - t0
+                if cfg.get("curve"):  # untimed: (steps trained, test accuracy) after the chunk
+                    done = epoch * steps + min(steps, start + chunk)
+                    run.setdefault("curve", []).append((done, _test_acc(model, *cfg["curve"])))
+
+
+def _test_acc(model: nn.Module, xte: torch.Tensor, yte: torch.Tensor) -> float:
+    """Test accuracy in percent, each rank scoring its share of the test set."""
+    import parlay
+
+    rank, world = parlay.rank(), parlay.size()
+    with torch.no_grad():
+        right = (model(prep(xte[rank::world])).argmax(1) == yte[rank::world]).sum()
+    total = right.to(torch.float64).reshape(1).to(parlay.comm.group_device())
+    parlay.comm.allreduce(total, "sum")
+    return float(total) * 100 / len(yte)
 
 
 def train_compressors(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
     """On every rank of a process group: train one model per compressor of ``cfg`` side by side.
 
+    With ``cfg["curve"]`` true, the test accuracy is also taken after every ``chunk`` steps
+    (untimed), as each row's ``curve``: ``[(steps, accuracy %), ...]``.
+
     Returns:
         On rank 0, one row per compressor (test accuracy, bytes per step, wall seconds, whether
-        it diverged, whether the ranks agree bitwise); ``None`` on the others.
+        it diverged, whether the ranks agree bitwise, the curve); ``None`` on the others.
     """
     import parlay
 
@@ -135,7 +153,7 @@ def train_compressors(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
     if cfg["train_samples"]:
         xtr, ytr = xtr[: cfg["train_samples"]], ytr[: cfg["train_samples"]]
     runs = _runs(cfg)
-    _train(cfg, runs, xtr, ytr)
+    _train(dict(cfg, curve=(xte, yte) if cfg.get("curve") else None), runs, xtr, ytr)
     rows = []
     for run in runs:
         model, opt = run["model"], run["opt"]
@@ -151,7 +169,8 @@ def train_compressors(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
                      "dense_bytes_per_step": st["dense_bytes_per_step"],
                      "wire_bytes_per_step": st["wire_bytes_per_step"],
                      "reduction": st["ratio"], "steps": st["steps"],
-                     "ranks_agree": bool(torch.all(sums == sums[0]))})
+                     "ranks_agree": bool(torch.all(sums == sums[0])),
+                     "curve": run.get("curve", [])})
     return rows if parlay.rank() == 0 else None
 
 

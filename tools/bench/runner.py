@@ -23,10 +23,12 @@ import time
 from typing import Any
 
 from tools.bench.harness import MODELS, env_info, model_params
+from tools.bench.inputs import OneLineParser, check_inputs
 
 __all__ = ["build_parser", "main", "run_suite", "repredict", "compressor_specs", "NETS"]
 
 NETS = ("loopback", "1gbit", "100mbit")
+
 # Options a compressor runs with in the suite (others: their bare registry name).
 _DEFAULT_OPTS = {"topk": "topk:0.01", "randomk": "randomk:0.01", "powersgd": "powersgd:4"}
 _EPILOG = """\
@@ -313,7 +315,7 @@ def _write(doc: dict[str, Any], out: str, t0: float, log: Any) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Options of ``parlay bench`` (the suite)."""
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="parlay bench", usage="parlay bench [NAME [ARGS] | [suite] [options]]",
         description="Run every mode and compressor side by side on loopback and simulated "
                     "links; write results.json, report.md and plots.",
@@ -342,25 +344,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``parlay bench`` without a NAME."""
-    ns = build_parser().parse_args(argv)
+    ap = build_parser()
+    ns = ap.parse_args(argv)
+    check_inputs(ap, ns)
     if ns.source:
         doc = repredict(ns.source, ns.out)
         from tools.bench.report import console
 
         print(console(doc))
         return 0
-    nets = [n.strip() for n in ns.net.split(",") if n.strip()]
-    from tools.cluster import parse_rate
-
-    for n in nets:
-        if n not in ("loopback", "unshaped"):
-            try:
-                parse_rate(n)
-            except ValueError:
-                raise SystemExit(f"parlay bench: --net takes loopback, unshaped or a rate like "
-                                 f"100mbit or 1gbit, got {n!r}") from None
     from tools.bench.accuracy import split_specs
 
+    nets = [n.strip() for n in ns.net.split(",") if n.strip()]
     comps = split_specs(ns.compressors) if ns.compressors is not None else None
     doc = run_suite(ns.out, nets, quick=ns.quick, model=ns.model, steps=ns.steps,
                     budget=ns.budget, accuracy=not ns.no_accuracy,

@@ -30,13 +30,15 @@ The contract every caller may rely on (stable API):
   tensors a bucket concatenates; the data-parallel optimizer calls it once per bucket.
 * ``is_summable(ctx)`` says whether *this* payload sums on the wire (``auto`` varies per bucket).
 * Each compressor prices itself for the cost model and ``auto``: ``wire_rounds`` (the
-  collectives and bytes of one reduction) and ``codec_s`` (its CPU time from the machine
-  constants named in ``cost_fields``); ``ctx_to_wire``/``ctx_from_wire`` carry a context's plain
-  values to a receiver that holds a different candidate's template (``auto``'s pushes).
+  collectives and bytes of one reduction), ``codec_s`` (its CPU time from the machine
+  constants named in ``cost_fields``) and ``convergence`` (the steps it needs to reach an
+  accuracy target relative to dense, from measured factors). ``ctx_to_wire``/``ctx_from_wire``
+  carry a context's plain values to a receiver that holds a different candidate's template
+  (``auto``'s pushes).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -143,6 +145,14 @@ class Compressor:
         """CPU seconds to encode one rank's ``numel`` elements and decode the reduced result
         over ``world`` ranks, from ``costs`` (a :class:`parlay.plan.Costs`)."""
         return 0.0
+
+    def convergence(self, factors: Mapping[str, float]) -> float | None:
+        """Steps it needs to reach an accuracy target, as a multiple of dense training's, from
+        ``factors`` (measured per compressor, keyed by ``repr``: see
+        :func:`parlay.plan.advise.convergence_table`): ``math.inf`` when it never reached the
+        target, ``None`` when unmeasured. The default looks up its own configuration; a
+        compressor whose convergence is known otherwise overrides it."""
+        return factors.get(repr(self))
 
     def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
         """The plain values (bool, int, float, dtype, str) a receiver needs to rebuild ``ctx``."""

@@ -1,21 +1,28 @@
 """Predictions, rankings and a recommendation over every mode x compressor (pure).
 
 ``predict(workload, cluster, "allreduce", "topk:0.01")`` is one configuration;
-``rank_configs`` predicts every supported one, fastest first; ``recommend`` picks the fastest
-and says why (the term that dominates its step, and what the runner-up loses to).
+``rank_configs`` predicts every supported one, fastest to accuracy first (step time x the
+compressor's measured convergence factor, :meth:`Compressor.convergence`); ``recommend`` picks
+the first and says why (the term that dominates its step, and what dense loses to it). A
+compressor without a finite measured factor is never recommended (:func:`excluded` says why).
 """
 from __future__ import annotations
 
+import functools
+import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from parlay.errors import ConfigError
 from parlay.plan.model import ClusterSpec, Costs, Workload, compressor_of
 from parlay.plan.modes import allreduce_terms, hierarchical_terms, hybrid_terms, ps_terms
+from parlay.plan.units import format_count
 
 __all__ = ["Prediction", "MODES", "COMPRESSORS", "predict", "rank_configs", "recommend",
-           "explain"]
+           "explain", "excluded", "by_accuracy", "convergence_table"]
 
 #: Modes the model covers (``ps`` takes ``consistency=``, ``hybrid`` takes ``stages=``).
 MODES = ("allreduce", "hierarchical", "ps", "hybrid")
@@ -51,6 +58,8 @@ class Prediction:
         terms: Seconds per term; they add up to ``step_s``.
         dominant: The largest term.
         options: Mode options used (consistency, servers, stages, chunks...).
+        factor: The compressor's convergence factor (steps to the accuracy target relative to
+            dense; ``math.inf``: never reached it; ``None``: unmeasured).
     """
 
     mode: str
@@ -60,6 +69,21 @@ class Prediction:
     terms: dict[str, float]
     dominant: str
     options: dict[str, Any] = field(default_factory=dict)
+    factor: float | None = None
+
+    @property
+    def to_accuracy_s(self) -> float:
+        """Step time x convergence factor, what configurations are ranked by: seconds per step
+        of dense training's progress (``inf`` without a finite factor: never recommended)."""
+        f = self.factor
+        return self.step_s * f if f is not None and math.isfinite(f) else math.inf
+
+    @property
+    def factor_text(self) -> str:
+        """The convergence factor as shown: ``1.05``, ``never`` or ``unmeasured``."""
+        if self.factor is None:
+            return "unmeasured"
+        return "never" if math.isinf(self.factor) else f"{self.factor:.2f}"
 
     @property
     def label(self) -> str:
@@ -96,7 +120,8 @@ def predict(workload: Workload, cluster: ClusterSpec, mode: str = "allreduce",
     """
     costs = costs or Costs()
     comp = "none" if compressor is None else str(compressor).strip().lower()
-    compressor_of(comp)  # an unknown name or bad options: refused before any formula
+    # an unknown name or bad options: refused before any formula
+    factor = compressor_of(comp).convergence(convergence_table()["factors"])
     try:
         if mode == "allreduce":
             terms = allreduce_terms(workload, cluster, comp, costs, **opts)
@@ -120,7 +145,38 @@ def predict(workload: Workload, cluster: ClusterSpec, mode: str = "allreduce",
     if mode == "hybrid":
         shown.setdefault("stages", opts.get("stages", 2))
     return Prediction(mode, comp, step, workload.batch * world / step if step > 0
-                      else float("inf"), terms, max(terms, key=terms.__getitem__), shown)
+                      else float("inf"), terms, max(terms, key=terms.__getitem__), shown, factor)
+
+
+@functools.lru_cache(maxsize=1)
+def convergence_table() -> dict[str, Any]:
+    """The measured convergence factors (``python benchmarks/convergence.py --write``; see
+    docs/benchmarks.md): ``factors`` and ``best`` accuracy keyed by compressor ``repr``
+    (a factor of ``math.inf``: never reached the accuracy ``target``)."""
+    doc = json.loads(Path(__file__).with_name("convergence.json").read_text())
+    key = {s: repr(compressor_of(s)) for s in doc["factors"]}
+    return {"target": doc["target"], "best": {key[s]: doc["best_accuracy"][s] for s in key},
+            "factors": {key[s]: math.inf if f is None else float(f)
+                        for s, f in doc["factors"].items()}}
+
+
+def excluded(predictions: Iterable[Prediction]) -> list[str]:
+    """Why each compressor among ``predictions`` that is never recommended is left out."""
+    table, out = convergence_table(), {}
+    for p in predictions:
+        if p.factor is None:
+            out[p.compressor] = f"{p.compressor}: no measured convergence factor " \
+                                "(python benchmarks/convergence.py measures it)"
+        elif math.isinf(p.factor):
+            best = table["best"].get(repr(compressor_of(p.compressor)), "?")
+            out[p.compressor] = f"{p.compressor}: never reached the accuracy target " \
+                                f"({table['target']}; its best {best}%)"
+    return list(out.values())
+
+
+def by_accuracy(predictions: Iterable[Prediction]) -> list[Prediction]:
+    """Fastest to the accuracy target first; those without a finite factor last, by step."""
+    return sorted(predictions, key=lambda p: (p.to_accuracy_s, p.step_s))
 
 
 def _variants(workload: Workload, cluster: ClusterSpec,
@@ -146,7 +202,8 @@ def _variants(workload: Workload, cluster: ClusterSpec,
 def rank_configs(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] = MODES,
                  compressors: Sequence[str] = COMPRESSORS, costs: Costs | None = None,
                  include_async: bool = True) -> list[Prediction]:
-    """Predict every mode x compressor this cluster can run, fastest first.
+    """Predict every mode x compressor this cluster can run, fastest to accuracy first
+    (:func:`by_accuracy`).
 
     Combinations a mode cannot run (PowerSGD on parameter servers, top-k hierarchically,
     hybrid stages that do not divide the ranks) are left out. ``include_async=False`` keeps
@@ -166,19 +223,19 @@ def rank_configs(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] 
                 out.append(predict(workload, cluster, mode, comp, costs, **opts))
             except ConfigError:
                 continue
-    return sorted(out, key=lambda p: p.step_s)
+    return by_accuracy(out)
 
 
 def recommend(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] = MODES,
               compressors: Sequence[str] = COMPRESSORS, costs: Costs | None = None,
               include_async: bool = False) -> tuple[Prediction, str]:
-    """The fastest configuration and a sentence saying why.
+    """The fastest configuration to accuracy and a sentence saying why.
 
     Asynchronous parameter servers change the optimisation (stale gradients), so they are only
     recommended with ``include_async=True``.
 
     Raises:
-        ConfigError: Nothing can run (every combination was refused).
+        ConfigError: Nothing can run, or nothing that can has a finite convergence factor.
     """
     ranked = rank_configs(workload, cluster, modes, compressors, costs, include_async)
     if not ranked:
@@ -188,21 +245,30 @@ def recommend(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] = M
 
 
 def explain(ranked: Sequence[Prediction]) -> str:
-    """Why the first of ``ranked`` wins: its dominant term and the runner-up's."""
-    best = ranked[0]
+    """Why the first of ``ranked`` wins: its dominant term and what dense allreduce takes.
+
+    Raises:
+        ConfigError: No configuration of ``ranked`` has a finite convergence factor.
+    """
+    ok = [p for p in ranked if math.isfinite(p.to_accuracy_s)]
+    if not ok:
+        raise ConfigError("nothing compared can be recommended: " + "; ".join(excluded(ranked))
+                          + ". Hint: --compressors none,fp16,topk:0.01")
+    best = ok[0]
     share = best.terms[best.dominant] / best.step_s if best.step_s else 0.0
     parts = sorted(best.terms.items(), key=lambda kv: -kv[1])
     split = ", ".join(f"{k} {v / best.step_s:.0%}" for k, v in parts[:3] if best.step_s)
-    why = (f"{best.label}: {best.step_s * 1e3:.4g} ms/step, {best.samples_per_s:,.0f} "
-           f"samples/s; {best.dominant} is {share:.0%} of its step ({split}): ")
+    why = (f"{best.label}: {best.step_s * 1e3:.4g} ms/step x convergence factor "
+           f"{best.factor_text}, {format_count(best.samples_per_s)} samples/s; {best.dominant} is "
+           f"{share:.0%} of its step ({split}): ")
     if share >= 0.5:
         why += f"{_TERM_HINT.get(best.dominant, best.dominant)}."
     else:
         why += "no single term dominates; the largest: " \
                f"{_TERM_HINT.get(best.dominant, best.dominant)}."
-    dense = next((p for p in ranked if p.mode == "allreduce" and p.compressor == "none"), None)
-    if dense is not None and dense is not best:
-        ds = dense.terms[dense.dominant] / dense.step_s
-        why += (f" Dense allreduce would take {dense.step_s / best.step_s:.2f}x as long "
-                f"({dense.dominant} {ds:.0%} of its step).")
+    dense = next((p for p in ok if p.mode == "allreduce" and p.compressor == "none"), None)
+    if dense is not None and dense is not best and best.to_accuracy_s:
+        ds = dense.terms[dense.dominant] / dense.step_s if dense.step_s else 0.0
+        why += (f" Dense allreduce would take {dense.to_accuracy_s / best.to_accuracy_s:.3g}x as "
+                f"long to accuracy ({dense.dominant} {ds:.0%} of its step).")
     return why

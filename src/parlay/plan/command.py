@@ -9,23 +9,35 @@
 Without ``--compute-ms`` or ``--script`` the compute term is estimated as ``6 x params x batch``
 FLOPs at this machine's measured matrix-multiply rate (a CPU estimate; pass your own numbers
 for GPUs). Constants are calibrated on first use (a few seconds) and cached; ``--calibrate``
-measures again, ``--no-calibrate`` uses built-in defaults.
+measures again, ``--no-calibrate`` uses built-in defaults. Configurations are ranked by time to
+accuracy: step time x the compressor's measured convergence factor (:func:`advise.excluded`
+says why one is never recommended). Inputs outside :data:`LIMITS` are refused with one line
+(exit status 2): no model, link or cluster is that size.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from typing import Any
 
 from parlay.errors import ConfigError
-from parlay.plan.advise import COMPRESSORS, MODES, Prediction, explain, rank_configs
-from parlay.plan.model import ClusterSpec, Costs, Link, Workload
-from parlay.plan.units import (format_bandwidth, format_seconds, parse_bandwidth, parse_count,
-                               parse_duration, parse_latency)
+from parlay.plan.advise import (COMPRESSORS, MODES, Prediction, by_accuracy, excluded, explain,
+                                rank_configs)
+from parlay.plan.model import ClusterSpec, Costs, Link, Workload, compressor_of
+from parlay.plan.units import (format_bandwidth, format_count, format_seconds, parse_bandwidth,
+                               parse_count, parse_duration, parse_latency)
 
-__all__ = ["PlanInputError", "add_plan_parser", "run_plan", "build_inputs"]
+__all__ = ["LIMITS", "add_plan_parser", "run_plan", "build_inputs"]
+
+#: The largest value each input may take (also documented in docs/modes.md): parameters beyond
+#: any model (the largest have ~2e12), more ranks than any cluster, a link faster than 1 Pbit/s.
+LIMITS: dict[str, float] = {
+    "params": 1e13, "ranks": 1e6, "batch": 1e8, "compute_s": 3600.0, "min_bandwidth_bps": 1e3,
+    "bandwidth_bps": 1e15, "latency_s": 10.0, "burst_bytes": 1e12, "layers": 1e6,
+    "activation_numel": 1e12, "stages": 1024, "chunks": 4096}
 
 _EPILOG = """\
 examples:
@@ -37,16 +49,10 @@ examples:
 optimizer steps, then stops it: the time between steps is the compute term, the optimizer's
 parameters are the model and the first dimension of the model's input is the batch.
 The first run calibrates this machine (a few seconds, cached in ~/.cache/parlay or
-$PARLAY_CACHE_DIR)."""
-
-
-class PlanInputError(ConfigError, SystemExit):
-    """An impossible ``parlay plan`` input: a :class:`ConfigError` that also ends the command
-    line with its message (exit status 1) instead of a traceback."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.code = f"parlay plan: {message}"
+$PARLAY_CACHE_DIR). Configurations are ranked by time to accuracy: step time x the
+compressor's measured convergence factor; one that never reached the accuracy target (or
+was never measured) is shown last and never recommended. Inputs no model or cluster has
+(over 1e13 parameters or 1e6 ranks, links outside 1kbit..1000tbit) are refused."""
 
 
 def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
@@ -85,7 +91,7 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     o.add_argument("--servers", help="ps: server shards on their own hosts (default --nodes)")
     o.add_argument("--async", dest="include_async", action="store_true",
                    help="also recommend asynchronous parameter servers (stale gradients)")
-    o.add_argument("--top", type=int, default=0, help="print only the N fastest (default all)")
+    o.add_argument("--top", default="0", help="print only the N fastest (default all)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     k = p.add_argument_group("calibration")
     k.add_argument("--calibrate", action="store_true", help="measure this machine again")
@@ -93,8 +99,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _int(text: Any, what: str, low: int = 1) -> int:
-    """An integer option (``64``, ``1e3``, ``2k``), at least ``low``."""
+def _int(text: Any, what: str, low: int = 1, high: float = LIMITS["ranks"]) -> int:
+    """An integer option (``64``, ``1e3``, ``2k``) from ``low`` to ``high``."""
     raw = str(text).strip()
     try:
         v = float(int(raw))
@@ -102,11 +108,24 @@ def _int(text: Any, what: str, low: int = 1) -> int:
         try:
             v = parse_count(raw, what)
         except ConfigError:
-            v = -1.0  # unreadable: the message below names the option and an example
-    if v != int(v) or v < low:
-        raise ConfigError(f"{what} must be an integer >= {low}, got {text!r}. "
-                          f"Hint: {what} {max(low, 1)}.")
+            v = math.nan  # unreadable: the message below names the option and an example
+    if not low <= v <= high or v != int(v):
+        raise ConfigError(f"{what} must be an integer >= {low} and at most {high:,.0f}, got "
+                          f"{text!r}. Hint: {what} {low if not v > high else int(high)}.")
     return int(v)
+
+
+def _within(v: float, low: float, high: float, what: str, text: Any, expect: str) -> float:
+    """``v`` (read from ``text``) when in ``[low, high]``, else the one-line refusal."""
+    if not low <= v <= high:
+        raise ConfigError(f"{what} must be {expect}; got {text!r}.")
+    return v
+
+
+def _rate(text: Any, what: str) -> float:
+    return _within(parse_bandwidth(text, what), LIMITS["min_bandwidth_bps"],
+                   LIMITS["bandwidth_bps"], what, text,
+                   f"from 1kbit to 1000tbit per second, e.g. {what} 10gbit")
 
 
 def _calibration(ns: argparse.Namespace) -> Any:
@@ -129,24 +148,32 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
     nodes = _int(ns.nodes, "--nodes")
     local = _int(ns.ranks_per_node, "--gpus-per-node")
     world = nodes * local
-    burst = parse_count(ns.burst, "--burst") if ns.burst else 0.0
+    if world > LIMITS["ranks"]:
+        most = int(LIMITS["ranks"])
+        raise ConfigError(f"--nodes {nodes} x --gpus-per-node {local} is {world:,} ranks, more "
+                          f"than {most:,}. Hint: --nodes {most // local} or fewer.")
+    burst = _within(parse_count(ns.burst, "--burst"), 1, LIMITS["burst_bytes"], "--burst",
+                    ns.burst, "from 1 byte to 1 TB, e.g. --burst 125k") if ns.burst else 0.0
     if burst and ns.bandwidth is None:
         raise ConfigError("--burst shapes a network link: give its rate too. Hint: "
                           "--bandwidth 100mbit --burst 125k")
+    latency = _within(parse_latency(ns.latency), 0, LIMITS["latency_s"], "--latency", ns.latency,
+                      "from 0 to 10 s, e.g. --latency 50us")
     if ns.bandwidth is not None:
-        inter = Link(parse_bandwidth(ns.bandwidth), parse_latency(ns.latency),
-                     burst_bytes=burst)
+        inter = Link(_rate(ns.bandwidth, "--bandwidth"), latency, burst_bytes=burst)
     elif calib is not None:
-        inter = Link(calib.loopback.bandwidth_bps, parse_latency(ns.latency), 1.0)
+        inter = Link(calib.loopback.bandwidth_bps, latency, 1.0)
         notes.append(f"link: this machine's loopback, {format_bandwidth(inter.bandwidth_bps)} "
                      "(pass --bandwidth for your network)")
     else:
         raise ConfigError("--bandwidth is needed without calibration. Hint: --bandwidth 10gbit")
-    intra = Link(parse_bandwidth(ns.intra_bandwidth)) if ns.intra_bandwidth else None
+    intra = Link(_rate(ns.intra_bandwidth, "--intra-bandwidth")) if ns.intra_bandwidth else None
     try:
         overlap = float(ns.overlap)
     except ValueError:
-        raise ConfigError(f"--overlap must be a number in [0, 1], got {ns.overlap!r}.") from None
+        overlap = math.nan
+    _within(overlap, 0, 1, "--overlap", ns.overlap,
+            "a number from 0 to 1, e.g. --overlap 1 for GPUs, 0 for CPU ranks using every core")
     cluster = ClusterSpec(nodes, local, inter, intra, overlap)
     if calib is not None:
         notes.append("compression's CPU costs are this machine's (calibrated); on GPUs they "
@@ -160,7 +187,7 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
         raise ConfigError("give --batch (per rank) or --global-batch, not both.")
     batch = None
     if ns.global_batch is not None:
-        g = _int(ns.global_batch, "--global-batch")
+        g = _int(ns.global_batch, "--global-batch", high=LIMITS["batch"])
         if g < world:
             raise ConfigError(f"--global-batch {g} is smaller than the {world} replicas: some "
                               f"ranks would get no sample. Hint: --global-batch {world} or more, "
@@ -170,9 +197,12 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
                          f"{g // world} per rank")
         batch = g // world
     elif ns.batch is not None:
-        batch = _int(ns.batch, "--batch")
-    layers = _int(ns.layers, "--layers") if ns.layers is not None else None
-    act = parse_count(ns.activation_numel, "--activation-numel") if ns.activation_numel else None
+        batch = _int(ns.batch, "--batch", high=LIMITS["batch"])
+    layers = _int(ns.layers, "--layers", high=LIMITS["layers"]) if ns.layers is not None else None
+    act = _within(parse_count(ns.activation_numel, "--activation-numel"), 1,
+                  LIMITS["activation_numel"], "--activation-numel", ns.activation_numel,
+                  "from 1 to 1e12 elements, e.g. --activation-numel 4096"
+                  ) if ns.activation_numel else None
     if ns.script:
         from parlay.plan.profile import profile_script
 
@@ -185,12 +215,15 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
                         act or w.activation_numel, w.shapes)
     if ns.model_params is None:
         raise ConfigError("give --model-params (e.g. 25e6) or --script train.py.")
-    params = parse_count(ns.model_params, "--model-params")
+    params = _within(parse_count(ns.model_params, "--model-params"), 1, LIMITS["params"],
+                     "--model-params", ns.model_params, "from 1 to 1e13 (no model has more; the "
+                     "largest have about 2e12), e.g. --model-params 25e6 (or 25M, 1.3B)")
     if batch is None:
         raise ConfigError("give --batch (samples per rank per step), e.g. --batch 64.")
     if ns.compute_ms is not None:
-        per_step = parse_duration(f"{ns.compute_ms}ms" if str(ns.compute_ms).replace(
-            ".", "", 1).isdigit() else ns.compute_ms, "--compute-ms")
+        per_step = _within(parse_duration(f"{ns.compute_ms}ms" if str(ns.compute_ms).replace(
+            ".", "", 1).isdigit() else ns.compute_ms, "--compute-ms"), 0, LIMITS["compute_s"],
+            "--compute-ms", ns.compute_ms, "from 0 to one hour per step, e.g. --compute-ms 120")
     else:
         flops = calib.flops if calib is not None else 20e9
         per_step = 6 * params * batch / flops
@@ -201,47 +234,64 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
 
 
 def _table(ranked: list[Prediction], top: int) -> str:
-    best = ranked[0].step_s
-    rows = [("#", "mode", "compressor", "step", "samples/s", "vs best", "dominant")]
+    best = ranked[0].to_accuracy_s
+    rows = [("#", "mode", "compressor", "step", "factor", "samples/s", "to accuracy",
+             "dominant")]
     for i, p in enumerate(ranked[: top or None], 1):
         mode = p.label.split(" + ")[0]
         share = p.terms[p.dominant] / p.step_s if p.step_s else 0.0
-        rows.append((str(i), mode, p.compressor, format_seconds(p.step_s),
-                     f"{p.samples_per_s:,.1f}", f"{p.step_s / best:.2f}x",
+        vs = p.to_accuracy_s / best if best and math.isfinite(p.to_accuracy_s) else None
+        rows.append((str(i), mode, p.compressor, format_seconds(p.step_s), p.factor_text,
+                     format_count(p.samples_per_s),
+                     "-" if vs is None else f"{vs:.2f}x" if vs < 100 else f"{vs:.3g}x",
                      f"{p.dominant} {share:.0%}"))
     widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) if j in (1, 2, 6) else c.rjust(w)
+    lines = ["  ".join(c.ljust(w) if j in (1, 2, 7) else c.rjust(w)
                        for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
 def run_plan(ns: argparse.Namespace) -> int:
-    """Run ``parlay plan`` for parsed options; prints the table or JSON."""
-    t0 = time.perf_counter()
-    try:
-        calib = _calibration(ns)
-        workload, cluster, notes = build_inputs(ns, calib)
-        modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-        comps = [c.strip() for c in ns.compressors.split(",") if c.strip()]
-        opts = _mode_options(ns, workload, cluster)
-        costs = calib.costs if calib is not None else Costs()
-        if ns.script and calib is not None and workload.shapes:
-            from parlay.plan.calibrate import retime_codecs
+    """Run ``parlay plan`` for parsed options; prints the table or JSON.
 
-            # the model was just profiled: time the codecs now too, under the same load
-            costs = retime_codecs(costs, workload.shapes, comps, cluster.world)
-            notes.append("compression's CPU costs timed now on the script's own parameter "
-                         "shapes")
-        ranked = _rank(workload, cluster, modes, comps, costs, opts)
-    except PlanInputError:
-        raise
+    Returns:
+        0, or 2 after one line on stderr naming an input that cannot be planned and the fix.
+    """
+    try:
+        return _plan(ns)
     except ConfigError as e:
-        raise PlanInputError(str(e)) from None
+        print(f"parlay plan: {e}", file=sys.stderr)
+        return 2
+
+
+def _plan(ns: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    top = _int(ns.top, "--top", low=0)
+    modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
+    comps = [c.strip() for c in ns.compressors.split(",") if c.strip()]
+    if not modes or not comps:
+        raise ConfigError("--modes and --compressors each need at least one name. Hint: "
+                          "--modes allreduce --compressors none,topk:0.01")
+    for c in comps:
+        compressor_of(c)  # an unknown name: refused here, never dropped from the table
+    calib = _calibration(ns)
+    workload, cluster, notes = build_inputs(ns, calib)
+    opts = _mode_options(ns, workload, cluster)
+    costs = calib.costs if calib is not None else Costs()
+    if ns.script and calib is not None and workload.shapes:
+        from parlay.plan.calibrate import retime_codecs
+
+        # the model was just profiled: time the codecs now too, under the same load
+        costs = retime_codecs(costs, workload.shapes, comps, cluster.world)
+        notes.append("compression's CPU costs timed now on the script's own parameter "
+                     "shapes")
+    ranked = _rank(workload, cluster, modes, comps, costs, opts)
     sync = [p for p in ranked if ns.include_async or p.options.get("consistency") != "async"]
-    why = explain(sync or ranked)
+    why, left_out = explain(sync or ranked), excluded(ranked)
     if ns.json:
-        print(json.dumps({"recommendation": _doc(sync[0] if sync else ranked[0]), "why": why,
+        best = next(p for p in sync or ranked if math.isfinite(p.to_accuracy_s))
+        print(json.dumps({"recommendation": _doc(best), "why": why, "excluded": left_out,
                           "notes": notes, "predictions": [_doc(p) for p in ranked]}))
         return 0
     print(f"parlay plan: {workload.params:,.0f} parameters, batch {workload.batch} per rank, "
@@ -251,8 +301,10 @@ def run_plan(ns: argparse.Namespace) -> int:
     for n in notes:
         print(f"  note: {n}")
     print()
-    print(_table(ranked, ns.top))
+    print(_table(ranked, top))
     print(f"\nrecommended: {why}")
+    for line in left_out:
+        print(f"not recommended: {line}")
     print(f"({len(ranked)} configurations in {time.perf_counter() - t0:.2f} s)")
     return 0
 
@@ -260,7 +312,7 @@ def run_plan(ns: argparse.Namespace) -> int:
 def _mode_options(ns: argparse.Namespace, w: Workload, c: ClusterSpec) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if ns.stages is not None:
-        stages = _int(ns.stages, "--stages")
+        stages = _int(ns.stages, "--stages", high=LIMITS["stages"])
         if w.layers is not None and stages > w.layers:
             raise ConfigError(f"--stages {stages} is more than the model's {w.layers} layers: "
                               f"a stage would hold no layer. Hint: --stages {w.layers} or "
@@ -270,7 +322,7 @@ def _mode_options(ns: argparse.Namespace, w: Workload, c: ClusterSpec) -> dict[s
                               "(stages x replicas).")
         opts["stages"] = stages
     if ns.chunks is not None:
-        opts["chunks"] = _int(ns.chunks, "--chunks")
+        opts["chunks"] = _int(ns.chunks, "--chunks", high=LIMITS["chunks"])
     if ns.servers is not None:
         opts["servers"] = _int(ns.servers, "--servers")
     return opts
@@ -297,13 +349,15 @@ def _rank(w: Workload, c: ClusterSpec, modes: list[str], comps: list[str], costs
                         raise  # the user's own --stages / --chunks cannot run: say why
     if not out:
         raise ConfigError("no mode x compressor combination can run on this cluster.")
-    return sorted(out, key=lambda p: p.step_s)
+    return by_accuracy(out)
 
 
 def _doc(p: Prediction) -> dict[str, Any]:
+    finite = math.isfinite(p.to_accuracy_s)
     return {"mode": p.mode, "compressor": p.compressor, "options": p.options,
             "step_s": p.step_s, "samples_per_s": p.samples_per_s, "terms": p.terms,
-            "dominant": p.dominant, "label": p.label}
+            "dominant": p.dominant, "label": p.label, "factor": p.factor if finite else None,
+            "to_accuracy_s": p.to_accuracy_s if finite else None}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ import re
 from parlay.errors import ConfigError
 
 __all__ = ["parse_bandwidth", "parse_latency", "parse_count", "parse_duration",
-           "format_bandwidth", "format_seconds"]
+           "format_bandwidth", "format_seconds", "format_count"]
 
 _NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -28,25 +28,25 @@ def _split(text: object, what: str, example: str) -> tuple[float, str]:
     return float(m.group(1)), m.group(2)
 
 
-def parse_bandwidth(text: object) -> float:
+def parse_bandwidth(text: object, what: str = "--bandwidth") -> float:
     """Bits per second from ``"10gbit"``, ``"100Mbit/s"``, ``"25Gbps"``, ``"1.25GB/s"``,
     ``"1e9"`` (a bare number is bits per second).
 
     Raises:
         ConfigError: Unreadable text, an unknown unit, or a bandwidth that is not > 0.
     """
-    example = "--bandwidth 10gbit (also 100mbit, 25Gbps, 1.25GB/s)"
-    value, unit = _split(text, "bandwidth", example)
+    example = f"{what} 10gbit (also 100mbit, 25Gbps, 1.25GB/s)"
+    value, unit = _split(text, what, example)
     u = unit.replace("ps", "/s") if unit.lower().endswith("bps") else unit
     m = re.fullmatch(r"([kKmMgGtT]i?)?(bit|bits|b|B|byte|bytes)?(/s)?", u)
     if not m or (unit and not m.group(2)):
-        raise ConfigError(f"bandwidth: unknown unit {unit!r} in {text!r}. Hint: {example}.")
+        raise ConfigError(f"{what}: unknown unit {unit!r} in {text!r}. Hint: {example}.")
     prefix = (m.group(1) or "").lower()
     body = m.group(2) or "bit"
     per_bit = 8.0 if body in ("B", "byte", "bytes") else 1.0
     bps = value * _PREFIX[prefix] * per_bit
     if not bps > 0:
-        raise ConfigError(f"bandwidth must be > 0, got {text!r}: nothing could be sent. "
+        raise ConfigError(f"{what} must be > 0, got {text!r}: nothing could be sent. "
                           f"Hint: {example}.")
     return bps
 
@@ -106,3 +106,9 @@ def format_seconds(s: float) -> str:
     if s >= 1e-3:
         return f"{s * 1e3:.3g} ms"
     return f"{s * 1e6:.3g} us"
+
+
+def format_count(x: float) -> str:
+    """``12345.6`` -> ``"12,346"``; small rates keep three significant digits (``"2.1e-05"``),
+    never rounding to ``"0"``."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
