@@ -111,7 +111,7 @@ def _once(base: Path) -> list[dict[str, object]]:
     rows.append(_row("one line per restart", rc == 0 and lines == [want]
                      and "Traceback" not in out and out.count("done at step 12") == 2,
                      out, "parlay run:"))
-    return rows + _inputs(base)
+    return rows + _inputs(base) + [_randomk()]
 
 
 #: Out-of-range inputs to ``parlay plan`` / ``parlay bench`` and a word their one line holds.
@@ -136,6 +136,19 @@ def _inputs(base: Path) -> list[dict[str, object]]:
         rows.append({"case": f"parlay {' '.join(args)}", "ok": ok,
                      "detail": f"exit {rc}: {lines[-1][:250] if lines else ''}"})
     return rows
+
+
+def _randomk() -> dict[str, object]:
+    """``parlay plan`` ranks by time to accuracy: random-k, fastest per step on a slow link but
+    short of the accuracy target, is never recommended."""
+    rc, out, _ = _run([sys.executable, "-m", "parlay.cli", "plan", "--model-params", "25e6",
+                       "--batch", "64", "--compute-ms", "50", "--bandwidth", "100mbit",
+                       "--nodes", "4", "--modes", "allreduce", "--compressors",
+                       "randomk:0.01,topk:0.01,none"], timeout=120)
+    rec = [ln for ln in out.splitlines() if ln.startswith("recommended:")]
+    return _row("parlay plan never recommends random-k", rc == 0 and len(rec) == 1
+                and "randomk" not in rec[0] and "not recommended: randomk:0.01" in out, out,
+                "not recommended")
 
 
 def run(repeats: int, workdir: Path) -> list[dict[str, object]]:
