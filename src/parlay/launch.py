@@ -133,7 +133,7 @@ def register_loopback_rendezvous() -> None:
         registry.register(LOOPBACK_BACKEND, _create_loopback_handler)
 
 
-# ---------------------------------------------------------------- droppable workers, failure reports
+# ------------------------------------------------------- droppable workers, failure reports
 class DropPolicy:
     """The launcher's account of an attempt: which failed local workers may be dropped and
     which were, which ranks it stopped itself, and the reports of what failed."""
