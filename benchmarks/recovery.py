@@ -26,8 +26,15 @@ The MNIST MLP (784-800-800-10, Adam, batch 128 per process; the bundled MNIST, o
   (the timing's wrappers would count in the other launches' ratios). Also the time
   ``SnapshotStore.save`` takes on the caller's thread for this model's state (and the deferred
   copy, which overlaps communication) vs a plain ``torch.save`` of it to /dev/shm.
+  The snapshot launches turn the replica check off, so that it counts in none of their modes.
+* replica check: the same Trainer, snapshots off, the check off (twice: the A/A control) vs the
+  default ``replica_check="auto"`` (K re-chosen at each check so that checks cost at most 0.5%),
+  in chunks taken in turns as above (only checked chunks move the check's schedule). Ratios as
+  above; and, as the ratio cannot resolve it (a check every few dozen steps), what the steps
+  with a check (and the next: the ranks' skew moves) took beyond their chunk's other steps.
 
-    python benchmarks/recovery.py [--quick] [--repeats N] [--overhead-only] [--json out.json]
+    python benchmarks/recovery.py [--quick] [--repeats N] [--overhead-only]
+                                  [--replica-check-only] [--json out.json]
 """
 from __future__ import annotations
 
@@ -66,14 +73,15 @@ def _data() -> Any:
 
 
 def _trainer(a: argparse.Namespace, steps: int, snapshot_every: int | str, ckpt: str | None,
-             data: Any = None) -> Any:
+             data: Any = None, replica_check: int | str = "auto") -> Any:
     import parlay
     from parlay.demos.mnist import build_mlp
 
     return parlay.Trainer(build_mlp, data or _data(), optimizer_args={"lr": 1e-3}, batch_size=128,
                           max_iteration=steps, checkpoint_dir=ckpt,
                           checkpoint_every=a.ckpt_every if ckpt else None,
-                          snapshot_every=snapshot_every, progress=False, log_step_size=10**9)
+                          snapshot_every=snapshot_every, replica_check=replica_check,
+                          progress=False, log_step_size=10**9)
 
 
 # ---------------------------------------------------------------------- workers (under parlay run)
@@ -142,38 +150,97 @@ def worker_overhead(a: argparse.Namespace) -> None:
                           (DeferredCopy, "finish")):
             in_code.wrap(cls, name)
     warm = 16  # the Trainer's default, snapshot_every="auto", measures and picks its interval
-    t = _trainer(a, warm + len(MODES) * (a.chunk + 1) * (a.pairs + 1), "auto", None)
+    t = _trainer(a, warm + len(MODES) * (a.chunk + 1) * (a.pairs + 1), "auto", None,
+                 replica_check=0)
     for _ in range(warm):
         t.train_on_batch()
     chosen = t.snapshot_every
-    times: dict[str, list[float]] = {m: [] for m in MODES}
-    cpu: dict[str, list[float]] = {m: [] for m in times}
-    order = list(times)
-    for pair in range(a.pairs + 1):  # round 0 warms up (first slot files, allocator)
-        for mode in order:
-            t.snapshot_every = (10**9 if mode.startswith("off") else
-                                chosen if mode == "auto" else 1)
-            os.environ.pop("PARLAY_SNAPSHOT_BACKGROUND", None)
-            if MODES[mode] is not None:
-                os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
-            if t.persistence.store is not None:  # the last mode's deferred copy, untimed
-                t.persistence.store.wait()
-            for i in range(a.chunk + 1):  # the first step of a chunk is not timed either
-                in_code.on = bool(pair and i and mode == "deferred")
-                t0, c0 = time.perf_counter(), time.thread_time()
-                t.train_on_batch()
-                if pair and i:
-                    times[mode].append(time.perf_counter() - t0)
-                    cpu[mode].append(time.thread_time() - c0)
-            in_code.on = False
-        # Each round in its own order (the same on every rank): in a fixed rotation every mode
-        # always follows the same one, and whatever a mode leaves behind (caches, the
-        # snapshot's slots) would always land on the same successor.
-        random.Random(pair).shuffle(order)
+
+    def enter(mode: str) -> None:
+        t.snapshot_every = (10**9 if mode.startswith("off") else
+                            chosen if mode == "auto" else 1)
+        os.environ.pop("PARLAY_SNAPSHOT_BACKGROUND", None)
+        if MODES[mode] is not None:
+            os.environ["PARLAY_SNAPSHOT_BACKGROUND"] = MODES[mode]
+        if t.persistence.store is not None:  # the last mode's deferred copy, untimed
+            t.persistence.store.wait()
+
+    def during(mode: str, timed: bool) -> None:
+        in_code.on = timed and mode == "deferred"
+
+    times, cpu = _interleave(a, t, list(MODES), enter, during)
+    in_code.on = False
     t.should_stop()
     Path(a.out, f"overhead-r{parlay.rank()}.json").write_text(json.dumps({
         "wall": times, "cpu": cpu, "in_code_s": in_code.seconds if a.in_code else None,
         "auto_every": chosen}))
+
+
+def _interleave(a: argparse.Namespace, t: Any, modes: list[str], enter: Any,
+                during: Any) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall and this thread's CPU seconds of ``t``'s timed steps by mode: chunks of
+    ``a.chunk`` per mode, in turns for ``a.pairs`` rounds after an untimed one, each round in
+    its own order. ``enter(mode)`` sets a mode up before its chunk (untimed, like the chunk's
+    first step); ``during(mode, timed)`` is told before each step whether it is timed."""
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    order = list(modes)
+    for pair in range(a.pairs + 1):  # round 0 warms up
+        for mode in order:
+            enter(mode)
+            for i in range(a.chunk + 1):  # the first step of a chunk is not timed either
+                timed = bool(pair and i)
+                during(mode, timed)
+                t0, c0 = time.perf_counter(), time.thread_time()
+                t.train_on_batch()
+                if timed:
+                    times[mode].append(time.perf_counter() - t0)
+                    cpu[mode].append(time.thread_time() - c0)
+        # Each round in its own order (the same on every rank): in a fixed rotation every mode
+        # always follows the same one, and whatever a mode leaves behind (caches, the
+        # snapshot's slots) would always land on the same successor.
+        random.Random(pair).shuffle(order)
+    return times, cpu
+
+
+def worker_replicas(a: argparse.Namespace) -> None:
+    import parlay
+    from parlay.trainer.replicas import ReplicaCheck
+
+    checks: list[tuple[float, float, int, int]] = []  # wall, CPU seconds, interval, step
+    check = ReplicaCheck.check
+
+    def timed_check(self: Any, step: int) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        check(self, step)
+        checks.append((time.perf_counter() - t0, time.thread_time() - c0, self.every, step))
+    ReplicaCheck.check = timed_check  # type: ignore[method-assign]  # every K steps: ~free
+    modes = ["check off", "check off again", "check auto"]  # "off again": the A/A control
+    warm = 16  # the first automatic check, FIRST_CHECK steps in, chooses the interval
+    t = _trainer(a, warm + len(modes) * (a.chunk + 1) * (a.pairs + 1), 0, None)
+    for _ in range(warm):
+        t.train_on_batch()
+    del checks[:]
+    rc = t.persistence.replicas
+    plan = {"every": rc.every, "left": rc.next - t.state.step}
+
+    def enter(mode: str) -> None:
+        if rc.every:  # leaving the checked mode: keep its place in its own schedule
+            plan.update(every=rc.every, left=rc.next - t.state.step)
+        rc.every = plan["every"] if mode == "check auto" else 0
+        rc.next = t.state.step + 1 + plan["left"]  # the chunk's untimed first step not counted
+
+    steps: list[int] = []  # the number of every timed step with checks
+
+    def during(mode: str, timed: bool) -> None:
+        if timed and mode == "check auto":
+            steps.append(t.state.step + 1)
+
+    times, cpu = _interleave(a, t, modes, enter, during)
+    t.should_stop()
+    Path(a.out, f"replicas-r{parlay.rank()}.json").write_text(json.dumps({
+        "wall": times, "cpu": cpu, "steps": steps,
+        "checks": [c for c in checks if c[3] in steps]}))  # not those of the untimed round
 
 
 # ---------------------------------------------------------------------- driver
@@ -189,6 +256,14 @@ def _launch(a: argparse.Namespace, out: Path, *worker: str, pairs: int | None = 
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         raise SystemExit(f"recovery benchmark: {' '.join(worker)} failed:\n{p.stderr[-3000:]}")
+
+
+def _worker_run(a: argparse.Namespace, out: Path, worker: str, *flags: str,
+                pairs: int | None = None) -> Any:
+    """Launch ``worker`` writing into the new folder ``out``; rank 0's results."""
+    out.mkdir()
+    _launch(a, out, "--worker", worker, *flags, pairs=pairs)
+    return json.loads((out / f"{worker}-r0.json").read_text())
 
 
 def recovery(a: argparse.Namespace, tmp: Path, snapshots: bool, repeat: int) -> dict[str, Any]:
@@ -266,7 +341,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help="recovery runs per side, and launches of the overhead measurement")
     p.add_argument("--overhead-only", action="store_true", help="skip the recovery runs")
-    p.add_argument("--worker", choices=["recovery", "overhead"], help=argparse.SUPPRESS)
+    p.add_argument("--replica-check-only", action="store_true",
+                   help="measure only the replica check's cost")
+    p.add_argument("--worker", choices=["recovery", "overhead", "replicas"],
+                   help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--in-code", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--snapshot-every", type=int, default=1, help=argparse.SUPPRESS)
@@ -278,34 +356,51 @@ def main() -> None:
     a.pairs = a.pairs or (4 if a.quick else 15)
     a.repeats = a.repeats or (1 if a.quick else 3)
     if a.worker:
-        (worker_recovery if a.worker == "recovery" else worker_overhead)(a)
+        {"recovery": worker_recovery, "overhead": worker_overhead,
+         "replicas": worker_replicas}[a.worker](a)
         return
+    only = a.replica_check_only
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        runs, ratios = ([], {}) if a.overhead_only else _recoveries(a, tmp)
-        over, launches = _overheads(a, tmp)
-    cost = save_cost(5 if a.quick else 20)
+        runs, ratios = ([], {}) if a.overhead_only or only else _recoveries(a, tmp)
+        over, launches = ([], []) if only else _overheads(a, tmp)
+        checks, check_launches = _replica_checks(a, tmp)
+    results = runs + over
+    if over:
+        cost = save_cost(5 if a.quick else 20)
+        print()
+        print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "paired_ratio",
+                           "median_ratio", "cpu_ratio", "in_code_pct", "launch_ratios",
+                           "steps_each"]))
+        print("ratio: mean step time over mean step time with snapshots off, the median over "
+              "launches; paired_ratio: the mean, with its 95% half-width, of each round's chunk "
+              "over the off chunk of the same round; median_ratio: of median step times; "
+              "in_code_pct: the deferred snapshot's own code (save, the deferred copy and "
+              "commit, also where they fill waits for communication) as a share of its steps' "
+              "time, timed in a launch of its own; the A/A control is how far the same code "
+              "reads from itself")
+        print()
+        print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
+        for row in over:
+            ratios["step_time_off_again_vs_off_aa_control" if row["mode"] == "off again" else
+                   f"step_time_{row['mode']}_snapshots_vs_off"] = row["ratio"]
+            if row["in_code_pct"] is not None:
+                ratios["snapshot_in_code_share"] = row["in_code_pct"] / 100
+        ratios["save_vs_torch_save"] = cost["save_ms"] / cost["torch_save_ms"]
+        results.append(cost)
     print()
-    print(table(over, ["overhead", "step_ms_on", "step_ms_off", "ratio", "paired_ratio",
-                       "median_ratio", "cpu_ratio", "in_code_pct", "launch_ratios",
-                       "steps_each"]))
-    print("ratio: mean step time over mean step time with snapshots off, the median over "
-          "launches; paired_ratio: the mean, with its 95% half-width, of each round's chunk "
-          "over the off chunk of the same round; median_ratio: of median step times; "
-          "in_code_pct: the deferred snapshot's own code (save, the deferred copy and commit, "
-          "also where they fill waits for communication) as a share of its steps' time, timed "
-          "in a launch of its own; the A/A control is how far the same code reads from itself")
-    print()
-    print(table([cost], ["state_mb", "save_ms", "deferred_ms", "torch_save_ms", "load_ms"]))
-    for row in over:
-        ratios["step_time_off_again_vs_off_aa_control" if row["mode"] == "off again" else
-               f"step_time_{row['mode']}_snapshots_vs_off"] = row["ratio"]
-        if row["in_code_pct"] is not None:
-            ratios["snapshot_in_code_share"] = row["in_code_pct"] / 100
-    ratios["save_vs_torch_save"] = cost["save_ms"] / cost["torch_save_ms"]
+    print(table(checks, ["overhead", "step_ms_on", "step_ms_off", "ratio", "paired_ratio",
+                         "median_ratio", "cpu_ratio", "checks", "check_ms", "every",
+                         "added_pct", "check_cpu_pct", "launch_ratios", "steps_each"]))
+    print("replica check (snapshots off) vs off; checks: in all launches; every: intervals "
+          "chosen; added_pct: steps with a check and the next beyond their chunk's other steps' "
+          "mean, over the checked steps' time; check_cpu_pct: CPU time in checks over it")
+    aa, auto = checks
+    ratios.update(replica_check_off_again_vs_off_aa_control=aa["ratio"],
+                  replica_check_vs_off=auto["ratio"], replica_check_share=auto["added_pct"] / 100)
     print("\nratios:", json.dumps({k: round(v, 4) for k, v in ratios.items()}))
-    walls = [t["wall"] for t in launches]
-    write_json(a.json, "recovery", ratios, runs + over + [cost],
+    walls = [t["wall"] for t in launches + check_launches]
+    write_json(a.json, "recovery", ratios, results + checks,
                step_times_ms=[{k: [1e3 * v for v in vs] for k, vs in w.items()} for w in walls],
                spread=[{k: statistics.pstdev(vs) / max(median(vs), 1e-12) for k, vs in w.items()}
                        for w in walls])
@@ -332,39 +427,63 @@ def _recoveries(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]],
                       snap["steps_lost"] / max(1, disk["steps_lost"])}
 
 
+def _compare(a: argparse.Namespace, launches: list[Any], mode: str, off: str) -> dict[str, Any]:
+    """``mode`` against ``off`` over the launches: per launch the ratio of mean (and median)
+    step times, their median over launches, and the paired ratio (the mean, with its 95%
+    half-width, over every launch's rounds of this mode's chunk over the ``off`` chunk of the
+    same round: seconds apart, so slow drift of the machine cancels)."""
+    def ratio(run: dict[str, Any], kind: str, stat: Any = statistics.fmean) -> float:
+        return stat(run[kind][mode]) / stat(run[kind][off])
+
+    paired = []
+    for run in launches:
+        on, base = run["wall"][mode], run["wall"][off]
+        paired += [statistics.fmean(on[i:i + a.chunk]) / statistics.fmean(base[i:i + a.chunk])
+                   for i in range(0, min(len(on), len(base)), a.chunk)]
+    mean, half = statistics.fmean(paired), 1.96 * statistics.stdev(paired) / len(paired) ** 0.5
+    walls = [ratio(run, "wall") for run in launches]
+    return {"step_ms_on": 1e3 * median([statistics.fmean(r["wall"][mode]) for r in launches]),
+            "step_ms_off": 1e3 * median([statistics.fmean(r["wall"][off]) for r in launches]),
+            "ratio": median(walls), "launch_ratios": [round(w, 4) for w in walls],
+            "paired_ratio": f"{mean:.4f} +- {half:.4f}",
+            "median_ratio": median([ratio(run, "wall", median) for run in launches]),
+            "cpu_ratio": median([ratio(run, "cpu") for run in launches]),
+            "steps_each": sum(len(r["wall"][mode]) for r in launches)}
+
+
+def _replica_checks(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``--repeats`` launches of the replica-check worker; the check's modes vs off (rank 0)."""
+    launches = [_worker_run(a, tmp / f"replicas{i}", "replicas") for i in range(a.repeats)]
+    checks = [c for r in launches for c in r["checks"]]  # wall, CPU seconds, interval, step
+    checked = sum(sum(r["wall"]["check auto"]) for r in launches)
+    added = 0.0  # steps with a check and the next (the ranks' skew moves from one to the
+    for r in launches:  # other) beyond the mean of the other steps of their chunk
+        w, at = r["wall"]["check auto"], {r["steps"].index(c[3]) for c in r["checks"]}
+        hit = at | {k + 1 for k in at}
+        for lo in range(0, len(w), a.chunk):
+            mine = [w[j] for j in range(lo, min(lo + a.chunk, len(w))) if j in hit]
+            rest = [w[j] for j in range(lo, min(lo + a.chunk, len(w))) if j not in hit]
+            added += sum(mine) - len(mine) * statistics.fmean(rest or r["wall"]["check off"])
+    auto = {"mode": "check auto", "overhead": "replica_check='auto' (the default) vs off",
+            **_compare(a, launches, "check auto", "check off"), "checks": len(checks),
+            "check_ms": 1e3 * median([c[0] for c in checks] or [0]),
+            "every": sorted({c[2] for c in checks}), "added_pct": round(100 * added / checked, 3),
+            "check_cpu_pct": round(100 * sum(c[1] for c in checks) / checked, 3)}
+    return [{"mode": "check off again", **_compare(a, launches, "check off again", "check off"),
+             "overhead": "replica check off again vs off (A/A control)"}, auto], launches
+
+
 def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], list[Any]]:
     """``--repeats`` launches of the overhead worker; per mode, the median over launches of each
     launch's ratio of mean step times (rank 0), and every launch's ratio (the spread)."""
-    launches = []
-    for i in range(a.repeats):
-        out = tmp / f"ovh{i}"
-        out.mkdir()
-        _launch(a, out, "--worker", "overhead")
-        launches.append(json.loads((out / "overhead-r0.json").read_text()))
+    launches = [_worker_run(a, tmp / f"ovh{i}", "overhead") for i in range(a.repeats)]
     # The snapshot's own code is timed in one launch more, a third as long: its wrappers and
     # clock reads (~30 us a step) would count in the ratios of a launch that timed it.
-    out = tmp / "ovh-in-code"
-    out.mkdir()
-    _launch(a, out, "--worker", "overhead", "--in-code", pairs=max(2, a.pairs // 3))
-    in_code_run = json.loads((out / "overhead-r0.json").read_text())
-
-    def ratio(run: dict[str, Any], kind: str, mode: str, stat: Any = statistics.fmean) -> float:
-        return stat(run[kind][mode]) / stat(run[kind]["off"])
-
-    def paired(mode: str) -> tuple[float, float]:
-        """Mean and 95% half-width over every launch's rounds of the ratio of this mode's chunk
-        to the off chunk of the same round (seconds apart: slow drift of the machine cancels)."""
-        r = []
-        for run in launches:
-            on, off = run["wall"][mode], run["wall"]["off"]
-            r += [statistics.fmean(on[i:i + a.chunk]) / statistics.fmean(off[i:i + a.chunk])
-                  for i in range(0, min(len(on), len(off)), a.chunk)]
-        return statistics.fmean(r), 1.96 * statistics.stdev(r) / len(r) ** 0.5
+    in_code_run = _worker_run(a, tmp / "ovh-in-code", "overhead", "--in-code",
+                              pairs=max(2, a.pairs // 3))
 
     rows = []
     for mode in ("off again", "inline", "deferred", "auto"):
-        walls = [ratio(run, "wall", mode) for run in launches]
-        mean, half = paired(mode)
         in_code = (in_code_run["in_code_s"] / sum(in_code_run["wall"]["deferred"])
                    if mode == "deferred" else None)
         rows.append({"mode": mode,
@@ -372,16 +491,8 @@ def _overheads(a: argparse.Namespace, tmp: Path) -> tuple[list[dict[str, Any]], 
                                   else "snapshot_every='auto' (the default: every "
                                   f"{sorted({r['auto_every'] for r in launches})} steps) vs off"
                                   if mode == "auto" else f"snapshot_every=1, {mode} vs off"),
-                     "step_ms_on": 1e3 * median([statistics.fmean(r["wall"][mode])
-                                                 for r in launches]),
-                     "step_ms_off": 1e3 * median([statistics.fmean(r["wall"]["off"])
-                                                  for r in launches]),
-                     "ratio": median(walls), "launch_ratios": [round(w, 4) for w in walls],
-                     "paired_ratio": f"{mean:.4f} +- {half:.4f}",
-                     "in_code_pct": None if in_code is None else round(100 * in_code, 2),
-                     "median_ratio": median([ratio(run, "wall", mode, median) for run in launches]),
-                     "cpu_ratio": median([ratio(run, "cpu", mode) for run in launches]),
-                     "steps_each": sum(len(r["wall"][mode]) for r in launches)})
+                     **_compare(a, launches, mode, "off"),
+                     "in_code_pct": None if in_code is None else round(100 * in_code, 2)})
     return rows, launches
 
 
