@@ -282,8 +282,8 @@ class SnapshotStore:
         self._settle()
         slots = [slot for s, slot in self._committed() if s == step]
         if not slots:
-            raise CheckpointError(f"rank {self.rank} holds no snapshot of step {step} in "
-                                  f"{self.directory} (it has {self.steps()}).")
+            raise CheckpointError(f"no snapshot of step {step} in {self.directory} (it holds "
+                                  f"{self.steps()}).")
         path = self._meta_path(step, slots[0])
         try:
             meta = json.loads(path.read_text())
@@ -292,7 +292,7 @@ class SnapshotStore:
                                   "truncated or corrupt; the previous snapshot or the disk "
                                   "checkpoint is used instead.") from e
         if isinstance(meta, dict) and meta.pop("check", None) != _record_crc(meta):
-            raise CheckpointError(f"rank {self.rank}: snapshot record {path} fails its "
+            raise CheckpointError(f"snapshot record {path} fails its "
                                   f"checksum (corrupt); it is not used. {_INSTEAD}")
         if not (isinstance(meta, dict) and meta.get("parlay_snapshot") == FORMAT_VERSION
                 and meta.get("key") == self.key and meta.get("step") == step
@@ -310,7 +310,7 @@ class SnapshotStore:
         bad = [i for i, t in enumerate(tensors)
                if not isinstance(crcs, list) or i >= len(crcs) or tensor_crc([t]) != crcs[i]]
         if bad:
-            raise CheckpointError(f"rank {self.rank}: snapshot {data_path} of step {step} fails "
+            raise CheckpointError(f"snapshot {data_path} of step {step} fails "
                                   f"its checksum ({len(bad)} of {len(tensors)} tensors differ "
                                   f"from what was written, the first is #{bad[0]}): it is "
                                   f"not used. {_INSTEAD}")
