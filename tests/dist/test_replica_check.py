@@ -82,3 +82,46 @@ def test_bad_replica_check_is_a_clear_error():
     with pytest.raises(ConfigError, match="replica_check must be 'auto', an int >= 0 or None"):
         parlay.Trainer(lambda: (nn.Linear(2, 2), nn.MSELoss()),
                        TensorDataset(torch.zeros(4, 2), torch.zeros(4, 2)), replica_check=-1)
+
+
+def _train_ckpt(ckpt, flip_rank, steps=10):
+    import torch.nn as nn
+    from torch.utils.data import TensorDataset
+
+    import parlay
+    from parlay.errors import ReplicaDivergence
+
+    x = torch.randn(96, 6, generator=torch.Generator().manual_seed(5))
+    t = parlay.Trainer(lambda: (nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2)),
+                                nn.CrossEntropyLoss()),
+                       TensorDataset(x, (x[:, :3].sum(1) > 0).long()),
+                       optimizer_args={"lr": 1e-2}, batch_size=4, max_iteration=steps,
+                       checkpoint_dir=ckpt, checkpoint_every=2, snapshot_every=1,
+                       replica_check=10, progress=False)
+    start = (t.state.step, t.resumed_from_snapshot)
+    try:
+        while not t.should_stop():
+            t.train_on_batch()
+            if parlay.rank() == flip_rank and t.state.step == 5:
+                next(t.model.parameters()).data.view(-1)[3:4].view(torch.int32) \
+                    .bitwise_xor_(1 << 20)
+    except ReplicaDivergence as e:
+        return "diverged", e.step, e.agreed_at, str(e)
+    finally:
+        t.close()
+    return "done", start, [p.detach().clone() for p in t.model.parameters()]
+
+
+def test_two_replicas_keep_only_agreed_checkpoints_and_a_relaunch_resumes_one(tmp_path):
+    env = {"PARLAY_RUN_ID": "rc-ckpt", "PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm")}
+    clean = run_world(_train_ckpt, 2, str(tmp_path / "clean"), -1, env=env, timeout=120)
+    ck = str(tmp_path / "ckpt")
+    out = run_world(_train_ckpt, 2, ck, 1, env=env, timeout=120)
+    for kind, step, agreed_at, text in out:  # found by the check before step 6's checkpoint
+        assert (kind, step, agreed_at) == ("diverged", 6, 4), text
+        assert "relaunching the job resumes an agreed state" in text
+    # The snapshots of steps 5 and 6 are gone, the checkpoint of step 4 was agreed: resume it.
+    again = run_world(_train_ckpt, 2, ck, -1, env=env, timeout=120)
+    for (kind, start, params), (_, _, want) in zip(again, clean):
+        assert (kind, start) == ("done", (4, None))
+        assert all(torch.equal(p, q) for p, q in zip(params, want)), "bit-exact after relaunch"

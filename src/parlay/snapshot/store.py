@@ -331,6 +331,14 @@ class SnapshotStore:
                 log.warning("%s", e)
         return None
 
+    def drop_after(self, step: int) -> None:
+        """Delete this rank's snapshots of steps after ``step`` (states no longer trusted)."""
+        self._settle()
+        for held in [h for h in self._committed() if h[0] > step]:
+            self._meta_path(*held).unlink(missing_ok=True)
+            if held in self._held:
+                self._held.remove(held)
+
     # ------------------------------------------------------------------ teardown
     def close(self) -> None:
         """Finish the pending copy and unmap the data files (snapshots stay; the next

@@ -22,7 +22,7 @@ import torch.nn as nn
 from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.sampler import ShardedSampler
-from parlay.errors import CheckpointError, ConfigError
+from parlay.errors import CheckpointError, ConfigError, ReplicaDivergence
 from parlay.runinfo import stable_repr, trainer_identity
 from parlay.snapshot import (
     SnapshotStore,
@@ -107,7 +107,8 @@ class Persistence:
             self.every = 0
         self.replicas = ReplicaCheck(strategy, config.replica_check or 0, self.state.step)
         if self.state.step and self.replicas.every:  # resumed: do the replicas agree?
-            self.replicas.check(self.state.step)
+            self.replicas.agreed_at = -1  # not known until they do
+            self._check_replicas(self.state.step)
 
     def _open_checkpoints(self, config: TrainerConfig,
                           model: nn.Module) -> CheckpointManager | None:
@@ -166,6 +167,8 @@ class Persistence:
         """Write a checkpoint of everything stateful now (every training rank must call it)."""
         if self.checkpoints is None:
             raise ConfigError("save_checkpoint() needs checkpoint_dir=... on the Trainer.")
+        if self.replicas.every and self.replicas.agreed_at != self.state.step:
+            self._check_replicas(self.state.step)  # only a state the replicas agree on is kept
         model = getattr(self.strategy, "model", None)
         inf_ok = {b.data_ptr() for b in model.buffers()} if model is not None else set()
         self.checkpoints.save(self.state.step, self.state_dict(),
@@ -175,7 +178,8 @@ class Persistence:
     def after_step(self, epoch_done: bool) -> None:
         """Checkpoint and snapshot when due (the Trainer calls it after every step)."""
         step = self.state.step
-        self.replicas.after_step(step)  # before a diverged state is saved
+        if self.replicas.every and step >= self.replicas.next:
+            self._check_replicas(step)  # before a diverged state is saved
         every = self.checkpoint_every
         if self.checkpoints is not None and (step % every == 0 if every else epoch_done):
             self.save_checkpoint()
@@ -187,6 +191,21 @@ class Persistence:
                                 defer=optimizer_tensors(self.strategy))
             except CheckpointError as e:
                 self._stop_snapshots(e)
+
+    def _check_replicas(self, step: int) -> None:
+        """Compare the replicas now; when they diverged, this rank's snapshots after the last
+        step they agreed on are deleted before the error propagates, so a restart resumes a
+        state they agreed on (every checkpoint is one: it is written only after they agree).
+
+        Raises:
+            ReplicaDivergence: See :meth:`ReplicaCheck.check`.
+        """
+        try:
+            self.replicas.check(step)
+        except ReplicaDivergence as e:
+            if self.store is not None:
+                self.store.drop_after(self.replicas.agreed_at)
+            raise e
 
     def _stop_snapshots(self, error: CheckpointError) -> None:
         """Snapshots are a speed-up: training goes on without them, with a warning."""

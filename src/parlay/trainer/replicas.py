@@ -69,11 +69,6 @@ class ReplicaCheck:
         self.agreed_at = step
         self._since = (time.perf_counter(), step)
 
-    def after_step(self, step: int) -> None:
-        """Check when due (every member of the data-parallel group calls it each step)."""
-        if self.every and step >= self.next:
-            self.check(step)
-
     def check(self, step: int) -> None:
         """Compare the replicas now; heal a minority or raise.
 
@@ -131,11 +126,14 @@ class ReplicaCheck:
         if stuck:
             ranks = sorted(r for members in stuck for r in members)
             prints = ", ".join(f"rank {r}: {c:08x}" for m in stuck for r, c in sorted(m.items()))
+            last = (f"they last agreed at step {self.agreed_at}" if self.agreed_at >= 0 else
+                    "in the state this run resumed")
             raise ReplicaDivergence(
                 f"data-parallel replicas disagree at step {step}: ranks {ranks} hold different "
-                f"parameters or optimizer state (fingerprints {prints}; they last agreed at "
-                f"step {self.agreed_at}). With no majority of three or more, the run cannot "
-                "tell which is right, so it stops. Fix: restart from a checkpoint or snapshot "
-                f"of step {self.agreed_at} or earlier (delete newer ones), and check the "
-                "hardware of those ranks if this repeats.",
+                f"parameters or optimizer state (fingerprints {prints}; {last}). With no "
+                "majority of three or more, the run cannot tell which is right, so it stops. "
+                "Its checkpoints hold states the replicas agreed on (one is written only after "
+                "they agree) and its snapshots after the last agreed step are deleted, so "
+                "relaunching the job resumes an agreed state. Check the hardware of those "
+                "ranks if this repeats.",
                 step=step, ranks=ranks, agreed_at=self.agreed_at)
