@@ -132,7 +132,7 @@ def _agree(cases):
     for name, (held, relaxed, _) in cases.items():
         disk, snaps = held[r]
         res = agree_resume(disk, snaps, is_worker=r > 0, tagged=r > 0, snapshots=r > 0 and
-                           bool(snaps), relaxed=relaxed, world=3, group=None)
+                           bool(snaps), relaxed=relaxed, group=None)
         out[name] = (res.step, res.from_snapshot, res.training)
     return out
 

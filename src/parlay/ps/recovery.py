@@ -28,7 +28,7 @@ from parlay.errors import CheckpointError, CommError
 from parlay.launch import droppable_marker
 from parlay.launch import mark_droppable as _launch_mark_droppable
 from parlay.ps.shard_io import snapshot_steps
-from parlay.snapshot import SnapshotStore, run_key
+from parlay.snapshot import SnapshotStore, key_or_off
 
 __all__ = ["agree_resume", "Resume", "resume_session", "open_snapshots", "mark_droppable",
            "server_loss_is_fatal", "HELD_SLOTS", "save_worker_state", "load_worker_state"]
@@ -62,7 +62,7 @@ class Resume(NamedTuple):
 
 
 def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, tagged: bool,
-                 snapshots: bool, relaxed: bool, world: int, group: Any) -> Resume:
+                 snapshots: bool, relaxed: bool, group: Any) -> Resume:
     """Agree, over every rank of ``group``, on the step to resume (one allgather of tensors).
 
     The in-memory snapshot step every rank holds wins when it is newer than the disk step;
@@ -79,19 +79,15 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
         tagged: This rank keeps step-tagged checkpoints (a Trainer worker).
         snapshots: This worker keeps in-memory snapshots.
         relaxed: Lost workers were dropped and the others went on (``async``/``stale``).
-        world: Size of ``group``.
         group: Every server and worker.
     """
     def slots(steps: Iterable[int], n: int) -> list[int]:
         newest = sorted(set(int(t) for t in steps))[-n:]
         return newest + [-1] * (n - len(newest))
 
-    dev = comm.group_device(group)  # the ps group is gloo; a NCCL-only one would need CUDA
-    row = torch.tensor([int(tagged), int(snapshots), int(is_worker)]
-                       + slots(disk, HELD_SLOTS) + slots(snaps, _SNAP_SLOTS), dtype=torch.int64,
-                       device=dev)
-    out = torch.empty(world * row.numel(), dtype=torch.int64, device=dev)
-    rows = comm.allgather_into(out, row, group=group).view(world, -1).tolist()
+    rows = comm.gather_ints([int(tagged), int(snapshots), int(is_worker)]
+                            + slots(disk, HELD_SLOTS) + slots(snaps, _SNAP_SLOTS),
+                            _FLAGS + HELD_SLOTS + _SNAP_SLOTS, group)
     any_tagged = any(r[0] for r in rows)
     any_snap = any(r[1] for r in rows)
     workers = [k for k, r in enumerate(rows) if r[2]]
@@ -118,9 +114,9 @@ def _disk_step(held: list[set[int]], workers: list[int], relaxed: bool) -> int |
     return None
 
 
-def resume_session(session: Any, world: int) -> tuple[Resume, SnapshotStore | None]:
+def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
     """Where a starting :class:`~parlay.ps.session.DistributedSession` resumes (agreed over
-    its ``ps_group`` of ``world`` ranks), and the in-memory snapshot store its rank keeps from
+    its ``ps_group``), and the in-memory snapshot store its rank keeps from
     now on: ``sync`` servers, and workers whose caller snapshots (``snapshots=True``). A store
     is emptied when the resume does not use it (its steps are older than the resumed one, or
     of a lost future) and dropped on servers when no worker snapshots."""
@@ -132,7 +128,7 @@ def resume_session(session: Any, world: int) -> tuple[Resume, SnapshotStore | No
     r = agree_resume(disk, snaps, is_worker=not s.is_ps,
                      tagged=not s.is_ps and s.resume_steps is not None,
                      snapshots=not s.is_ps and store is not None,
-                     relaxed=not s.consistency.aggregate, world=world, group=s.ps_group)
+                     relaxed=not s.consistency.aggregate, group=s.ps_group)
     if store is not None and not r.from_snapshot and snaps:
         store.clear()
         store = open_snapshots(s)
@@ -144,7 +140,7 @@ def resume_session(session: Any, world: int) -> tuple[Resume, SnapshotStore | No
 
 def open_snapshots(session: Any) -> SnapshotStore | None:
     """The in-memory snapshot store of a started session's rank, or ``None`` when the job has
-    no run id (:func:`parlay.snapshot.run_key`) or the store cannot be made (a warning).
+    no run id (:func:`parlay.snapshot.key_or_off`) or the store cannot be made (a warning).
 
     Servers and workers of one job share a key: the run id plus what must match for a
     snapshot to continue the run (placement, world layout, consistency, optimizer,
@@ -156,10 +152,8 @@ def open_snapshots(session: Any) -> SnapshotStore | None:
                      getattr(s.optimizer_cls, "__qualname__", repr(s.optimizer_cls)),
                      sorted((k, repr(v)) for k, v in s.optimizer_args.items()),
                      type(s.compressor).__qualname__))
-    key = run_key(identity)
+    key = key_or_off(identity)
     if key is None:
-        log.info("in-memory snapshots off: no run id (launch with parlay run, or set "
-                 "PARLAY_RUN_ID to an id that stays the same across restarts of this job)")
         return None
     try:  # live: a second live job under this run id is refused (ConfigError names it)
         return SnapshotStore(key, s.rank, live=True)

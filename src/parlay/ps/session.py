@@ -204,7 +204,7 @@ class DistributedSession:
                 p.data = p.data.contiguous()
         if self.checkpoint_dir:
             os.makedirs(self.checkpoint_dir, exist_ok=True)
-        self._agree_resume(c.world_size)
+        self._agree_resume()
         if self.on_agreed is not None:
             self.on_agreed()
         self._join(workers, world[: c.num_ps])
@@ -236,8 +236,8 @@ class DistributedSession:
                             self.worker.index, self.rank, self.resumed_step)
                 self.worker.finish()
 
-    def _agree_resume(self, world: int) -> None:
-        r, self.snapshot_store = resume_session(self, world)
+    def _agree_resume(self) -> None:
+        r, self.snapshot_store = resume_session(self)
         self.tagged, self.resumed_step = r.tagged, r.step
         self.resumed_from_snapshot, self.training_workers = r.from_snapshot, r.training
 

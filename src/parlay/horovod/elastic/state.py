@@ -165,13 +165,13 @@ class State:
         ``fresh``: a new job first deletes what an old one of the same run id left)."""
         if self._store is not None or _env_int("TORCHELASTIC_MAX_RESTARTS") <= 0:
             return
-        from parlay.snapshot import SnapshotStore, run_key
+        from parlay.snapshot import SnapshotStore, key_or_off
 
-        key = run_key(f"horovod-elastic-state-{self._index}")
+        key = key_or_off(f"horovod-elastic-state-{self._index}",
+                         f"rank {runtime.rank()}: the job has no run id, so elastic commits stay "
+                         "in memory and a restart starts over. Hint: pass --rdzv-id or set "
+                         "PARLAY_RUN_ID.", logging.WARNING)
         if key is None:
-            log.warning("rank %d: the job has no run id, so elastic commits stay in memory and "
-                        "a restart starts over. Hint: pass --rdzv-id or set PARLAY_RUN_ID.",
-                        runtime.rank())
             return
         if fresh:
             SnapshotStore(key, runtime.rank()).clear()
