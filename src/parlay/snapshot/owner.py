@@ -128,15 +128,21 @@ def claim(run_id: str, root: str | os.PathLike[str] | None = None) -> RunOwner |
     return RunOwner(base, name, fd)
 
 
+def _run_of(key: str) -> str | None:
+    """The run name of snapshot key ``key`` (``None``: the key has no digest)."""
+    m = re.fullmatch(r"(.+)" + _DIGEST, key)
+    return m.group(1) if m else None
+
+
 def hold(root: Path, key: str) -> int:
     """A shared lock on the owner file of snapshot key ``key``'s run, held by a rank while it
     keeps snapshots (released when the fd is closed or the process dies); ``-1`` when the run
     has no owner file (a user-chosen id: never swept)."""
-    m = re.fullmatch(r"(.+)" + _DIGEST, key)
-    if fcntl is None or m is None:
+    name = _run_of(key)
+    if fcntl is None or name is None:
         return -1
     try:
-        fd = os.open(root / f"{m.group(1)}{_OWNER}", os.O_RDONLY)
+        fd = os.open(root / f"{name}{_OWNER}", os.O_RDONLY)
     except OSError:
         return -1
     try:
@@ -149,8 +155,7 @@ def hold(root: Path, key: str) -> int:
 
 def live_path(root: Path, key: str, rank: int) -> Path:
     """The file a live rank of snapshot key ``key``'s run holds locked (see :func:`hold_live`)."""
-    m = re.fullmatch(r"(.+)" + _DIGEST, key)
-    return root / f"{m.group(1) if m else key}.rank{int(rank)}.live"
+    return root / f"{_run_of(key) or key}.rank{int(rank)}.live"
 
 
 def hold_live(root: Path, key: str, rank: int) -> int:

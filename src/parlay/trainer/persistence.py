@@ -107,7 +107,6 @@ class Persistence:
             self.every = 0
         self.replicas = ReplicaCheck(strategy, config.replica_check or 0, self.state.step)
         if self.state.step and self.replicas.every:  # resumed: do the replicas agree?
-            self.replicas.agreed_at = -1  # not known until they do
             self._check_replicas(self.state.step)
 
     def _open_checkpoints(self, config: TrainerConfig,
@@ -202,10 +201,10 @@ class Persistence:
         """
         try:
             self.replicas.check(step)
-        except ReplicaDivergence as e:
+        except ReplicaDivergence:
             if self.store is not None:
                 self.store.drop_after(self.replicas.agreed_at)
-            raise e
+            raise
 
     def _stop_snapshots(self, error: CheckpointError) -> None:
         """Snapshots are a speed-up: training goes on without them, with a warning."""

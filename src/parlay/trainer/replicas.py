@@ -66,7 +66,9 @@ class ReplicaCheck:
         self.group = strategy.dp_group if on else None
         self.every = (FIRST_CHECK if self.auto else int(every)) if on else 0
         self.next = step + self.every
-        self.agreed_at = step
+        # The last step the replicas agreed at: a fresh start's broadcast weights agree; a
+        # resumed state is not known to until it is checked (-1).
+        self.agreed_at = 0 if step == 0 else -1
         self._since = (time.perf_counter(), step)
 
     def check(self, step: int) -> None:
