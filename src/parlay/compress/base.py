@@ -128,6 +128,12 @@ class Compressor:
         """
         return None
 
+    def shard_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype a sharded optimizer's reduce-scatter carries a ``dtype`` bucket in, or
+        ``None`` when this compressor is not an element-wise cast (its payloads cannot be summed
+        chunk by chunk along a ring)."""
+        return None
+
     def set_layout(self, key: str, shapes: list[tuple[int, ...]]) -> None:
         """Hint: bucket ``key`` is the concatenation of tensors of these shapes, in order."""
 
@@ -196,6 +202,9 @@ class NoneCompressor(Compressor):
                                lambda self, flat, key: ([flat], None))
     decompress = ClassOrInstance(lambda t, ctx: t,
                                  lambda self, payload, ctx: payload[0])
+
+    def shard_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        return dtype
 
 
 _REGISTRY: Registry[Callable[..., Compressor]] = Registry(

@@ -65,6 +65,7 @@ class _Cast(Compressor):
     summable = True
     decodes_into = True
     cost_fields = ("cast_s_per_elem",)
+    wire_dtype: torch.dtype = torch.bfloat16
 
     def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
                     bytes_per_element: int = 4) -> list[Round]:
@@ -72,6 +73,9 @@ class _Cast(Compressor):
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
         return float(numel * costs.cast_s_per_elem)
+
+    def shard_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        return self.wire_dtype if dtype.is_floating_point else dtype
 
     def ctx_to_wire(self, ctx: Any) -> tuple[Any, ...]:
         return (ctx.dtype, ctx.scale, ctx.fallback)
@@ -111,6 +115,7 @@ class FP16(_Cast):
     """
 
     name = "fp16"
+    wire_dtype = torch.float16
 
     def __init__(self, init_scale: float = 1.0, dynamic: bool = True) -> None:
         scale = float(init_scale)

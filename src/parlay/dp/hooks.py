@@ -18,7 +18,7 @@ import torch
 
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, reduce_async
-from parlay.dp.buckets import BucketPlan
+from parlay.dp.buckets import Bucket, BucketPlan
 
 __all__ = ["Reducer", "FlatReducer", "LocalReducer", "GradientBuckets", "zero_grad_of"]
 
@@ -78,8 +78,7 @@ class GradientBuckets:
         self.overlap, self.sparse_only = overlap, sparse_only
         #: While True (``no_sync()``) the hooks do nothing and gradients accumulate locally.
         self.silent = False
-        self.buffers = [torch.zeros(b.numel, dtype=b.dtype, device=torch.device(b.device))
-                        for b in plan.buckets]
+        self.buffers = [self._new_buffer(b) for b in plan.buckets]
         self.views: list[torch.Tensor | None] = [None] * len(self.params)
         if as_views:
             self._attach_views()
@@ -88,6 +87,10 @@ class GradientBuckets:
         self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)]
+
+    def _new_buffer(self, bucket: Bucket) -> torch.Tensor:
+        """The flat buffer of one bucket (the sharded engine pads it, or makes it per step)."""
+        return torch.zeros(bucket.numel, dtype=bucket.dtype, device=torch.device(bucket.device))
 
     def _slot(self, i: int) -> tuple[int, slice]:
         b, slot = self.plan.where[i]

@@ -9,6 +9,7 @@ hook -> async allreduce -> wait-in-step design, with DDP's buckets and DDP's ``n
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_comp
 from parlay.dp.buckets import BucketPlan, ParamInfo
 from parlay.dp.hierarchical import HierarchicalReducer, make_reducer
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
+from parlay.dp.shard import ShardedBuckets, check_level, plan_units
 from parlay.dp import checks
 from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
@@ -87,6 +89,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``2(n-1)/n`` of the model per step instead of a flat ring's share (see
             :mod:`parlay.dp.hierarchical`). ``"auto"`` does so when the group spans several
             hosts with several ranks on each (and the compressor is summable). Same sums.
+        shard: Shard the training state over the group (ZeRO, :mod:`parlay.dp.shard`):
+            ``"optimizer"`` keeps 1/N of the optimizer state on each rank, ``"gradients"``
+            also 1/N of the gradients, ``"parameters"`` also 1/N of the parameters (each
+            module's are gathered just before use and freed after). Gradients are
+            reduce-scattered during backward and parameters all-gathered, each collective
+            moving a ring's bytes. The wrapped optimizer then steps this rank's flat chunks:
+            read gradients through :meth:`local_gradients`, clip with
+            :meth:`clip_grad_norm_`, and save with :mod:`parlay.dp.shard_state`.
+        model: The module (needed by ``shard="parameters"``, whose gathers hook its modules).
 
     Raises:
         ConfigError: Bad arguments, or ranks disagree on parameter names, shapes or dtypes.
@@ -108,7 +119,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, process_group: Any = None, *,
                  average_aggregated_gradients: bool = True, check_consistency: bool = True,
                  gradient_as_bucket_view: bool = True, overlap: bool = True,
-                 hierarchical: bool | str = False) -> None:
+                 hierarchical: bool | str = False, shard: str | None = None,
+                 model: torch.nn.Module | None = None) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise ConfigError("the optimizer is already a DistributedOptimizer; wrap it once.")
         op = check_arguments(optimizer, op, backward_passes_per_step, bucket_cap_mb,
@@ -121,14 +133,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self.overlap = bool(overlap)
         self.compression: Compressor = get_compressor(compression)
+        #: The shard level (``None``: every rank holds the whole state).
+        self.shard = check_level(shard, self.compression, optimizer)
         self._world = comm.group_size(process_group)
         self._named = [(n, p) for n, p in checks.named_parameters(optimizer, named_parameters)
                        if p.requires_grad]
         if check_consistency and self._world > 1:
             checks.check_consistency(self._named, process_group)
-        self._plan = BucketPlan.build(
-            [ParamInfo(n, p.numel(), p.dtype, str(p.device)) for n, p in self._named],
-            cap_bytes=max(1, int(bucket_cap_mb * _MB)))
+        self._model = model
+        if self.shard == "parameters" and model is None:
+            raise ConfigError("shard='parameters' gathers each module's parameters just before "
+                              "its forward; pass the module: DistributedOptimizer(..., "
+                              "shard='parameters', model=model).")
+        if self.shard and hierarchical not in (False, "auto"):
+            raise ConfigError("hierarchical=True cannot be combined with shard= yet. Hint: "
+                              "leave hierarchical at False with shard=.")
+        cap = max(1, int(bucket_cap_mb * _MB))
+        self._plan = plan_units(self._named, optimizer, cap,
+                                model if self.shard == "parameters" else None) \
+            if self.shard else BucketPlan.build(
+                [ParamInfo(n, p.numel(), p.dtype, str(p.device)) for n, p in self._named],
+                cap_bytes=cap)
         self._as_views = bool(gradient_as_bucket_view)
         self._hierarchical_arg = hierarchical
         self._stats = CommStats()
@@ -192,6 +217,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _install(self) -> None:
         """Choose the reducer; unless gradients stay local, create the buckets and hooks."""
+        if self.shard:
+            pre, post = self._bucket_scales()
+            self._reducer: Reducer | None = LocalReducer()
+            self.hierarchical = False
+            self._buckets = ShardedBuckets(
+                self._named, self._plan, self._opt, self.shard, self.process_group,
+                self.compression, self._stats, passes=self.backward_passes_per_step,
+                prescale=pre, postscale=post, model=self._model)
+            return
         self._reducer = self._make_reducer(self._hierarchical_arg)
         #: Whether buckets are reduced host-first (decided at construction).
         self.hierarchical = isinstance(self._reducer, HierarchicalReducer)
@@ -213,7 +247,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _apply_update(self, closure: Callable[[], Any] | None) -> Any:
         """Extension point: step the wrapped optimizer on the (reduced) gradients."""
-        return self._opt.step(closure) if closure is not None else self._opt.step()
+        out = self._opt.step(closure) if closure is not None else self._opt.step()
+        if isinstance(self._buckets, ShardedBuckets):
+            self._buckets.gather_all()
+        return out
 
     # ----------------------------------------------------------------- public API
     def synchronize(self) -> None:
@@ -297,7 +334,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Gradients that are views into buckets are zeroed in place (never set to ``None``);
         other parameters follow ``set_to_none``.
         """
-        params = [p for group in self.param_groups for p in group["params"]]
+        params = [p for _, p in self._named] if self.shard else \
+            [p for group in self.param_groups for p in group["params"]]
         eng = self._buckets
         if eng is None:
             for p in params:
@@ -332,6 +370,34 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets.passes = passes
         self._buckets.prescale, self._buckets.postscale = self._bucket_scales()
         self._buckets.reset()
+
+    def local_gradients(self) -> list[torch.Tensor]:
+        """The averaged gradients this rank steps, after :meth:`synchronize`: with ``shard=``
+        its flat chunks, else every parameter's gradient."""
+        if isinstance(self._buckets, ShardedBuckets):
+            return self._buckets.local_grads()
+        return [p.grad for _, p in self._named if p.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients to a global ``max_norm`` (after :meth:`synchronize`);
+        with ``shard=`` the norm is summed over every rank's chunks. Returns the total norm
+        before clipping, as ``torch.nn.utils.clip_grad_norm_`` does."""
+        grads = self.local_gradients()
+        if not self.shard:
+            return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm,
+                                                  norm_type)
+        p = float(norm_type)
+        if math.isinf(p):
+            total = torch.stack([g.abs().max() for g in grads]).max().reshape(1)
+            comm.allreduce(total, "max", group=self.process_group)
+        else:
+            total = torch.stack([g.double().norm(p) ** p for g in grads]).sum().reshape(1)
+            comm.allreduce(total, "sum", group=self.process_group)
+            total = total ** (1.0 / p)
+        coef = float(max_norm) / (float(total) + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_(grads, coef)
+        return total.reshape(()).float()
 
     def comm_stats(self) -> dict[str, float]:
         """Gradient bytes sent so far: dense (before compression) vs on the wire, per step."""

@@ -1,0 +1,117 @@
+"""Reduce-scatter and all-gather that move a ring's bytes on every backend.
+
+The sharded levels of :class:`~parlay.dp.optimizer.DistributedOptimizer` need a reduce-scatter
+and an all-gather that each carry ``(N-1)/N`` of a buffer per rank, as a ring does. NCCL's own
+collectives do. Gloo's do not on torch 2.13: its reduce-scatter is an allreduce underneath and
+its all-gather is slower than a ring of point-to-point transfers (measured in
+``docs/benchmarks.md``). So on gloo the ring is written here over c10d's batched point-to-point
+operations, in ``N-1`` steps of one chunk each.
+
+Every buffer is ``N`` equal chunks (padded by the caller); rank ``r`` owns chunk ``r``. The
+operations run on a :class:`CommThread`, one per sharded optimizer, in submission order, so they
+overlap the computation of the calling thread while every rank issues them in the same order.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from parlay import comm
+
+__all__ = ["Ring", "CommThread"]
+
+T = TypeVar("T")
+
+
+class Ring:
+    """Reduce-scatter and all-gather over ``group`` (its own group: see :class:`CommThread`).
+
+    Args:
+        group: The process group (``None``: the world).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.native = self.size > 1 and dist.get_backend(group) != "gloo"
+        if self.size > 1:
+            self._next = comm.to_global_rank(group, (self.rank + 1) % self.size)
+            self._prev = comm.to_global_rank(group, (self.rank - 1) % self.size)
+        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def _chunk(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        c = buf.numel() // self.size
+        i %= self.size
+        return buf[i * c:(i + 1) * c]
+
+    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        ops = [dist.P2POp(dist.isend, send, self._next, self.group),
+               dist.P2POp(dist.irecv, recv, self._prev, self.group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def reduce_scatter(self, buf: torch.Tensor) -> torch.Tensor:
+        """Sum ``buf`` over the group in place; returns this rank's chunk of the sum (a view of
+        ``buf``; the other chunks hold partial sums afterwards)."""
+        mine = self._chunk(buf, self.rank)
+        if self.size == 1:
+            return mine
+        with comm.comm_errors("reduce_scatter", group=self.group):
+            if self.native:
+                out = torch.empty_like(mine)
+                comm.reduce_scatter_single(out, buf, group=self.group)
+                return mine.copy_(out)
+            key = (mine.numel(), buf.dtype)
+            tmp = self._scratch.get(key)
+            if tmp is None:
+                tmp = self._scratch[key] = torch.empty_like(mine)
+            # Step s: pass on the chunk summed so far, add the one arriving; after N-1 steps
+            # chunk r holds every rank's contribution.
+            for s in range(self.size - 1):
+                self._exchange(self._chunk(buf, self.rank - s - 1), tmp)
+                self._chunk(buf, self.rank - s - 2).add_(tmp)
+        return mine
+
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        """Fill every chunk of ``buf`` from its owner (this rank's chunk must hold its part)."""
+        if self.size == 1:
+            return buf
+        with comm.comm_errors("all_gather", group=self.group):
+            if self.native:
+                comm.all_gather_single(buf, self._chunk(buf, self.rank).clone(), group=self.group)
+                return buf
+            for s in range(self.size - 1):
+                self._exchange(self._chunk(buf, self.rank - s),
+                               self._chunk(buf, self.rank - s - 1))
+        return buf
+
+
+class CommThread:
+    """One background thread running a sharded optimizer's collectives in submission order.
+
+    The collectives run on a process group of their own (made from ``group`` at
+    construction, collectively on every rank), so they never interleave with what the calling
+    thread sends on ``group`` meanwhile.
+
+    Args:
+        group: The ranks to communicate among (``None``: the world).
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        own = group
+        if comm.group_size(group) > 1:
+            own = dist.new_group(None if group is None else dist.get_process_group_ranks(group))
+        self.ring = Ring(own)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parlay-shard")
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` after everything submitted before it; ``result()`` re-raises its error."""
+        return self._pool.submit(fn)
+
+    def close(self) -> None:
+        """Stop the thread once what was submitted has run."""
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,355 @@
+"""Sharded data parallel: the engine behind ``DistributedOptimizer(shard=...)`` (ZeRO 1-3).
+
+Parameters are grouped into *units*: the flat engine's buckets, never mixing parameter groups
+(with ``shard="parameters"``, one unit per module and parameter group). A unit is one flat
+buffer padded to ``N`` equal chunks, and rank ``r`` owns chunk ``r`` of every unit. The wrapped
+optimizer steps those chunks (its ``param_groups`` hold them instead of the model's tensors),
+which equals stepping whole tensors for any element-wise optimizer (SGD, Adam, AdamW, RMSprop,
+Adagrad, ...):
+
+* ``"optimizer"`` (ZeRO-1): gradients accumulate into persistent buckets (``p.grad`` views),
+  each bucket is reduce-scattered as soon as it is full, during backward; a rank steps and
+  stores the optimizer state of its chunks only, then the units are all-gathered.
+* ``"gradients"`` (ZeRO-2): as above, but each final gradient is copied into a bucket made for
+  this step and freed at once (``p.grad`` becomes ``None``); a rank keeps only its chunks.
+* ``"parameters"`` (ZeRO-3): parameters are kept as chunks too. A unit is all-gathered just
+  before its module's forward (the next one is prefetched), freed after it, gathered again
+  when backward reaches the module and freed once its gradients are in.
+
+Collectives run on their own thread and group (:mod:`parlay.dp.ring`) in the same order on
+every rank. Models must run the same modules in the same order on every rank (as with FSDP).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_leaves
+
+from parlay import comm
+from parlay.compress.base import CommStats, Compressor
+from parlay.dp.buckets import Bucket, BucketPlan, ParamInfo
+from parlay.dp.hooks import GradientBuckets, LocalReducer
+from parlay.dp.ring import CommThread
+from parlay.errors import ConfigError
+
+__all__ = ["LEVELS", "check_level", "plan_units", "ShardedBuckets"]
+
+#: The shard levels, ZeRO-1 to ZeRO-3.
+LEVELS = ("optimizer", "gradients", "parameters")
+
+
+def check_level(shard: Any, compressor: Compressor, optimizer: torch.optim.Optimizer) -> str | None:
+    """Validate ``shard=`` against the compressor and optimizer it is combined with.
+
+    Raises:
+        ConfigError: An unknown level, a compressor that is not an element-wise cast, or an
+            optimizer that needs sparse gradients.
+    """
+    if shard is None or shard is False:
+        return None
+    if shard not in LEVELS:
+        raise ConfigError(f"shard must be one of {LEVELS} or None, got {shard!r}. Hint: "
+                          "'optimizer' shards the optimizer state (ZeRO-1), 'gradients' also "
+                          "the gradients (ZeRO-2), 'parameters' also the parameters (ZeRO-3).")
+    if compressor.shard_dtype(torch.float32) is None:
+        raise ConfigError(f"shard={shard!r} reduce-scatters gradients chunk by chunk, which "
+                          f"needs an element-wise compression; {compressor!r} is not one. "
+                          "Hint: use compression=None, 'fp16' or 'bf16' with shard=.")
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        raise ConfigError(f"shard={shard!r} steps flat chunks of dense gradients; SparseAdam "
+                          "needs sparse ones. Hint: use Adam, or shard=None.")
+    return str(shard)
+
+
+def plan_units(named: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
+               cap_bytes: int, model: nn.Module | None = None) -> BucketPlan:
+    """The units: buckets of at most ``cap_bytes`` per parameter group (with ``model``: one
+    per module and parameter group), in backward order (last registered first).
+
+    Raises:
+        ConfigError: With ``model``, a parameter the model does not hold.
+    """
+    group = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
+    keys: list[tuple[int, int]] = [(group[id(p)], 0) for _, p in named]
+    if model is not None:
+        owner: dict[int, int] = {}
+        for m, module in enumerate(model.modules()):
+            for p in module.parameters(recurse=False):
+                owner.setdefault(id(p), m)
+        missing = [n for n, p in named if id(p) not in owner]
+        if missing:
+            raise ConfigError(f"shard='parameters': {missing[:3]} are optimized but not held "
+                              "by the model passed as model=. Hint: pass the module whose "
+                              "parameters the optimizer steps.")
+        keys = [(group[id(p)], owner[id(p)]) for _, p in named]
+        cap_bytes = 1 << 62  # a module's parameters of one group are one unit
+    infos = [ParamInfo(n, p.numel(), p.dtype, str(p.device)) for n, p in named]
+    units: list[list[int]] = []
+    for key in dict.fromkeys(keys):
+        idx = [i for i, k in enumerate(keys) if k == key]
+        sub = BucketPlan.build([infos[i] for i in idx], cap_bytes)
+        units += [[idx[m] for m in b.members] for b in sub.buckets]
+    units.sort(key=lambda members: -max(members))
+    buckets, where = [], {}
+    for b, members in enumerate(units):
+        offsets, off = [], 0
+        for slot, i in enumerate(members):
+            offsets.append(off)
+            off += infos[i].numel
+            where[i] = (b, slot)
+        first = infos[members[0]]
+        buckets.append(Bucket(b, tuple(members), tuple(offsets), off, first.dtype, first.device))
+    return BucketPlan(tuple(buckets), where)
+
+
+def _empty(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+class ShardedBuckets(GradientBuckets):
+    """Hooks, per-unit chunks and collectives of one sharded optimizer.
+
+    Args:
+        named: ``(name, parameter)`` pairs, in the order ``plan`` indexes them.
+        plan: The units (:func:`plan_units`).
+        optimizer: The wrapped optimizer; its ``param_groups`` get the chunks instead of the
+            parameters (it must hold no state yet).
+        level: One of :data:`LEVELS`.
+        group: The data-parallel group.
+        compressor: An element-wise cast (or none) applied on the wire.
+        stats: Counts the bytes sent.
+        passes, prescale, postscale: As for :class:`~parlay.dp.hooks.GradientBuckets`.
+        model: The module (``"parameters"`` only): its modules gather their units.
+    """
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], plan: BucketPlan,
+                 optimizer: torch.optim.Optimizer, level: str, group: Any,
+                 compressor: Compressor, stats: CommStats, *, passes: int, prescale: float,
+                 postscale: float, model: nn.Module | None = None) -> None:
+        if optimizer.state:
+            raise ConfigError("shard= needs an optimizer without state yet: wrap it before "
+                              "its first step, then load a checkpoint into the wrapper.")
+        self.level, self.thread = level, CommThread(group)
+        self.world, self.rank = self.thread.ring.size, self.thread.ring.rank
+        self.chunk = [-(-b.numel // self.world) for b in plan.buckets]
+        super().__init__(named, plan, LocalReducer(), compressor, stats, passes=passes,
+                         prescale=prescale, postscale=postscale, overlap=True,
+                         as_views=level == "optimizer", sparse_only=False)
+        #: Each parameter's shape (with ``"parameters"`` it is empty while not gathered).
+        self.shapes = [p.shape for p in self.params]
+        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self.shards = [self._make_shard(b) for b in range(len(plan.buckets))]
+        unit_group = {b: next(g for g, grp in enumerate(optimizer.param_groups)
+                              if any(p is self.params[bucket.members[0]] for p in grp["params"]))
+                      for b, bucket in enumerate(plan.buckets)}
+        for g, grp in enumerate(optimizer.param_groups):
+            grp["params"] = [self.shards[b] for b in range(len(self.shards)) if unit_group[b] == g]
+        self._pending: list[Future[torch.Tensor] | None] = [None] * len(plan.buckets)
+        self._seen: list[set[int]] = [set() for _ in plan.buckets]
+        self._module_hooks: list[Any] = []
+        self._last = len(plan.buckets) - 1
+        if level == "parameters" and model is not None:
+            self._hook_modules(model)
+
+    # ----------------------------------------------------------------- layout
+    def _span(self, b: int) -> slice:
+        c = self.chunk[b]
+        return slice(self.rank * c, (self.rank + 1) * c)
+
+    def _new_buffer(self, bucket: Bucket) -> torch.Tensor:
+        if self.level != "optimizer":  # made per step (see _fill)
+            return torch.empty(0, dtype=bucket.dtype, device=torch.device(bucket.device))
+        return torch.zeros(self.chunk[bucket.index] * self.world, dtype=bucket.dtype,
+                           device=torch.device(bucket.device))
+
+    def _members(self, b: int) -> list[tuple[torch.Tensor, slice, torch.Size]]:
+        """``(parameter, its slice of the unit, its shape)`` for each member of unit ``b``."""
+        bucket = self.plan.buckets[b]
+        return [(self.params[i], slice(off, off + self.shapes[i].numel()), self.shapes[i])
+                for i, off in zip(bucket.members, bucket.offsets)]
+
+    def _make_shard(self, b: int) -> nn.Parameter:
+        bucket = self.plan.buckets[b]
+        flat = torch.zeros(self.chunk[b] * self.world, dtype=bucket.dtype,
+                           device=torch.device(bucket.device))
+        for p, where, _ in self._members(b):
+            flat[where].copy_(p.detach().reshape(-1))
+        mine = flat[self._span(b)]
+        if self.level == "parameters":
+            shard = nn.Parameter(mine.clone())
+            for p, _, _ in self._members(b):
+                p.data = _empty(p)
+        else:
+            self.flats[b] = flat
+            for p, where, shape in self._members(b):
+                p.data = flat[where].view(shape)
+            shard = nn.Parameter(mine)  # shares flat's storage: its step updates the model
+        shard.grad = (self.buffers[b][self._span(b)] if self.level == "optimizer"
+                      else torch.zeros_like(mine))
+        return shard
+
+    # ----------------------------------------------------------------- gradients
+    def on_grad(self, i: int) -> None:
+        super().on_grad(i)
+        b = self.plan.where[i][0]
+        self._seen[b].add(i)
+        if self.level == "parameters" and len(self._seen[b]) == len(self.plan.buckets[b].members):
+            self.release(b)  # backward is done with this unit's parameters
+
+    def _fill(self, i: int) -> None:
+        b = self.plan.where[i][0]
+        if self.buffers[b].numel() == 0:
+            buf = torch.empty(self.chunk[b] * self.world, dtype=self.plan.buckets[b].dtype,
+                              device=self.shards[b].device)
+            buf[self.plan.buckets[b].numel:].zero_()
+            self.buffers[b] = buf
+        super()._fill(i)
+        if self.level != "optimizer":
+            self.params[i].grad = None  # its copy is in the bucket: free it now
+
+    def _launch(self, b: int) -> None:
+        buf, ring = self.buffers[b], self.thread.ring
+        wire = self.compressor.shard_dtype(buf.dtype) or buf.dtype
+        wire_bytes = buf.numel() * buf.element_size() if wire == buf.dtype else buf.numel() * 2
+        self.stats.add(buf.numel() * buf.element_size(),
+                       wire_bytes * (self.world - 1) // self.world)
+
+        def reduce() -> torch.Tensor:
+            if wire == buf.dtype:
+                return ring.reduce_scatter(buf)
+            scale = self._agree_scale(buf) if wire == torch.float16 else 1.0
+            out = ring.reduce_scatter((buf * scale).to(wire)).to(buf.dtype)
+            return out.div_(scale) if scale != 1.0 else out
+
+        fut = self.thread.submit(reduce)
+        self._handles[b] = comm.Handle(None, "reduce_scatter", fut.result)
+
+    def _agree_scale(self, buf: torch.Tensor) -> float:
+        """A power of two that keeps the fp16 sum of every rank's ``buf`` below 2**14."""
+        peak = buf.abs().max().reshape(1).float()
+        comm.allreduce(peak, "max", group=self.thread.ring.group)
+        top = float(peak.item()) * self.world
+        if not math.isfinite(top) or top == 0.0:
+            return 1.0  # nothing to scale; a non-finite sum stays non-finite for the guard
+        return 2.0 ** min(40, max(-24, 14 - math.ceil(math.log2(top))))
+
+    def _hand_back(self, b: int, out: torch.Tensor) -> None:
+        grad = self.shards[b].grad
+        assert grad is not None
+        if out.data_ptr() != grad.data_ptr():
+            grad.copy_(out)
+        if self.postscale != 1.0:
+            grad.mul_(self.postscale)
+        if self.level != "optimizer":
+            self.buffers[b] = self._new_buffer(self.plan.buckets[b])
+
+    def finish(self) -> None:
+        super().finish()
+        for b in range(len(self.plan.buckets)):
+            self._seen[b].clear()
+            self.release(b)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """This rank's chunks of the averaged gradients (after :meth:`finish`)."""
+        return [s.grad for s in self.shards if s.grad is not None]
+
+    # ----------------------------------------------------------------- parameters
+    def gather_all(self) -> None:
+        """After a step of ``"optimizer"``/``"gradients"``: every rank's updated chunks into
+        every parameter. (``"parameters"`` gathers units when they are used.)"""
+        if self.level == "parameters":
+            return
+        ring = self.thread.ring
+        futs = [self.thread.submit(functools.partial(ring.all_gather, f))
+                for f in self.flats if f is not None]
+        for fut in futs:
+            fut.result()
+
+    def prefetch(self, b: int) -> None:
+        """Start gathering unit ``b`` unless it is gathered or on its way."""
+        if self._pending[b] is not None or self._gathered(b):
+            return
+        shard, span, ring = self.shards[b], self._span(b), self.thread.ring
+
+        def gather() -> torch.Tensor:
+            buf = torch.empty(self.chunk[b] * self.world, dtype=shard.dtype, device=shard.device)
+            buf[span].copy_(shard.detach())
+            return ring.all_gather(buf)
+
+        self._pending[b] = self.thread.submit(gather)
+
+    def _gathered(self, b: int) -> bool:
+        return self.flats[b] is not None
+
+    def ensure(self, b: int) -> None:
+        """Unit ``b``'s parameters hold their full values (gathered now unless prefetched)."""
+        if self._gathered(b) and self._pending[b] is None:
+            return
+        self.prefetch(b)
+        fut, self._pending[b] = self._pending[b], None
+        assert fut is not None
+        flat = comm.Handle(None, "all_gather", fut.result).wait()
+        for p, where, shape in self._members(b):
+            p.data = flat[where].view(shape)
+        self.flats[b] = flat
+
+    def release(self, b: int) -> None:
+        """Free unit ``b``'s full parameters (``"parameters"`` only)."""
+        if self.level != "parameters":
+            return
+        fut, self._pending[b] = self._pending[b], None
+        if fut is not None:
+            fut.result()
+        for p, _, _ in self._members(b):
+            p.data = _empty(p)
+        self.flats[b] = None
+        self._seen[b].clear()
+
+    def _hook_modules(self, model: nn.Module) -> None:
+        units: dict[int, list[int]] = {}
+        for b, bucket in enumerate(self.plan.buckets):
+            for i in bucket.members:
+                units.setdefault(id(self.params[i]), []).append(b)
+        for module in model.modules():
+            mine = sorted({b for p in module.parameters(recurse=False)
+                           for b in units.get(id(p), [])})
+            if mine:
+                self._module_hooks += [
+                    module.register_forward_pre_hook(self._before_forward(mine)),
+                    module.register_forward_hook(self._after_forward(mine))]
+
+    def _before_forward(self, mine: list[int]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            for b in mine:
+                self.ensure(b)
+            if min(mine) > 0:
+                self.prefetch(min(mine) - 1)  # units are in backward order: forward goes down
+        return hook
+
+    def _after_forward(self, mine: list[int]) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, out: Any) -> None:
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                torch.autograd.graph.register_multi_grad_hook(
+                    outs, lambda grads: self._before_backward(mine), mode="any")
+            for b in mine:
+                self.release(b)
+        return hook
+
+    def _before_backward(self, mine: list[int]) -> None:
+        for b in mine:
+            self.ensure(b)
+        if max(mine) < self._last:
+            self.prefetch(max(mine) + 1)
+
+    def remove(self) -> None:
+        super().remove()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks.clear()
