@@ -95,8 +95,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             module's are gathered just before use and freed after). Gradients are
             reduce-scattered during backward and parameters all-gathered, each collective
             moving a ring's bytes. The wrapped optimizer then steps this rank's flat chunks:
-            read gradients through :meth:`local_gradients`, clip with
-            :meth:`clip_grad_norm_`, and save with :mod:`parlay.dp.shard_state`.
+            read gradients through :meth:`local_gradients` and clip with
+            :meth:`clip_grad_norm_`; :meth:`state_dict` is this rank's shard.
         model: The module (needed by ``shard="parameters"``, whose gathers hook its modules).
 
     Raises:
@@ -418,6 +418,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comp = self.compression.state_dict()
         if comp:
             sd["parlay_compression"] = comp
+        if isinstance(self._buckets, ShardedBuckets):
+            sd["parlay_shard"] = self._buckets.layout()
         for post in self._optimizer_state_dict_post_hooks.values():
             out = post(self, sd)
             sd = sd if out is None else out
@@ -430,6 +432,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             out = pre(self, sd)
             sd = sd if out is None else dict(out)
         comp = sd.pop("parlay_compression", None)
+        shard = sd.pop("parlay_shard", None)
+        if isinstance(self._buckets, ShardedBuckets):
+            self._buckets.load_layout(shard)
+        elif shard is not None:
+            raise ConfigError(f"this optimizer state is rank {shard['rank']}'s shard of "
+                              f"shard={shard['level']!r}; load it into a DistributedOptimizer "
+                              "with the same shard level and number of ranks.")
         self._opt.load_state_dict(sd)
         if comp:
             self.compression.load_state_dict(comp)

@@ -21,9 +21,10 @@ every rank. Models must run the same modules in the same order on every rank (as
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -255,6 +256,32 @@ class ShardedBuckets(GradientBuckets):
             self._seen[b].clear()
             self.release(b)
 
+    def layout(self) -> dict[str, Any]:
+        """What a shard's saved state must match to be loaded (and, with ``"parameters"``,
+        this rank's parameter chunks)."""
+        out: dict[str, Any] = {"level": self.level, "world": self.world, "rank": self.rank,
+                               "units": [b.numel for b in self.plan.buckets]}
+        if self.level == "parameters":
+            out["params"] = [s.detach() for s in self.shards]
+        return out
+
+    def load_layout(self, saved: dict[str, Any] | None) -> None:
+        """Check ``saved`` (from :meth:`layout`) is this rank's shard; load its parameters.
+
+        Raises:
+            ConfigError: It is another rank's, level's, world's or model's shard.
+        """
+        mine = self.layout()
+        keys = ("level", "world", "rank", "units")
+        if saved is None or any(saved.get(k) != mine[k] for k in keys):
+            got = "a state without shards" if saved is None else \
+                ", ".join(f"{k}={saved.get(k)!r}" for k in keys[:3])
+            raise ConfigError(f"cannot load {got} into shard={self.level!r}, world={self.world}, "
+                              f"rank={self.rank}: each rank loads the shard it wrote, with the "
+                              "same model, level and number of ranks.")
+        for shard, saved_chunk in zip(self.shards, saved.get("params", [])):
+            shard.data.copy_(saved_chunk)
+
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's chunks of the averaged gradients (after :meth:`finish`)."""
         return [s.grad for s in self.shards if s.grad is not None]
@@ -298,6 +325,18 @@ class ShardedBuckets(GradientBuckets):
         for p, where, shape in self._members(b):
             p.data = flat[where].view(shape)
         self.flats[b] = flat
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Inside the block every parameter holds its full value (to read: writes to a
+        gathered ``"parameters"`` unit are not kept); freed again after it."""
+        for b in range(len(self.plan.buckets)):
+            self.ensure(b)
+        try:
+            yield
+        finally:
+            for b in range(len(self.plan.buckets)):
+                self.release(b)
 
     def release(self, b: int) -> None:
         """Free unit ``b``'s full parameters (``"parameters"`` only)."""

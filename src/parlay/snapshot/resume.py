@@ -226,6 +226,8 @@ def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
     exact = True
     if found is not None:
         step, state = found
+    elif not s.has_replicas:  # each rank holds its own shard: no replica can stand in
+        return None
     else:
         # Replicas of the model and optimizer: the ranks of one dp_group (one pipeline stage).
         shared = share_newest(store, s.train_group, s.dp_group, after, replicated_part)

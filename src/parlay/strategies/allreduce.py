@@ -39,6 +39,8 @@ class AllreduceStrategy(StepTemplate):
             host first (``"auto"``: when the ranks span hosts with several ranks each).
         process_group: Group to train over (default: the world).
         loss_scale: Initial fp16 loss scale (default 2**16).
+        shard: Shard the training state over the ranks: ``"optimizer"``, ``"gradients"`` or
+            ``"parameters"`` (ZeRO 1-3, see :mod:`parlay.dp.shard`); ``None``: replicas.
 
     Raises:
         ConfigError: Bad precision, clip value, or an unknown option.
@@ -50,12 +52,14 @@ class AllreduceStrategy(StepTemplate):
                  grad_clip: float | None = None, backward_passes_per_step: int = 1,
                  bucket_cap_mb: float = 25, process_group: Any = None,
                  loss_scale: float | None = None, hierarchical: bool | str = False,
-                 **unknown: Any) -> None:
+                 shard: str | None = None, **unknown: Any) -> None:
         reject_unknown(AllreduceStrategy, unknown)
         # The scaler checks gradients averaged over the whole group, identical on every rank:
-        # each rank finds the same overflow without a message.
+        # each rank finds the same overflow without a message (sharded: each rank checks its
+        # own chunks, so one flag is agreed).
         super().__init__(precision, grad_clip, loss_scale, scaler_group=process_group,
-                         scaler_agree=False)
+                         scaler_agree=shard is not None)
+        self.shard = shard
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_cap_mb = bucket_cap_mb
@@ -99,7 +103,7 @@ class AllreduceStrategy(StepTemplate):
             opt, named_parameters=self.model.named_parameters(), compression=self.compression,
             backward_passes_per_step=self.backward_passes_per_step,
             bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group,
-            hierarchical=self.hierarchical)
+            hierarchical=self.hierarchical, shard=self.shard, model=self.model)
 
     def _ready(self) -> tuple[nn.Module, DistributedOptimizer, Callable[..., torch.Tensor]]:
         if self.model is None or self.optimizer is None or self._loss_fn is None:
@@ -121,13 +125,13 @@ class AllreduceStrategy(StepTemplate):
             self.guard.mark(loss).backward()
 
         def nonfinite() -> bool:
-            named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+            named = [(f"chunk{i}", g) for i, g in enumerate(opt.local_gradients())] \
+                if self.shard else \
+                [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
             return self._skip_nonfinite(float(loss.detach().float().item()), named, saved,
-                                        self.process_group, marked=True)
+                                        self.process_group, marked=not self.shard)
 
-        skipped = self._update(
-            lambda: [p.grad for p in model.parameters() if p.grad is not None], nonfinite,
-            lambda norm: torch.nn.utils.clip_grad_norm_(model.parameters(), norm))
+        skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_)
         return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
                           skipped=skipped)
 
@@ -142,6 +146,10 @@ class AllreduceStrategy(StepTemplate):
         finally:
             model.train(was_training)
 
+    @property
+    def has_replicas(self) -> bool:
+        return not self.shard  # sharded ranks each hold their own chunks
+
     def set_lr_factor(self, factor: float) -> None:
         self._ready()
         super().set_lr_factor(factor)
@@ -149,13 +157,21 @@ class AllreduceStrategy(StepTemplate):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         model, opt, _ = self._ready()
-        return self._scaler_state({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        sd = model.state_dict()
+        if self.shard == "parameters":  # the parameters are the optimizer state's chunks
+            sd = {k: v for k, v in sd.items() if k not in self._param_names}
+        return self._scaler_state({"model": sd, "optimizer": opt.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, opt, _ = self._ready()
-        model.load_state_dict(state["model"])
+        model.load_state_dict(state["model"], strict=self.shard != "parameters")
         opt.load_state_dict(state["optimizer"])
         self._load_scaler_state(state)
+
+    @property
+    def _param_names(self) -> set[str]:
+        model, _, _ = self._ready()
+        return {n for n, _ in model.named_parameters()}
 
     def comm_stats(self) -> dict[str, float]:
         """Gradient bytes per step before and after compression."""

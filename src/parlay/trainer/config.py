@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
+from parlay.dp.shard import LEVELS as SHARD_LEVELS
 from parlay.errors import ConfigError
 from parlay.nonfinite import check_policy
 
@@ -80,6 +81,11 @@ class TrainerConfig:
             ``"raise"`` a :class:`~parlay.errors.NonFiniteError` on every rank before the
             update (naming the step, rank and parameter), or ``"skip"`` it identically on
             every rank (counted in ``skipped_steps``). fp16 keeps GradScaler's overflow skips.
+        shard: Modes ``"allreduce"`` and ``"hybrid"``: shard the training state over the
+            data-parallel ranks (ZeRO): ``"optimizer"`` (1/N of the optimizer state per rank),
+            ``"gradients"`` (also of the gradients) or ``"parameters"`` (also of the
+            parameters, each module's gathered just before use). ``None``: every rank holds
+            all of it. Checkpoints are then per-rank shards.
         checkpoint_dir: Save checkpoints here and resume from the latest valid one.
         checkpoint_every: Steps between checkpoints (None: at every epoch end). A final one
             is always written when training stops.
@@ -137,6 +143,7 @@ class TrainerConfig:
     compression: Any = None
     grad_clip: float | None = None
     nonfinite: str = "raise"
+    shard: str | None = None
     # checkpoints and snapshots
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
@@ -168,6 +175,8 @@ class TrainerConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ConfigError(f"seed must be an int >= 0 or None, got {self.seed!r}.")
         check_policy(self.nonfinite)
+        if self.shard is not None and self.shard not in SHARD_LEVELS:
+            raise ConfigError(f"shard must be one of {SHARD_LEVELS} or None, got {self.shard!r}.")
         twice = sorted({"compression", "precision", "grad_clip"} & set(self.strategy_options or {}))
         if twice:
             raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "

@@ -56,7 +56,8 @@ class Trainer:
         self.state = TrainerState()
         self.strategy: Strategy = get_strategy(
             cfg.mode, compression=cfg.compression, precision=cfg.precision,
-            grad_clip=cfg.grad_clip, **(cfg.strategy_options or {}))
+            grad_clip=cfg.grad_clip, **({"shard": cfg.shard} if cfg.shard else {}),
+            **(cfg.strategy_options or {}))
         self.strategy.guard = NonFiniteGuard(cfg.nonfinite)  # strategies that check steps use it
         model = self._build_model()
         self._build_data(cfg.training_dataset)

@@ -62,6 +62,7 @@ def recipe(config: TrainerConfig, sampler: ShardedSampler) -> dict[str, str]:
               "lr_schedule": c.lr_schedule, "warmup_epochs": c.warmup_epochs,
               "scaling_learning_rate": c.scaling_learning_rate, "precision": c.precision,
               "compression": c.compression, "grad_clip": c.grad_clip, "nonfinite": c.nonfinite,
+              "shard": c.shard,
               "strategy_options": c.strategy_options or {}, "dataset_size": sampler.n,
               "seed": sampler.seed, "shuffle": sampler.shuffle, "drop_last": sampler.drop_last}
     return {k: stable_repr(v) for k, v in fields.items()}
