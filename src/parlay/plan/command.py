@@ -27,8 +27,10 @@ from parlay.errors import ConfigError
 from parlay.plan.advise import (COMPRESSORS, MODES, Prediction, by_accuracy, excluded, explain,
                                 rank_configs)
 from parlay.plan.model import ClusterSpec, Costs, Link, Workload, compressor_of
-from parlay.plan.units import (format_bandwidth, format_count, format_seconds, parse_bandwidth,
-                               parse_count, parse_duration, parse_latency)
+from parlay.plan.shard import ShardLevel, recommend_shard, shard_doc, shard_levels, state_per_param
+from parlay.plan.units import (format_bandwidth, format_bytes, format_count, format_seconds,
+                               parse_bandwidth, parse_count, parse_duration, parse_latency,
+                               parse_size)
 
 __all__ = ["LIMITS", "add_plan_parser", "run_plan", "build_inputs"]
 
@@ -93,6 +95,14 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                    help="also recommend asynchronous parameter servers (stale gradients)")
     o.add_argument("--top", default="0", help="print only the N fastest (default all)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    z = p.add_argument_group("sharded data parallel (DistributedOptimizer(shard=...))")
+    z.add_argument("--memory-per-rank", help="memory a rank has for parameters, gradients and "
+                   "optimizer state, e.g. 8GiB, 512MB: prices the shard levels on the flat "
+                   "ring of every rank and recommends the lowest that fits")
+    z.add_argument("--optimizer", help="torch.optim name and options, e.g. adam, "
+                   "sgd:momentum=0.9 (default adam): its state per parameter is measured")
+    z.add_argument("--shard", action="store_true",
+                   help="show the shard levels without a memory limit")
     k = p.add_argument_group("calibration")
     k.add_argument("--calibrate", action="store_true", help="measure this machine again")
     k.add_argument("--no-calibrate", action="store_true", help="built-in constants only")
@@ -275,6 +285,8 @@ def _plan(ns: argparse.Namespace) -> int:
                           "--modes allreduce --compressors none,topk:0.01")
     for c in comps:
         compressor_of(c)  # an unknown name: refused here, never dropped from the table
+    memory = parse_size(ns.memory_per_rank) if ns.memory_per_rank is not None else None
+    k = state_per_param(ns.optimizer or "adam")
     calib = _calibration(ns)
     workload, cluster, notes = build_inputs(ns, calib)
     opts = _mode_options(ns, workload, cluster)
@@ -289,10 +301,20 @@ def _plan(ns: argparse.Namespace) -> int:
     ranked = _rank(workload, cluster, modes, comps, costs, opts)
     sync = [p for p in ranked if ns.include_async or p.options.get("consistency") != "async"]
     why, left_out = explain(sync or ranked), excluded(ranked)
+    # the shard table prices the one compressor asked for if it is element-wise, else dense
+    one = comps[0] if len(comps) == 1 else "none"
+    try:
+        levels = shard_levels(workload, cluster, k, one, costs)
+    except ConfigError:  # not element-wise (top-k, PowerSGD): sharding reduces dense
+        levels = shard_levels(workload, cluster, k, "none", costs)
+    if ns.optimizer is None and (memory is not None or ns.shard or ns.json):
+        notes.append("shard levels: Adam's state assumed (2 tensors per parameter); pass "
+                     "--optimizer")
     if ns.json:
         best = next(p for p in sync or ranked if math.isfinite(p.to_accuracy_s))
         print(json.dumps({"recommendation": _doc(best), "why": why, "excluded": left_out,
-                          "notes": notes, "predictions": [_doc(p) for p in ranked]}))
+                          "notes": notes, "predictions": [_doc(p) for p in ranked],
+                          "shard": shard_doc(levels, k, memory, cluster.world)}))
         return 0
     print(f"parlay plan: {workload.params:,.0f} parameters, batch {workload.batch} per rank, "
           f"compute {format_seconds(workload.compute_s)} per step; {cluster.nodes} host(s) x "
@@ -305,8 +327,30 @@ def _plan(ns: argparse.Namespace) -> int:
     print(f"\nrecommended: {why}")
     for line in left_out:
         print(f"not recommended: {line}")
+    if memory is not None or ns.shard:
+        print(f"\n{_shard_table(levels, memory, cluster.world, k)}")
     print(f"({len(ranked)} configurations in {time.perf_counter() - t0:.2f} s)")
     return 0
+
+
+def _shard_table(levels: list[ShardLevel], memory: float | None, world: int, k: float) -> str:
+    ddp = levels[0]
+    rows = [("shard", "memory/rank", "fits", "wire/rank/step", "vs DDP", "step")]
+    for lv in levels:
+        fits = "-" if memory is None else "yes" if lv.memory_bytes <= memory else "no"
+        rows.append(("none (DDP)" if lv.level == "none" else lv.level,
+                     format_bytes(lv.memory_bytes), fits, format_bytes(lv.wire_bytes),
+                     f"{lv.wire_bytes / ddp.wire_bytes:.2f}x" if ddp.wire_bytes else "-",
+                     format_seconds(lv.step_s)))
+    widths = [max(len(r[j]) for r in rows) for j in range(len(rows[0]))]
+    lines = [f"shard levels on {world} data-parallel ranks (optimizer state {k:g} x "
+             "parameters; parameters, gradients and state only):"]
+    lines += ["  ".join(c.ljust(w) if j == 0 else c.rjust(w)
+                        for j, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(2, "  ".join("-" * w for w in widths))
+    if memory is not None:
+        lines.append(recommend_shard(levels, memory, world))
+    return "\n".join(lines)
 
 
 def _mode_options(ns: argparse.Namespace, w: Workload, c: ClusterSpec) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import re
 from parlay.errors import ConfigError
 
 __all__ = ["parse_bandwidth", "parse_latency", "parse_count", "parse_duration",
-           "format_bandwidth", "format_seconds", "format_count"]
+           "parse_size", "format_bandwidth", "format_seconds", "format_count", "format_bytes"]
 
 _NUM = r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*"
 _PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
@@ -89,6 +89,33 @@ def parse_count(text: object, what: str = "count") -> float:
     if not n > 0:
         raise ConfigError(f"{what} must be > 0, got {text!r}.")
     return n
+
+
+def parse_size(text: object, what: str = "--memory-per-rank") -> float:
+    """Bytes from ``"8GiB"``, ``"512MB"``, ``"16G"``, ``"1e9"`` (a bare number is bytes;
+    ``Gi``/``GiB`` binary, ``G``/``GB`` decimal).
+
+    Raises:
+        ConfigError: Unreadable text, an unknown unit, or a size that is not > 0.
+    """
+    example = f"{what} 8GiB (also 512MB, 16e9)"
+    value, unit = _split(text, what, example)
+    m = re.fullmatch(r"([kKmMgGtT]i?)?(B|bytes?)?", unit)
+    if not m:
+        raise ConfigError(f"{what}: unknown unit {unit!r} in {text!r} (sizes are bytes: B, "
+                          f"kB, MB, GB, TB, KiB, MiB, GiB, TiB). Hint: {example}.")
+    size = value * _PREFIX[(m.group(1) or "").lower()]
+    if not size > 0:
+        raise ConfigError(f"{what} must be > 0 bytes, got {text!r}. Hint: {example}.")
+    return size
+
+
+def format_bytes(n: float) -> str:
+    """``3 * 2**30`` -> ``"3 GiB"``."""
+    for p, name in ((2 ** 40, "TiB"), (2 ** 30, "GiB"), (2 ** 20, "MiB"), (2 ** 10, "KiB")):
+        if n >= p:
+            return f"{n / p:.3g} {name}"
+    return f"{n:.0f} B"
 
 
 def format_bandwidth(bps: float) -> str:
