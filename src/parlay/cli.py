@@ -262,6 +262,9 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     if demo.mode == "ps" and ps < 1:
         raise ConfigError("--mode ps needs parameter-server ranks. Hint: add --ps 1 "
                           f"(with -n {max(nproc, 2)}: 1 server and {max(nproc, 2) - 1} worker(s)).")
+    if getattr(demo, "shard", None) and demo.mode == "ps":
+        raise ConfigError("--shard shards data-parallel state; --mode ps shards parameters over "
+                          "its servers already. Hint: drop --shard, or use --mode allreduce.")
     if demo.mode != "ps" and ps:
         raise ConfigError(f"--ps {ps} starts parameter servers, which only --mode ps uses. "
                           "Hint: drop --ps, or add --mode ps.")

@@ -71,3 +71,32 @@ def test_bad_shard_arguments_are_refused_clearly():
     assert "shard must be one of" in _bad("zero3")
     msg = run_world(_bad, 2, "gradients", "allreduce", compression="topk:0.1")[0]
     assert msg is not None and "compression" in msg
+
+
+def _build_deep():
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 2)).double(), nn.CrossEntropyLoss())
+
+
+def _hybrid(shard, schedule):
+    t = parlay.Trainer(_build_deep, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=BATCH, shard=shard, mode="hybrid",
+                       strategy_options={"pp": 2, "chunks": 2, "schedule": schedule},
+                       max_iteration=6, grad_clip=0.5, progress=False)
+    losses = []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+    return losses
+
+
+@pytest.mark.parametrize("shard, schedule", [("optimizer", "1f1b"), ("gradients", "gpipe"),
+                                             ("parameters", "1f1b")])
+def test_hybrid_shards_each_stage_over_its_replicas(shard, schedule):
+    plain = run_world(_hybrid, 4, None, schedule)
+    sharded = run_world(_hybrid, 4, shard, schedule)
+    for lp, ls in zip(plain, sharded):
+        if lp[0] is None:  # ranks of the first stage report no loss
+            assert ls == lp
+            continue
+        torch.testing.assert_close(torch.tensor(ls), torch.tensor(lp), rtol=1e-10, atol=1e-10)

@@ -43,6 +43,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", default="allreduce", help="allreduce | ps | hybrid")
     p.add_argument("--compression", default=None, help="e.g. fp16, topk:0.01 (default: none)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--shard", default=None, choices=["optimizer", "gradients", "parameters"],
+                   help="shard the training state over the ranks (allreduce, hybrid)")
     p.add_argument("--epochs", type=int, default=DEFAULTS["epochs"])
     p.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                    help="samples per batch per replica")
@@ -97,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             build_mlp, train, optimizer=torch.optim.Adam, optimizer_args={"lr": args.lr},
             batch_size=args.batch_size, mode=args.mode, num_epochs=args.epochs,
             warmup_epochs=args.warmup_epochs, compression=args.compression,
-            precision=args.precision, checkpoint_dir=args.checkpoint_dir,
+            precision=args.precision, shard=args.shard, checkpoint_dir=args.checkpoint_dir,
             validation_dataset=test, validation_batch_size=1000, seed=args.seed,
             num_workers=args.workers, progress=not args.no_progress,
             lr_schedule=args.lr_schedule, strategy_options=_options(args.option))
@@ -109,7 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if metrics and trainer.metrics.printer:
         print(f"test accuracy: {100 * metrics['accuracy']:.2f}% ({int(metrics['samples'])} "
-              f"images, mode={args.mode}, {trainer.strategy.dp_size} replica(s), "
+              f"images, mode={args.mode}{f', shard={args.shard}' if args.shard else ''}, "
+              f"{trainer.strategy.dp_size} replica(s), "
               f"{trainer.state.epoch} epochs, {trainer.state.step} steps)", flush=True)
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:

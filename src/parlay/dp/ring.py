@@ -104,7 +104,8 @@ class CommThread:
     def __init__(self, group: Any = None) -> None:
         own = group
         if comm.group_size(group) > 1:
-            own = dist.new_group(None if group is None else dist.get_process_group_ranks(group))
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            own = dist.new_group(ranks, use_local_synchronization=True)
         self.ring = Ring(own)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parlay-shard")
 

@@ -325,7 +325,7 @@ class Pipeline:
             return self._run(x, None, train=False, return_outputs=True).output
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, *, compression: Any = None,
-                              bucket_cap_mb: float = 25.0) -> Any:
+                              bucket_cap_mb: float = 25.0, shard: str | None = None) -> Any:
         """Wrap ``optimizer`` (built over :meth:`parameters`) so each stage's gradients are
         averaged over its replicas with parlay's bucketed, overlapped engine.
 
@@ -334,6 +334,7 @@ class Pipeline:
             compression: Gradient compression for the data-parallel allreduce (``"fp16"``,
                 ``"topk:0.01"``, ...).
             bucket_cap_mb: Bucket size.
+            shard: Shard each stage's state over its replicas (see :mod:`parlay.dp.shard`).
 
         Returns:
             A :class:`parlay.DistributedOptimizer` over ``dp_group``.
@@ -347,23 +348,28 @@ class Pipeline:
                               "this rank's stages. Hint: build it over pipe.parameters().")
         dopt = DistributedOptimizer(optimizer, named_parameters=list(self.named_parameters()),
                                     compression=compression, bucket_cap_mb=bucket_cap_mb,
-                                    process_group=self.mesh.dp_group)
+                                    process_group=self.mesh.dp_group, shard=shard,
+                                    model=nn.ModuleList(self.modules))
         # Hooks stay silent for every backward but a stage's last one in a step.
         self.meter.defer_grad_sync = dopt.no_sync
         return dopt
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float, shards: list[torch.Tensor] | None = None) -> float:
         """Clip the gradients of the *whole model* to ``max_norm`` (2-norm over every stage).
 
         Call after the data-parallel average (``optimizer.synchronize()``); returns the norm
-        before clipping. A collective over the pipeline group.
+        before clipping. A collective over the pipeline group; given ``shards`` (a sharded
+        optimizer's :meth:`~parlay.DistributedOptimizer.local_gradients`), over the replicas
+        too, each of which holds its own part of the stage's gradients.
         """
         sq = torch.zeros(1, dtype=torch.float64)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        grads = shards if shards is not None else \
+            [p.grad for p in self.parameters() if p.grad is not None]
         for g in grads:
             sq += g.detach().double().pow(2).sum().cpu()
-        sq = comm.allreduce(sq.to(comm.group_device(self.mesh.pp_group)), "sum",
-                            group=self.mesh.pp_group).cpu()
+        groups = [self.mesh.pp_group] + ([self.mesh.dp_group] if shards is not None else [])
+        for group in groups:
+            sq = comm.allreduce(sq.to(comm.group_device(group)), "sum", group=group).cpu()
         norm = float(sq.sqrt().item())
         if norm > max_norm:
             coef = max_norm / (norm + 1e-6)

@@ -42,6 +42,8 @@ class HybridStrategy(StepTemplate):
             :class:`~parlay.pipeline.Pipeline`.
         bucket_cap_mb: Gradient bucket size of the data-parallel engine.
         loss_scale: Initial fp16 loss scale (default 2**16).
+        shard: Shard each stage's training state over its replicas (``"optimizer"``,
+            ``"gradients"``, ``"parameters"``; see :mod:`parlay.dp.shard`).
 
     Raises:
         ConfigError: Unknown options or values this mode cannot honour.
@@ -55,7 +57,7 @@ class HybridStrategy(StepTemplate):
                  split_points: list[str] | None = None, by: str = "auto",
                  virtual_stages: int | None = None, activation_dtype: Any = None,
                  bucket_cap_mb: float = 25.0, loss_scale: float | None = None,
-                 **unknown: Any) -> None:
+                 shard: str | None = None, **unknown: Any) -> None:
         reject_unknown(HybridStrategy, unknown)
         # Stages hold different gradients: the overflow flag is agreed over the world.
         super().__init__(precision, grad_clip, loss_scale, scaler_group=None, scaler_agree=True)
@@ -65,6 +67,7 @@ class HybridStrategy(StepTemplate):
                             split_points=split_points, by=by, virtual_stages=virtual_stages,
                             activation_dtype=activation_dtype)
         self.bucket_cap_mb = bucket_cap_mb
+        self.shard = shard
         self.pipe: Pipeline | None = None
         self._bytes = {"fwd_bytes": 0, "bwd_bytes": 0, "fwd_dense_bytes": 0,
                        "bwd_dense_bytes": 0, "steps": 0}
@@ -96,6 +99,10 @@ class HybridStrategy(StepTemplate):
         return self._ready().mesh.dp_group
 
     @property
+    def has_replicas(self) -> bool:
+        return not self.shard  # sharded replicas each hold their own chunks
+
+    @property
     def reports_loss(self) -> bool:
         return self._ready().is_last
 
@@ -119,7 +126,7 @@ class HybridStrategy(StepTemplate):
                              autocast_dtype=PRECISIONS[self.precision], **self.options)
         opt = self._new_optimizer(optimizer_cls, self.pipe.parameters(), optimizer_args)
         self.optimizer = self.pipe.distributed_optimizer(
-            opt, compression=self.compression, bucket_cap_mb=self.bucket_cap_mb)
+            opt, compression=self.compression, bucket_cap_mb=self.bucket_cap_mb, shard=self.shard)
 
     def _to(self, t: Any) -> Any:
         return to_device(t, self._ready().device)
@@ -137,13 +144,15 @@ class HybridStrategy(StepTemplate):
 
         def nonfinite() -> bool:
             # Over every stage of every replica (the world): stages hold different gradients.
-            named = [(n, p.grad) for n, p in pipe.named_parameters() if p.grad is not None]
+            named = [(f"chunk{i}", g) for i, g in enumerate(opt.local_gradients())] \
+                if self.shard else \
+                [(n, p.grad) for n, p in pipe.named_parameters() if p.grad is not None]
             loss = float(out.loss.detach().float().item()) if out.loss is not None else None
             return self._skip_nonfinite(loss, named, saved)
 
         skipped = self._update(
-            lambda: [p.grad for p in pipe.parameters() if p.grad is not None], nonfinite,
-            pipe.clip_grad_norm_)
+            opt.local_gradients, nonfinite,
+            lambda norm: pipe.clip_grad_norm_(norm, opt.local_gradients() if self.shard else None))
         b = self._bytes
         for k in ("fwd_bytes", "bwd_bytes", "fwd_dense_bytes", "bwd_dense_bytes"):
             b[k] += getattr(out, k)
