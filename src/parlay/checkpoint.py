@@ -395,6 +395,12 @@ class CheckpointManager:
         self.run_id = rid if isinstance(rid, str) else self._new_run_id()
         self._lock.update({"run_id": self.run_id, "world_size": self._world()})
 
+    def continue_run(self, run_id: str | None) -> None:
+        """Go on as run ``run_id`` (a new one when ``None``), resumed by other means than
+        :meth:`load_latest` (a resharded resume reads every rank's file itself)."""
+        self.run_id = run_id or self._new_run_id()
+        self._lock.update({"run_id": self.run_id, "world_size": self._world()})
+
     def _layout_message(self) -> str:
         """Some ranks hold checkpoints and others none: say what the directory holds."""
         newest: dict[int, set[int]] = collections.defaultdict(set)

@@ -34,7 +34,8 @@ __all__ = ["model_layout", "fingerprint", "describe_mismatch", "DirLock", "train
            "recipe_difference", "stable_repr"]
 
 #: Identity fields a resume must match exactly, with how to tell the user about each.
-_LAYOUT = ("world_size", "dp_size", "pp")
+#: Identity fields that say how many ranks wrote a state (a resharded resume may differ).
+LAYOUT_FIELDS = ("world_size", "dp_size", "dp_rank", "pp")
 
 
 def model_layout(model: nn.Module) -> list[list[Any]]:
@@ -69,7 +70,7 @@ def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     if has("mode") and saved["mode"] != now["mode"]:
         return (f"it was written in mode {saved['mode']!r}, this run uses mode {now['mode']!r}. "
                 f"Fix: resume with mode={saved['mode']!r},{fresh}")
-    if any(has(k) and saved[k] != now[k] for k in _LAYOUT):
+    if any(has(k) and saved[k] != now[k] for k in LAYOUT_FIELDS if k != "dp_rank"):
         def lay(d: dict[str, Any]) -> str:
             return (f"{d.get('world_size')} rank(s): {d.get('dp_size')} data-parallel "
                     f"replica(s) x {d.get('pp', 1)} pipeline stage(s)")

@@ -100,3 +100,52 @@ def test_hybrid_shards_each_stage_over_its_replicas(shard, schedule):
             assert ls == lp
             continue
         torch.testing.assert_close(torch.tensor(ls), torch.tensor(lp), rtol=1e-10, atol=1e-10)
+
+
+def _state_at(shard, ckpt, max_iteration, reshard=False):
+    """Train (or only resume) to ``max_iteration``; this rank's shard of the state."""
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=BATCH, shard=shard,
+                       max_iteration=max_iteration, checkpoint_dir=ckpt, reshard=reshard,
+                       progress=False)
+    while not t.should_stop():
+        t.train_on_batch()
+    opt = t.strategy.optimizer.state_dict()
+    return t.state.step, opt, t.strategy.state_dict()["model"]
+
+
+def _whole(per_rank):
+    """Each unit's parameters and optimizer state, joined over the ranks (world 1)."""
+    from parlay.trainer.reshard import rechunk
+    opts = [opt for _, opt, _ in per_rank]
+    lay = opts[0]["parlay_shard"]
+    out = {}
+    for k, entry in opts[0]["state"].items():
+        numel = lay["units"][lay["order"][k]]
+        for key, v in entry.items():
+            parts = [o["state"][k][key] for o in opts]
+            out[(k, key)] = rechunk(parts, numel, 1, 0) if v.dim() else v
+    for u, numel in enumerate(lay["units"]):
+        if "params" in lay:
+            out[("param", u)] = rechunk([o["parlay_shard"]["params"][u] for o in opts],
+                                        numel, 1, 0)
+    return out
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
+def test_reshard_2_to_4_to_3_reloads_the_state_exactly_and_trains_on(tmp_path, shard):
+    two = run_world(_state_at, 2, shard, str(tmp_path), 5)
+    with pytest.raises(Exception, match="layout|ranks"):  # not asked: refused as before
+        run_world(_state_at, 4, shard, str(tmp_path), 5)
+    four = run_world(_state_at, 4, shard, str(tmp_path), 5, True)
+    assert all(step == 5 for step, _, _ in four)
+    a, b = _whole(two), _whole(four)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if shard != "parameters":
+        assert all(torch.equal(two[0][2][k], four[3][2][k]) for k in two[0][2])
+    run_world(_state_at, 4, shard, str(tmp_path), 8, True)        # trains on at 4 ranks
+    three = run_world(_state_at, 3, shard, str(tmp_path), 8, True)
+    four_again = run_world(_state_at, 4, shard, str(tmp_path), 8)
+    c, d = _whole(three), _whole(four_again)
+    assert all(torch.equal(c[k], d[k]) for k in c)
+    assert run_world(_state_at, 3, shard, str(tmp_path), 10, True)[0][0] == 10

@@ -57,6 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="folder with the four MNIST .gz files (default: PARLAY_DATA_DIR, "
                         "~/.cache/parlay/mnist, then the copy bundled with parlay)")
     p.add_argument("--checkpoint-dir", default=None, help="save and resume checkpoints here")
+    p.add_argument("--reshard", action="store_true",
+                   help="resume a checkpoint written by another number of ranks")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", default=None, help="write the final metrics here (as JSON)")
@@ -100,6 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             batch_size=args.batch_size, mode=args.mode, num_epochs=args.epochs,
             warmup_epochs=args.warmup_epochs, compression=args.compression,
             precision=args.precision, shard=args.shard, checkpoint_dir=args.checkpoint_dir,
+            reshard=args.reshard,
             validation_dataset=test, validation_batch_size=1000, seed=args.seed,
             num_workers=args.workers, progress=not args.no_progress,
             lr_schedule=args.lr_schedule, strategy_options=_options(args.option))

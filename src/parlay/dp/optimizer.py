@@ -419,7 +419,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if comp:
             sd["parlay_compression"] = comp
         if isinstance(self._buckets, ShardedBuckets):
-            sd["parlay_shard"] = self._buckets.layout()
+            unit = {id(c): u for u, c in enumerate(self._buckets.shards)}
+            sd["parlay_shard"] = {**self._buckets.layout(),  # + each state entry's unit
+                                  "order": [unit[id(p)] for g in self.param_groups
+                                            for p in g["params"]]}
         for post in self._optimizer_state_dict_post_hooks.values():
             out = post(self, sd)
             sd = sd if out is None else out

@@ -86,6 +86,10 @@ class TrainerConfig:
             ``"gradients"`` (also of the gradients) or ``"parameters"`` (also of the
             parameters, each module's gathered just before use). ``None``: every rank holds
             all of it. Checkpoints are then per-rank shards.
+        reshard: Mode ``"allreduce"``: resume a checkpoint written by another number of
+            ranks (e.g. 2 -> 4 -> 3), re-splitting parameters and optimizer state exactly;
+            the data order, RNG and compression residuals change (a warning says so). Off
+            (default), such a checkpoint is refused.
         checkpoint_dir: Save checkpoints here and resume from the latest valid one.
         checkpoint_every: Steps between checkpoints (None: at every epoch end). A final one
             is always written when training stops.
@@ -144,6 +148,7 @@ class TrainerConfig:
     grad_clip: float | None = None
     nonfinite: str = "raise"
     shard: str | None = None
+    reshard: bool = False
     # checkpoints and snapshots
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
@@ -175,6 +180,8 @@ class TrainerConfig:
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ConfigError(f"seed must be an int >= 0 or None, got {self.seed!r}.")
         check_policy(self.nonfinite)
+        if not isinstance(self.reshard, bool):
+            raise ConfigError(f"reshard must be True or False, got {self.reshard!r}.")
         if self.shard is not None and self.shard not in SHARD_LEVELS:
             raise ConfigError(f"shard must be one of {SHARD_LEVELS} or None, got {self.shard!r}.")
         twice = sorted({"compression", "precision", "grad_clip"} & set(self.strategy_options or {}))

@@ -33,6 +33,7 @@ from parlay.snapshot import (
 from parlay.strategies import Strategy
 from parlay.trainer.config import AUTO, TrainerConfig, TrainerState
 from parlay.trainer.replicas import ReplicaCheck
+from parlay.trainer.reshard import load_resharded
 
 __all__ = ["Persistence", "choose_interval", "BUDGET", "PROBE_STEPS"]
 
@@ -120,7 +121,10 @@ class Persistence:
                                  group=s.train_group, lock=True,
                                  identity=trainer_identity(s, self.mode, self.batch_size, model,
                                                            self.recipe))
-        resumed = ckpt.load_latest()
+        resumed = load_resharded(ckpt, ckpt.identity or {}, comm.group_size(s.train_group),
+                                 comm.group_rank(s.train_group)) if config.reshard else None
+        if resumed is None:
+            resumed = ckpt.load_latest()
         if resumed is not None:
             self.load_state_dict(resumed, where=str(ckpt.directory))
             self.last_checkpoint_step = self.state.step
