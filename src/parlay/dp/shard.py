@@ -8,13 +8,17 @@ which equals stepping whole tensors for any element-wise optimizer (SGD, Adam, A
 Adagrad, ...):
 
 * ``"optimizer"`` (ZeRO-1): gradients accumulate into persistent buckets (``p.grad`` views),
-  each bucket is reduce-scattered as soon as it is full, during backward; a rank steps and
-  stores the optimizer state of its chunks only, then the units are all-gathered.
+  each bucket is reduce-scattered as soon as it is full, during backward, and zeroed once this
+  rank's chunk is out; a rank steps and stores the optimizer state of its chunks only, then
+  the units are all-gathered.
 * ``"gradients"`` (ZeRO-2): as above, but each final gradient is copied into a bucket made for
   this step and freed at once (``p.grad`` becomes ``None``); a rank keeps only its chunks.
 * ``"parameters"`` (ZeRO-3): parameters are kept as chunks too. A unit is all-gathered just
   before its module's forward (the next one is prefetched), freed after it, gathered again
   when backward reaches the module and freed once its gradients are in.
+
+At every level gradients never carry over a step: a parameter without a gradient since the
+last step (an unused branch, or no backward at all) contributes zeros.
 
 Collectives run on their own thread and group (:mod:`parlay.dp.ring`) in the same order on
 every rank. Models must run the same modules in the same order on every rank (as with FSDP).
@@ -139,11 +143,11 @@ class ShardedBuckets(GradientBuckets):
         self.level, self.thread = level, CommThread(group)
         self.world, self.rank = self.thread.ring.size, self.thread.ring.rank
         self.chunk = [-(-b.numel // self.world) for b in plan.buckets]
+        #: Each parameter's shape (with ``"parameters"`` it is empty while not gathered).
+        self.shapes = [p.shape for _, p in named]
         super().__init__(named, plan, LocalReducer(), compressor, stats, passes=passes,
                          prescale=prescale, postscale=postscale, overlap=True,
                          as_views=level == "optimizer", sparse_only=False)
-        #: Each parameter's shape (with ``"parameters"`` it is empty while not gathered).
-        self.shapes = [p.shape for p in self.params]
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self.shards = [self._make_shard(b) for b in range(len(plan.buckets))]
         unit_group = {b: next(g for g, grp in enumerate(optimizer.param_groups)
@@ -169,6 +173,12 @@ class ShardedBuckets(GradientBuckets):
         return torch.zeros(self.chunk[bucket.index] * self.world, dtype=bucket.dtype,
                            device=torch.device(bucket.device))
 
+    def _slot(self, i: int) -> tuple[int, slice]:
+        # by shape: a parameter not gathered now (no gradient this step) is size 0
+        b, slot = self.plan.where[i]
+        off = self.plan.buckets[b].offsets[slot]
+        return b, slice(off, off + self.shapes[i].numel())
+
     def _members(self, b: int) -> list[tuple[torch.Tensor, slice, torch.Size]]:
         """``(parameter, its slice of the unit, its shape)`` for each member of unit ``b``."""
         bucket = self.plan.buckets[b]
@@ -191,8 +201,7 @@ class ShardedBuckets(GradientBuckets):
             for p, where, shape in self._members(b):
                 p.data = flat[where].view(shape)
             shard = nn.Parameter(mine)  # shares flat's storage: its step updates the model
-        shard.grad = (self.buffers[b][self._span(b)] if self.level == "optimizer"
-                      else torch.zeros_like(mine))
+        shard.grad = torch.zeros_like(mine)
         return shard
 
     # ----------------------------------------------------------------- gradients
@@ -243,11 +252,14 @@ class ShardedBuckets(GradientBuckets):
     def _hand_back(self, b: int, out: torch.Tensor) -> None:
         grad = self.shards[b].grad
         assert grad is not None
-        if out.data_ptr() != grad.data_ptr():
-            grad.copy_(out)
+        grad.copy_(out)
         if self.postscale != 1.0:
             grad.mul_(self.postscale)
-        if self.level != "optimizer":
+        if self.level == "optimizer":
+            # The other chunks hold partial sums now: zeroed, so that gradients (the
+            # ``p.grad`` views) never carry a step over, as with every level.
+            self.buffers[b].zero_()
+        else:
             self.buffers[b] = self._new_buffer(self.plan.buckets[b])
 
     def finish(self) -> None:
