@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent('''
     import parlay
 
     ckpt_dir, out_dir, kill_rank, kill_step = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    mode = sys.argv[5]
+    mode, shard = sys.argv[5], (sys.argv[6] if len(sys.argv) > 6 else None)
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
     def build():
@@ -42,12 +42,18 @@ SCRIPT = textwrap.dedent('''
     opts = {"pp": 2, "chunks": 2} if mode == "hybrid" else None
     t = parlay.Trainer(build, ds, optimizer_args={"lr": 1e-2}, batch_size=4, max_iteration=12,
                        checkpoint_dir=ckpt_dir or None, checkpoint_every=3, mode=mode,
-                       strategy_options=opts, progress=False)
+                       strategy_options=opts, shard=shard, progress=False)
     while not t.should_stop():
         if first_attempt and parlay.rank() == kill_rank and t.state.step == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         t.train_on_batch()
     sd = t.strategy.pipe.state_dict() if mode == "hybrid" else t.model.state_dict()
+    if shard:  # this rank's chunks of the parameters and of the optimizer state
+        opt = t.strategy.optimizer
+        chunks = [c for g in opt.param_groups for c in g["params"]]
+        sd = {f"chunk{i}": c.detach() for i, c in enumerate(chunks)}
+        sd.update({f"state{i}.{k}": v for i, c in enumerate(chunks)
+                   for k, v in opt.optimizer.state[c].items()})
     torch.save({k: v.clone() for k, v in sd.items()}, f"{out_dir}/rank{parlay.rank()}.pt")
     print(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} rank {parlay.rank()} "
           f"finished at step {t.state.step}", flush=True)
@@ -63,7 +69,8 @@ def _env() -> dict[str, str]:
 
 
 def _launch(tmp: Path, name: str, mode: str, kill_rank: int = -1, kill_step: int = -1,
-            checkpoint: bool = True) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+            checkpoint: bool = True, shard: str | None = None
+            ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     script = tmp / "train_restart.py"
     script.write_text(SCRIPT)
     ckpt, out = tmp / f"{name}-ckpt", tmp / f"{name}-out"
@@ -72,7 +79,7 @@ def _launch(tmp: Path, name: str, mode: str, kill_rank: int = -1, kill_step: int
     p = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "2", "--max-restarts",
                         "1", *(["--pp", "2"] if mode == "hybrid" else []), str(script),
                         str(ckpt) if checkpoint else "", str(out), str(kill_rank),
-                        str(kill_step), mode],
+                        str(kill_step), mode, *([shard] if shard else [])],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
     states = [torch.load(out / f"rank{r}.pt", weights_only=True)
               for r in range(2) if (out / f"rank{r}.pt").exists()]
@@ -84,13 +91,14 @@ def reference(tmp_path_factory):
     """Final weights of uninterrupted runs, per mode (computed once)."""
     cache: dict[str, list[dict]] = {}
 
-    def get(mode: str) -> list[dict]:
-        if mode not in cache:
-            p, states = _launch(tmp_path_factory.mktemp(f"ref-{mode}"), "ref", mode,
-                                checkpoint=False)
+    def get(mode: str, shard: str | None = None) -> list[dict]:
+        key = f"{mode}-{shard}"
+        if key not in cache:
+            p, states = _launch(tmp_path_factory.mktemp(f"ref-{key}"), "ref", mode,
+                                checkpoint=False, shard=shard)
             assert p.returncode == 0 and len(states) == 2, p.stderr[-3000:]
-            cache[mode] = states
-        return cache[mode]
+            cache[key] = states
+        return cache[key]
     return get
 
 
@@ -120,3 +128,15 @@ def test_hybrid_pipeline_restart_matches_uninterrupted_run(tmp_path, reference):
     assert p.returncode == 0, p.stderr[-4000:]
     assert "attempt 1 rank 1 finished at step 12" in p.stdout, p.stdout
     _assert_bit_identical(states, reference("hybrid"))
+
+
+@pytest.mark.parametrize("shard, kill_rank, kill_step", [("optimizer", 1, 4),
+                                                         ("gradients", 0, 7),
+                                                         ("parameters", 1, 5)])
+def test_sharded_restart_matches_uninterrupted_run(tmp_path, reference, shard, kill_rank,
+                                                   kill_step):
+    # Each rank resumes its own shard (a checkpoint or its in-memory snapshot): bit for bit.
+    p, states = _launch(tmp_path, "run", "allreduce", kill_rank, kill_step, shard=shard)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert f"attempt 1 rank {kill_rank} finished at step 12" in p.stdout, p.stdout
+    _assert_bit_identical(states, reference("allreduce", shard))

@@ -97,7 +97,7 @@ def _same(got, ref, what, **tol) -> None:
 
 
 def _full(opt) -> list[torch.Tensor]:
-    with opt._buckets.gathered():
+    with opt.gathered_parameters():
         return [p.detach().clone() for p in opt._model_params]
 
 
@@ -199,8 +199,7 @@ def test_averages_accumulation_and_clipping_equal_single_process():
                 _same(out[level, key], ref, (level, key))
             params, got = out[level, "clip"]
             _same(params, clipped, (level, "clip"))
-            torch.testing.assert_close(torch.stack(got).double(), torch.stack(norms),
-                                       rtol=1e-6, atol=0)
+            torch.testing.assert_close(torch.stack(got), torch.stack(norms), **TOL)
 
 
 # ------------------------------------------------------------------- edge cases

@@ -96,7 +96,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             reduce-scattered during backward and parameters all-gathered, each collective
             moving a ring's bytes. The wrapped optimizer then steps this rank's flat chunks:
             read gradients through :meth:`local_gradients` and clip with
-            :meth:`clip_grad_norm_`; :meth:`state_dict` is this rank's shard.
+            :meth:`clip_grad_norm_`, read whole parameters inside
+            :meth:`gathered_parameters`; :meth:`state_dict` is this rank's shard. Gradients
+            never carry over between steps: a step without backward applies zeros (without
+            ``shard=``, the previous averaged gradients).
         model: The module (needed by ``shard="parameters"``, whose gathers hook its modules).
 
     Raises:
@@ -383,7 +386,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         with ``shard=`` the norm is summed over every rank's chunks. Returns the total norm
         before clipping, as ``torch.nn.utils.clip_grad_norm_`` does."""
         grads = self.local_gradients()
-        if not self.shard:
+        if not self.shard or not grads:
             return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm,
                                                   norm_type)
         p = float(norm_type)
@@ -397,7 +400,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         coef = float(max_norm) / (float(total) + 1e-6)
         if coef < 1.0:
             torch._foreach_mul_(grads, coef)
-        return total.reshape(()).float()
+        return total.reshape(()).to(grads[0].dtype)
+
+    def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
+        """Inside this block every parameter holds its full value, to read (with
+        ``shard="parameters"`` they are gathered on entry and freed on exit; writes to them
+        are not kept). Every rank of the group must enter it together."""
+        if isinstance(self._buckets, ShardedBuckets):
+            return self._buckets.gathered()
+        return contextlib.nullcontext()
 
     def comm_stats(self) -> dict[str, float]:
         """Gradient bytes sent so far: dense (before compression) vs on the wire, per step."""
