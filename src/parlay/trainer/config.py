@@ -220,6 +220,9 @@ class TrainerState:
         batch_in_epoch: Batches of the current epoch already consumed by each replica.
         skipped_steps: Steps skipped on every rank (non-finite, fp16 overflow), counted across
             restarts.
+        schedule_shift: Added to ``step`` where the learning-rate schedule and epoch
+            fractions count steps: nonzero after a resume at another number of ranks
+            (``reshard=True``), whose steps per epoch differ from those already taken.
     """
 
     epoch: int = 0
@@ -227,3 +230,4 @@ class TrainerState:
     samples_seen: int = 0
     batch_in_epoch: int = 0
     skipped_steps: int = 0
+    schedule_shift: int = 0

@@ -158,7 +158,7 @@ class Trainer:
     @property
     def total_steps(self) -> int:
         """Steps of the whole run (the smaller of both limits)."""
-        limits = [self.max_iteration] if self.max_iteration else []
+        limits = [self.max_iteration + self.state.schedule_shift] if self.max_iteration else []
         if self.num_epochs:
             limits.append(self.num_epochs * self.steps_per_epoch)
         return min(limits)
@@ -167,7 +167,7 @@ class Trainer:
         """Learning-rate multiplier for ``step`` (default: the next one): linear warm-up from
         1 to the replica count over ``warmup_steps`` (Goyal et al. 2017), then constant or a
         cosine decay to 0 at the last step (``lr_schedule``)."""
-        t = self.state.step if step is None else step
+        t = (self.state.step if step is None else step) + self.state.schedule_shift
         if self.warmup_steps > 0 and t < self.warmup_steps:
             return 1.0 + (self.lr_scale - 1.0) * t / self.warmup_steps
         if self.lr_schedule == "cosine":
@@ -309,7 +309,8 @@ class Trainer:
         t0 = time.perf_counter()
         result = self.evaluation.validate(dataset)
         if result:
-            self.metrics.validation(self.state.step, self.state.step / self.steps_per_epoch,
+            self.metrics.validation(self.state.step, (self.state.step + self.state.schedule_shift)
+                                    / self.steps_per_epoch,
                                     result, seconds=time.perf_counter() - t0)
         return result
 

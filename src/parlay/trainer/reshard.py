@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from parlay.checkpoint import CheckpointManager, load
+from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError
 from parlay.rngstate import rng_state
 from parlay.runinfo import LAYOUT_FIELDS, describe_mismatch
@@ -110,12 +111,16 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
     strategy["optimizer"] = _reshard_optimizer([s["strategy"]["optimizer"] for s in states],
                                                world, rank)
     state["strategy"] = strategy
-    trainer = dict(state["trainer"])
+    trainer, sampler = dict(state["trainer"]), dict(state["sampler"])
+    batch = int(state["identity"]["batch_size"])
     batches = trainer["batch_in_epoch"] * old // world  # the same samples consumed, re-sharded
-    trainer["batch_in_epoch"] = batches
-    sampler = dict(state["sampler"])
-    sampler.update(world=world, num_replicas=world, rank=rank,
-                   position=batches * state["identity"]["batch_size"])
+    sampler.update(world=world, num_replicas=world, rank=rank, position=batches * batch)
+    per_epoch = -(-len(ShardedSampler(sampler["n"], world, rank, shuffle=sampler["shuffle"],
+                                      drop_last=sampler["drop_last"],
+                                      even=sampler["even"])) // batch)
+    # The schedule goes on from the steps this many ranks would have taken by now.
+    trainer.update(batch_in_epoch=batches, schedule_shift=trainer["epoch"] * per_epoch
+                   + batches - trainer["step"])
     state.update(trainer=trainer, sampler=sampler, rng=rng_state())
     ckpt.continue_run(str(saved.get("run_id", "")) or None)
     warnings.warn(f"resharded checkpoint step {step} written by {old} rank(s) onto {world}: "
