@@ -8,6 +8,13 @@ medians over rounds of per-round ratios. The perfect-scaling limit is 2 x the sa
 process alone, measured in the same rounds (rank 0 steps alone while rank 1 waits).
 
     python benchmarks/dp_throughput.py [--quick] [--json out.json]
+
+``--rows shard`` times the shard levels instead (issue 26) on the big MLP at 2 and 4 ranks,
+with Adam, interleaved the same way: DDP, parlay ``shard="optimizer"``, ``"gradients"``,
+``"parameters"`` and FSDP2 (``fully_shard`` per Linear and the root,
+``reshard_after_forward=False``), every contestant on the same model and the same batch.
+
+    python benchmarks/dp_throughput.py --rows shard [--worlds 2,4] [--rounds 10] [--json out.json]
 """
 from __future__ import annotations
 
@@ -93,6 +100,101 @@ def _bench_rank(model_name: str, rounds: int, bucket_mb: float,
     return rows
 
 
+SHARD_IMPLS = ("ddp", "shard_optimizer", "shard_gradients", "shard_parameters", "fsdp2")
+
+
+def _fsdp2(widths: list[int]) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, mesh = _mlp(widths), init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh, reshard_after_forward=False)
+
+
+def _shard_rank(model_name: str, rounds: int, bucket_mb: float) -> tuple[list[dict], str]:
+    """DDP, the three shard levels and FSDP2, all with Adam, timed interleaved."""
+    widths, batch = MODELS[model_name]
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())  # each rank its own batch
+    x = torch.randn(batch, widths[0], generator=gen)
+    y = torch.randint(0, widths[-1], (batch,), generator=gen)
+    loss_fn = nn.CrossEntropyLoss()
+    models: dict[str, nn.Module] = {"ddp": nn.parallel.DistributedDataParallel(
+        _mlp(widths), bucket_cap_mb=bucket_mb)}
+    opts: dict[str, torch.optim.Optimizer] = {"ddp": torch.optim.Adam(models["ddp"].parameters())}
+    for level in ("optimizer", "gradients", "parameters"):
+        m = models[f"shard_{level}"] = _mlp(widths)
+        opts[f"shard_{level}"] = parlay.DistributedOptimizer(
+            torch.optim.Adam(m.parameters()), named_parameters=m.named_parameters(),
+            bucket_cap_mb=bucket_mb, shard=level, model=m if level == "parameters" else None)
+    fsdp_error = ""
+    try:
+        models["fsdp2"] = _fsdp2(widths)
+        opts["fsdp2"] = torch.optim.Adam(models["fsdp2"].parameters())
+    except Exception as e:  # noqa: BLE001 - reported in the output instead of a row
+        fsdp_error = f"{type(e).__name__}: {e}"
+
+    def stepper(name: str):  # type: ignore[no-untyped-def]
+        def step() -> None:
+            opts[name].zero_grad()
+            loss_fn(models[name](x), y).backward()
+            opts[name].step()
+        return step
+
+    contestants = {name: stepper(name) for name in models}
+    for fn in contestants.values():  # warm-up (allocator, gloo connections, Adam state)
+        fn()
+    world = dist.get_world_size()
+    rows = [{"model": model_name, "world": world, "round": r, "impl": name,
+             "step_s": times[name], "samples_per_s": batch * world / times[name]}
+            for r, times in enumerate(time_interleaved(contestants, rounds))
+            for name in contestants]
+    return rows, fsdp_error
+
+
+def _shard_rows(args: argparse.Namespace) -> None:
+    results: list[dict] = []
+    summary: list[dict] = []
+    ratios: dict[str, float] = {}
+    notes: dict[str, str] = {}
+    rounds = args.rounds or args.steps or (5 if args.quick else 10)
+    for world in (int(w) for w in args.worlds.split(",")):
+        rows, fsdp_error = run_world(_shard_rank, world, "big", rounds, args.bucket_mb,
+                                     timeout=1800, comm_timeout=600)[0]
+        results += rows
+        if fsdp_error:
+            notes[f"fsdp2_{world}"] = fsdp_error
+            print(f"FSDP2 could not run at {world} ranks: {fsdp_error}")
+        by = {(r["round"], r["impl"]): r["samples_per_s"] for r in rows}
+        impls = [i for i in SHARD_IMPLS if (0, i) in by]
+
+        def vs(a: str, b: str, by: dict = by) -> float:
+            return median([by[(i, a)] / by[(i, b)] for i in range(rounds)])
+
+        for impl in impls:
+            summary.append({"world": world, "impl": impl,
+                            "samples/s": median([by[(i, impl)] for i in range(rounds)]),
+                            "vs_ddp": vs(impl, "ddp"),
+                            "vs_fsdp2": vs(impl, "fsdp2") if "fsdp2" in impls else None})
+        for level in ("optimizer", "gradients", "parameters"):
+            ratios[f"big/parlay_shard_{level}_vs_ddp@{world}"] = vs(f"shard_{level}", "ddp")
+        if "fsdp2" in impls:
+            ratios[f"big/parlay_shard_parameters_vs_fsdp2@{world}"] = \
+                vs("shard_parameters", "fsdp2")
+            ratios[f"big/fsdp2_vs_ddp@{world}"] = vs("fsdp2", "ddp")
+    for key in [k for k in ratios if k.endswith(f"@{args.worlds.split(',')[0]}")]:
+        ratios[key.split("@")[0]] = min(v for k, v in ratios.items()   # the worst world
+                                        if k.split("@")[0] == key.split("@")[0])
+    print(table(summary, ["world", "impl", "samples/s", "vs_ddp", "vs_fsdp2"]))
+    print()
+    for k, v in ratios.items():
+        print(f"{k:>44}: {v:.3f}")
+    write_json(args.json, "dp_throughput", ratios, results, rounds=rounds, optimizer="Adam",
+               bucket_mb=args.bucket_mb, timing="interleaved step by step", notes=notes)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (< 2 min)")
@@ -106,7 +208,14 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--no-overlap", action="store_true",
                     help="parlay starts every bucket in step() instead of during backward")
+    ap.add_argument("--rows", choices=("dense", "shard"), default="dense",
+                    help="dense: DDP/naive/parlay with SGD (default); shard: DDP, the three "
+                         "shard levels and FSDP2 with Adam on the big MLP")
+    ap.add_argument("--worlds", default="2,4", help="ranks for --rows shard")
     args = ap.parse_args()
+    if args.rows == "shard":
+        _shard_rows(args)
+        return
     results: list[dict] = []
     summary: list[dict] = []
     ratios: dict[str, float] = {}
