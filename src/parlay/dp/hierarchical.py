@@ -42,7 +42,7 @@ from parlay.compress.base import (AllOf, CommStats, Compressor, _nbytes, further
                                   has_rounds)
 from parlay.errors import CommError, ConfigError
 
-__all__ = ["Topology", "HierarchicalReducer", "make_reducer"]
+__all__ = ["Topology", "HierarchicalReducer", "make_reducer", "host_topology"]
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,15 @@ class _Bucket:
 
 def make_reducer(hierarchical: Any, group: Any, compressor: Compressor,
                  world: int) -> HierarchicalReducer | None:
-    """The reducer for ``DistributedOptimizer(hierarchical=...)``, or ``None`` for flat.
+    """The reducer for ``DistributedOptimizer(hierarchical=...)``, or ``None`` for flat
+    (arguments and errors as for :func:`host_topology`)."""
+    topo = host_topology(hierarchical, group, compressor, world)
+    return HierarchicalReducer(group, topo) if topo is not None else None
+
+
+def host_topology(hierarchical: Any, group: Any, compressor: Compressor,
+                  world: int) -> Topology | None:
+    """The hosts to reduce over host first for ``hierarchical=...``, or ``None`` for flat.
 
     Args:
         hierarchical: ``False``, ``True`` or ``"auto"`` (hierarchical when the group spans
@@ -319,5 +327,9 @@ def make_reducer(hierarchical: Any, group: Any, compressor: Compressor,
     if topo.num_hosts == 1 or topo.local_size == 1:
         warnings.warn(f"hierarchical=True on {topo.num_hosts} host(s) of {topo.local_size} "
                       "rank(s) each: there is no host link to spare, the reduction just takes "
-                      "extra steps. Hint: hierarchical='auto' decides by topology.", stacklevel=3)
-    return HierarchicalReducer(group, topo)
+                      "extra steps. Hint: hierarchical='auto' decides by topology.", stacklevel=4)
+    if not topo.uniform:
+        raise ConfigError(f"hierarchical reduction needs the same number of ranks on every "
+                          f"host, got {[len(h) for h in topo.hosts]} ranks per host. Hint: "
+                          "launch the same -n on every node, or hierarchical=False.")
+    return topo

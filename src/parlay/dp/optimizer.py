@@ -19,7 +19,7 @@ import torch
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_compressor
 from parlay.dp.buckets import BucketPlan, ParamInfo
-from parlay.dp.hierarchical import HierarchicalReducer, make_reducer
+from parlay.dp.hierarchical import HierarchicalReducer, host_topology, make_reducer
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
 from parlay.dp.shard import ShardedBuckets, check_level, plan_units
 from parlay.dp import checks
@@ -148,9 +148,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError("shard='parameters' gathers each module's parameters just before "
                               "its forward; pass the module: DistributedOptimizer(..., "
                               "shard='parameters', model=model).")
-        if self.shard and hierarchical not in (False, "auto"):
-            raise ConfigError("hierarchical=True cannot be combined with shard= yet. Hint: "
-                              "leave hierarchical at False with shard=.")
         cap = max(1, int(bucket_cap_mb * _MB))
         self._plan = plan_units(self._named, optimizer, cap,
                                 model if self.shard == "parameters" else None) \
@@ -223,11 +220,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.shard:
             pre, post = self._bucket_scales()
             self._reducer: Reducer | None = LocalReducer()
-            self.hierarchical = False
+            hosts = host_topology(self._hierarchical_arg, self.process_group,
+                                  self.compression, self._world)
+            self.hierarchical = hosts is not None
             self._buckets = ShardedBuckets(
                 self._named, self._plan, self._opt, self.shard, self.process_group,
                 self.compression, self._stats, passes=self.backward_passes_per_step,
-                prescale=pre, postscale=post, model=self._model)
+                prescale=pre, postscale=post, model=self._model,
+                hosts=hosts.hosts if hosts is not None else None)
             return
         self._reducer = self._make_reducer(self._hierarchical_arg)
         #: Whether buckets are reduced host-first (decided at construction).

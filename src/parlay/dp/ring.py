@@ -7,7 +7,8 @@ its all-gather is slower than a ring of point-to-point transfers (measured in
 ``docs/benchmarks.md``). So on gloo the ring is written here over c10d's batched point-to-point
 operations, in ``N-1`` steps of one chunk each.
 
-Every buffer is ``N`` equal chunks (padded by the caller); rank ``r`` owns chunk ``r``. The
+Every buffer is ``N`` equal chunks (padded by the caller); rank ``r`` owns chunk ``r`` (with
+:class:`HostRing`, chunk ``local_rank * hosts + host``). The
 operations run on a :class:`CommThread`, one per sharded optimizer, in submission order, so they
 overlap the computation of the calling thread while every rank issues them in the same order.
 """
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from parlay import comm
 
-__all__ = ["Ring", "CommThread"]
+__all__ = ["Ring", "HostRing", "CommThread"]
 
 T = TypeVar("T")
 
@@ -90,6 +91,32 @@ class Ring:
         return buf
 
 
+class HostRing:
+    """Reduce-scatter and all-gather host first (``shard=`` with ``hierarchical=``): the
+    buffer is reduce-scattered inside the host into ``l`` chunks, then each chunk among the
+    ranks of that local rank on every host into ``n`` pieces (all-gather the other way round).
+    Each host link carries a flat ring's bytes of the whole model, split over ``l`` rings,
+    and a rank ends with ``1/(l*n)`` of the buffer, as over a flat ring.
+
+    Args:
+        local: The ring among this host's ranks.
+        cross: The ring among the ranks of this local rank on every host.
+        everyone: A group of all of them (for small agreements on the communication thread).
+    """
+
+    def __init__(self, local: Ring, cross: Ring, everyone: Any) -> None:
+        self.local, self.cross, self.group = local, cross, everyone
+        self.size = local.size * cross.size
+        self.rank = local.rank * cross.size + cross.rank  # the chunk this rank ends with
+
+    def reduce_scatter(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.cross.reduce_scatter(self.local.reduce_scatter(buf))
+
+    def all_gather(self, buf: torch.Tensor) -> torch.Tensor:
+        self.cross.all_gather(self.local._chunk(buf, self.local.rank))
+        return self.local.all_gather(buf)
+
+
 class CommThread:
     """One background thread running a sharded optimizer's collectives in submission order.
 
@@ -99,14 +126,25 @@ class CommThread:
 
     Args:
         group: The ranks to communicate among (``None``: the world).
+        hosts: For each host, the group ranks on it (same count on each): reduce host first
+            (:class:`HostRing`). ``None``: one flat ring.
     """
 
-    def __init__(self, group: Any = None) -> None:
-        own = group
-        if comm.group_size(group) > 1:
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            own = dist.new_group(ranks, use_local_synchronization=True)
-        self.ring = Ring(own)
+    def __init__(self, group: Any = None,
+                 hosts: tuple[tuple[int, ...], ...] | None = None) -> None:
+        def new(members: list[int] | None) -> Any:
+            if members is not None:
+                members = [comm.to_global_rank(group, r) for r in members]
+            return dist.new_group(members, use_local_synchronization=True)
+
+        own = group if comm.group_size(group) == 1 else new(
+            None if group is None else list(range(comm.group_size(group))))
+        self.ring: Ring | HostRing = Ring(own)
+        if hosts is not None:
+            me = comm.group_rank(group)
+            host = next(h for h in hosts if me in h)
+            cross = [h[host.index(me)] for h in hosts]
+            self.ring = HostRing(Ring(new(list(host))), Ring(new(cross)), own)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parlay-shard")
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:

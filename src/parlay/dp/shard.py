@@ -131,16 +131,18 @@ class ShardedBuckets(GradientBuckets):
         stats: Counts the bytes sent.
         passes, prescale, postscale: As for :class:`~parlay.dp.hooks.GradientBuckets`.
         model: The module (``"parameters"`` only): its modules gather their units.
+        hosts: Reduce host first over these hosts' ranks (see :class:`~parlay.dp.ring.HostRing`).
     """
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], plan: BucketPlan,
                  optimizer: torch.optim.Optimizer, level: str, group: Any,
                  compressor: Compressor, stats: CommStats, *, passes: int, prescale: float,
-                 postscale: float, model: nn.Module | None = None) -> None:
+                 postscale: float, model: nn.Module | None = None,
+                 hosts: tuple[tuple[int, ...], ...] | None = None) -> None:
         if optimizer.state:
             raise ConfigError("shard= needs an optimizer without state yet: wrap it before "
                               "its first step, then load a checkpoint into the wrapper.")
-        self.level, self.thread = level, CommThread(group)
+        self.level, self.thread = level, CommThread(group, hosts)
         self.world, self.rank = self.thread.ring.size, self.thread.ring.rank
         self.chunk = [-(-b.numel // self.world) for b in plan.buckets]
         #: Each parameter's shape (with ``"parameters"`` it is empty while not gathered).

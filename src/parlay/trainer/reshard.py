@@ -60,9 +60,12 @@ def rechunk(chunks: list[torch.Tensor], numel: int, world: int, rank: int) -> to
 
 
 def _reshard_optimizer(opts: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
+    # Join the chunks in the order they tile each unit (a host-first layout's differs from
+    # the ranks').
+    opts = sorted(opts, key=lambda o: int(o.get("parlay_shard", {}).get("rank", 0)))
     out = copy.copy(opts[0])
     out.pop("parlay_compression", None)  # each rank's residuals: they start afresh
-    layout = opts[0].get("parlay_shard")
+    layout = out.get("parlay_shard")
     if layout is None:
         return out  # replicated: rank 0's is every rank's
     units, order = layout["units"], layout["order"]
