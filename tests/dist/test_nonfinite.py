@@ -205,3 +205,33 @@ def test_ps_worker_raises_before_pushing():
     err, = [o for o in run_world(_ps_raise, 2, env={"PARLAY_NUM_PS": "1"}, return_exceptions=True)
             if isinstance(o, NonFiniteError)]
     assert (err.step, err.rank, err.parameter) == (BAD_STEP, 1, "0.weight")
+
+
+def _sharded_run(ckpt, shard, nonfinite):
+    t = _trainer(ckpt, nonfinite, shard=shard)
+    opt = t.strategy.optimizer
+    with opt.gathered_parameters():
+        init = [p.detach().clone() for p in t.model.parameters()]
+    err = None
+    try:
+        while not t.should_stop():
+            t.train_on_batch()
+    except NonFiniteError as e:
+        err = e
+    with opt.gathered_parameters():
+        return init, [p.detach().clone() for p in t.model.parameters()], t.skipped_steps, err
+
+
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_sharded_ranks_agree_on_a_nonfinite_step(tmp_path, shard):
+    # The NaN reaches only the chunks its rank owns after the reduce-scatter: the ranks still
+    # agree to skip (or to stop) together.
+    out = run_world(_sharded_run, 2, str(tmp_path / "skip"), shard, "skip")
+    (init, final0, count0, _), (_, final1, count1, _) = out
+    assert count0 == count1 == 1
+    for p, q, r in zip(final0, final1, _by_hand(init)):
+        assert torch.equal(p, q)
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    for _, _, _, err in run_world(_sharded_run, 2, str(tmp_path / "raise"), shard, "raise"):
+        assert isinstance(err, NonFiniteError) and (err.step, err.rank) == (BAD_STEP, BAD_RANK)
+        assert "chunk of" in str(err)

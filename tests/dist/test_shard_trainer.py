@@ -149,3 +149,26 @@ def test_reshard_2_to_4_to_3_reloads_the_state_exactly_and_trains_on(tmp_path, s
     c, d = _whole(three), _whole(four_again)
     assert all(torch.equal(c[k], d[k]) for k in c)
     assert run_world(_state_at, 3, shard, str(tmp_path), 10, True)[0][0] == 10
+
+
+def _precision(shard, precision):
+    torch.manual_seed(0)
+    t = parlay.Trainer(lambda: (nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)),
+                                nn.CrossEntropyLoss()),
+                       TensorDataset(*(v.float() if v.is_floating_point() else v
+                                       for v in _dataset().tensors)),
+                       optimizer=torch.optim.Adam, optimizer_args={"lr": 1e-2},
+                       batch_size=BATCH, shard=shard, precision=precision, max_iteration=8,
+                       progress=False)
+    losses = []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+    return losses, t.skipped_steps
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_trains_sharded_as_replicated(precision):
+    for (lp, sp), (ls, ss) in zip(run_world(_precision, 2, None, precision),
+                                  run_world(_precision, 2, "parameters", precision)):
+        assert ss == sp  # the same overflow skips (agreed over the chunks)
+        torch.testing.assert_close(torch.tensor(ls), torch.tensor(lp), rtol=1e-3, atol=1e-4)

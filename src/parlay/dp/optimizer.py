@@ -381,6 +381,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self._buckets.local_grads()
         return [p.grad for _, p in self._named if p.grad is not None]
 
+    def named_local_gradients(self) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`local_gradients` with names (a chunk's: the parameters it is part of)."""
+        if isinstance(self._buckets, ShardedBuckets):
+            return self._buckets.named_local_grads()
+        return [(n, p.grad) for n, p in self._named if p.grad is not None]
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients to a global ``max_norm`` (after :meth:`synchronize`);
         with ``shard=`` the norm is summed over every rank's chunks. Returns the total norm

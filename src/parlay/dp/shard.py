@@ -296,6 +296,15 @@ class ShardedBuckets(GradientBuckets):
         for shard, saved_chunk in zip(self.shards, saved.get("params", [])):
             shard.data.copy_(saved_chunk)
 
+    def named_local_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """:meth:`local_grads`, each named after the parameters its chunk is part of."""
+        out = []
+        for bucket, grad in zip(self.plan.buckets, self.local_grads()):
+            names = [self.names[i] for i in bucket.members]
+            out.append((f"chunk of {', '.join(names[:3])}" + (", ..." if len(names) > 3 else ""),
+                        grad))
+        return out
+
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's chunks of the averaged gradients (after :meth:`finish`)."""
         return [s.grad for s in self.shards if s.grad is not None]

@@ -125,9 +125,7 @@ class AllreduceStrategy(StepTemplate):
             self.guard.mark(loss).backward()
 
         def nonfinite() -> bool:
-            named = [(f"chunk{i}", g) for i, g in enumerate(opt.local_gradients())] \
-                if self.shard else \
-                [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+            named = opt.named_local_gradients()
             return self._skip_nonfinite(float(loss.detach().float().item()), named, saved,
                                         self.process_group, marked=not self.shard)
 

@@ -144,9 +144,7 @@ class HybridStrategy(StepTemplate):
 
         def nonfinite() -> bool:
             # Over every stage of every replica (the world): stages hold different gradients.
-            named = [(f"chunk{i}", g) for i, g in enumerate(opt.local_gradients())] \
-                if self.shard else \
-                [(n, p.grad) for n, p in pipe.named_parameters() if p.grad is not None]
+            named = opt.named_local_gradients()
             loss = float(out.loss.detach().float().item()) if out.loss is not None else None
             return self._skip_nonfinite(loss, named, saved)
 
