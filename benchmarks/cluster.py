@@ -13,8 +13,12 @@ counters (``/sys/class/net/eth0/statistics``) around the timed steps, next to wh
 * ``hier``: 2 hosts x 2 ranks at 100 Mbit/s: flat vs hierarchical allreduce.
 * ``ps``: 4 workers and 4 parameter-server shards, each process on its own 100 Mbit/s host,
   a wide model with a small batch, vs ring allreduce among 4 workers on 4 hosts.
+* ``shard``: 4 hosts x 1 rank, the 784-4096x3-10 MLP, unshaped links: NIC bytes per step of
+  DDP, parlay dense and ``shard="optimizer"``/``"gradients"``/``"parameters"``, against DDP's
+  and the theory (1, 1, 1.5), and of one gloo allreduce and one ring reduce-scatter/all-gather
+  of the model's size against 2(N-1)/N, (N-1)/N, (N-1)/N of it (:mod:`tools.cluster.shard_bytes`).
 
-    python benchmarks/cluster.py [--quick] [--json PATH] [--rows dp,hier,ps]   # root, iproute2
+    python benchmarks/cluster.py [--quick] [--json PATH] [--rows dp,hier,ps,shard]   # root
 """
 from __future__ import annotations
 
@@ -114,12 +118,45 @@ def _ps_rows(model: str, steps: dict, clusters: list[dict],
     return [ring, ps]
 
 
+SHARD_THEORY = {"ddp": 1.0, "parlay": 1.0, "shard_optimizer": 1.0, "shard_gradients": 1.0,
+                "shard_parameters": 1.5, "allreduce": 1.0, "reduce_scatter": 0.5,
+                "all_gather": 0.5}  # of a ring allreduce's 2(N-1)/N of the model's bytes
+
+
+def _shard_rows(model: str, quick: bool, clusters: list[dict],
+                ratios: dict[str, float]) -> list[dict]:
+    """4 hosts x 1 rank, unshaped: NIC bytes per step (tx and rx per host) of DDP and the
+    shard levels, and of single collectives; ratios to DDP's and to the theory."""
+    from tools.cluster.shard_bytes import launch
+
+    rows, info = launch({"model": model, "contestants": list(SHARD_THEORY),
+                         "warmup": 2, "steps": 2 if quick else 5}, hosts=4)
+    clusters.append(info)
+    n, params = rows[0]["world"], rows[0]["params"]
+    ring = 2 * (n - 1) / n * 4 * params  # a ring allreduce of the fp32 model, per rank
+    by = {}
+    for name, theory in SHARD_THEORY.items():
+        mine = [r for r in rows if r["contestant"] == name]
+        tx, rx = (statistics.mean(r[k] for r in mine) for k in ("tx", "rx"))
+        by[name] = dict(row="shard 4x1", rate="unshaped", contestant=name, steps=mine[0]["steps"],
+                        nic_tx_MB=tx / 1e6, nic_rx_MB=rx / 1e6, expected_MB=theory * ring / 1e6,
+                        **{"nic/expected": tx / (theory * ring)})
+    for name, r in by.items():
+        r["vs_ddp"] = r["nic_tx_MB"] / by["ddp"]["nic_tx_MB"]
+        r["theory_vs_ddp"] = SHARD_THEORY[name]
+        if name.startswith(("shard_", "parlay")):
+            ratios[f"{name}_bytes_vs_ddp"] = r["vs_ddp"]
+        else:  # DDP and the single collectives: measured over the theory
+            ratios[f"{name}_bytes_of_theory"] = r["nic/expected"]
+    return list(by.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--rows", default="dp,hier,ps",
-                    help="comma-separated subset of dp, hier, ps (default: all)")
+    ap.add_argument("--rows", default="dp,hier,ps,shard",
+                    help="comma-separated subset of dp, hier, ps, shard (default: all)")
     ap.add_argument("--rates", default="100mbit,1gbit,unshaped",
                     help="links of the dp rows (default: 100mbit,1gbit,unshaped)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # plumbing check
@@ -145,8 +182,11 @@ def main() -> None:
     if "ps" in rows:
         results += _ps_rows("tiny" if ns.smoke else "wide-quick" if ns.quick else "wide",
                             steps, clusters, ratios, ns.quick)
+    if "shard" in rows:
+        results += _shard_rows("tiny" if ns.smoke else "big", ns.quick, clusters, ratios)
     print(table(results, ["row", "rate", "contestant", "samples_s", "of_limit", "of_paired",
-                          "step_s", "steps", "nic_tx_MB", "expected_MB", "nic/expected"]))
+                          "step_s", "steps", "nic_tx_MB", "nic_rx_MB", "expected_MB",
+                          "nic/expected", "vs_ddp", "theory_vs_ddp"]))
     for r in results:
         if r.get("chose"):
             print(f"auto at {r['rate']} chose: {r['chose']} (best fixed: {r['best_fixed']})")
