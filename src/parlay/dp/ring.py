@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from parlay import comm
+from parlay import comm, runtime
 
 __all__ = ["Ring", "HostRing", "CommThread"]
 
@@ -135,7 +135,7 @@ class CommThread:
         def new(members: list[int] | None) -> Any:
             if members is not None:
                 members = [comm.to_global_rank(group, r) for r in members]
-            return dist.new_group(members, use_local_synchronization=True)
+            return runtime.new_group(members, use_local_synchronization=True)
 
         own = group if comm.group_size(group) == 1 else new(
             None if group is None else list(range(comm.group_size(group))))

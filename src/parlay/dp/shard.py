@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -151,6 +151,8 @@ class ShardedBuckets(GradientBuckets):
                          prescale=prescale, postscale=postscale, overlap=True,
                          as_views=level == "optimizer", sparse_only=False)
         self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
+        self._full = [level != "parameters"] * len(plan.buckets)  # units holding full values
+        self._accumulated = False  # a p.grad view of "optimizer" took a gradient since zeroed
         self.shards = [self._make_shard(b) for b in range(len(plan.buckets))]
         unit_group = {b: next(g for g, grp in enumerate(optimizer.param_groups)
                               if any(p is self.params[bucket.members[0]] for p in grp["params"]))
@@ -194,12 +196,17 @@ class ShardedBuckets(GradientBuckets):
         for p, where, _ in self._members(b):
             flat[where].copy_(p.detach().reshape(-1))
         mine = flat[self._span(b)]
+        self.flats[b] = flat
         if self.level == "parameters":
+            # The unit's full values live in ``flat`` only while gathered: its storage is freed
+            # (resized to 0) in between, also under the views autograd saved in forward, and
+            # gathered into again before backward. The parameters themselves are size-0
+            # placeholders while freed, safe to read.
             shard = nn.Parameter(mine.clone())
             for p, _, _ in self._members(b):
                 p.data = _empty(p)
+            flat.untyped_storage().resize_(0)
         else:
-            self.flats[b] = flat
             for p, where, shape in self._members(b):
                 p.data = flat[where].view(shape)
             shard = nn.Parameter(mine)  # shares flat's storage: its step updates the model
@@ -208,6 +215,7 @@ class ShardedBuckets(GradientBuckets):
 
     # ----------------------------------------------------------------- gradients
     def on_grad(self, i: int) -> None:
+        self._accumulated = True
         super().on_grad(i)
         b = self.plan.where[i][0]
         self._seen[b].add(i)
@@ -264,8 +272,22 @@ class ShardedBuckets(GradientBuckets):
         else:
             self.buffers[b] = self._new_buffer(self.plan.buckets[b])
 
+    def zero_grad(self, params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+        """``"optimizer"`` keeps every ``p.grad`` a view of its (zeroed) bucket, so autograd
+        accumulates straight into it, whatever ``set_to_none`` says; the other levels free
+        the gradients (their chunks stay)."""
+        if self.level != "optimizer":
+            super().zero_grad(params, True)
+            return
+        if self._accumulated:  # gradients since the last reduction zeroed the buckets
+            for buf in self.buffers:
+                buf.zero_()
+        self._accumulated = False
+        super().zero_grad(params, False)
+
     def finish(self) -> None:
         super().finish()
+        self._accumulated = False  # every bucket was reduced and zeroed
         for b in range(len(self.plan.buckets)):
             self._seen[b].clear()
             self.release(b)
@@ -293,6 +315,8 @@ class ShardedBuckets(GradientBuckets):
             raise ConfigError(f"cannot load {got} into shard={self.level!r}, world={self.world}, "
                               f"rank={self.rank}: each rank loads the shard it wrote, with the "
                               "same model, level and number of ranks.")
+        for b in range(len(self.shards)):
+            self.release(b)  # nothing gathered or prefetched from the chunks replaced now
         for shard, saved_chunk in zip(self.shards, saved.get("params", [])):
             shard.data.copy_(saved_chunk)
 
@@ -314,6 +338,7 @@ class ShardedBuckets(GradientBuckets):
         """After a step of ``"optimizer"``/``"gradients"``: every rank's updated chunks into
         every parameter. (``"parameters"`` gathers units when they are used.)"""
         if self.level == "parameters":
+            self.prefetch(self._last)  # the next forward's first unit
             return
         ring = self.thread.ring
         futs = [self.thread.submit(functools.partial(ring.all_gather, f))
@@ -325,17 +350,18 @@ class ShardedBuckets(GradientBuckets):
         """Start gathering unit ``b`` unless it is gathered or on its way."""
         if self._pending[b] is not None or self._gathered(b):
             return
-        shard, span, ring = self.shards[b], self._span(b), self.thread.ring
+        shard, span, ring, flat = self.shards[b], self._span(b), self.thread.ring, self.flats[b]
+        assert flat is not None
 
         def gather() -> torch.Tensor:
-            buf = torch.empty(self.chunk[b] * self.world, dtype=shard.dtype, device=shard.device)
-            buf[span].copy_(shard.detach())
-            return ring.all_gather(buf)
+            flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+            flat[span].copy_(shard.detach())
+            return ring.all_gather(flat)
 
         self._pending[b] = self.thread.submit(gather)
 
     def _gathered(self, b: int) -> bool:
-        return self.flats[b] is not None
+        return self._full[b]
 
     def ensure(self, b: int) -> None:
         """Unit ``b``'s parameters hold their full values (gathered now unless prefetched)."""
@@ -347,7 +373,7 @@ class ShardedBuckets(GradientBuckets):
         flat = comm.Handle(None, "all_gather", fut.result).wait()
         for p, where, shape in self._members(b):
             p.data = flat[where].view(shape)
-        self.flats[b] = flat
+        self._full[b] = True
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -370,7 +396,10 @@ class ShardedBuckets(GradientBuckets):
             fut.result()
         for p, _, _ in self._members(b):
             p.data = _empty(p)
-        self.flats[b] = None
+        flat = self.flats[b]
+        if flat is not None:
+            flat.untyped_storage().resize_(0)
+        self._full[b] = False
         self._seen[b].clear()
 
     def _hook_modules(self, model: nn.Module) -> None:
@@ -390,8 +419,9 @@ class ShardedBuckets(GradientBuckets):
         def hook(module: nn.Module, args: Any) -> None:
             for b in mine:
                 self.ensure(b)
-            if min(mine) > 0:
-                self.prefetch(min(mine) - 1)  # units are in backward order: forward goes down
+            for ahead in (1, 2):  # units are in backward order: forward goes down
+                if min(mine) - ahead >= 0:
+                    self.prefetch(min(mine) - ahead)
         return hook
 
     def _after_forward(self, mine: list[int]) -> Callable[..., None]:
