@@ -3,6 +3,7 @@
     parlay run -n 2 examples/mnist_mlp.py                          # data parallel (allreduce)
     parlay run -n 3 --ps 1 examples/mnist_mlp.py --mode ps         # 1 parameter server + 2 workers
     parlay run -n 4 examples/mnist_mlp.py --mode hybrid            # pipeline stages x replicas
+    parlay run -n 4 examples/mnist_mlp.py --shard parameters       # sharded data parallel (ZeRO-3)
 
 Data: ``--data DIR`` or ``PARLAY_DATA_DIR`` (a folder with the four MNIST ``.gz`` files);
 otherwise ``~/.cache/parlay/mnist``, then the copy bundled with parlay (no network needed).
@@ -37,6 +38,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="single-replica learning rate")
     p.add_argument("--compression", default=None, help="e.g. fp16, topk:0.01")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--shard", default=None, choices=["optimizer", "gradients", "parameters"],
+                   help="allreduce, hybrid: shard the training state over the replicas")
     p.add_argument("--data", default=None, help="folder with the MNIST .gz files")
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
@@ -58,7 +61,7 @@ def main() -> None:
         build_training_func, train,
         optimizer=torch.optim.Adam, optimizer_args={"lr": args.lr},
         batch_size=args.batch_size, mode=args.mode, num_epochs=args.epochs,
-        compression=args.compression, precision=args.precision,
+        compression=args.compression, precision=args.precision, shard=args.shard,
         checkpoint_dir=args.checkpoint_dir, lr_schedule="cosine",
         validation_dataset=test, validation_batch_size=1000, strategy_options=options,
     )
@@ -66,7 +69,8 @@ def main() -> None:
     # workers are done. validate() averages over all replicas.
     metrics = trainer.train_and_validate_to_end()
     if metrics and trainer.metrics.printer:
-        print(f"[{args.mode}] test accuracy {100 * metrics['accuracy']:.2f}% after "
+        how = args.mode + (f", shard={args.shard}" if args.shard else "")
+        print(f"[{how}] test accuracy {100 * metrics['accuracy']:.2f}% after "
               f"{trainer.state.epoch} epochs ({trainer.state.step} steps)")
     parlay.shutdown()
 
