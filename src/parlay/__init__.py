@@ -30,8 +30,8 @@ __version__ = "0.1.0"
 _HOROVOD = ("DistributedOptimizer", "allreduce", "allreduce_async", "allgather",
             "allgather_async", "broadcast", "broadcast_async", "join", "barrier", "poll",
             "synchronize", "nccl_built", "gloo_built", "mpi_built", "mpi_enabled")
-_LAZY = ("Trainer", "DistributedSession", "ShardPlan", "compression", "Compression", "data",
-         "pipeline", "horovod", "testing", *_HOROVOD)
+_LAZY = ("Trainer", "DistributedSession", "ShardPlan", "DiLoCoOptimizer", "compression",
+         "Compression", "data", "pipeline", "horovod", "testing", *_HOROVOD)
 
 
 def __getattr__(name: str) -> object:
@@ -52,6 +52,9 @@ def _load(name: str) -> object:
     if name in ("DistributedSession", "ShardPlan"):
         import parlay.ps as ps
         return getattr(ps, name)
+    if name == "DiLoCoOptimizer":
+        import parlay.local as local
+        return local.DiLoCoOptimizer
     if name in ("compression", "Compression"):
         import parlay.compression as compression
         return compression if name == "compression" else compression.Compression

@@ -50,6 +50,11 @@ class Ring:
         return buf[i * c:(i + 1) * c]
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        if send.is_cuda:  # gloo moves host memory only: through the host and back
+            host = torch.empty(recv.shape, dtype=recv.dtype)
+            self._exchange(send.cpu(), host)
+            recv.copy_(host)
+            return
         ops = [dist.P2POp(dist.isend, send, self._next, self.group),
                dist.P2POp(dist.irecv, recv, self._prev, self.group)]
         for work in dist.batch_isend_irecv(ops):

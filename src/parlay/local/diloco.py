@@ -1,0 +1,310 @@
+"""Local updates with an outer optimizer: DiLoCo, streamed in fragments (Streaming DiLoCo).
+
+Data parallel communicates every step; over slow links every step then waits for the wire.
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105) lets each replica take ``H`` inner steps with
+its own optimizer, then averages the replicas' *pseudo-gradients* (the weights at the start of
+the round minus the current ones) and lets an **outer optimizer** (Nesterov SGD, lr 0.7,
+momentum 0.9) apply them to the shared weights, from which every replica goes on. Streaming
+DiLoCo (arXiv 2501.18512) splits the model into ``P`` fragments synced at staggered steps (one
+every ``H/P`` inner steps), so the wire is busy all the time with a ``P``-th of the model, and
+lets each exchange run in the background while inner steps continue, merged ``tau`` steps
+later (the local progress made meanwhile is kept on top of the new shared weights).
+
+Pseudo-gradients go through parlay's compressors (fp16/bf16, top-k/random-k with error
+feedback, ...) like gradients do; a non-finite average is refused before the outer step.
+With ``H=1``, a plain inner SGD and an outer SGD of lr 1.0 without momentum, this is data
+parallel training with that SGD.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parlay import comm
+from parlay.compress.base import CommStats, Compressor, get_compressor, reduce_async
+from parlay.errors import ConfigError, NonFiniteError
+from parlay.nonfinite import all_finite
+
+__all__ = ["DiLoCoOptimizer", "OUTER_DEFAULTS"]
+
+#: The outer optimizer of the DiLoCo paper: Nesterov SGD, lr 0.7, momentum 0.9.
+OUTER_DEFAULTS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+
+
+@dataclass
+class _InFlight:
+    """A fragment's exchange under way: its handle, the local weights it left from, and the
+    inner step at which it is merged."""
+
+    handle: comm.Handle
+    sent_from: list[torch.Tensor]
+    due: int
+
+
+@dataclass
+class Fragment:
+    """A group of parameters synced together, ``offset`` steps into every round."""
+
+    index: int
+    names: list[str]
+    params: list[torch.Tensor]
+    outer: list[torch.nn.Parameter]
+    optimizer: torch.optim.Optimizer
+    offset: int
+    flight: _InFlight | None = field(default=None, repr=False)
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or \
+            (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{name} must be an int {span}, got {value!r}.")
+    return value
+
+
+def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]:
+    """``parts`` contiguous, non-empty groups of about equal size, in registration order.
+
+    Raises:
+        ConfigError: Fewer parameters than ``parts``.
+    """
+    if len(named) < parts:
+        raise ConfigError(f"fragments={parts} needs at least as many parameter tensors; the "
+                          f"model has {len(named)}. Hint: fragments={len(named)} or fewer.")
+    total = max(1, sum(p.numel() for _, p in named))
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    seen, g = 0, 0
+    for i, (_, p) in enumerate(named):
+        want = min(parts - 1, int((seen + p.numel() / 2) * parts / total))
+        # never skip a group, and leave one tensor at least for each group still to come
+        g = min(max(g, want, parts - (len(named) - i)), g + 1 if groups[g] else g)
+        groups[g].append(i)
+        seen += p.numel()
+    return groups
+
+
+class DiLoCoOptimizer:
+    """Wrap an inner ``torch.optim`` optimizer: ``step()`` is an inner step, and every
+    ``sync_every`` inner steps each fragment's pseudo-gradient is averaged over the group and
+    applied by the outer optimizer.
+
+    Every rank must call :meth:`step` the same number of times. All replicas start from rank
+    0's weights (broadcast at construction).
+
+    Args:
+        optimizer: The inner optimizer, over the model's parameters.
+        named_parameters: ``model.named_parameters()`` (names in error messages).
+        sync_every: Inner steps per round (``H``).
+        fragments: Parameter groups synced at staggered steps (``P``, at most ``H``).
+        overlap: Inner steps a fragment's exchange may take before it is merged (``tau``,
+            ``0 <= tau < H/P``; 0: wait for it at once).
+        outer_optimizer: The outer optimizer's class (default Nesterov SGD, see
+            :data:`OUTER_DEFAULTS`).
+        outer_optimizer_args: Its arguments.
+        compression: Compressor of the pseudo-gradients (``"fp16"``, ``"topk:0.01"``...).
+        process_group: The replicas (default: the world).
+        on_nonfinite: ``"raise"`` (default) a :class:`~parlay.errors.NonFiniteError` when an
+            averaged pseudo-gradient is not finite, or ``"skip"`` that round of the fragment
+            (every replica goes back to the shared weights).
+
+    Raises:
+        ConfigError: Bad arguments.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer,
+                 named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None, *,
+                 sync_every: int = 100, fragments: int = 1, overlap: int = 0,
+                 outer_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
+                 outer_optimizer_args: dict[str, Any] | None = None, compression: Any = None,
+                 process_group: Any = None, on_nonfinite: str = "raise") -> None:
+        self.inner = optimizer
+        self.sync_every = _check_int("sync_every", sync_every, 1)
+        n_frag = _check_int("fragments", fragments, 1, self.sync_every)
+        self.overlap = _check_int("overlap", overlap, 0, self.sync_every // n_frag - 1)
+        if on_nonfinite not in ("raise", "skip"):
+            raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
+        self.on_nonfinite = on_nonfinite
+        self.compression: Compressor = get_compressor(compression)
+        self.group = process_group
+        self.world = comm.group_size(process_group) if dist.is_initialized() else 1
+        mine = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        named = list(named_parameters) if named_parameters is not None else \
+            [(f"param{i}", p) for i, p in enumerate(mine)]
+        ids = {id(p) for p in mine}
+        named = [(n, p) for n, p in named if id(p) in ids]
+        if not named:
+            raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
+        if self.world > 1:
+            for _, p in named:
+                comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
+                               group=process_group)
+        outer_args = dict(OUTER_DEFAULTS if outer_optimizer_args is None
+                          and outer_optimizer is torch.optim.SGD else outer_optimizer_args or {})
+        self.fragments: list[Fragment] = []
+        for f, idx in enumerate(_split(named, n_frag)):
+            outer = [torch.nn.Parameter(named[i][1].detach().clone()) for i in idx]
+            try:
+                opt = outer_optimizer(outer, **outer_args)
+            except TypeError as e:
+                raise ConfigError(f"could not build the outer optimizer {outer_optimizer!r} "
+                                  f"with {outer_args}: {e}") from e
+            self.fragments.append(Fragment(f, [named[i][0] for i in idx],
+                                           [named[i][1] for i in idx], outer, opt,
+                                           offset=f * self.sync_every // n_frag))
+        self.steps = 0
+        self.stats = CommStats()
+
+    # ----------------------------------------------------------------- the optimizer face
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's parameter groups (learning-rate schedules act on them)."""
+        return self.inner.param_groups
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the inner optimizer's gradients."""
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step; then merge the exchanges that are due and start those whose
+        fragment's turn it is.
+
+        Raises:
+            CommError: A replica was lost or timed out.
+            NonFiniteError: An averaged pseudo-gradient is not finite (``on_nonfinite``).
+        """
+        out = self.inner.step(closure) if closure is not None else self.inner.step()
+        self._after_inner_step()
+        return out
+
+    def _after_inner_step(self) -> None:
+        self.steps += 1
+        for frag in self.fragments:
+            if frag.flight is not None and frag.flight.due <= self.steps:
+                self._merge(frag)
+            if self.steps > frag.offset and (self.steps - frag.offset) % self.sync_every == 0:
+                self._send(frag)
+
+    def step_without_update(self) -> None:
+        """Count an inner step this replica skipped (a non-finite or overflowed one): the
+        rounds stay in step with the other replicas, which may have taken theirs."""
+        self._after_inner_step()
+
+    @contextlib.contextmanager
+    def shared_weights(self) -> Iterator[None]:
+        """Inside this block the model holds the shared (outer) weights, the same on every
+        replica (to evaluate them); its own are back after it."""
+        with torch.no_grad():
+            mine = [[p.detach().clone() for p in frag.params] for frag in self.fragments]
+            for frag in self.fragments:
+                for p, o in zip(frag.params, frag.outer):
+                    p.copy_(o)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for frag, saved in zip(self.fragments, mine):
+                    for p, v in zip(frag.params, saved):
+                        p.copy_(v)
+
+    def sync_now(self) -> None:
+        """Finish every exchange under way and sync every fragment at once (e.g. before the
+        end of training, so every replica holds the same weights)."""
+        for frag in self.fragments:
+            if frag.flight is not None:
+                self._merge(frag)
+            self._send(frag, wait=True)
+
+    # ----------------------------------------------------------------- one fragment
+    def _send(self, frag: Fragment, wait: bool = False) -> None:
+        flat = torch.cat([(o.detach() - p.detach()).reshape(-1)
+                          for o, p in zip(frag.outer, frag.params)])
+        handle = reduce_async(flat, self.compression, key=f"fragment{frag.index}",
+                              group=self.group, stats=self.stats, into=flat) \
+            if self.world > 1 else comm.Handle(None, "local", lambda: flat)
+        sent = [p.detach().clone() for p in frag.params] if self.overlap and not wait else []
+        frag.flight = _InFlight(handle, sent, self.steps + (0 if wait else self.overlap))
+        if frag.flight.due <= self.steps:
+            self._merge(frag)
+
+    def _merge(self, frag: Fragment) -> None:
+        flight = frag.flight
+        assert flight is not None
+        frag.flight = None
+        avg = flight.handle.wait()
+        if self.world > 1:
+            avg = avg / self.world
+        with torch.no_grad():
+            if not all_finite([avg]):
+                if self.on_nonfinite == "raise":
+                    raise NonFiniteError(
+                        f"the averaged pseudo-gradient of fragment {frag.index} "
+                        f"({', '.join(frag.names[:3])}{', ...' if len(frag.names) > 3 else ''})"
+                        f" at inner step {self.steps} is not finite; the outer step was not "
+                        "applied. Hint: lower the inner learning rate or clip gradients.",
+                        step=self.steps, rank=comm.group_rank(self.group) if self.world > 1
+                        else 0, parameter=frag.names[0])
+                for p, o in zip(frag.params, frag.outer):  # skip: back to the shared weights
+                    p.copy_(o)
+                return
+            off = 0
+            for o in frag.outer:
+                o.grad = avg[off:off + o.numel()].view_as(o).to(o.dtype)
+                off += o.numel()
+            frag.optimizer.step()
+            frag.optimizer.zero_grad(set_to_none=True)
+            for i, (p, o) in enumerate(zip(frag.params, frag.outer)):
+                if flight.sent_from:  # keep what the replica learned while the exchange ran
+                    p.add_(o - flight.sent_from[i])
+                else:
+                    p.copy_(o)
+
+    # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Inner and outer state, the round position and any exchange under way (waited for:
+        every rank must call it at the same step)."""
+        flights = []
+        for frag in self.fragments:
+            f = frag.flight
+            flights.append(None if f is None else
+                           {"avg": f.handle.wait(), "sent_from": f.sent_from, "due": f.due})
+        return {"inner": self.inner.state_dict(), "steps": self.steps,
+                "outer": [[o.detach().clone() for o in frag.outer] for frag in self.fragments],
+                "outer_optimizers": [frag.optimizer.state_dict() for frag in self.fragments],
+                "flights": flights, "compression": self.compression.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ConfigError: It was written with another number of fragments.
+        """
+        if len(state["outer"]) != len(self.fragments):
+            raise ConfigError(f"this DiLoCo state has {len(state['outer'])} fragment(s), the "
+                              f"optimizer {len(self.fragments)}; resume with the same fragments.")
+        self.inner.load_state_dict(state["inner"])
+        self.steps = int(state["steps"])
+        for frag, outer, opt_sd, flight in zip(self.fragments, state["outer"],
+                                               state["outer_optimizers"], state["flights"]):
+            with torch.no_grad():
+                for o, saved in zip(frag.outer, outer):
+                    o.copy_(saved)
+            frag.optimizer.load_state_dict(opt_sd)
+            frag.flight = None if flight is None else _InFlight(
+                comm.Handle(None, "restored", functools.partial(torch.Tensor.clone,
+                                                                flight["avg"])),
+                list(flight["sent_from"]), int(flight["due"]))
+        if state.get("compression"):
+            self.compression.load_state_dict(state["compression"])
+
+    def comm_stats(self) -> dict[str, float]:
+        """Pseudo-gradient bytes so far: dense and on the wire, per inner step."""
+        d = self.stats.as_dict()
+        steps = max(1, self.steps)
+        return {**d, "steps": self.steps, "dense_bytes_per_step": d["dense_bytes"] / steps,
+                "wire_bytes_per_step": d["wire_bytes"] / steps}

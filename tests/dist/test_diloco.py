@@ -1,0 +1,200 @@
+"""DiLoCoOptimizer and mode="diloco" on real gloo ranks against plain single-process oracles."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import parlay
+from parlay.errors import ConfigError, NonFiniteError
+from parlay.local.diloco import OUTER_DEFAULTS, DiLoCoOptimizer, _split
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+TOL = dict(rtol=1e-10, atol=1e-10)
+STEPS, PER = 12, 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 9), nn.Tanh(), nn.Linear(9, 7), nn.Tanh(),
+                         nn.Linear(7, 2)).double()
+
+
+def _data(world: int):
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(STEPS, world * PER, 5, generator=g, dtype=torch.float64),
+            torch.randn(STEPS, world * PER, 2, generator=g, dtype=torch.float64))
+
+
+INNER = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adam": (torch.optim.Adam, {"lr": 0.01})}
+
+
+def _run(inner, H, P, tau, outer_args):
+    """Every rank's final weights and shared (outer) weights."""
+    world, r = parlay.size(), parlay.rank()
+    m = _model()
+    cls, args = INNER[inner]
+    opt = DiLoCoOptimizer(cls(m.parameters(), **args), m.named_parameters(), sync_every=H,
+                          fragments=P, overlap=tau, outer_optimizer_args=outer_args)
+    x, y = _data(world)
+    sl = slice(r * PER, (r + 1) * PER)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x[s][sl]), y[s][sl]).backward()
+        opt.step()
+    with opt.shared_weights():
+        shared = [p.detach().clone() for p in m.parameters()]
+    return [p.detach().clone() for p in m.parameters()], shared
+
+
+def _oracle(world, inner, H, P, tau, outer_args):
+    """The algorithm written plainly, one process: ``world`` replicas side by side."""
+    models = [_model() for _ in range(world)]
+    cls, args = INNER[inner]
+    inners = [cls(m.parameters(), **args) for m in models]
+    named = list(models[0].named_parameters())
+    frags = _split(named, P)
+    outer = [[p.detach().clone().requires_grad_() for i in f for p in [named[i][1]]]
+             for f in frags]
+    outer_opts = [torch.optim.SGD(o, **(outer_args or OUTER_DEFAULTS)) for o in outer]
+    flights: dict[int, tuple[list[torch.Tensor], list[list[torch.Tensor]], int]] = {}
+    x, y = _data(world)
+
+    def params(k, f):
+        return [list(models[k].parameters())[i] for i in frags[f]]
+
+    def merge(f):
+        avg, sent, _ = flights.pop(f)
+        for o, a in zip(outer[f], avg):
+            o.grad = a
+        outer_opts[f].step()
+        with torch.no_grad():
+            for k in range(world):
+                for j, (p, o) in enumerate(zip(params(k, f), outer[f])):
+                    p.copy_(o + (p - sent[k][j]) if tau else o)
+
+    for t in range(1, STEPS + 1):
+        for k, (m, opt) in enumerate(zip(models, inners)):
+            opt.zero_grad()
+            sl = slice(k * PER, (k + 1) * PER)
+            nn.functional.mse_loss(m(x[t - 1][sl]), y[t - 1][sl]).backward()
+            opt.step()
+        for f in range(len(frags)):
+            if f in flights and flights[f][2] <= t:
+                merge(f)
+            off = f * H // P
+            if t > off and (t - off) % H == 0:
+                avg = [sum(o.detach() - params(k, f)[j].detach() for k in range(world)) / world
+                       for j, o in enumerate(outer[f])]
+                sent = [[p.detach().clone() for p in params(k, f)] for k in range(world)]
+                flights[f] = (avg, sent, t + tau)
+                if tau == 0:
+                    merge(f)
+    return [[p.detach() for p in m.parameters()] for m in models]
+
+
+def _plain_sgd(world):
+    m = _model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x, y = _data(world)
+    for s in range(STEPS):
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x[s]), y[s]).backward()
+        opt.step()
+    return [p.detach() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_inner_step_and_a_plain_outer_sgd_is_data_parallel(world):
+    ref = _plain_sgd(world)
+    for final, shared in run_world(_run, world, "sgd", 1, 1, 0, {"lr": 1.0}):
+        for a, b, c in zip(final, shared, ref):
+            torch.testing.assert_close(a, c, **TOL)
+            torch.testing.assert_close(b, c, **TOL)
+
+
+@pytest.mark.parametrize("inner, H, P, tau", [("adam", 4, 1, 0), ("adam", 4, 2, 0),
+                                               ("sgd", 6, 3, 1), ("adam", 4, 2, 1)])
+def test_rounds_fragments_and_overlap_follow_the_algorithm(inner, H, P, tau):
+    world = 2
+    ref = _oracle(world, inner, H, P, tau, None)
+    for r, (final, _) in enumerate(run_world(_run, world, inner, H, P, tau, None)):
+        for a, b in zip(final, ref[r]):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+def _nan_round():
+    m = _model()
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                          sync_every=2)
+    x, y = _data(parlay.size())
+    for s in range(2):
+        opt.zero_grad()
+        nn.functional.mse_loss(m(x[s][:PER]), y[s][:PER]).backward()
+        if s == 1 and parlay.rank() == 1:
+            with torch.no_grad():
+                next(m.parameters())[0, 0] = float("nan")
+        try:
+            opt.step()
+        except NonFiniteError as e:
+            return str(e), opt.fragments[0].outer[0].detach().isfinite().all().item()
+    return None, None
+
+
+def test_a_nonfinite_pseudo_gradient_is_refused_on_every_rank():
+    for msg, outer_finite in run_world(_nan_round, 2):
+        assert msg is not None and "pseudo-gradient" in msg and outer_finite
+
+
+@pytest.mark.parametrize("kw, words", [({"sync_every": 0}, "sync_every"),
+                                        ({"sync_every": 4, "fragments": 5}, "fragments"),
+                                        ({"sync_every": 4, "fragments": 2, "overlap": 2},
+                                         "overlap"),
+                                        ({"outer_optimizer_args": {"bogus": 1}}, "outer")])
+def test_bad_arguments_are_refused(kw, words):
+    m = _model()
+    with pytest.raises(ConfigError, match=words):
+        DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), **kw)
+
+
+# ------------------------------------------------------------------- the Trainer's mode
+def _dataset():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 6, generator=g, dtype=torch.float64)
+    return TensorDataset(x, (x[:, :3].sum(1) > 0).long())
+
+
+def _build():
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2),
+                          nn.Linear(16, 2)).double(), nn.CrossEntropyLoss())
+
+
+def _trainer(ckpt, max_iteration):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=4, mode="diloco",
+                       strategy_options={"sync_every": 4, "fragments": 2, "overlap": 1},
+                       max_iteration=max_iteration, checkpoint_dir=ckpt, checkpoint_every=3,
+                       progress=False)
+    losses = []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+    return losses, [p.detach().clone() for p in t.model.parameters()], t.lr_scale
+
+
+def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path):
+    # Checkpoints every 3 steps: step 3 holds fragment 1's exchange (sent at 2, merged at 3)
+    # or fragment 0's (sent at 4... ) in flight at 9 and 10; the cut at 10 resumes one.
+    full = run_world(_trainer, 2, None, 14)
+    first = run_world(_trainer, 2, str(tmp_path), 10)
+    second = run_world(_trainer, 2, str(tmp_path), 14)
+    for r in range(2):
+        assert first[r][0] + second[r][0] == full[r][0]
+        assert all(torch.equal(a, b) for a, b in zip(full[r][1], second[r][1]))
+        assert full[r][2] == 1.0, "the learning rate is not scaled by the replica count"
+    # training ends with a final sync: every replica holds the same weights
+    assert all(torch.equal(a, b) for a, b in zip(full[0][1], full[1][1]))
