@@ -26,6 +26,8 @@ def main() -> None:
     args = p.parse_args()
 
     parlay.init()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)                                  # the same model on every rank
     teacher = torch.randn(32, 4)
     data = torch.Generator().manual_seed(1000 + parlay.rank())
@@ -53,7 +55,6 @@ def main() -> None:
         total = sum(p.numel() for p in model.parameters())
         checksum = sum(p.double().sum().item() for p in model.parameters())
         if args.out and parlay.rank() == 0:
-            os.makedirs(args.out, exist_ok=True)
             torch.save(model.state_dict(), os.path.join(args.out, "model.pt"))
     if args.out:                            # each rank's shard; loads at the same N only
         torch.save(opt.state_dict(), os.path.join(args.out, f"shard.rank{parlay.rank()}.pt"))
