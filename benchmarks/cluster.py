@@ -17,8 +17,13 @@ counters (``/sys/class/net/eth0/statistics``) around the timed steps, next to wh
   DDP, parlay dense and ``shard="optimizer"``/``"gradients"``/``"parameters"``, against DDP's
   and the theory (1, 1, 1.5), and of one gloo allreduce and one ring reduce-scatter/all-gather
   of the model's size against 2(N-1)/N, (N-1)/N, (N-1)/N of it (:mod:`tools.cluster.shard_bytes`).
+* ``diloco``: 4 hosts x 1 rank, the 784-4096x3-10 MLP, at 100 Mbit/s and 10 Mbit/s: DiLoCo
+  (streamed fragments, overlapped, compressed pseudo-gradients; settings in ``DILOCO``) in
+  steady state against the compute-only limit timed before and after it in the same run, and
+  NIC bytes per sample against DDP's (measured at 100 Mbit/s; at 10 Mbit/s DDP's step is
+  its compute plus those bytes at the measured goodput) (:mod:`tools.cluster.diloco_bench`).
 
-    python benchmarks/cluster.py [--quick] [--json PATH] [--rows dp,hier,ps,shard]   # root
+    python benchmarks/cluster.py [--quick] [--json PATH] [--rows dp,hier,ps,shard,diloco]  # root
 """
 from __future__ import annotations
 
@@ -151,12 +156,69 @@ def _shard_rows(model: str, quick: bool, clusters: list[dict],
     return list(by.values())
 
 
+# DiLoCo's settings: H inner steps a round, P fragments (one sent every H/P steps), each merged
+# tau steps after it was sent; pseudo-gradients top-k 1% with error feedback (SparseLoCo's range).
+DILOCO = {"H": 100, "P": 4, "tau": 2, "compression": "topk:0.01", "rounds": 3,
+          "compute_steps": 10}
+DILOCO_QUICK = dict(DILOCO, H=16, rounds=2, compute_steps=4)
+
+
+def _diloco_rows(model: str, quick: bool, clusters: list[dict],
+                 ratios: dict[str, float]) -> list[dict]:
+    """4 hosts x 1 rank at 100 and 10 Mbit/s: DiLoCo's samples/s over the compute-only limit
+    of the same run, and NIC bytes per sample against DDP's."""
+    from tools.cluster.diloco_bench import launch
+
+    spec = dict(DILOCO_QUICK if quick else DILOCO, model=model)
+    print("diloco settings:", {k: spec[k] for k in ("H", "P", "tau", "compression", "rounds")},
+          flush=True)
+    out: list[dict] = []
+    ddp: dict = {}
+    for rate in ("100mbit", "10mbit"):
+        rows, info = launch(dict(spec, ddp_steps=1 if rate == "100mbit" else 0), 4, rate)
+        clusters.append(info)
+
+        def slowest(name: str, rows: list[dict] = rows) -> dict:
+            mine = [r for r in rows if r["contestant"] == name]
+            return dict(max(mine, key=lambda r: r["step_s"]),
+                        nic_tx=statistics.mean(r["nic_tx"] for r in mine))
+        limit = statistics.mean(r["step_s"] for r in rows if r["contestant"] == "compute")
+        world, batch = rows[0]["world"], rows[0]["batch"]
+        d = slowest("diloco")
+        if "ddp" in {r["contestant"] for r in rows}:
+            ddp = dict(slowest("ddp"), measured=True)
+        elif not ddp:  # a ring allreduce of the fp32 model: 2(N-1)/N of its bytes
+            from tools.bench.launch import model_bytes
+            ddp = dict(nic_tx=2 * (world - 1) / world * model_bytes(model), steps=0,
+                       measured=False)
+        ddp_step = ddp["step_s"] if rate == "100mbit" and ddp.get("measured") else \
+            limit + ddp["nic_tx"] * 8 / (info["link_mbit_s"] * 1e6)
+        base = dict(row="diloco 4x1", rate=rate)
+        comp = dict(base, contestant="compute", step_s=limit, samples_s=world * batch / limit,
+                    of_limit=1.0, steps=sum(r["steps"] for r in rows
+                                            if r["contestant"] == "compute") // world)
+        dl = dict(base, contestant="diloco", step_s=d["step_s"], steps=d["steps"],
+                  samples_s=world * batch / d["step_s"], of_limit=limit / d["step_s"],
+                  nic_tx_MB=d["nic_tx"] / 1e6, bytes_per_sample=d["nic_tx"] / batch,
+                  wire_MB=d["wire_bytes"] / 1e6)
+        dd = dict(base, contestant="ddp" if rate == "100mbit" else "ddp (theory)",
+                  step_s=ddp_step, samples_s=world * batch / ddp_step, of_limit=limit / ddp_step,
+                  nic_tx_MB=ddp["nic_tx"] / 1e6, bytes_per_sample=ddp["nic_tx"] / batch,
+                  steps=ddp["steps"] if rate == "100mbit" else 0)
+        dl["vs_ddp"] = dd["bytes_per_sample"] / dl["bytes_per_sample"]
+        ratios[f"diloco_of_limit@{rate}"] = dl["of_limit"]
+        ratios[f"ddp_of_limit@{rate}"] = dd["of_limit"]
+        ratios[f"diloco_bytes_fewer_than_ddp@{rate}"] = dl["vs_ddp"]
+        out += [comp, dl, dd]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--rows", default="dp,hier,ps,shard",
-                    help="comma-separated subset of dp, hier, ps, shard (default: all)")
+    ap.add_argument("--rows", default="dp,hier,ps,shard,diloco",
+                    help="comma-separated subset of dp, hier, ps, shard, diloco (default: all)")
     ap.add_argument("--rates", default="100mbit,1gbit,unshaped",
                     help="links of the dp rows (default: 100mbit,1gbit,unshaped)")
     ap.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # plumbing check
@@ -184,9 +246,11 @@ def main() -> None:
                             steps, clusters, ratios, ns.quick)
     if "shard" in rows:
         results += _shard_rows("tiny" if ns.smoke else "big", ns.quick, clusters, ratios)
+    if "diloco" in rows:
+        results += _diloco_rows("tiny" if ns.smoke else "big", ns.quick, clusters, ratios)
     print(table(results, ["row", "rate", "contestant", "samples_s", "of_limit", "of_paired",
                           "step_s", "steps", "nic_tx_MB", "nic_rx_MB", "expected_MB",
-                          "nic/expected", "vs_ddp", "theory_vs_ddp"]))
+                          "nic/expected", "vs_ddp", "theory_vs_ddp", "bytes_per_sample"]))
     for r in results:
         if r.get("chose"):
             print(f"auto at {r['rate']} chose: {r['chose']} (best fixed: {r['best_fixed']})")
