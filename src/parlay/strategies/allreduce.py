@@ -9,6 +9,8 @@ without a message.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Any
 from collections.abc import Callable
 
@@ -25,7 +27,102 @@ from parlay.strategies.template import StepTemplate, autocast_context, batch_siz
 __all__ = ["AllreduceStrategy"]
 
 
-class AllreduceStrategy(StepTemplate):
+class WholeModelStrategy(StepTemplate):
+    """What the modes that hold the whole model on every rank share (``"allreduce"``,
+    ``"diloco"``): placing it, its readiness, evaluation, state and byte counts.
+
+    Args:
+        precision, grad_clip, loss_scale: See :class:`StepTemplate`.
+        process_group: Group to train over (default: the world).
+        scaler_agree: Whether ranks check different gradients (see :class:`StepTemplate`).
+    """
+
+    #: The shard level of the training state (``None``: every rank holds all of it).
+    shard: str | None = None
+
+    def __init__(self, precision: str, grad_clip: float | None, loss_scale: float | None,
+                 process_group: Any = None, scaler_agree: bool = False) -> None:
+        super().__init__(precision, grad_clip, loss_scale, scaler_group=process_group,
+                         scaler_agree=scaler_agree)
+        self.process_group = process_group
+        self.model: nn.Module | None = None
+        self._loss_fn: Callable[..., torch.Tensor] | None = None
+        self._device = torch.device("cpu")
+
+    @property
+    def dp_size(self) -> int:
+        return comm.group_size(self.process_group)
+
+    @property
+    def dp_rank(self) -> int:
+        return comm.group_rank(self.process_group)
+
+    @property
+    def dp_group(self) -> Any:
+        return self.process_group
+
+    @property
+    def train_group(self) -> Any:
+        return self.process_group
+
+    def _place(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> nn.Module:
+        """Put the model on this rank's device, identical on every rank (rank 0's weights,
+        even if the ranks built it with different seeds)."""
+        self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
+        self.model = model.to(self._device)
+        self._loss_fn = loss_fn
+        broadcast_parameters(self.model.state_dict(), root_rank=0, process_group=self.process_group)
+        return self.model
+
+    def _ready(self) -> tuple[nn.Module, Any, Callable[..., torch.Tensor]]:
+        if self.model is None or self.optimizer is None or self._loss_fn is None:
+            raise ConfigError(f"{type(self).__name__}.setup(...) must run before training.")
+        return self.model, self.optimizer, self._loss_fn
+
+    def _eval_weights(self) -> contextlib.AbstractContextManager[Any]:
+        """The weights evaluation runs on (default: the model's own)."""
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def eval_forward(self, x: Any) -> torch.Tensor:
+        model, _, _ = self._ready()
+        was_training = model.training
+        model.eval()
+        try:
+            with self._eval_weights(), autocast_context(self.precision, self._device):
+                return model(to_device(x, self._device))
+        finally:
+            model.train(was_training)
+
+    def set_lr_factor(self, factor: float) -> None:
+        self._ready()
+        super().set_lr_factor(factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        model, opt, _ = self._ready()
+        sd = model.state_dict()
+        if self.shard == "parameters":  # the parameters are the optimizer state's chunks
+            sd = {k: v for k, v in sd.items() if k not in self._param_names}
+        return self._scaler_state({"model": sd, "optimizer": opt.state_dict()})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        model, opt, _ = self._ready()
+        model.load_state_dict(state["model"], strict=self.shard != "parameters")
+        opt.load_state_dict(state["optimizer"])
+        self._load_scaler_state(state)
+
+    @property
+    def _param_names(self) -> set[str]:
+        model, _, _ = self._ready()
+        return {n for n, _ in model.named_parameters()}
+
+    def comm_stats(self) -> dict[str, float]:
+        """Bytes per step before and after compression."""
+        _, opt, _ = self._ready()
+        return dict(opt.comm_stats())
+
+
+class AllreduceStrategy(WholeModelStrategy):
     """Data parallel over every rank of the world (or ``process_group``).
 
     Args:
@@ -57,58 +154,28 @@ class AllreduceStrategy(StepTemplate):
         # The scaler checks gradients averaged over the whole group, identical on every rank:
         # each rank finds the same overflow without a message (sharded: each rank checks its
         # own chunks, so one flag is agreed).
-        super().__init__(precision, grad_clip, loss_scale, scaler_group=process_group,
+        super().__init__(precision, grad_clip, loss_scale, process_group,
                          scaler_agree=shard is not None)
         self.shard = shard
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
         self.bucket_cap_mb = bucket_cap_mb
-        self.process_group = process_group
         self.loss_scale = loss_scale
         self.hierarchical = hierarchical
-        self.model: nn.Module | None = None
-        self._loss_fn: Callable[..., torch.Tensor] | None = None
-        self._device = torch.device("cpu")
-
-    # ------------------------------------------------------------------ topology
-    @property
-    def dp_size(self) -> int:
-        return comm.group_size(self.process_group)
-
-    @property
-    def dp_rank(self) -> int:
-        return comm.group_rank(self.process_group)
-
-    @property
-    def dp_group(self) -> Any:
-        return self.process_group
-
-    @property
-    def train_group(self) -> Any:
-        return self.process_group
 
     # ------------------------------------------------------------------ life cycle
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
-        self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
-        self.model = model.to(self._device)
-        self._loss_fn = loss_fn
-        opt = self._new_optimizer(optimizer_cls, self.model.parameters(), optimizer_args)
-        # Identical start on every rank, even if the model was built with different seeds.
+        model = self._place(model, loss_fn)
         # The optimizer was just built from the same arguments on every rank and holds no state
         # yet, so there is nothing of it to broadcast (broadcast_optimizer_state would also
         # send a pickled skeleton, which the training path never unpickles).
-        broadcast_parameters(self.model.state_dict(), root_rank=0, process_group=self.process_group)
+        opt = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         self.optimizer = DistributedOptimizer(
-            opt, named_parameters=self.model.named_parameters(), compression=self.compression,
+            opt, named_parameters=model.named_parameters(), compression=self.compression,
             backward_passes_per_step=self.backward_passes_per_step,
             bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group,
-            hierarchical=self.hierarchical, shard=self.shard, model=self.model)
-
-    def _ready(self) -> tuple[nn.Module, DistributedOptimizer, Callable[..., torch.Tensor]]:
-        if self.model is None or self.optimizer is None or self._loss_fn is None:
-            raise ConfigError("AllreduceStrategy.setup(...) must run before training.")
-        return self.model, self.optimizer, self._loss_fn
+            hierarchical=self.hierarchical, shard=self.shard, model=model)
 
     def train_step(self, x: Any, y: Any) -> StepResult:
         model, opt, loss_fn = self._ready()
@@ -133,48 +200,9 @@ class AllreduceStrategy(StepTemplate):
         return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
                           skipped=skipped)
 
-    @torch.no_grad()
-    def eval_forward(self, x: Any) -> torch.Tensor:
-        model, _, _ = self._ready()
-        was_training = model.training
-        model.eval()
-        try:
-            with autocast_context(self.precision, self._device):
-                return model(to_device(x, self._device))
-        finally:
-            model.train(was_training)
-
     @property
     def has_replicas(self) -> bool:
         return not self.shard  # sharded ranks each hold their own chunks
-
-    def set_lr_factor(self, factor: float) -> None:
-        self._ready()
-        super().set_lr_factor(factor)
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        model, opt, _ = self._ready()
-        sd = model.state_dict()
-        if self.shard == "parameters":  # the parameters are the optimizer state's chunks
-            sd = {k: v for k, v in sd.items() if k not in self._param_names}
-        return self._scaler_state({"model": sd, "optimizer": opt.state_dict()})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        model, opt, _ = self._ready()
-        model.load_state_dict(state["model"], strict=self.shard != "parameters")
-        opt.load_state_dict(state["optimizer"])
-        self._load_scaler_state(state)
-
-    @property
-    def _param_names(self) -> set[str]:
-        model, _, _ = self._ready()
-        return {n for n, _ in model.named_parameters()}
-
-    def comm_stats(self) -> dict[str, float]:
-        """Gradient bytes per step before and after compression."""
-        _, opt, _ = self._ready()
-        return opt.comm_stats()
 
 
 register_strategy("allreduce", AllreduceStrategy)

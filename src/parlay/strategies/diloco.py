@@ -9,24 +9,24 @@ own steps on its own batch size).
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from parlay import comm, runtime
-from parlay.dp.functions import broadcast_parameters
-from parlay.errors import ConfigError
+from parlay import runtime
 from parlay.local.diloco import DiLoCoOptimizer
+from parlay.strategies.allreduce import WholeModelStrategy
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
-from parlay.strategies.template import StepTemplate, autocast_context, batch_size_of, to_device
+from parlay.strategies.template import autocast_context, batch_size_of, to_device
 
 __all__ = ["DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(StepTemplate):
+class DiLoCoStrategy(WholeModelStrategy):
     """Local-update data parallel (DiLoCo / Streaming DiLoCo) over every rank.
 
     Args:
@@ -52,23 +52,12 @@ class DiLoCoStrategy(StepTemplate):
                  outer_optimizer_args: dict[str, Any] | None = None,
                  loss_scale: float | None = None, **unknown: Any) -> None:
         reject_unknown(DiLoCoStrategy, unknown)
-        super().__init__(precision, grad_clip, loss_scale, scaler_agree=False)
+        super().__init__(precision, grad_clip, loss_scale)
         self.compression = compression
         self.options = dict(sync_every=sync_every, fragments=fragments, overlap=overlap,
                             outer_optimizer=outer_optimizer,
                             outer_optimizer_args=outer_optimizer_args)
-        self.model: nn.Module | None = None
-        self._loss_fn: Callable[..., torch.Tensor] | None = None
-        self._device = torch.device("cpu")
         self._alone: Any = None  # a group of this rank only: its inner steps decide alone
-
-    @property
-    def dp_size(self) -> int:
-        return comm.group_size() if dist.is_initialized() else 1
-
-    @property
-    def dp_rank(self) -> int:
-        return comm.group_rank() if dist.is_initialized() else 0
 
     @property
     def has_replicas(self) -> bool:
@@ -80,22 +69,13 @@ class DiLoCoStrategy(StepTemplate):
 
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
-        self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
-        self.model = model.to(self._device)
-        self._loss_fn = loss_fn
-        broadcast_parameters(self.model.state_dict(), root_rank=0)  # buffers too
-        inner = self._new_optimizer(optimizer_cls, self.model.parameters(), optimizer_args)
+        model = self._place(model, loss_fn)
+        inner = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         self.optimizer = DiLoCoOptimizer(
-            inner, self.model.named_parameters(), compression=self.compression,
+            inner, model.named_parameters(), compression=self.compression,
             on_nonfinite=self.guard.policy, **self.options)
         if dist.is_initialized():
-            me = dist.get_rank()
-            self._alone = dist.new_group([me], use_local_synchronization=True)
-
-    def _ready(self) -> tuple[nn.Module, DiLoCoOptimizer, Callable[..., torch.Tensor]]:
-        if self.model is None or self.optimizer is None or self._loss_fn is None:
-            raise ConfigError("DiLoCoStrategy.setup(...) must run before training.")
-        return self.model, self.optimizer, self._loss_fn
+            self._alone = runtime.new_group([dist.get_rank()], use_local_synchronization=True)
 
     def train_step(self, x: Any, y: Any) -> StepResult:
         model, opt, loss_fn = self._ready()
@@ -123,35 +103,13 @@ class DiLoCoStrategy(StepTemplate):
         return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
                           skipped=skipped)
 
-    @torch.no_grad()
-    def eval_forward(self, x: Any) -> torch.Tensor:
-        model, opt, _ = self._ready()
-        was = model.training
-        model.eval()
-        try:
-            with opt.shared_weights(), autocast_context(self.precision, self._device):
-                return model(to_device(x, self._device))
-        finally:
-            model.train(was)
+    def _eval_weights(self) -> contextlib.AbstractContextManager[Any]:
+        _, opt, _ = self._ready()
+        return cast(DiLoCoOptimizer, opt).shared_weights()
 
     def finish(self) -> None:
         if self.optimizer is not None:
             self.optimizer.sync_now()  # every replica ends with the shared weights
-
-    def state_dict(self) -> dict[str, Any]:
-        model, opt, _ = self._ready()
-        return self._scaler_state({"model": model.state_dict(), "optimizer": opt.state_dict()})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        model, opt, _ = self._ready()
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        self._load_scaler_state(state)
-
-    def comm_stats(self) -> dict[str, float]:
-        """Pseudo-gradient bytes per inner step, dense and on the wire."""
-        _, opt, _ = self._ready()
-        return opt.comm_stats()
 
 
 register_strategy("diloco", DiLoCoStrategy)
