@@ -12,20 +12,21 @@ import functools
 import json
 import math
 from collections.abc import Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from parlay.errors import ConfigError
 from parlay.plan.model import ClusterSpec, Costs, Workload, compressor_of
-from parlay.plan.modes import allreduce_terms, hierarchical_terms, hybrid_terms, ps_terms
-from parlay.plan.units import format_count
+from parlay.plan.modes import (DILOCO_TARGET, allreduce_terms, diloco_h, diloco_link_bytes,
+                               diloco_terms, hierarchical_terms, hybrid_terms, ps_terms)
+from parlay.plan.units import format_bytes, format_count
 
-__all__ = ["Prediction", "MODES", "COMPRESSORS", "predict", "rank_configs", "recommend",
-           "explain", "excluded", "by_accuracy", "convergence_table"]
+__all__ = ["Prediction", "MODES", "ALL_MODES", "COMPRESSORS", "predict", "rank_configs",
+           "recommend", "explain", "excluded", "by_accuracy", "convergence_table", "diloco_advice",
+           "mode_takes", "mode_variants"]
 
-#: Modes the model covers (``ps`` takes ``consistency=``, ``hybrid`` takes ``stages=``).
-MODES = ("allreduce", "hierarchical", "ps", "hybrid")
 #: Compressors ``rank_configs`` tries by default.
 COMPRESSORS = ("none", "fp16", "bf16", "topk:0.01", "randomk:0.01", "powersgd:4")
 
@@ -51,7 +52,7 @@ class Prediction:
     """The model's estimate of one configuration.
 
     Attributes:
-        mode: ``allreduce``, ``hierarchical``, ``ps`` or ``hybrid``.
+        mode: One of :data:`MODES`.
         compressor: Compression string as given (``"none"`` when uncompressed).
         step_s: Predicted seconds per training step.
         samples_per_s: Global samples per second (``batch * world / step_s``).
@@ -60,6 +61,8 @@ class Prediction:
         options: Mode options used (consistency, servers, stages, chunks...).
         factor: The compressor's convergence factor (steps to the accuracy target relative to
             dense; ``math.inf``: never reached it; ``None``: unmeasured).
+        exact: Whether the mode keeps data parallel's optimisation (not async parameter
+            servers, not diloco's local steps): only those are ranked for a recommendation.
     """
 
     mode: str
@@ -70,6 +73,12 @@ class Prediction:
     dominant: str
     options: dict[str, Any] = field(default_factory=dict)
     factor: float | None = None
+    exact: bool = True
+
+    @property
+    def utilisation(self) -> float:
+        """Compute's share of the step (1: communication entirely hidden or absent)."""
+        return self.terms.get("compute", 0.0) / self.step_s if self.step_s > 0 else 1.0
 
     @property
     def to_accuracy_s(self) -> float:
@@ -94,6 +103,64 @@ class Prediction:
         return mode if self.compressor == "none" else f"{mode} + {self.compressor}"
 
 
+@dataclass(frozen=True)
+class _Mode:
+    """How ``predict`` prices one mode: its terms, the options it shows, the variants
+    ``rank_configs`` tries, the options the command passes it, and whether it keeps data
+    parallel's semantics (``exact``)."""
+
+    terms: Callable[..., dict[str, float]]
+    shown: Callable[[dict[str, Any], ClusterSpec], dict[str, Any]] = lambda o, c: {}
+    variants: Callable[[Workload, ClusterSpec], list[dict[str, Any]]] = lambda w, c: [{}]
+    takes: tuple[str, ...] = ()
+    exact: Callable[[dict[str, Any]], bool] = lambda o: True
+    resolve: Callable[..., dict[str, Any]] = lambda w, c, comp, costs, o: o
+
+
+def _hybrid_variants(w: Workload, c: ClusterSpec) -> list[dict[str, Any]]:
+    return [{"stages": p} for p in (2, 4, 8) if c.world % p == 0 and p <= c.world
+            and (w.layers is None or p <= w.layers)]
+
+
+def _diloco_resolve(w: Workload, c: ClusterSpec, comp: str, costs: Costs,
+                    opts: dict[str, Any]) -> dict[str, Any]:
+    """diloco's options with ``sync_every`` picked (:func:`diloco_h`) when not given."""
+    if opts.get("sync_every") is None:
+        opts = {**opts, "sync_every": diloco_h(w, c, comp, costs, opts.get("fragments", 1),
+                                               opts.get("overlap", 0))}
+    return opts
+
+
+_MODES: dict[str, _Mode] = {
+    "allreduce": _Mode(allreduce_terms),
+    "hierarchical": _Mode(hierarchical_terms, variants=lambda w, c: [{}] if c.nodes > 1
+                          and c.ranks_per_node > 1 else []),
+    "ps": _Mode(ps_terms, lambda o, c: {"consistency": o.get("consistency", "sync"),
+                                        "servers": o.get("servers") or c.nodes},
+                lambda w, c: [{"consistency": "sync"}, {"consistency": "async"}], ("servers",),
+                lambda o: o.get("consistency", "sync") == "sync"),
+    "hybrid": _Mode(hybrid_terms, lambda o, c: {k: o[k] for k in ("stages", "chunks",
+                                                                  "schedule") if k in o}
+                    | {"stages": o.get("stages", 2)}, _hybrid_variants, ("stages", "chunks")),
+    "diloco": _Mode(diloco_terms, lambda o, c: {"sync_every": o["sync_every"]}
+                    | {k: o[k] for k in ("fragments", "overlap") if o.get(k)
+                       and (k, o[k]) != ("fragments", 1)},
+                    takes=("sync_every", "fragments", "overlap"), exact=lambda o: False,
+                    resolve=_diloco_resolve),
+}
+#: Modes the model covers (``ps`` takes ``consistency=``, ``hybrid`` takes ``stages=``,
+#: ``diloco`` takes ``sync_every=``, ``fragments=``, ``overlap=``).
+ALL_MODES = tuple(_MODES)
+#: What ``rank_configs`` compares by default: the modes whose step is data parallel's step.
+MODES = tuple(m for m in ALL_MODES if m != "diloco")
+
+
+def _mode(mode: str) -> _Mode:
+    if mode not in _MODES:
+        raise ConfigError(f"mode must be one of {', '.join(ALL_MODES)}, got {mode!r}.")
+    return _MODES[mode]
+
+
 def predict(workload: Workload, cluster: ClusterSpec, mode: str = "allreduce",
             compressor: str | None = "none", costs: Costs | None = None,
             **opts: Any) -> Prediction:
@@ -109,7 +176,9 @@ def predict(workload: Workload, cluster: ClusterSpec, mode: str = "allreduce",
             :func:`parlay.plan.calibrate.load_costs` for this machine's).
         **opts: ``bucket_bytes`` (allreduce, hierarchical, hybrid); ``consistency`` ("sync",
             "async", "stale:s"), ``servers``, ``server_link`` (ps); ``stages``, ``chunks``,
-            ``schedule`` (hybrid).
+            ``schedule`` (hybrid); ``sync_every`` (default: :func:`diloco_h`'s pick),
+            ``fragments``, ``overlap`` (diloco: one inner step; its convergence factor is
+            its compressor's, i.e. equal progress per sample to data parallel is assumed).
 
     Returns:
         The prediction; ``terms`` add up to ``step_s``.
@@ -122,30 +191,16 @@ def predict(workload: Workload, cluster: ClusterSpec, mode: str = "allreduce",
     comp = "none" if compressor is None else str(compressor).strip().lower()
     # an unknown name or bad options: refused before any formula
     factor = compressor_of(comp).convergence(convergence_table()["factors"])
+    m = _mode(mode)
     try:
-        if mode == "allreduce":
-            terms = allreduce_terms(workload, cluster, comp, costs, **opts)
-        elif mode == "hierarchical":
-            terms = hierarchical_terms(workload, cluster, comp, costs, **opts)
-        elif mode == "ps":
-            terms = ps_terms(workload, cluster, comp, costs, **opts)
-        elif mode == "hybrid":
-            terms = hybrid_terms(workload, cluster, comp, costs, **opts)
-        else:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
+        opts = m.resolve(workload, cluster, comp, costs, opts)
+        terms = m.terms(workload, cluster, comp, costs, **opts)
     except TypeError as e:
         raise ConfigError(f"option not understood by mode {mode!r}: {e}") from None
     step = sum(terms.values())
-    world = cluster.world
-    shown = {k: v for k, v in opts.items() if k in ("consistency", "servers", "stages",
-                                                    "chunks", "schedule")}
-    if mode == "ps":
-        shown = {"consistency": opts.get("consistency", "sync"),
-                 "servers": opts.get("servers") or cluster.nodes}
-    if mode == "hybrid":
-        shown.setdefault("stages", opts.get("stages", 2))
-    return Prediction(mode, comp, step, workload.batch * world / step if step > 0
-                      else float("inf"), terms, max(terms, key=terms.__getitem__), shown, factor)
+    return Prediction(mode, comp, step, workload.batch * cluster.world / step if step > 0
+                      else float("inf"), terms, max(terms, key=terms.__getitem__),
+                      m.shown(opts, cluster), factor, m.exact(opts))
 
 
 @functools.lru_cache(maxsize=1)
@@ -182,21 +237,8 @@ def by_accuracy(predictions: Iterable[Prediction]) -> list[Prediction]:
 def _variants(workload: Workload, cluster: ClusterSpec,
               modes: Sequence[str]) -> Iterable[tuple[str, dict[str, Any]]]:
     for mode in modes:
-        if mode == "allreduce":
-            yield mode, {}
-        elif mode == "hierarchical":
-            if cluster.nodes > 1 and cluster.ranks_per_node > 1:
-                yield mode, {}
-        elif mode == "ps":
-            for cons in ("sync", "async"):
-                yield mode, {"consistency": cons}
-        elif mode == "hybrid":
-            for p in (2, 4, 8):
-                if cluster.world % p == 0 and p <= cluster.world and \
-                        (workload.layers is None or p <= workload.layers):
-                    yield mode, {"stages": p}
-        else:
-            raise ConfigError(f"mode must be one of {', '.join(MODES)}, got {mode!r}.")
+        for opts in _mode(mode).variants(workload, cluster):
+            yield mode, opts
 
 
 def rank_configs(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] = MODES,
@@ -207,11 +249,12 @@ def rank_configs(workload: Workload, cluster: ClusterSpec, modes: Sequence[str] 
 
     Combinations a mode cannot run (PowerSGD on parameter servers, top-k hierarchically,
     hybrid stages that do not divide the ranks) are left out. ``include_async=False`` keeps
-    only modes with synchronous (allreduce-equivalent) semantics.
+    only modes with synchronous (allreduce-equivalent) semantics (no async parameter servers,
+    no diloco: :func:`diloco_advice` says when that pays).
     """
     out = []
     for mode, opts in _variants(workload, cluster, modes):
-        if not include_async and opts.get("consistency", "sync") != "sync":
+        if not include_async and not _mode(mode).exact(opts):
             continue
         single_pipeline = mode == "hybrid" and cluster.world == opts.get("stages")
         for comp in compressors:
@@ -272,3 +315,70 @@ def explain(ranked: Sequence[Prediction]) -> str:
         why += (f" Dense allreduce would take {dense.to_accuracy_s / best.to_accuracy_s:.3g}x as "
                 f"long to accuracy ({dense.dominant} {ds:.0%} of its step).")
     return why
+
+
+def mode_takes(mode: str) -> tuple[str, ...]:
+    """The options given by the user (``parlay plan --stages``...) that ``mode`` takes."""
+    return _mode(mode).takes
+
+
+def mode_variants(mode: str, workload: Workload, cluster: ClusterSpec,
+                  given: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The option sets of ``mode`` that ``rank_configs`` tries, less the ``given`` options
+    (the user's own: e.g. hybrid's stages), without repeats."""
+    out: list[dict[str, Any]] = []
+    for v in _mode(mode).variants(workload, cluster):
+        v = {k: x for k, x in v.items() if k not in set(given)}
+        if v not in out:
+            out.append(v)
+    return out if out or not given else [{}]
+
+
+def diloco_advice(ranked: Sequence[Prediction], workload: Workload, cluster: ClusterSpec,
+                  target: float = DILOCO_TARGET) -> dict[str, Any] | None:
+    """Whether to prefer ``mode="diloco"`` over data parallel, and at which ``H``.
+
+    Diloco changes the optimisation (local steps, an outer optimizer), so it is advised only
+    when per-step communication bounds every exact mode: the best of them (by time to
+    accuracy) uses less than ``target`` of the compute, and a diloco configuration uses more.
+    Of those reaching ``target`` the one with the smallest ``H`` (the closest to data
+    parallel) wins, then the fastest; else the one using the most compute.
+
+    Returns:
+        ``advised``, ``why`` and the chosen configuration's figures (``sync_every``,
+        ``fragments``, ``overlap``, ``compressor``, ``utilisation``, ``bytes_per_step`` per rank
+        and dense data parallel's ``ddp_bytes_per_step``); ``None`` without diloco rows.
+    """
+    dl = [p for p in ranked if p.mode == "diloco" and math.isfinite(p.to_accuracy_s)]
+    exact = [p for p in ranked if p.exact and math.isfinite(p.to_accuracy_s)]
+    if not dl:
+        return None
+    reach = [p for p in dl if p.utilisation >= target]
+    d = min(reach, key=lambda p: (p.options["sync_every"], p.to_accuracy_s)) if reach else \
+        max(dl, key=lambda p: p.utilisation)
+    h = d.options["sync_every"]
+    mine = diloco_link_bytes(workload, cluster, d.compressor, h)
+    ddp = diloco_link_bytes(workload, cluster, "none", 1)
+    best = exact[0] if exact else None
+    advised = best is None or (best.utilisation < target and d.utilisation > best.utilisation)
+    opts = ", ".join(f"'{k}': {v}" for k, v in d.options.items())
+    comp = "" if d.compressor == "none" else f", compression='{d.compressor}'"
+    fewer = f"{ddp / mine:.3g}x fewer than dense data parallel" if mine else "none"
+    if advised:
+        why = (f"prefer diloco: {d.label} is predicted to use {d.utilisation:.0%} of the "
+               f"compute, sending {format_bytes(mine)} per step per rank ({fewer})"
+               + (f", where the best data parallel configuration, {best.label}, uses "
+                  f"{best.utilisation:.0%}: per-step communication is its bottleneck"
+                  if best else "") + f". Trainer(mode='diloco', strategy_options={{{opts}}}"
+               f"{comp}); check its accuracy (local steps change the optimisation).")
+    else:
+        why = (f"keep data parallel: {best.label} uses {best.utilisation:.0%} of the compute"
+               if best else "no data parallel configuration to compare")
+        why += (f"; diloco ({d.label}) would use {d.utilisation:.0%} at the cost of local "
+                "steps and an outer optimizer.")
+    return {"advised": advised, "why": why, "sync_every": h,
+            "fragments": d.options.get("fragments", 1), "overlap": d.options.get("overlap", 0),
+            "compressor": d.compressor, "utilisation": d.utilisation, "step_s": d.step_s,
+            "bytes_per_step": mine, "ddp_bytes_per_step": ddp,
+            "data_parallel": best.label if best else None,
+            "data_parallel_utilisation": best.utilisation if best else None}

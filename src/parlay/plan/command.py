@@ -24,8 +24,8 @@ import time
 from typing import Any
 
 from parlay.errors import ConfigError
-from parlay.plan.advise import (COMPRESSORS, MODES, Prediction, by_accuracy, excluded, explain,
-                                rank_configs)
+from parlay.plan.advise import (ALL_MODES, COMPRESSORS, Prediction, by_accuracy, diloco_advice,
+                                excluded, explain, mode_takes, mode_variants, rank_configs)
 from parlay.plan.model import ClusterSpec, Costs, Link, Workload, compressor_of
 from parlay.plan.shard import ShardLevel, recommend_shard, shard_doc, shard_levels, state_per_param
 from parlay.plan.units import (format_bandwidth, format_bytes, format_count, format_seconds,
@@ -86,11 +86,18 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--overlap", default="1", help="fraction of backward that communication "
                    "can hide behind: 1 for GPUs, 0 for CPU ranks using every core")
     o = p.add_argument_group("what to compare")
-    o.add_argument("--modes", default=",".join(MODES), help=f"default {','.join(MODES)}")
+    o.add_argument("--modes", default=",".join(ALL_MODES),
+                   help=f"default {','.join(ALL_MODES)}")
     o.add_argument("--compressors", default=",".join(COMPRESSORS), help="default %(default)s")
     o.add_argument("--stages", help="hybrid: pipeline stages (default: 2, 4, 8 that fit)")
     o.add_argument("--chunks", help="hybrid: micro-batches per step (default 4 x stages)")
     o.add_argument("--servers", help="ps: server shards on their own hosts (default --nodes)")
+    o.add_argument("--diloco-h", help="diloco: inner steps per round, sync_every (default: "
+                   "the smallest of 10, 25, 50, 100, 250, 500 using 90%% of the compute)")
+    o.add_argument("--diloco-fragments", help="diloco: fragments synced at staggered steps "
+                   "(default 1)")
+    o.add_argument("--diloco-overlap", help="diloco: inner steps an exchange may run before it "
+                   "is merged, tau (default 0)")
     o.add_argument("--async", dest="include_async", action="store_true",
                    help="also recommend asynchronous parameter servers (stale gradients)")
     o.add_argument("--top", default="0", help="print only the N fastest (default all)")
@@ -299,8 +306,9 @@ def _plan(ns: argparse.Namespace) -> int:
         notes.append("compression's CPU costs timed now on the script's own parameter "
                      "shapes")
     ranked = _rank(workload, cluster, modes, comps, costs, opts)
-    sync = [p for p in ranked if ns.include_async or p.options.get("consistency") != "async"]
+    sync = [p for p in ranked if p.exact or (ns.include_async and "consistency" in p.options)]
     why, left_out = explain(sync or ranked), excluded(ranked)
+    dl = diloco_advice(ranked, workload, cluster)
     # the shard table prices the one compressor asked for if it is element-wise, else dense
     one = comps[0] if len(comps) == 1 else "none"
     try:
@@ -314,6 +322,7 @@ def _plan(ns: argparse.Namespace) -> int:
         best = next(p for p in sync or ranked if math.isfinite(p.to_accuracy_s))
         print(json.dumps({"recommendation": _doc(best), "why": why, "excluded": left_out,
                           "notes": notes, "predictions": [_doc(p) for p in ranked],
+                          "diloco": dl,
                           "shard": shard_doc(levels, k, memory, cluster.world)}))
         return 0
     print(f"parlay plan: {workload.params:,.0f} parameters, batch {workload.batch} per rank, "
@@ -325,6 +334,8 @@ def _plan(ns: argparse.Namespace) -> int:
     print()
     print(_table(ranked, top))
     print(f"\nrecommended: {why}")
+    if dl is not None:
+        print(f"diloco: {dl['why']}")
     for line in left_out:
         print(f"not recommended: {line}")
     if memory is not None or ns.shard:
@@ -369,6 +380,10 @@ def _mode_options(ns: argparse.Namespace, w: Workload, c: ClusterSpec) -> dict[s
         opts["chunks"] = _int(ns.chunks, "--chunks", high=LIMITS["chunks"])
     if ns.servers is not None:
         opts["servers"] = _int(ns.servers, "--servers")
+    for key, flag in (("sync_every", "h"), ("fragments", "fragments"), ("overlap", "overlap")):
+        value = getattr(ns, f"diloco_{flag}", None)
+        if value is not None:
+            opts[key] = _int(value, f"--diloco-{flag}", low=0 if key == "overlap" else 1)
     return opts
 
 
@@ -380,17 +395,16 @@ def _rank(w: Workload, c: ClusterSpec, modes: list[str], comps: list[str], costs
         return rank_configs(w, c, modes, comps, costs)
     out = []
     for mode in modes:
-        mine = {k: v for k, v in opts.items()
-                if (k in ("stages", "chunks") and mode == "hybrid")
-                or (k == "servers" and mode == "ps")}
-        variants = [{"consistency": s} for s in ("sync", "async")] if mode == "ps" else [{}]
+        mine = {k: v for k, v in opts.items() if k in mode_takes(mode)}
+        variants = mode_variants(mode, w, c, mine)
+        if mine and variants:  # the user's own options cannot run: say why
+            predict(w, c, mode, "none", costs, **mine, **variants[0])
         for extra in variants:
             for comp in comps:
                 try:
                     out.append(predict(w, c, mode, comp, costs, **mine, **extra))
                 except ConfigError:
-                    if mode == "hybrid" and mine and comp == comps[0]:
-                        raise  # the user's own --stages / --chunks cannot run: say why
+                    pass
     if not out:
         raise ConfigError("no mode x compressor combination can run on this cluster.")
     return by_accuracy(out)
@@ -400,7 +414,8 @@ def _doc(p: Prediction) -> dict[str, Any]:
     finite = math.isfinite(p.to_accuracy_s)
     return {"mode": p.mode, "compressor": p.compressor, "options": p.options,
             "step_s": p.step_s, "samples_per_s": p.samples_per_s, "terms": p.terms,
-            "dominant": p.dominant, "label": p.label, "factor": p.factor if finite else None,
+            "dominant": p.dominant, "label": p.label, "utilisation": p.utilisation,
+            "factor": p.factor if finite else None,
             "to_accuracy_s": p.to_accuracy_s if finite else None}
 
 

@@ -6,6 +6,10 @@ the largest term is what a user should attack. Terms: ``compute`` (forward and b
 ``comm`` / ``comm-intra`` / ``comm-inter`` (communication left exposed after overlapping
 backward), ``push`` / ``pull`` / ``apply`` (parameter servers), ``bubble`` and
 ``activations`` (pipelines).
+
+``diloco`` is priced per inner step: each replica computes alone, and one fragment of the model
+(``1/P`` of it) is exchanged every ``H/P`` inner steps, so a step carries ``wire(model) / H``
+bytes; an exchange may run behind ``tau`` inner steps (``overlap``) before it must be merged.
 """
 from __future__ import annotations
 
@@ -15,14 +19,18 @@ from collections.abc import Sequence
 from parlay.errors import ConfigError
 from parlay.compress import NoneCompressor
 from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, Workload,
-                               compressor_of, rounds_s)
+                               compressor_of, link_bytes, rounds_s)
 from parlay.plan.pipesim import pipeline_s
 
-__all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "exposed",
-           "bottleneck_share", "stage_shares"]
+__all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "diloco_terms",
+           "diloco_h", "diloco_link_bytes", "exposed", "bottleneck_share", "stage_shares",
+           "DILOCO_H", "DILOCO_TARGET"]
 
 FORWARD_SHARE = 1.0 / 3.0   # forward ~ 1/3 of forward + backward (backward ~ 2x forward)
 COPY_PASSES = 2  # gradient into the bucket (or push buffer), then averaged (or pulled back)
+#: Inner steps per round ``diloco_h`` tries, smallest first, and the utilisation it looks for.
+DILOCO_H = (10, 25, 50, 100, 250, 500)
+DILOCO_TARGET = 0.9
 
 
 def exposed(comm_s: float, backward_s: float, buckets: int, overlap: float) -> float:
@@ -324,3 +332,72 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         terms["copies"] = _copies_s(stage, costs)
         terms["comm"] = exposed(comm, slot * (1 - FORWARD_SHARE), nb, c.overlap)
     return {k: v for k, v in terms.items() if v or k == "compute"}
+
+
+def _diloco_check(sync_every: int, fragments: int, overlap: int) -> None:
+    """The bounds ``DiLoCoOptimizer`` puts on ``H``, ``P`` and ``tau``."""
+    if sync_every < 1 or not 1 <= fragments <= sync_every:
+        raise ConfigError(f"diloco needs sync_every >= 1 and 1 <= fragments <= sync_every, got "
+                          f"sync_every={sync_every}, fragments={fragments}.")
+    if not 0 <= overlap <= sync_every // fragments - 1:
+        raise ConfigError(f"diloco overlap must be in [0, sync_every // fragments - 1] = [0, "
+                          f"{sync_every // fragments - 1}], got {overlap}. Hint: a larger "
+                          "sync_every or fewer fragments.")
+
+
+def diloco_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
+                 sync_every: int | None = None, fragments: int = 1,
+                 overlap: int = 0) -> dict[str, float]:
+    """One inner step of local-update data parallel (:class:`parlay.DiLoCoOptimizer`).
+
+    A fragment (``1/fragments`` of the model) is reduced every ``sync_every / fragments``
+    inner steps over the flat ring of every rank; the ``overlap`` inner steps after it starts
+    hide that much of it, the rest is exposed and spread over the steps between exchanges. The
+    pseudo-gradient and the outer step are two passes over the model per round (``copies``).
+    ``sync_every=None`` prices the smallest of :data:`DILOCO_H` that :func:`diloco_h` picks.
+
+    Raises:
+        ConfigError: ``sync_every``, ``fragments`` or ``overlap`` out of the optimizer's bounds.
+    """
+    h = diloco_h(w, c, compressor, costs, fragments, overlap) if sync_every is None \
+        else int(sync_every)
+    _diloco_check(h, int(fragments), int(overlap))
+    terms = {"compute": w.compute_s}
+    if c.world <= 1:
+        return terms
+    comp = compressor_of(compressor)
+    every = h / fragments  # inner steps between two exchanges
+    frag = w.params / fragments
+    one = rounds_s(comp.wire_rounds(int(frag), None, w.bytes_per_element), c.world,
+                   c.inter if c.nodes > 1 else c.local, costs, rested_s=w.compute_s * every)
+    terms["codec"] = comp.codec_s(frag, c.world, costs) / every
+    terms["copies"] = _copies_s(w, costs) / h
+    # (tau < H/P, so an exposed exchange also keeps the link's pace: one fragment per H/P steps)
+    terms["comm"] = max(0.0, one - overlap * w.compute_s) / every
+    return {k: v for k, v in terms.items() if v or k == "compute"}
+
+
+def diloco_h(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, fragments: int = 1,
+             overlap: int = 0, choices: Sequence[int] = DILOCO_H,
+             target: float = DILOCO_TARGET) -> int:
+    """The smallest ``H`` of ``choices`` (that takes these fragments and overlap) whose
+    predicted compute utilisation (compute / step) reaches ``target``; the largest otherwise.
+
+    Raises:
+        ConfigError: No choice takes ``fragments`` and ``overlap``.
+    """
+    ok = [h for h in sorted(choices) if fragments <= h and 0 <= overlap < h // fragments]
+    if not ok:
+        raise ConfigError(f"no sync_every of {tuple(choices)} takes fragments={fragments} and "
+                          f"overlap={overlap}. Hint: fewer fragments or a smaller overlap.")
+    for h in ok:
+        terms = diloco_terms(w, c, compressor, costs, h, fragments, overlap)
+        if terms["compute"] >= target * sum(terms.values()):
+            return h
+    return ok[-1]
+
+
+def diloco_link_bytes(w: Workload, c: ClusterSpec, compressor: str, sync_every: int) -> float:
+    """Bytes one rank sends over its link per inner step: ``wire(model) / H`` (the fragments
+    of a round together carry the model once)."""
+    return link_bytes(compressor, w.params, c.world) / sync_every
