@@ -117,7 +117,7 @@ def _state_at(shard, ckpt, max_iteration, reshard=False):
 def _whole(per_rank):
     """Each unit's parameters and optimizer state, joined over the ranks (world 1)."""
     from parlay.trainer.reshard import rechunk
-    opts = [opt for _, opt, _ in per_rank]
+    opts = sorted((opt for _, opt, _ in per_rank), key=lambda o: o["parlay_shard"]["rank"])
     lay = opts[0]["parlay_shard"]
     out = {}
     for k, entry in opts[0]["state"].items():
@@ -172,3 +172,25 @@ def test_mixed_precision_trains_sharded_as_replicated(precision):
                                   run_world(_precision, 2, "parameters", precision)):
         assert ss == sp  # the same overflow skips (agreed over the chunks)
         torch.testing.assert_close(torch.tensor(ls), torch.tensor(lp), rtol=1e-3, atol=1e-4)
+
+
+def _state_host_first(ckpt, max_iteration, reshard=False):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=BATCH, shard="gradients",
+                       strategy_options={"hierarchical": True}, max_iteration=max_iteration,
+                       checkpoint_dir=ckpt, reshard=reshard, progress=False)
+    while not t.should_stop():
+        t.train_on_batch()
+    return t.state.step, t.strategy.optimizer.state_dict(), None
+
+
+def test_reshard_from_and_into_a_host_first_layout(tmp_path):
+    # 2 simulated hosts x 2: a rank holds chunk local_rank * hosts + host, not its rank.
+    four = run_world(_state_host_first, 4, str(tmp_path), 4, local_world_size=2)
+    assert [o["parlay_shard"]["rank"] for _, o, _ in four] == [0, 2, 1, 3]
+    two = run_world(_state_host_first, 2, str(tmp_path), 4, True, local_world_size=1)
+    a, b = _whole(four), _whole(two)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    back = run_world(_state_host_first, 4, str(tmp_path), 4, True, local_world_size=2)
+    c = _whole(back)
+    assert all(torch.equal(a[k], c[k]) for k in a)

@@ -9,7 +9,6 @@ hook -> async allreduce -> wait-in-step design, with DDP's buckets and DDP's ``n
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -21,7 +20,7 @@ from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_comp
 from parlay.dp.buckets import BucketPlan, ParamInfo
 from parlay.dp.hierarchical import HierarchicalReducer, host_topology, make_reducer
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
-from parlay.dp.shard import ShardedBuckets, check_level, plan_units
+from parlay.dp.shard import ShardedBuckets, check_level, clip_chunks_, plan_units
 from parlay.dp import checks
 from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
@@ -374,6 +373,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets.prescale, self._buckets.postscale = self._bucket_scales()
         self._buckets.reset()
 
+    @property
+    def shard_rank(self) -> int:
+        """The chunk of every unit this rank holds with ``shard=`` (its group rank, unless
+        reduced host first)."""
+        if isinstance(self._buckets, ShardedBuckets):
+            return self._buckets.rank
+        return comm.group_rank(self.process_group)
+
     def local_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps, after :meth:`synchronize`: with ``shard=``
         its flat chunks, else every parameter's gradient."""
@@ -391,22 +398,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Clip the averaged gradients to a global ``max_norm`` (after :meth:`synchronize`);
         with ``shard=`` the norm is summed over every rank's chunks. Returns the total norm
         before clipping, as ``torch.nn.utils.clip_grad_norm_`` does."""
-        grads = self.local_gradients()
-        if not self.shard or not grads:
-            return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm,
-                                                  norm_type)
-        p = float(norm_type)
-        if math.isinf(p):
-            total = torch.stack([g.abs().max() for g in grads]).max().reshape(1)
-            comm.allreduce(total, "max", group=self.process_group)
-        else:
-            total = torch.stack([g.double().norm(p) ** p for g in grads]).sum().reshape(1)
-            comm.allreduce(total, "sum", group=self.process_group)
-            total = total ** (1.0 / p)
-        coef = float(max_norm) / (float(total) + 1e-6)
-        if coef < 1.0:
-            torch._foreach_mul_(grads, coef)
-        return total.reshape(()).to(grads[0].dtype)
+        if isinstance(self._buckets, ShardedBuckets) and self._buckets.shards:
+            return clip_chunks_(self._buckets.local_grads(), max_norm, norm_type,
+                                self.process_group)
+        return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm, norm_type)
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Inside this block every parameter holds its full value, to read (with

@@ -43,7 +43,7 @@ from parlay.dp.hooks import GradientBuckets, LocalReducer
 from parlay.dp.ring import CommThread
 from parlay.errors import ConfigError
 
-__all__ = ["LEVELS", "check_level", "plan_units", "ShardedBuckets"]
+__all__ = ["LEVELS", "check_level", "plan_units", "ShardedBuckets", "clip_chunks_"]
 
 #: The shard levels, ZeRO-1 to ZeRO-3.
 LEVELS = ("optimizer", "gradients", "parameters")
@@ -445,3 +445,22 @@ class ShardedBuckets(GradientBuckets):
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
+
+
+def clip_chunks_(grads: list[torch.Tensor], max_norm: float, norm_type: float,
+                 group: Any) -> torch.Tensor:
+    """Clip gradient chunks, which together over ``group`` make the whole gradient, to a
+    global ``max_norm``; returns the norm before clipping (as
+    ``torch.nn.utils.clip_grad_norm_``, whose clip coefficient it applies)."""
+    p = float(norm_type)
+    if math.isinf(p):
+        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1)
+        comm.allreduce(total, "max", group=group)
+    else:
+        total = torch.stack([g.double().norm(p) ** p for g in grads]).sum().reshape(1)
+        comm.allreduce(total, "sum", group=group)
+        total = total ** (1.0 / p)
+    coef = float(max_norm) / (float(total) + 1e-6)
+    if coef < 1.0:
+        torch._foreach_mul_(grads, coef)
+    return total.reshape(()).to(grads[0].dtype)

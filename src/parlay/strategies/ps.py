@@ -74,6 +74,9 @@ class ParameterServerStrategy(Strategy):
                  split_bytes: int | None = DEFAULT_SPLIT_BYTES, timeout: float | None = None,
                  checkpoint_every: int | None = 100, max_steps: int | None = None,
                  **unknown: Any) -> None:
+        if "shard" in unknown:
+            raise ConfigError("mode 'ps' shards the parameters and optimizer state over its "
+                              "servers already; shard= is for modes 'allreduce' and 'hybrid'.")
         reject_unknown(ParameterServerStrategy, unknown)
         check_precision(precision, "ps", supported=("fp32", "bf16"))
         if grad_clip is not None:

@@ -121,8 +121,10 @@ class Persistence:
                                  group=s.train_group, lock=True,
                                  identity=trainer_identity(s, self.mode, self.batch_size, model,
                                                            self.recipe))
+        rank = comm.group_rank(s.train_group)
         resumed = load_resharded(ckpt, ckpt.identity or {}, comm.group_size(s.train_group),
-                                 comm.group_rank(s.train_group)) if config.reshard else None
+                                 rank, getattr(getattr(s, "optimizer", None), "shard_rank", rank)) \
+            if config.reshard else None
         if resumed is None:
             resumed = ckpt.load_latest()
         if resumed is not None:

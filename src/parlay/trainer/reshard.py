@@ -84,10 +84,11 @@ def _reshard_optimizer(opts: list[dict[str, Any]], world: int, rank: int) -> dic
 
 
 def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int,
-                   rank: int) -> dict[str, Any] | None:
+                   rank: int, chunk: int | None = None) -> dict[str, Any] | None:
     """This rank's state from the newest checkpoint in ``ckpt``'s directory when it was
     written by another number of ranks; ``None`` when it was not (resume as usual) or there is
-    none.
+    none. ``chunk``: the chunk of every unit this rank holds (default ``rank``; another one
+    where it reduces host first).
 
     Raises:
         CheckpointError: A file is unreadable, or the checkpoint is another run's (model,
@@ -108,11 +109,11 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
                                         if k not in LAYOUT_FIELDS})
     if problem:
         raise CheckpointError(f"cannot reshard checkpoint step {step} in {ckpt.directory}: "
-                              f"{problem}. Nothing was deleted.")
+                              f"{problem.rstrip('.')}. Nothing was deleted.")
     state = dict(states[0])
     strategy = dict(state["strategy"])
     strategy["optimizer"] = _reshard_optimizer([s["strategy"]["optimizer"] for s in states],
-                                               world, rank)
+                                               world, rank if chunk is None else chunk)
     state["strategy"] = strategy
     trainer, sampler = dict(state["trainer"]), dict(state["sampler"])
     batch = int(state["identity"]["batch_size"])
