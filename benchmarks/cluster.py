@@ -19,7 +19,7 @@ counters (``/sys/class/net/eth0/statistics``) around the timed steps, next to wh
   of the model's size against 2(N-1)/N, (N-1)/N, (N-1)/N of it (:mod:`tools.cluster.shard_bytes`).
 * ``diloco``: 4 hosts x 1 rank, the 784-4096x3-10 MLP, at 100 Mbit/s and 10 Mbit/s: DiLoCo
   (streamed fragments, overlapped, compressed pseudo-gradients; settings in ``DILOCO``) in
-  steady state against the compute-only limit timed before and after it in the same run, and
+  steady state against the compute-only limit timed interleaved with it in the same run, and
   NIC bytes per sample against DDP's (measured at 100 Mbit/s; at 10 Mbit/s DDP's step is
   its compute plus those bytes at the measured goodput) (:mod:`tools.cluster.diloco_bench`).
 
@@ -157,10 +157,11 @@ def _shard_rows(model: str, quick: bool, clusters: list[dict],
 
 
 # DiLoCo's settings: H inner steps a round, P fragments (one sent every H/P steps), each merged
-# tau steps after it was sent; pseudo-gradients top-k 1% with error feedback (SparseLoCo's range).
-DILOCO = {"H": 100, "P": 4, "tau": 2, "compression": "topk:0.01", "rounds": 3,
-          "compute_steps": 10}
-DILOCO_QUICK = dict(DILOCO, H=16, rounds=2, compute_steps=4)
+# tau steps after it was sent; pseudo-gradients top-k 1% with error feedback (SparseLoCo's
+# range); compute_steps compute-only steps once every H/P steps (the limit, interleaved).
+DILOCO = {"H": 128, "P": 4, "tau": 8, "compression": "topk:0.01", "rounds": 3,
+          "compute_steps": 2}
+DILOCO_QUICK = dict(DILOCO, H=64, rounds=2)
 
 
 def _diloco_rows(model: str, quick: bool, clusters: list[dict],
@@ -200,7 +201,9 @@ def _diloco_rows(model: str, quick: bool, clusters: list[dict],
         dl = dict(base, contestant="diloco", step_s=d["step_s"], steps=d["steps"],
                   samples_s=world * batch / d["step_s"], of_limit=limit / d["step_s"],
                   nic_tx_MB=d["nic_tx"] / 1e6, bytes_per_sample=d["nic_tx"] / batch,
-                  wire_MB=d["wire_bytes"] / 1e6)
+                  wire_MB=d["wire_bytes"] / 1e6,
+                  # main-thread seconds a step in starting, merging and waiting for exchanges
+                  **{k: d[k] for k in ("send_s", "merge_s", "wait_s") if k in d})
         dd = dict(base, contestant="ddp" if rate == "100mbit" else "ddp (theory)",
                   step_s=ddp_step, samples_s=world * batch / ddp_step, of_limit=limit / ddp_step,
                   nic_tx_MB=ddp["nic_tx"] / 1e6, bytes_per_sample=ddp["nic_tx"] / batch,
@@ -250,7 +253,8 @@ def main() -> None:
         results += _diloco_rows("tiny" if ns.smoke else "big", ns.quick, clusters, ratios)
     print(table(results, ["row", "rate", "contestant", "samples_s", "of_limit", "of_paired",
                           "step_s", "steps", "nic_tx_MB", "nic_rx_MB", "expected_MB",
-                          "nic/expected", "vs_ddp", "theory_vs_ddp", "bytes_per_sample"]))
+                          "nic/expected", "vs_ddp", "theory_vs_ddp", "bytes_per_sample", "send_s",
+                          "merge_s", "wait_s"]))
     for r in results:
         if r.get("chose"):
             print(f"auto at {r['rate']} chose: {r['chose']} (best fixed: {r['best_fixed']})")

@@ -1,19 +1,20 @@
 """Local updates (DiLoCo) on slow links: compute utilisation and NIC bytes on simulated hosts.
 
 Every host of a :class:`~tools.cluster.Cluster` runs :func:`main` under ``parlay run``. On each
-rank, in one process group and in this order:
+rank, in one process group:
 
-* ``compute``: ``compute_steps`` plain inner steps (the same SGD step, no communication), all
-  ranks at once, timed as a window between barriers (wall seconds over steps): the limit.
-* ``diloco``: :class:`parlay.DiLoCoOptimizer` over the same step; one warm-up round of
-  ``sync_every`` steps (every fragment sent and merged once), then ``rounds`` full rounds timed
-  as one window between barriers, with the host's ``eth0`` byte counters read around it.
-  The window's barriers go over a group of their own: the default group's would queue behind
-  the exchange still in flight (gloo runs a barrier after the work before it), so the window
-  holds as much in-flight exchange at its end as it inherited at its start (steady state).
-* ``compute`` again (the limit is the mean of both windows: the machine's load drifts).
-* ``ddp`` (optional, ``ddp_steps`` > 0): torch DDP, one warm-up step, then that many steps with
-  the NIC counters around them.
+* ``diloco``: :class:`parlay.DiLoCoOptimizer` over a plain SGD step; one warm-up round of
+  ``H`` steps (every fragment sent and merged once), then ``rounds`` full rounds, the host's
+  ``eth0`` byte counters read around them.
+* ``compute``: the limit, the same SGD step without communication, ``compute_steps`` of them
+  interleaved with the timed rounds once every ``H/P`` steps, at a step after which no
+  exchange is in flight (so none progresses meanwhile): both see the same minutes of the
+  machine's drifting load. Each stretch of either runs between barriers over a group of their
+  own (a barrier on the default group would queue behind the exchange in flight: gloo runs
+  it after the work before it), all ranks at once; seconds per step are wall seconds over
+  steps, barriers included, alike for both.
+* ``ddp`` (``ddp_steps`` > 0): torch DDP, one warm-up step, then that many steps between
+  barriers with the NIC counters around them.
 
     python -m tools.cluster.diloco_bench --spec JSON --out PREFIX   # under parlay run, each host
 """
@@ -37,7 +38,7 @@ def _nic() -> dict[str, int]:
     return {k: int(Path(f"{_NIC}/{k}_bytes").read_text()) for k in ("tx", "rx")}
 
 
-def _window(step: Callable[[], None], n: int, barrier: Callable[[], None]) -> dict[str, float]:
+def _window(step: Callable[[], None], n: int, barrier: Callable[[], None]) -> dict[str, Any]:
     """``n`` steps between barriers: wall seconds per step and NIC bytes per step."""
     barrier()
     before, t0 = _nic(), time.perf_counter()
@@ -49,6 +50,57 @@ def _window(step: Callable[[], None], n: int, barrier: Callable[[], None]) -> di
                                              for k in after}}
 
 
+def _profile(opt: Any) -> dict[str, float]:
+    """Seconds the main thread spends starting exchanges (``_send``: pseudo-gradient,
+    compression), merging them (``_merge``) and, inside the merge, waiting for the wire
+    (``Handle.wait``): instance wrappers, nothing in the optimizer changed."""
+    from parlay import comm
+
+    prof = {"send_s": 0.0, "merge_s": 0.0, "wait_s": 0.0}
+
+    def timed(fn: Callable[..., Any], key: str) -> Callable[..., Any]:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                prof[key] += time.perf_counter() - t0
+        return wrapper
+    opt._send, opt._merge = timed(opt._send, "send_s"), timed(opt._merge, "merge_s")
+    comm.Handle.wait = timed(comm.Handle.wait, "wait_s")  # type: ignore[method-assign]
+    return prof
+
+
+def _interleaved(dstep: Callable[[], None], cstep: Callable[[], None], opt: Any, n: int,
+                 c: int, barrier: Callable[[], None]) -> list[dict[str, Any]]:
+    """``n`` DiLoCo steps and, once every ``H/P`` of them at a step after which no exchange is
+    in flight (so none progresses meanwhile), ``c`` compute-only steps: each stretch between
+    barriers, so both see the same minutes of the machine's drifting load. Rows of both."""
+    t = {"diloco": 0.0, "compute": 0.0}
+    every, seen, nc = opt.sync_every // len(opt.fragments), -1, 0
+    barrier()
+    before, mark = _nic(), time.perf_counter()
+    for i in range(n):
+        dstep()
+        if i // every != seen and all(f.flight is None for f in opt.fragments):
+            barrier()
+            now = time.perf_counter()
+            t["diloco"] += now - mark
+            for _ in range(c):
+                cstep()
+            barrier()
+            mark = time.perf_counter()
+            t["compute"] += mark - now
+            seen, nc = i // every, nc + c
+    barrier()
+    t["diloco"] += time.perf_counter() - mark
+    after = _nic()
+    return [dict(contestant="diloco", step_s=t["diloco"] / n, steps=n,
+                 **{f"nic_{k}": (after[k] - before[k]) / n for k in after}),
+            dict(contestant="compute", step_s=t["compute"] / max(nc, 1), steps=nc,
+                 nic_tx=0, nic_rx=0)]
+
+
 def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """This rank's rows (inside a process group)."""
     import torch
@@ -57,6 +109,7 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     import parlay
     from parlay import comm
+    from parlay.local import DiLoCoOptimizer
     from tools.bench.harness import MODELS, mlp
 
     torch.set_num_threads(1)
@@ -78,24 +131,32 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
     model = mlp(widths)
     compute = stepper(model, torch.optim.SGD(model.parameters(), lr=0.01))
     compute()
-    n_c = int(spec["compute_steps"])
-    rows = [dict(contestant="compute", when="before", **_window(compute, n_c, barrier))]
-    opt = parlay.DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                 model.named_parameters(), sync_every=int(spec["H"]),
-                                 fragments=int(spec["P"]), overlap=int(spec["tau"]),
-                                 compression=spec["compression"])
+    # A fresh model: every rank builds the same one (same seed), so the start-up broadcast of
+    # rank 0's weights is skipped, as the DDP rows skip theirs (init_sync=False): 147 MB from
+    # rank 0 to 3 hosts takes 35 s at 100 Mbit/s and 6 min at 10 Mbit/s.
+    model = mlp(widths)
+    real, comm.broadcast = comm.broadcast, lambda *a, **k: None
+    try:
+        opt = DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                              model.named_parameters(), sync_every=int(spec["H"]),
+                              fragments=int(spec["P"]), overlap=int(spec["tau"]),
+                              compression=spec["compression"])
+    finally:
+        comm.broadcast = real
     dstep = stepper(model, opt)
+    prof = _profile(opt)
     for _ in range(int(spec["H"])):  # the warm-up round
         dstep()
     stats0 = opt.comm_stats()
-    row = _window(dstep, int(spec["H"]) * int(spec["rounds"]), barrier)
+    prof.update(dict.fromkeys(prof, 0.0))
+    rows = _interleaved(dstep, compute, opt, int(spec["H"]) * int(spec["rounds"]),
+                        int(spec["compute_steps"]), barrier)
     stats1 = opt.comm_stats()
-    row.update(contestant="diloco", wire_bytes=(stats1["wire_bytes"] - stats0["wire_bytes"])
-               / row["steps"], dense_bytes=(stats1["dense_bytes"] - stats0["dense_bytes"])
-               / row["steps"])
-    rows.append(row)
+    n = rows[0]["steps"]
+    rows[0].update(wire_bytes=(stats1["wire_bytes"] - stats0["wire_bytes"]) / n,
+                   dense_bytes=(stats1["dense_bytes"] - stats0["dense_bytes"]) / n,
+                   **{k: v / n for k, v in prof.items()})
     opt.sync_now()  # nothing left in flight
-    rows.append(dict(contestant="compute", when="after", **_window(compute, n_c, barrier)))
     del opt, dstep
     if int(spec.get("ddp_steps", 0)):
         ddp = nn.parallel.DistributedDataParallel(mlp(widths), init_sync=False)
