@@ -183,7 +183,7 @@ def _trainer(ckpt, max_iteration):
     losses = []
     while not t.should_stop():
         losses.append(t.train_on_batch())
-    return losses, [p.detach().clone() for p in t.model.parameters()], t.lr_scale
+    return losses, [p.detach().clone() for p in t.model.parameters()]
 
 
 def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path):
@@ -195,6 +195,24 @@ def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path):
     for r in range(2):
         assert first[r][0] + second[r][0] == full[r][0]
         assert all(torch.equal(a, b) for a, b in zip(full[r][1], second[r][1]))
-        assert full[r][2] == 1.0, "the learning rate is not scaled by the replica count"
     # training ends with a final sync: every replica holds the same weights
     assert all(torch.equal(a, b) for a, b in zip(full[0][1], full[1][1]))
+
+
+def _mode(mode, options):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.05}, batch_size=4, mode=mode,
+                       strategy_options=options, max_iteration=10, progress=False)
+    while not t.should_stop():
+        t.train_on_batch()
+    return [p.detach().clone() for p in t.model.parameters()]
+
+
+def test_trainer_mode_with_one_inner_step_and_plain_outer_sgd_is_the_allreduce_mode():
+    # Same learning-rate scaling, warm-up, dropout masks and data order as mode "allreduce".
+    dp = run_world(_mode, 2, "allreduce", None)
+    dl = run_world(_mode, 2, "diloco", {"sync_every": 1,
+                                        "outer_optimizer_args": {"lr": 1.0}})
+    for a, b in zip(dp, dl):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, **TOL)

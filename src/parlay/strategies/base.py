@@ -86,9 +86,6 @@ class Strategy:
     #: :attr:`agreed_snapshot_step`) and is told ``snapshot_every`` on every rank
     #: (:meth:`configure_snapshots`).
     agrees_snapshots_early: bool = False
-    #: Whether the Trainer's linear learning-rate scaling multiplies by the replica count
-    #: (False where each replica steps alone on its own batch: the local-update mode).
-    scales_lr: bool = True
     #: Digest of the Trainer's settings, stored in each snapshot and checked on resume (set
     #: by the Trainer for strategies that agree snapshots early).
     snapshot_identity: str = ""

@@ -4,8 +4,9 @@ Each replica trains alone on its batches with the user's optimizer (no collectiv
 the loss scale and the non-finite policy decide per replica); :class:`DiLoCoOptimizer` syncs
 each fragment every ``sync_every`` inner steps through the outer optimizer. Evaluation uses
 the shared (outer) weights, and training ends with a final sync, so every replica then holds
-the same model. The learning rate is not scaled by the replica count (each replica takes its
-own steps on its own batch size).
+the same model. The Trainer scales the inner learning rate by the replica count as in data
+parallel (with ``sync_every=1``, a plain inner SGD and an outer SGD of lr 1 without momentum
+the mode then trains exactly as ``"allreduce"`` does).
 """
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ class DiLoCoStrategy(WholeModelStrategy):
     """
 
     name = "diloco"
-    scales_lr = False
 
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, sync_every: int = 100, fragments: int = 1,

@@ -115,7 +115,7 @@ class Trainer:
         self.loader = (build_loader(dataset, self.sampler, self.batch_size,
                                     **self._loader_options) if s.consumes_data else None)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
-        self.lr_scale = float(s.dp_size) if cfg.scaling_learning_rate and s.scales_lr else 1.0
+        self.lr_scale = float(s.dp_size) if cfg.scaling_learning_rate else 1.0
         self.warmup_steps = (round(cfg.warmup_epochs * self.steps_per_epoch)
                              if self.lr_scale != 1 else 0)
 
