@@ -4,6 +4,8 @@
     parlay run -n 3 --ps 1 examples/mnist_mlp.py --mode ps         # 1 parameter server + 2 workers
     parlay run -n 4 examples/mnist_mlp.py --mode hybrid            # pipeline stages x replicas
     parlay run -n 4 examples/mnist_mlp.py --shard parameters       # sharded data parallel (ZeRO-3)
+    parlay run -n 4 examples/mnist_mlp.py --mode diloco --compression fp16 \
+        --option sync_every=8 --option 'outer_optimizer_args={"lr": 1.0}'  # local updates
 
 Data: ``--data DIR`` or ``PARLAY_DATA_DIR`` (a folder with the four MNIST ``.gz`` files);
 otherwise ``~/.cache/parlay/mnist``, then the copy bundled with parlay (no network needed).
@@ -32,7 +34,7 @@ def build_training_func() -> tuple[nn.Module, nn.Module]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="allreduce", choices=["allreduce", "ps", "hybrid"])
+    p.add_argument("--mode", default="allreduce", choices=["allreduce", "ps", "hybrid", "diloco"])
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=128, help="per data-parallel replica")
     p.add_argument("--lr", type=float, default=1e-3, help="single-replica learning rate")
