@@ -33,13 +33,14 @@ def _data(world: int):
 INNER = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adam": (torch.optim.Adam, {"lr": 0.01})}
 
 
-def _run(inner, H, P, tau, outer_args):
+def _run(inner, H, P, tau, outer_args, hierarchical=False):
     """Every rank's final weights and shared (outer) weights."""
     world, r = parlay.size(), parlay.rank()
     m = _model()
     cls, args = INNER[inner]
     opt = DiLoCoOptimizer(cls(m.parameters(), **args), m.named_parameters(), sync_every=H,
-                          fragments=P, overlap=tau, outer_optimizer_args=outer_args)
+                          fragments=P, overlap=tau, outer_optimizer_args=outer_args,
+                          hierarchical=hierarchical)
     x, y = _data(world)
     sl = slice(r * PER, (r + 1) * PER)
     for s in range(STEPS):
@@ -123,6 +124,14 @@ def test_rounds_fragments_and_overlap_follow_the_algorithm(inner, H, P, tau):
     world = 2
     ref = _oracle(world, inner, H, P, tau, None)
     for r, (final, _) in enumerate(run_world(_run, world, inner, H, P, tau, None)):
+        for a, b in zip(final, ref[r]):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+def test_host_first_pseudo_gradients_on_2_hosts_x_2():
+    ref = _oracle(4, "adam", 4, 2, 1, None)
+    for r, (final, _) in enumerate(run_world(_run, 4, "adam", 4, 2, 1, None, True,
+                                             local_world_size=2)):
         for a, b in zip(final, ref[r]):
             torch.testing.assert_close(a, b, **TOL)
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, get_compressor, reduce_async
+from parlay.dp.hierarchical import make_reducer
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.nonfinite import all_finite
 
@@ -109,6 +110,9 @@ class DiLoCoOptimizer:
         outer_optimizer_args: Its arguments.
         compression: Compressor of the pseudo-gradients (``"fp16"``, ``"topk:0.01"``...).
         process_group: The replicas (default: the world).
+        hierarchical: ``True`` sums the pseudo-gradients inside each host first, then across
+            hosts (``"auto"``: where the replicas span hosts with several ranks each; see
+            :mod:`parlay.dp.hierarchical`).
         on_nonfinite: ``"raise"`` (default) a :class:`~parlay.errors.NonFiniteError` when an
             averaged pseudo-gradient is not finite, or ``"skip"`` that round of the fragment
             (every replica goes back to the shared weights).
@@ -122,7 +126,8 @@ class DiLoCoOptimizer:
                  sync_every: int = 100, fragments: int = 1, overlap: int = 0,
                  outer_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
                  outer_optimizer_args: dict[str, Any] | None = None, compression: Any = None,
-                 process_group: Any = None, on_nonfinite: str = "raise") -> None:
+                 process_group: Any = None, on_nonfinite: str = "raise",
+                 hierarchical: bool | str = False) -> None:
         self.inner = optimizer
         self.sync_every = _check_int("sync_every", sync_every, 1)
         n_frag = _check_int("fragments", fragments, 1, self.sync_every)
@@ -133,6 +138,7 @@ class DiLoCoOptimizer:
         self.compression: Compressor = get_compressor(compression)
         self.group = process_group
         self.world = comm.group_size(process_group) if dist.is_initialized() else 1
+        self._reducer = make_reducer(hierarchical, process_group, self.compression, self.world)
         mine = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         named = list(named_parameters) if named_parameters is not None else \
             [(f"param{i}", p) for i, p in enumerate(mine)]
@@ -224,9 +230,14 @@ class DiLoCoOptimizer:
     def _send(self, frag: Fragment, wait: bool = False) -> None:
         flat = torch.cat([(o.detach() - p.detach()).reshape(-1)
                           for o, p in zip(frag.outer, frag.params)])
-        handle = reduce_async(flat, self.compression, key=f"fragment{frag.index}",
-                              group=self.group, stats=self.stats, into=flat) \
-            if self.world > 1 else comm.Handle(None, "local", lambda: flat)
+        key = f"fragment{frag.index}"
+        if self._reducer is not None:
+            handle = self._reducer.reduce_async(flat, self.compression, key, self.stats)
+        elif self.world > 1:
+            handle = reduce_async(flat, self.compression, key=key, group=self.group,
+                                  stats=self.stats, into=flat)
+        else:
+            handle = comm.Handle(None, "local", lambda: flat)
         sent = [p.detach().clone() for p in frag.params] if self.overlap and not wait else []
         frag.flight = _InFlight(handle, sent, self.steps + (0 if wait else self.overlap))
         if frag.flight.due <= self.steps:

@@ -37,6 +37,7 @@ class DiLoCoStrategy(WholeModelStrategy):
         outer_optimizer: Outer optimizer class (default Nesterov SGD, lr 0.7, momentum 0.9).
         outer_optimizer_args: Its arguments.
         compression: Compressor of the pseudo-gradients.
+        hierarchical: Sum the pseudo-gradients inside each host first (``True``, ``"auto"``).
         precision, grad_clip, loss_scale: As for the ``"allreduce"`` mode (clipping and the
             loss scale act on each replica's own gradients).
 
@@ -50,13 +51,14 @@ class DiLoCoStrategy(WholeModelStrategy):
                  grad_clip: float | None = None, sync_every: int = 100, fragments: int = 1,
                  overlap: int = 0, outer_optimizer: Any = torch.optim.SGD,
                  outer_optimizer_args: dict[str, Any] | None = None,
-                 loss_scale: float | None = None, **unknown: Any) -> None:
+                 loss_scale: float | None = None, hierarchical: bool | str = False,
+                 **unknown: Any) -> None:
         reject_unknown(DiLoCoStrategy, unknown)
         super().__init__(precision, grad_clip, loss_scale)
         self.compression = compression
         self.options = dict(sync_every=sync_every, fragments=fragments, overlap=overlap,
                             outer_optimizer=outer_optimizer,
-                            outer_optimizer_args=outer_optimizer_args)
+                            outer_optimizer_args=outer_optimizer_args, hierarchical=hierarchical)
         self._alone: Any = None  # a group of this rank only: its inner steps decide alone
 
     @property
