@@ -62,6 +62,8 @@ def plan() -> list[tuple[str, str]]:
         out += [(world, f"allreduce:shard={lv},precision={p}")
                 for p in ("bf16", "fp16") for lv in (None, "gradients")]
     out += [("nccl1-only", f"allreduce:shard={lv}") for lv in (None, "parameters")]
+    out += [(world, f"diloco:shard=None,precision={p}") for world in ("nccl1", "gloo2")
+            for p in ("fp32", "bf16")]
     out += [("gloo2", f"hybrid:shard={lv}") for lv in (None, "gradients")]
     out += [("gloo2", "hybrid:shard=None,precision=bf16"),
             ("gloo2", "equivalence:shard=parameters")]
@@ -99,7 +101,8 @@ def _trainer(mode: str, shard: str | None, precision: str, **kw: Any) -> Any:
     import torch
 
     import parlay
-    opts = {"pp": 2, "chunks": 2} if mode == "hybrid" else None
+    opts = {"hybrid": {"pp": 2, "chunks": 2},
+            "diloco": {"sync_every": 4, "fragments": 2, "overlap": 1}}.get(mode)
     kw.setdefault("snapshot_every", 0)
     return parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
                           optimizer_args={"lr": 0.05, "momentum": 0.9}, batch_size=8,
@@ -167,6 +170,13 @@ def check_hybrid(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
     losses = _run(t, ctx)
     t.close()
     return f"{len(losses)} losses on rank {parlay.rank()}"
+
+
+def check_diloco(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
+    t = _trainer("diloco", shard, precision, compression="fp16")
+    losses = _run(t, ctx)
+    t.close()
+    return f"{len(losses)} inner steps, fp16 pseudo-gradients"
 
 
 def check_ps(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
@@ -268,6 +278,7 @@ def check_restart(ctx: dict[str, Any], shard: str | None, precision: str) -> str
 
 
 CHECKS = {"allreduce": check_allreduce, "hybrid": check_hybrid, "ps": check_ps,
+          "diloco": check_diloco,
           "equivalence": check_equivalence, "restart_ref": check_restart_ref,
           "restart": check_restart}
 

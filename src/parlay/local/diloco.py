@@ -131,7 +131,12 @@ class DiLoCoOptimizer:
         self.inner = optimizer
         self.sync_every = _check_int("sync_every", sync_every, 1)
         n_frag = _check_int("fragments", fragments, 1, self.sync_every)
-        self.overlap = _check_int("overlap", overlap, 0, self.sync_every // n_frag - 1)
+        gap = self.sync_every // n_frag  # inner steps between two fragments' exchanges
+        if isinstance(overlap, int) and not isinstance(overlap, bool) and overlap >= gap > 0:
+            raise ConfigError(f"overlap={overlap} must be below sync_every // fragments = {gap}"
+                              " (an exchange is merged before the next one starts). Hint: "
+                              f"overlap={gap - 1}, or a larger sync_every.")
+        self.overlap = _check_int("overlap", overlap, 0)
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
         self.on_nonfinite = on_nonfinite
