@@ -159,9 +159,9 @@ def _shard_rows(model: str, quick: bool, clusters: list[dict],
 # DiLoCo's settings: H inner steps a round, P fragments (one sent every H/P steps), each merged
 # tau steps after it was sent; pseudo-gradients top-k 1% with error feedback (SparseLoCo's
 # range); compute_steps compute-only steps once every H/P steps (the limit, interleaved).
-DILOCO = {"H": 128, "P": 4, "tau": 8, "compression": "topk:0.01", "rounds": 3,
+DILOCO = {"H": 256, "P": 4, "tau": 8, "compression": "topk:0.01", "rounds": 3,
           "compute_steps": 2}
-DILOCO_QUICK = dict(DILOCO, H=64, rounds=2)
+DILOCO_QUICK = dict(DILOCO, H=128, rounds=2)
 
 
 def _diloco_rows(model: str, quick: bool, clusters: list[dict],
