@@ -8,6 +8,7 @@ cosine decay, batch 128 per replica, 4 epochs, seed 0):
 
 * ``ddp``: plain torch DistributedDataParallel (the anchor).
 * ``auto``: ``parlay.Trainer`` in mode ``"allreduce"`` with ``compression="auto"``.
+* ``compute-only``: the limit, mode ``"diloco"`` whose round outlasts the run (no exchange).
 * ``diloco-*``: mode ``"diloco"`` with the demo's recipe (``sync_every=8``, outer SGD lr 1
   without momentum) and fp16 pseudo-gradients, and variants (``--diloco``).
 
@@ -34,7 +35,12 @@ from tools.cluster.diloco_tta import launch  # noqa: E402
 
 DILOCO = {"diloco-h8": {"sync_every": 8},
           "diloco-h16": {"sync_every": 16},
+          "diloco-h32": {"sync_every": 32},
           "diloco-h8-p2-o1": {"sync_every": 8, "fragments": 2, "overlap": 1}}
+
+# The compute-only limit: the same inner steps that never sync within the run (its accuracy is
+# the start's): the seconds per step no contestant can beat at equal steps.
+COMPUTE = {"name": "compute-only", "mode": "diloco", "options": {"sync_every": 100_000}}
 
 
 def _merge(rows: list[dict]) -> list[dict]:
@@ -63,11 +69,13 @@ def main() -> None:
     p.add_argument("--cap", type=float, default=1200.0,
                    help="seconds of clock after which a contestant stops at its next evaluation")
     p.add_argument("--diloco", default=",".join(DILOCO), help=f"variants: {','.join(DILOCO)}")
+    p.add_argument("--no-compute", action="store_true")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--no-auto", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
-    contestants = ([] if a.no_ddp else [{"name": "ddp", "kind": "ddp"}]) + \
+    contestants = ([] if a.no_compute else [COMPUTE]) + \
+        ([] if a.no_ddp else [{"name": "ddp", "kind": "ddp"}]) + \
         ([] if a.no_auto else [{"name": "auto", "mode": "allreduce", "compression": "auto"}]) + \
         [{"name": n, "mode": "diloco", "compression": "fp16", "options": DILOCO[n]}
          for n in a.diloco.split(",") if n]
@@ -95,6 +103,13 @@ def main() -> None:
             if r and r["steps"] == best["steps"]:
                 ratios[f"accuracy_gap_{ref}_minus_diloco_points"] = \
                     r["accuracy_%"] - best["accuracy_%"]
+    lim = by.get("compute-only")
+    if lim:
+        for r in rows:
+            r["limit_over_step"] = lim["ms_per_step"] / r["ms_per_step"]
+        ratios["ddp_step_over_limit"] = by["ddp"]["ms_per_step"] / lim["ms_per_step"] \
+            if "ddp" in by else float("nan")
+        print(table(rows, ["name", "ms_per_step", "limit_over_step"]))
     print(json.dumps(ratios, indent=1))
     write_json(a.json, "diloco_tta", ratios, rows, cluster=info, spec=spec)
 
