@@ -96,7 +96,7 @@ class DiLoCoOptimizer:
     applied by the outer optimizer.
 
     Every rank must call :meth:`step` the same number of times. All replicas start from rank
-    0's weights (broadcast at construction).
+    0's weights (broadcast at construction unless ``broadcast=False``: replicas built alike).
 
     Args:
         optimizer: The inner optimizer, over the model's parameters.
@@ -113,6 +113,7 @@ class DiLoCoOptimizer:
         hierarchical: ``True`` sums the pseudo-gradients inside each host first, then across
             hosts (``"auto"``: where the replicas span hosts with several ranks each; see
             :mod:`parlay.dp.hierarchical`).
+        broadcast: Start every replica from rank 0's weights (off where they already are).
         on_nonfinite: ``"raise"`` (default) a :class:`~parlay.errors.NonFiniteError` when an
             averaged pseudo-gradient is not finite, or ``"skip"`` that round of the fragment
             (every replica goes back to the shared weights).
@@ -127,7 +128,7 @@ class DiLoCoOptimizer:
                  outer_optimizer: type[torch.optim.Optimizer] = torch.optim.SGD,
                  outer_optimizer_args: dict[str, Any] | None = None, compression: Any = None,
                  process_group: Any = None, on_nonfinite: str = "raise",
-                 hierarchical: bool | str = False) -> None:
+                 hierarchical: bool | str = False, broadcast: bool = True) -> None:
         self.inner = optimizer
         self.sync_every = _check_int("sync_every", sync_every, 1)
         n_frag = _check_int("fragments", fragments, 1, self.sync_every)
@@ -151,7 +152,7 @@ class DiLoCoOptimizer:
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
             raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
-        if self.world > 1:
+        if self.world > 1 and broadcast:
             for _, p in named:
                 comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
                                group=process_group)

@@ -75,7 +75,7 @@ class DiLoCoStrategy(WholeModelStrategy):
         inner = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         self.optimizer = DiLoCoOptimizer(
             inner, model.named_parameters(), compression=self.compression,
-            on_nonfinite=self.guard.policy, **self.options)
+            on_nonfinite=self.guard.policy, broadcast=False, **self.options)  # _place did
         if dist.is_initialized():
             self._alone = runtime.new_group([dist.get_rank()], use_local_synchronization=True)
 
