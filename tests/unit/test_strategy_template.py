@@ -113,7 +113,7 @@ def test_checks_speak_to_the_user() -> None:
 
 
 def test_every_mode_checks_precision_alike() -> None:
-    for mode in ("allreduce", "hybrid", "ps"):
+    for mode in ("allreduce", "hybrid", "ps", "diloco"):
         with pytest.raises(ConfigError, match="precision must be one of"):
             get_strategy(mode, precision="fp8")
     with pytest.raises(ConfigError, match="mode 'ps' supports precision"):
