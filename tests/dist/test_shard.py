@@ -324,3 +324,48 @@ def _dies():
 def test_a_lost_rank_is_an_error_not_a_hang():
     out = run_world(_dies, 2, return_exceptions=True, timeout=40, comm_timeout=10)
     assert isinstance(out[0], CommError), out[0]
+
+
+# ------------------------------------------------------------------- DCP form, resharded
+def _dcp_whole(level, path, save):
+    """Train 3 steps and save (``save``), or load; each unit's parameter and Adam state
+    chunks of this rank, with the chunk it holds."""
+    import torch.distributed.checkpoint as dcp
+    from parlay.dp.shard_dcp import dcp_state_dict, load_dcp
+    m = _model()
+    opt = parlay.DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=0.01),
+                                      named_parameters=m.named_parameters(), shard=level,
+                                      model=m, bucket_cap_mb=0.0005)
+    if save:
+        x, y = _data(parlay.size())
+        for s in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(x[s, 0, parlay.rank()]), y[s, 0, parlay.rank()]).backward()
+            opt.step()
+        dcp.save(dcp_state_dict(opt), checkpoint_id=path)
+    else:
+        load_dcp(opt, path)
+    eng = opt.shard_engine
+    state = [{k: v.clone() for k, v in opt.optimizer.state[c].items()} for c in eng.shards]
+    return [c.detach().clone() for c in eng.shards], state, [b.numel for b in eng.plan.buckets]
+
+
+def _joined(per_rank):
+    from parlay.trainer.reshard import rechunk
+    units = per_rank[0][2]
+    out = []
+    for u, numel in enumerate(units):
+        out.append(rechunk([r[0][u] for r in per_rank], numel, 1, 0))
+        for name, v in sorted(per_rank[0][1][u].items()):
+            out.append(rechunk([r[1][u][name] for r in per_rank], numel, 1, 0) if v.dim()
+                       else v)
+    return out
+
+
+@pytest.mark.parametrize("level", ["gradients", "parameters"])
+def test_dcp_form_reloads_exactly_at_other_world_sizes(tmp_path, level):
+    saved = _joined(run_world(_dcp_whole, 2, level, str(tmp_path), True))
+    for world in (4, 3):
+        got = _joined(run_world(_dcp_whole, world, level, str(tmp_path), False))
+        assert len(got) == len(saved)
+        assert all(torch.equal(a, b) for a, b in zip(saved, got)), world

@@ -374,12 +374,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._buckets.reset()
 
     @property
+    def shard_engine(self) -> ShardedBuckets | None:
+        """With ``shard=``: the engine holding this rank's chunks (:mod:`parlay.dp.shard`;
+        :mod:`parlay.dp.shard_dcp` saves them in DCP form). ``None`` otherwise."""
+        return self._buckets if isinstance(self._buckets, ShardedBuckets) else None
+
+    @property
     def shard_rank(self) -> int:
         """The chunk of every unit this rank holds with ``shard=`` (its group rank, unless
         reduced host first)."""
-        if isinstance(self._buckets, ShardedBuckets):
-            return self._buckets.rank
-        return comm.group_rank(self.process_group)
+        eng = self.shard_engine
+        return eng.rank if eng is not None else comm.group_rank(self.process_group)
 
     def local_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps, after :meth:`synchronize`: with ``shard=``

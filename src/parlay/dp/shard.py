@@ -431,14 +431,16 @@ class ShardedBuckets(GradientBuckets):
                 torch.autograd.graph.register_multi_grad_hook(
                     outs, lambda grads: self._before_backward(mine), mode="any")
             for b in mine:
-                self.release(b)
+                if not (outs and b == 0):  # the last unit of forward is backward's first
+                    self.release(b)
         return hook
 
     def _before_backward(self, mine: list[int]) -> None:
         for b in mine:
             self.ensure(b)
-        if max(mine) < self._last:
-            self.prefetch(max(mine) + 1)
+        for ahead in (1, 2):
+            if max(mine) + ahead <= self._last:
+                self.prefetch(max(mine) + ahead)
 
     def remove(self) -> None:
         super().remove()
