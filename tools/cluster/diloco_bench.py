@@ -20,14 +20,12 @@ rank, in one process group:
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tools.cluster import spec_run
 
 __all__ = ["launch", "main", "run"]
 
@@ -172,43 +170,13 @@ def launch(spec: dict[str, Any], hosts: int = 4, rate: str | None = None,
            timeout: float = 1800.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``spec`` on ``hosts`` simulated hosts of one rank each, links at ``rate``;
     ``(rows, cluster report with the measured link goodput)``."""
-    import parlay
-    from tools.cluster import Cluster
-
-    src = str(Path(parlay.__file__).resolve().parents[1])
-    root = str(Path(__file__).resolve().parents[2])
-    out = tempfile.mktemp(prefix="parlay-diloco-")
-    with Cluster(hosts=hosts, rate=rate) as c:
-        link = c.measure(1, 0, seconds=1.0) / 1e6
-        procs = c.parlay_run(["-m", "tools.cluster.diloco_bench", "--spec", json.dumps(spec),
-                              "--out", out], env={"PYTHONPATH": os.pathsep.join([src, root])},
-                             stdout=-1, stderr=-1, text=True)
-        errs = [(p.communicate(timeout=timeout), p.returncode) for p in procs]
-        info = dict(c.report(), link_mbit_s=link)
-    files = sorted(Path(out).parent.glob(Path(out).name + ".rank*.json"))
-    rows = [r for f in files for r in json.loads(f.read_text())]
-    for f in files:
-        f.unlink()
-    if len(files) < hosts:
-        bad = next(((o, e) for (o, e), rc in errs if rc), ("", "no output"))
-        raise RuntimeError(f"diloco launch failed:\n{bad[0][-2000:]}\n{bad[1][-3000:]}")
-    return rows, info
+    return spec_run.launch("tools.cluster.diloco_bench", spec, hosts, rate, timeout,
+                           measure_link=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     """One rank under ``parlay run`` on a simulated host: rows go to PREFIX.rankN.json."""
-    import parlay
-
-    ap = argparse.ArgumentParser(description="one rank of the DiLoCo cluster launch")
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    ns = ap.parse_args(argv)
-    parlay.init(timeout=900)
-    try:
-        rows = run(json.loads(ns.spec))
-        Path(f"{ns.out}.rank{parlay.rank()}.json").write_text(json.dumps(rows))
-    finally:
-        parlay.shutdown()
+    spec_run.rank_main(run, "DiLoCo", 900, argv)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,13 @@ Each row holds the curve ``[steps, samples, seconds, accuracy]`` and the host's 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tools.cluster import spec_run
 
 __all__ = ["launch", "main", "run"]
 
@@ -141,42 +140,13 @@ def launch(spec: dict[str, Any], hosts: int = 4, rate: str | None = "100mbit",
            timeout: float = 3600.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``spec`` on ``hosts`` simulated hosts of one rank each, links at ``rate``;
     ``(rows of every rank, cluster report with the measured link goodput)``."""
-    import parlay
-    from tools.cluster import Cluster
-
-    src = str(Path(parlay.__file__).resolve().parents[1])
-    out = tempfile.mktemp(prefix="parlay-tta-")
-    with Cluster(hosts=hosts, rate=rate) as c:
-        link = c.measure(1, 0, seconds=1.0) / 1e6
-        procs = c.parlay_run(["-m", "tools.cluster.diloco_tta", "--spec", json.dumps(spec),
-                              "--out", out], env={"PYTHONPATH": os.pathsep.join([src, str(_ROOT)])},
-                             stdout=-1, stderr=-1, text=True)
-        errs = [(p.communicate(timeout=timeout), p.returncode) for p in procs]
-        info = dict(c.report(), link_mbit_s=link)
-    files = sorted(Path(out).parent.glob(Path(out).name + ".rank*.json"))
-    rows = [r for f in files for r in json.loads(f.read_text())]
-    for f in files:
-        f.unlink()
-    if len(files) < hosts:
-        bad = next(((o, e) for (o, e), rc in errs if rc), ("", "no output"))
-        raise RuntimeError(f"time-to-accuracy launch failed:\n{bad[0][-2000:]}\n{bad[1][-3000:]}")
-    return rows, info
+    return spec_run.launch("tools.cluster.diloco_tta", spec, hosts, rate, timeout,
+                           measure_link=True)
 
 
 def main(argv: list[str] | None = None) -> None:
     """One rank under ``parlay run`` on a simulated host: rows go to PREFIX.rankN.json."""
-    import parlay
-
-    ap = argparse.ArgumentParser(description="one rank of the time-to-accuracy cluster launch")
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    ns = ap.parse_args(argv)
-    parlay.init(timeout=900)
-    try:
-        rows = run(json.loads(ns.spec))
-        Path(f"{ns.out}.rank{parlay.rank()}.json").write_text(json.dumps(rows))
-    finally:
-        parlay.shutdown()
+    spec_run.rank_main(run, "time-to-accuracy", 900, argv)
 
 
 if __name__ == "__main__":

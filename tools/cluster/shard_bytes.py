@@ -12,14 +12,12 @@ One contestant at a time, freed before the next (each holds a whole model).
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tools.cluster import spec_run
 
 __all__ = ["launch", "main"]
 
@@ -108,42 +106,12 @@ def run(spec: dict[str, Any]) -> list[dict[str, Any]]:
 def launch(spec: dict[str, Any], hosts: int = 4, rate: str | None = None,
            timeout: float = 900.0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Run ``spec`` on ``hosts`` simulated hosts of one rank each; ``(rows, cluster report)``."""
-    import parlay
-    from tools.cluster import Cluster
-
-    src = str(Path(parlay.__file__).resolve().parents[1])
-    root = str(Path(__file__).resolve().parents[2])
-    out = tempfile.mktemp(prefix="parlay-shard-bytes-")
-    with Cluster(hosts=hosts, rate=rate) as c:
-        procs = c.parlay_run(["-m", "tools.cluster.shard_bytes", "--spec", json.dumps(spec),
-                              "--out", out], env={"PYTHONPATH": os.pathsep.join([src, root])},
-                             stdout=-1, stderr=-1, text=True)
-        errs = [(p.communicate(timeout=timeout), p.returncode) for p in procs]
-        info = c.report()
-    files = sorted(Path(out).parent.glob(Path(out).name + ".rank*.json"))
-    rows = [r for f in files for r in json.loads(f.read_text())]
-    for f in files:
-        f.unlink()
-    if len(files) < hosts:
-        bad = next(((o, e) for (o, e), rc in errs if rc), ("", "no output"))
-        raise RuntimeError(f"shard bytes launch failed:\n{bad[0][-2000:]}\n{bad[1][-3000:]}")
-    return rows, info
+    return spec_run.launch("tools.cluster.shard_bytes", spec, hosts, rate, timeout)
 
 
 def main(argv: list[str] | None = None) -> None:
     """One rank under ``parlay run`` on a simulated host: rows go to PREFIX.rankN.json."""
-    import parlay
-
-    ap = argparse.ArgumentParser(description="one rank of the shard-bytes launch")
-    ap.add_argument("--spec", required=True)
-    ap.add_argument("--out", required=True)
-    ns = ap.parse_args(argv)
-    parlay.init(timeout=600)
-    try:
-        rows = run(json.loads(ns.spec))
-        Path(f"{ns.out}.rank{parlay.rank()}.json").write_text(json.dumps(rows))
-    finally:
-        parlay.shutdown()
+    spec_run.rank_main(run, "shard-bytes", 600, argv)
 
 
 if __name__ == "__main__":
