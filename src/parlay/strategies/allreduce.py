@@ -79,6 +79,16 @@ class WholeModelStrategy(StepTemplate):
             raise ConfigError(f"{type(self).__name__}.setup(...) must run before training.")
         return self.model, self.optimizer, self._loss_fn
 
+    def _forward(self, x: Any, y: Any) -> tuple[nn.Module, Any, torch.Tensor, Any]:
+        """A training step's start: gradients cleared, the loss of this rank's batch
+        (autocast as ``precision`` says); ``(model, optimizer, loss, targets on device)``."""
+        model, opt, loss_fn = self._ready()
+        model.train()
+        x, y = to_device(x, self._device), to_device(y, self._device)
+        opt.zero_grad(set_to_none=True)
+        with autocast_context(self.precision, self._device):
+            return model, opt, loss_fn(model(x), y), y
+
     def _eval_weights(self) -> contextlib.AbstractContextManager[Any]:
         """The weights evaluation runs on (default: the model's own)."""
         return contextlib.nullcontext()
@@ -178,12 +188,7 @@ class AllreduceStrategy(WholeModelStrategy):
             hierarchical=self.hierarchical, shard=self.shard, model=model)
 
     def train_step(self, x: Any, y: Any) -> StepResult:
-        model, opt, loss_fn = self._ready()
-        model.train()
-        x, y = to_device(x, self._device), to_device(y, self._device)
-        opt.zero_grad(set_to_none=True)
-        with autocast_context(self.precision, self._device):
-            loss = loss_fn(model(x), y)
+        model, opt, loss, y = self._forward(x, y)
         saved = None
         if self.scaler is not None:
             self.scaler.scale_loss(loss).backward()

@@ -22,7 +22,7 @@ from parlay import runtime
 from parlay.local.diloco import DiLoCoOptimizer
 from parlay.strategies.allreduce import WholeModelStrategy
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
-from parlay.strategies.template import autocast_context, batch_size_of, to_device
+from parlay.strategies.template import batch_size_of
 
 __all__ = ["DiLoCoStrategy"]
 
@@ -80,12 +80,7 @@ class DiLoCoStrategy(WholeModelStrategy):
             self._alone = runtime.new_group([dist.get_rank()], use_local_synchronization=True)
 
     def train_step(self, x: Any, y: Any) -> StepResult:
-        model, opt, loss_fn = self._ready()
-        model.train()
-        x, y = to_device(x, self._device), to_device(y, self._device)
-        opt.zero_grad(set_to_none=True)
-        with autocast_context(self.precision, self._device):
-            loss = loss_fn(model(x), y)
+        model, opt, loss, y = self._forward(x, y)
         (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
         named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
         if self.scaler is not None:
