@@ -250,8 +250,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _apply_update(self, closure: Callable[[], Any] | None) -> Any:
         """Extension point: step the wrapped optimizer on the (reduced) gradients."""
         out = self._opt.step(closure) if closure is not None else self._opt.step()
-        if isinstance(self._buckets, ShardedBuckets):
-            self._buckets.gather_all()
+        if self.shard_engine is not None:
+            self.shard_engine.gather_all()
         return out
 
     # ----------------------------------------------------------------- public API
@@ -389,32 +389,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def local_gradients(self) -> list[torch.Tensor]:
         """The averaged gradients this rank steps, after :meth:`synchronize`: with ``shard=``
         its flat chunks, else every parameter's gradient."""
-        if isinstance(self._buckets, ShardedBuckets):
-            return self._buckets.local_grads()
+        eng = self.shard_engine
+        if eng is not None:
+            return eng.local_grads()
         return [p.grad for _, p in self._named if p.grad is not None]
 
     def named_local_gradients(self) -> list[tuple[str, torch.Tensor]]:
         """:meth:`local_gradients` with names (a chunk's: the parameters it is part of)."""
-        if isinstance(self._buckets, ShardedBuckets):
-            return self._buckets.named_local_grads()
+        eng = self.shard_engine
+        if eng is not None:
+            return eng.named_local_grads()
         return [(n, p.grad) for n, p in self._named if p.grad is not None]
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the averaged gradients to a global ``max_norm`` (after :meth:`synchronize`);
         with ``shard=`` the norm is summed over every rank's chunks. Returns the total norm
         before clipping, as ``torch.nn.utils.clip_grad_norm_`` does."""
-        if isinstance(self._buckets, ShardedBuckets) and self._buckets.shards:
-            return clip_chunks_(self._buckets.local_grads(), max_norm, norm_type,
-                                self.process_group)
+        eng = self.shard_engine
+        if eng is not None and eng.shards:
+            return clip_chunks_(eng.local_grads(), max_norm, norm_type, self.process_group)
         return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm, norm_type)
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Inside this block every parameter holds its full value, to read (with
         ``shard="parameters"`` they are gathered on entry and freed on exit; writes to them
         are not kept). Every rank of the group must enter it together."""
-        if isinstance(self._buckets, ShardedBuckets):
-            return self._buckets.gathered()
-        return contextlib.nullcontext()
+        eng = self.shard_engine
+        return eng.gathered() if eng is not None else contextlib.nullcontext()
 
     def comm_stats(self) -> dict[str, float]:
         """Gradient bytes sent so far: dense (before compression) vs on the wire, per step."""
@@ -435,11 +436,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comp = self.compression.state_dict()
         if comp:
             sd["parlay_compression"] = comp
-        if isinstance(self._buckets, ShardedBuckets):
-            unit = {id(c): u for u, c in enumerate(self._buckets.shards)}
-            sd["parlay_shard"] = {**self._buckets.layout(),  # + each state entry's unit
-                                  "order": [unit[id(p)] for g in self.param_groups
-                                            for p in g["params"]]}
+        if self.shard_engine is not None:
+            sd["parlay_shard"] = self.shard_engine.layout()
         for post in self._optimizer_state_dict_post_hooks.values():
             out = post(self, sd)
             sd = sd if out is None else out
@@ -453,8 +451,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sd = sd if out is None else dict(out)
         comp = sd.pop("parlay_compression", None)
         shard = sd.pop("parlay_shard", None)
-        if isinstance(self._buckets, ShardedBuckets):
-            self._buckets.load_layout(shard)
+        if self.shard_engine is not None:
+            self.shard_engine.load_layout(shard)
         elif shard is not None:
             raise ConfigError(f"this optimizer state is rank {shard['rank']}'s shard of "
                               f"shard={shard['level']!r}; load it into a DistributedOptimizer "

@@ -125,9 +125,9 @@ class HostRing:
 class CommThread:
     """One background thread running a sharded optimizer's collectives in submission order.
 
-    The collectives run on a process group of their own (made from ``group`` at
-    construction, collectively on every rank), so they never interleave with what the calling
-    thread sends on ``group`` meanwhile.
+    The collectives run on process groups of their own (made by ``group``'s members at
+    construction, with the configured timeout), so they never interleave with what the
+    calling thread sends on ``group`` meanwhile.
 
     Args:
         group: The ranks to communicate among (``None``: the world).
@@ -155,7 +155,3 @@ class CommThread:
     def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` after everything submitted before it; ``result()`` re-raises its error."""
         return self._pool.submit(fn)
-
-    def close(self) -> None:
-        """Stop the thread once what was submitted has run."""
-        self._pool.shutdown(wait=True)

@@ -14,8 +14,9 @@ Adagrad, ...):
 * ``"gradients"`` (ZeRO-2): as above, but each final gradient is copied into a bucket made for
   this step and freed at once (``p.grad`` becomes ``None``); a rank keeps only its chunks.
 * ``"parameters"`` (ZeRO-3): parameters are kept as chunks too. A unit is all-gathered just
-  before its module's forward (the next one is prefetched), freed after it, gathered again
-  when backward reaches the module and freed once its gradients are in.
+  before its module's forward (the next two are prefetched), freed after it (but the last,
+  which backward needs first), gathered again when backward reaches the module and freed
+  once its gradients are in.
 
 At every level gradients never carry over a step: a parameter without a gradient since the
 last step (an unused branch, or no backward at all) contributes zeros.
@@ -37,6 +38,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from parlay import comm
+from parlay._validate import ceil_div
 from parlay.compress.base import CommStats, Compressor
 from parlay.dp.buckets import Bucket, BucketPlan, ParamInfo
 from parlay.dp.hooks import GradientBuckets, LocalReducer
@@ -144,21 +146,25 @@ class ShardedBuckets(GradientBuckets):
                               "its first step, then load a checkpoint into the wrapper.")
         self.level, self.thread = level, CommThread(group, hosts)
         self.world, self.rank = self.thread.ring.size, self.thread.ring.rank
-        self.chunk = [-(-b.numel // self.world) for b in plan.buckets]
+        self.chunk = [ceil_div(b.numel, self.world) for b in plan.buckets]
         #: Each parameter's shape (with ``"parameters"`` it is empty while not gathered).
         self.shapes = [p.shape for _, p in named]
         super().__init__(named, plan, LocalReducer(), compressor, stats, passes=passes,
                          prescale=prescale, postscale=postscale, overlap=True,
                          as_views=level == "optimizer", sparse_only=False)
-        self.flats: list[torch.Tensor | None] = [None] * len(plan.buckets)
         self._full = [level != "parameters"] * len(plan.buckets)  # units holding full values
         self._accumulated = False  # a p.grad view of "optimizer" took a gradient since zeroed
-        self.shards = [self._make_shard(b) for b in range(len(plan.buckets))]
-        unit_group = {b: next(g for g, grp in enumerate(optimizer.param_groups)
-                              if any(p is self.params[bucket.members[0]] for p in grp["params"]))
-                      for b, bucket in enumerate(plan.buckets)}
+        #: Per unit: the flat buffer of its full values, and this rank's chunk of it.
+        made = [self._make_unit(b) for b in range(len(plan.buckets))]
+        self.flats = [flat for flat, _ in made]
+        self.shards = [shard for _, shard in made]
+        group_of = {id(p): g for g, grp in enumerate(optimizer.param_groups)
+                    for p in grp["params"]}
+        unit_group = [group_of[id(self.params[b.members[0]])] for b in plan.buckets]
+        #: The unit of each chunk the optimizer holds, in its ``param_groups`` order.
+        self.order = sorted(range(len(plan.buckets)), key=unit_group.__getitem__)
         for g, grp in enumerate(optimizer.param_groups):
-            grp["params"] = [self.shards[b] for b in range(len(self.shards)) if unit_group[b] == g]
+            grp["params"] = [self.shards[b] for b in self.order if unit_group[b] == g]
         self._pending: list[Future[torch.Tensor] | None] = [None] * len(plan.buckets)
         self._seen: list[set[int]] = [set() for _ in plan.buckets]
         self._module_hooks: list[Any] = []
@@ -189,14 +195,13 @@ class ShardedBuckets(GradientBuckets):
         return [(self.params[i], slice(off, off + self.shapes[i].numel()), self.shapes[i])
                 for i, off in zip(bucket.members, bucket.offsets)]
 
-    def _make_shard(self, b: int) -> nn.Parameter:
+    def _make_unit(self, b: int) -> tuple[torch.Tensor, nn.Parameter]:
         bucket = self.plan.buckets[b]
         flat = torch.zeros(self.chunk[b] * self.world, dtype=bucket.dtype,
                            device=torch.device(bucket.device))
         for p, where, _ in self._members(b):
             flat[where].copy_(p.detach().reshape(-1))
         mine = flat[self._span(b)]
-        self.flats[b] = flat
         if self.level == "parameters":
             # The unit's full values live in ``flat`` only while gathered: its storage is freed
             # (resized to 0) in between, also under the views autograd saved in forward, and
@@ -211,7 +216,7 @@ class ShardedBuckets(GradientBuckets):
                 p.data = flat[where].view(shape)
             shard = nn.Parameter(mine)  # shares flat's storage: its step updates the model
         shard.grad = torch.zeros_like(mine)
-        return shard
+        return flat, shard
 
     # ----------------------------------------------------------------- gradients
     def on_grad(self, i: int) -> None:
@@ -236,9 +241,8 @@ class ShardedBuckets(GradientBuckets):
     def _launch(self, b: int) -> None:
         buf, ring = self.buffers[b], self.thread.ring
         wire = self.compressor.shard_dtype(buf.dtype) or buf.dtype
-        wire_bytes = buf.numel() * buf.element_size() if wire == buf.dtype else buf.numel() * 2
         self.stats.add(buf.numel() * buf.element_size(),
-                       wire_bytes * (self.world - 1) // self.world)
+                       buf.numel() * wire.itemsize * (self.world - 1) // self.world)
 
         def reduce() -> torch.Tensor:
             if wire == buf.dtype:
@@ -296,7 +300,8 @@ class ShardedBuckets(GradientBuckets):
         """What a shard's saved state must match to be loaded (and, with ``"parameters"``,
         this rank's parameter chunks)."""
         out: dict[str, Any] = {"level": self.level, "world": self.world, "rank": self.rank,
-                               "units": [b.numel for b in self.plan.buckets]}
+                               "units": [b.numel for b in self.plan.buckets],
+                               "order": list(self.order)}
         if self.level == "parameters":
             out["params"] = [s.detach() for s in self.shards]
         return out
@@ -341,17 +346,15 @@ class ShardedBuckets(GradientBuckets):
             self.prefetch(self._last)  # the next forward's first unit
             return
         ring = self.thread.ring
-        futs = [self.thread.submit(functools.partial(ring.all_gather, f))
-                for f in self.flats if f is not None]
+        futs = [self.thread.submit(functools.partial(ring.all_gather, f)) for f in self.flats]
         for fut in futs:
             fut.result()
 
     def prefetch(self, b: int) -> None:
         """Start gathering unit ``b`` unless it is gathered or on its way."""
-        if self._pending[b] is not None or self._gathered(b):
+        if self._pending[b] is not None or self._full[b]:
             return
         shard, span, ring, flat = self.shards[b], self._span(b), self.thread.ring, self.flats[b]
-        assert flat is not None
 
         def gather() -> torch.Tensor:
             flat.untyped_storage().resize_(flat.numel() * flat.element_size())
@@ -360,12 +363,9 @@ class ShardedBuckets(GradientBuckets):
 
         self._pending[b] = self.thread.submit(gather)
 
-    def _gathered(self, b: int) -> bool:
-        return self._full[b]
-
     def ensure(self, b: int) -> None:
         """Unit ``b``'s parameters hold their full values (gathered now unless prefetched)."""
-        if self._gathered(b) and self._pending[b] is None:
+        if self._full[b]:
             return
         self.prefetch(b)
         fut, self._pending[b] = self._pending[b], None
@@ -396,9 +396,7 @@ class ShardedBuckets(GradientBuckets):
             fut.result()
         for p, _, _ in self._members(b):
             p.data = _empty(p)
-        flat = self.flats[b]
-        if flat is not None:
-            flat.untyped_storage().resize_(0)
+        self.flats[b].untyped_storage().resize_(0)
         self._full[b] = False
         self._seen[b].clear()
 
