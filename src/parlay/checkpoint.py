@@ -295,12 +295,16 @@ class CheckpointManager:
 
     def steps(self) -> list[int]:
         """Steps this rank has a file for, ascending."""
-        out = []
+        return sorted(s for s, ranks in self.written().items() if self.rank in ranks)
+
+    def written(self) -> dict[int, set[int]]:
+        """Every checkpoint file in the directory: step -> the ranks that wrote one."""
+        out: dict[int, set[int]] = collections.defaultdict(set)
         for p in self.directory.iterdir():
             m = _NAME.match(p.name)
-            if m and int(m.group(2)) == self.rank:
-                out.append(int(m.group(1)))
-        return sorted(out)
+            if m:
+                out[int(m.group(1))].add(int(m.group(2)))
+        return out
 
     def _world(self) -> int:
         if not torch.distributed.is_initialized():
@@ -403,11 +407,7 @@ class CheckpointManager:
 
     def _layout_message(self) -> str:
         """Some ranks hold checkpoints and others none: say what the directory holds."""
-        newest: dict[int, set[int]] = collections.defaultdict(set)
-        for p in self.directory.iterdir():
-            m = _NAME.match(p.name)
-            if m:
-                newest[int(m.group(1))].add(int(m.group(2)))
+        newest = self.written()
         step = max(newest, default=-1)
         had = len(newest.get(step, ()))
         return (f"cannot resume from {self.directory}: some ranks of this run hold checkpoint "

@@ -16,13 +16,12 @@ own state from them:
 from __future__ import annotations
 
 import copy
-import re
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from parlay._validate import ceil_div
 from parlay.checkpoint import CheckpointManager, load
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError
@@ -31,16 +30,9 @@ from parlay.runinfo import LAYOUT_FIELDS, describe_mismatch
 
 __all__ = ["load_resharded", "rechunk"]
 
-_NAME = re.compile(r"^ckpt-(\d{10})\.rank(\d+)\.pt$")
-
-
-def _newest_complete(directory: Path) -> tuple[int, int] | None:
+def _newest_complete(ckpt: CheckpointManager) -> tuple[int, int] | None:
     """``(step, ranks)`` of the newest step whose files ``rank0..rank(n-1)`` are all there."""
-    ranks: dict[int, set[int]] = {}
-    for p in directory.iterdir():
-        m = _NAME.match(p.name)
-        if m:
-            ranks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    ranks = ckpt.written()
     for step in sorted(ranks, reverse=True):
         if ranks[step] == set(range(len(ranks[step]))):
             return step, len(ranks[step])
@@ -52,7 +44,7 @@ def rechunk(chunks: list[torch.Tensor], numel: int, world: int, rank: int) -> to
     chunks (in rank order, as another number of ranks held them) are ``chunks``: exact, the
     padding zero (the layout of :mod:`parlay.dp.shard`)."""
     full = torch.cat([c.reshape(-1) for c in chunks])[:numel]
-    size = -(-numel // world)
+    size = ceil_div(numel, world)
     out = full.new_zeros(size)
     piece = full[rank * size:(rank + 1) * size]
     out[:piece.numel()] = piece
@@ -94,7 +86,7 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
         CheckpointError: A file is unreadable, or the checkpoint is another run's (model,
             mode, batch size or settings differ).
     """
-    found = _newest_complete(ckpt.directory)
+    found = _newest_complete(ckpt)
     if found is None or found[1] == world:
         return None
     step, old = found
@@ -119,9 +111,9 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
     batch = int(state["identity"]["batch_size"])
     batches = trainer["batch_in_epoch"] * old // world  # the same samples consumed, re-sharded
     sampler.update(world=world, num_replicas=world, rank=rank, position=batches * batch)
-    per_epoch = -(-len(ShardedSampler(sampler["n"], world, rank, shuffle=sampler["shuffle"],
-                                      drop_last=sampler["drop_last"],
-                                      even=sampler["even"])) // batch)
+    per_epoch = ceil_div(len(ShardedSampler(sampler["n"], world, rank, shuffle=sampler["shuffle"],
+                                            drop_last=sampler["drop_last"],
+                                            even=sampler["even"])), batch)
     # The schedule goes on from the steps this many ranks would have taken by now.
     trainer.update(batch_in_epoch=batches, schedule_shift=trainer["epoch"] * per_epoch
                    + batches - trainer["step"])
