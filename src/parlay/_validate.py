@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "show", "fail", "check_host", "parse_address",
-           "join_address", "as_index", "check_below", "int_var", "need_var", "port_var",
-           "addr_var", "ceil_div", "local_sizes", "check_task", "cluster_order", "rank_of",
-           "read_tf_config", "parse_nodelist", "first_node", "expand_nodelist"]
+           "join_address", "as_index", "check_int", "check_below", "int_var", "need_var",
+           "port_var", "addr_var", "ceil_div", "local_sizes", "check_task", "cluster_order",
+           "rank_of", "read_tf_config", "parse_nodelist", "first_node", "expand_nodelist"]
 
 #: Task types in rank order (evaluators last: they have no rank).
 TASK_TYPES = ("ps", "chief", "worker", "evaluator")
@@ -95,6 +95,16 @@ def as_index(value: object, subject: str) -> int:
     except TypeError:
         raise fail(subject, "an int", f"{type(value).__name__} {show(value)}",
                    "pass e.g. 0") from None
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` when it is an int (not a bool) in ``[low, high]`` (no upper bound without
+    ``high``); else a ConfigError naming ``name`` and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or \
+            (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(f"{name} must be an int {span}, got {value!r}.")
+    return value
 
 
 def check_below(name: str, value: int, bound_name: str, bound: int, hint: str) -> None:

@@ -32,15 +32,14 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
+from parlay._validate import check_int
 from parlay.errors import CheckpointError, ConfigError
 
 __all__ = ["ShardedSampler"]
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"ShardedSampler: {name} must be an int >= {minimum}, got {value!r}.")
-    return value
+    return check_int(f"ShardedSampler: {name}", value, minimum)
 
 
 class ShardedSampler(Sampler[int]):

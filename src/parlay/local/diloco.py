@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
+from parlay._validate import check_int
 from parlay.compress.base import CommStats, Compressor, get_compressor, reduce_async
 from parlay.dp.hierarchical import make_reducer
 from parlay.errors import ConfigError, NonFiniteError
@@ -59,14 +60,6 @@ class Fragment:
     optimizer: torch.optim.Optimizer
     offset: int
     flight: _InFlight | None = field(default=None, repr=False)
-
-
-def _check_int(name: str, value: Any, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or \
-            (high is not None and value > high):
-        span = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ConfigError(f"{name} must be an int {span}, got {value!r}.")
-    return value
 
 
 def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]:
@@ -130,14 +123,14 @@ class DiLoCoOptimizer:
                  process_group: Any = None, on_nonfinite: str = "raise",
                  hierarchical: bool | str = False, broadcast: bool = True) -> None:
         self.inner = optimizer
-        self.sync_every = _check_int("sync_every", sync_every, 1)
-        n_frag = _check_int("fragments", fragments, 1, self.sync_every)
+        self.sync_every = check_int("sync_every", sync_every, 1)
+        n_frag = check_int("fragments", fragments, 1, self.sync_every)
         gap = self.sync_every // n_frag  # inner steps between two fragments' exchanges
         if isinstance(overlap, int) and not isinstance(overlap, bool) and overlap >= gap > 0:
             raise ConfigError(f"overlap={overlap} must be below sync_every // fragments = {gap}"
                               " (an exchange is merged before the next one starts). Hint: "
                               f"overlap={gap - 1}, or a larger sync_every.")
-        self.overlap = _check_int("overlap", overlap, 0)
+        self.overlap = check_int("overlap", overlap, 0)
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
         self.on_nonfinite = on_nonfinite
