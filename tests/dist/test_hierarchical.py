@@ -34,12 +34,12 @@ def _batch(step: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(n, 3, generator=g, dtype=torch.float64))
 
 
-def _train(hierarchical, compression=None, bucket_cap_mb=0.0004):
+def _train(hierarchical, compression=None, bucket_cap_mb=0.0004, shard=None):
     m = _model()
     opt = parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
                                       named_parameters=m.named_parameters(),
                                       compression=compression, bucket_cap_mb=bucket_cap_mb,
-                                      hierarchical=hierarchical)
+                                      hierarchical=hierarchical, shard=shard, model=m)
     r = parlay.rank()
     for s in range(STEPS):
         opt.zero_grad()
@@ -47,8 +47,9 @@ def _train(hierarchical, compression=None, bucket_cap_mb=0.0004):
         sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
         nn.functional.mse_loss(m(x[sl]), y[sl]).backward()
         opt.step()
-    return ({n: p.detach().clone() for n, p in m.named_parameters()}, opt.hierarchical,
-            opt.comm_stats(), len(opt.plan.buckets))
+    with opt.gathered_parameters():
+        params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    return params, opt.hierarchical, opt.comm_stats(), len(opt.plan.buckets)
 
 
 def _oracle(world: int) -> dict[str, torch.Tensor]:
@@ -178,28 +179,13 @@ def test_both_hybrid_placements_equal_one_process(placement):
 
 
 
-def _sharded(level):
-    m = _model()
-    opt = parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
-                                      named_parameters=m.named_parameters(), shard=level,
-                                      model=m, hierarchical=True, bucket_cap_mb=0.0004)
-    r = parlay.rank()
-    for s in range(STEPS):
-        opt.zero_grad()
-        x, y = _batch(s, parlay.size() * PER_RANK)
-        sl = slice(r * PER_RANK, (r + 1) * PER_RANK)
-        nn.functional.mse_loss(m(x[sl]), y[sl]).backward()
-        opt.step()
-    with opt.gathered_parameters():
-        return {n: p.detach().clone() for n, p in m.named_parameters()}, opt.hierarchical
-
-
 @pytest.mark.parametrize("level", ["gradients", "parameters"])
 def test_sharded_host_first_equals_one_process_on_2_hosts_x_2(level):
     # Reduce-scatter inside each host, then across hosts per local rank (all-gather back):
     # every rank ends with 1/4 of each unit, and training equals the one-process oracle.
     ref = _oracle(4)
-    for params, hier in run_world(_sharded, 4, level, local_world_size=2):
+    for params, hier, _, _ in run_world(_train, 4, True, None, 0.0004, level,
+                                        local_world_size=2):
         assert hier
         for name in ref:
             torch.testing.assert_close(params[name], ref[name], **TOL, msg=name)
