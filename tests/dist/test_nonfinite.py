@@ -50,14 +50,19 @@ def _trainer(ckpt, nonfinite, **kw):
                           keep_last=2, nonfinite=nonfinite, progress=False, **kw)
 
 
-def _raise_run(ckpt):
-    t = _trainer(ckpt, "raise")
-    err = None
+def _train(t):
+    """Train to the end; the NonFiniteError that stopped it, if one did."""
     try:
         while not t.should_stop():
             t.train_on_batch()
     except NonFiniteError as e:
-        err = e
+        return e
+    return None
+
+
+def _raise_run(ckpt):
+    t = _trainer(ckpt, "raise")
+    err = _train(t)
     return err, t.state.step, [p.detach().clone() for p in t.model.parameters()]
 
 
@@ -212,12 +217,7 @@ def _sharded_run(ckpt, shard, nonfinite):
     opt = t.strategy.optimizer
     with opt.gathered_parameters():
         init = [p.detach().clone() for p in t.model.parameters()]
-    err = None
-    try:
-        while not t.should_stop():
-            t.train_on_batch()
-    except NonFiniteError as e:
-        err = e
+    err = _train(t)
     with opt.gathered_parameters():
         return init, [p.detach().clone() for p in t.model.parameters()], t.skipped_steps, err
 
