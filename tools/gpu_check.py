@@ -164,27 +164,28 @@ def check_allreduce(ctx: dict[str, Any], shard: str | None, precision: str) -> s
     return msg + f", device {torch.tensor(0).to(ctx['device']).device}"
 
 
-def check_hybrid(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
-    import parlay
-    t = _trainer("hybrid", shard, precision)
+def _losses(mode: str, ctx: dict[str, Any], shard: str | None, precision: str,
+            **kw: Any) -> list[float]:
+    """A short Trainer run in ``mode`` (checked by ``_run``); its losses on this rank."""
+    t = _trainer(mode, shard, precision, **kw)
     losses = _run(t, ctx)
     t.close()
-    return f"{len(losses)} losses on rank {parlay.rank()}"
+    return losses
+
+
+def check_hybrid(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
+    import parlay
+    return f"{len(_losses('hybrid', ctx, shard, precision))} losses on rank {parlay.rank()}"
 
 
 def check_diloco(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
-    t = _trainer("diloco", shard, precision, compression="fp16")
-    losses = _run(t, ctx)
-    t.close()
+    losses = _losses("diloco", ctx, shard, precision, compression="fp16")
     return f"{len(losses)} inner steps, fp16 pseudo-gradients"
 
 
 def check_ps(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
     import parlay
-    t = _trainer("ps", shard, precision)
-    losses = _run(t, ctx)
-    t.close()
-    return f"{parlay.role()}: {len(losses)} losses"
+    return f"{parlay.role()}: {len(_losses('ps', ctx, shard, precision))} losses"
 
 
 def check_equivalence(ctx: dict[str, Any], shard: str | None, precision: str) -> str:
