@@ -98,9 +98,14 @@ def record_uncaught(path: str) -> None:
         record = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
             "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
             "timestamp": str(int(time.time()))}}}
+        # Whole or not at all: the agent reads the file as soon as the process is gone, and
+        # stops the other ranks with a signal, which may land in the middle of this write
+        # (an empty file failed the agent's JSON parsing, and with it the restart).
+        tmp = f"{path}.tmp{os.getpid()}"
         try:
-            with open(path, "w") as f:
+            with open(tmp, "w") as f:
                 json.dump(record, f)
+            os.replace(tmp, path)
         except OSError:
             previous(kind, value, tb)
 
