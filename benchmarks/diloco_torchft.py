@@ -1,0 +1,255 @@
+"""parlay's DiLoCo against torchft's, side by side on CPU/gloo over loopback (issue 27's anchor).
+
+Two replicas (one process each, :func:`parlay.testing.run_world`) train the 784-800-800-10 MLP
+on real MNIST, batch 64 per replica, inner Adam (lr 1e-3), for 2 epochs (468 steps an epoch),
+same initialisation and data order for every contestant:
+
+* ``ddp``: torch ``DistributedDataParallel`` over the world's gloo group (the anchor).
+* ``parlay``: :class:`parlay.local.diloco.DiLoCoOptimizer` around the Adam, ``sync_every=50``,
+  its default outer Nesterov SGD (lr 0.7, momentum 0.9), no compression.
+* ``torchft``: ``torchft.local_sgd.DiLoCo`` with the same H and outer optimizer, as torchft
+  runs on CPU: one lighthouse (in this process), one ``Manager(ProcessGroupGloo, ...)`` per
+  replica group with its own ``TCPStore``, ``use_async_quorum=False``; ``init_sync=False``
+  (every replica starts from the same seeded weights, as parlay's broadcast ensures).
+  torchft's quantiser needs a GPU, so neither DiLoCo quantises.
+* ``parlay-fp16`` (``--fp16``): an extra row, parlay with fp16 pseudo-gradients.
+
+The same hand-written loop drives every contestant (zero_grad, forward, backward, step).
+Training is interleaved one round (H steps) at a time, in an order drawn afresh each round
+(:func:`tools.bench.harness.round_order`), between barriers, so the load of other processes on
+this shared machine hits every contestant alike; samples/s is samples over the summed round
+times (``steady``: without the first round, which holds torchft's first quorum).
+
+Accuracy is on the 10,000 test images after 2 epochs: for the DiLoCo contestants the shared
+weights of the last outer step (step 900; ``local``: each replica's own weights at step 936,
+averaged over the replicas). Bytes are the payload each replica handed to its allreduces
+(parlay: ``comm_stats()["wire_bytes"]``; torchft: the tensors given to ``Manager.allreduce``;
+DDP: its buckets, through a comm hook); gloo's framing, torchft's quorum and heartbeat RPCs
+are not counted. The loopback NIC counters also carry other processes' traffic: not used.
+
+torchft is not a parlay dependency: ``pip install --no-deps torchft==0.2.0`` and then its
+non-torch requirements (``pip install opentelemetry-api opentelemetry-sdk
+opentelemetry-exporter-otlp-proto-http``); without it this script exits with status 2.
+
+    PARLAY_DATA_DIR=../shared/data/mnist python benchmarks/diloco_torchft.py [--quick] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import round_order, table, write_json  # noqa: E402
+
+from parlay.testing import run_world  # noqa: E402
+from tools.bench.accuracy import _test_acc, build_mlp, load_mnist, prep  # noqa: E402
+
+INSTALL = ("torchft is not installed. Install it without touching torch:\n"
+           "  python3 -m pip install --no-deps torchft==0.2.0\n"
+           "  python3 -m pip install opentelemetry-api opentelemetry-sdk "
+           "opentelemetry-exporter-otlp-proto-http")
+
+
+def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int) -> tuple[Any, dict]:
+    """torchft's DiLoCo for this replica group (one process): its store, PG and Manager."""
+    import torch
+    from torch.distributed import TCPStore
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    t = timedelta(seconds=cfg["timeout"])
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(pg=ProcessGroupGloo(timeout=t), load_state_dict=None, state_dict=None,
+                      min_replica_size=2, use_async_quorum=False, replica_id=f"replica{rank}",
+                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                      lighthouse_addr=cfg["lighthouse"], init_sync=False, timeout=t,
+                      quorum_timeout=t, connect_timeout=t)
+    sent = {"bytes": 0}
+    allreduce = manager.allreduce
+
+    def counted(tensor: Any, *a: Any, **k: Any) -> Any:
+        sent["bytes"] += tensor.numel() * tensor.element_size()
+        return allreduce(tensor, *a, **k)
+
+    manager.allreduce = counted  # type: ignore[method-assign]
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    diloco = DiLoCo(manager, [model], inner, outer, sync_every=cfg["H"])
+    diloco.__enter__()
+    return diloco, {"store": store, "manager": manager, "sent": sent}
+
+
+def _counting_hook(sent, bucket):  # type: ignore[no-untyped-def]  # (DDP reads annotations)
+    """DDP's own allreduce of a bucket, its bytes counted."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    sent["bytes"] += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(None, bucket)
+
+
+def _contestants(cfg: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from parlay.local.diloco import DiLoCoOptimizer
+
+    runs: dict[str, dict[str, Any]] = {}
+    for name in cfg["names"]:
+        model = build_mlp()
+        inner = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
+        run: dict[str, Any] = {"model": model, "opt": inner, "time": [], "steps": 0}
+        if name == "ddp":
+            ddp = DistributedDataParallel(model)
+            run.update(net=ddp, sent={"bytes": 0})
+            ddp.register_comm_hook(run["sent"], _counting_hook)
+        elif name.startswith("parlay"):
+            run["opt"] = DiLoCoOptimizer(inner, model.named_parameters(), sync_every=cfg["H"],
+                                         compression="fp16" if name == "parlay-fp16" else None)
+        elif name == "torchft":
+            run["diloco"], extra = _torchft(model, inner, cfg, rank)
+            run.update(extra)
+        runs[name] = run
+    return runs
+
+
+def _shared_acc(name: str, run: dict[str, Any], xte: Any, yte: Any) -> float:
+    """Test accuracy of the weights every replica shares (DiLoCo: the last outer step's)."""
+    import torch
+
+    model = run["model"]
+    if name.startswith("parlay"):
+        with run["opt"].shared_weights():
+            return _test_acc(model, xte, yte)
+    if name == "torchft":
+        frag = run["diloco"]._fragments[0]
+        mine = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(frag.original_parameters[n])
+            acc = _test_acc(model, xte, yte)
+            for n, p in model.named_parameters():
+                p.copy_(mine[n])
+        return acc
+    return _test_acc(model, xte, yte)
+
+
+def _local_acc(model: Any, xte: Any, yte: Any) -> float:
+    """This replica's own weights on the whole test set, averaged over the replicas."""
+    import torch
+
+    import parlay
+
+    with torch.no_grad():
+        acc = (model(prep(xte)).argmax(1) == yte).double().mean().reshape(1) * 100
+    parlay.comm.allreduce(acc, "sum")
+    return float(acc) / parlay.size()
+
+
+def _worker(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
+    import torch
+    import torch.nn as nn
+
+    import parlay
+
+    rank, world = parlay.rank(), parlay.size()
+    xtr, ytr = load_mnist(cfg["data"], "train")
+    xte, yte = load_mnist(cfg["data"], "test")
+    if cfg["train_samples"]:
+        xtr, ytr = xtr[:cfg["train_samples"]], ytr[:cfg["train_samples"]]
+    runs = _contestants(cfg, rank)
+    gbatch = cfg["batch"] * world
+    per_epoch = len(xtr) // gbatch
+    total = per_epoch * cfg["epochs"]
+    perms = [torch.randperm(len(xtr), generator=torch.Generator().manual_seed(e))
+             for e in range(cfg["epochs"])]
+    loss_fn = nn.CrossEntropyLoss()
+    for i, start in enumerate(range(0, total, cfg["H"])):
+        for name in round_order(list(runs), i):
+            run = runs[name]
+            net, opt = run.get("net", run["model"]), run["opt"]
+            parlay.comm.barrier()
+            t0 = time.perf_counter()
+            for s in range(start, min(total, start + cfg["H"])):
+                e, k = divmod(s, per_epoch)
+                idx = perms[e][k * gbatch + rank * cfg["batch"]:][:cfg["batch"]]
+                opt.zero_grad()
+                loss_fn(net(prep(xtr[idx])), ytr[idx]).backward()
+                opt.step()
+            parlay.comm.barrier()
+            run["time"].append(time.perf_counter() - t0)
+            run["steps"] = min(total, start + cfg["H"])
+    rows = []
+    for name, run in runs.items():
+        secs = torch.tensor(run["time"], dtype=torch.float64)
+        parlay.comm.allreduce(secs, "max")
+        samples = run["steps"] * gbatch
+        per_round = cfg["H"] * gbatch
+        sent = run["opt"].comm_stats()["wire_bytes"] if name.startswith("parlay") \
+            else run["sent"]["bytes"]
+        row = {"name": name, "steps": run["steps"], "train_s": float(secs.sum()),
+               "samples_per_s": samples / float(secs.sum()),
+               "samples_per_s_steady": (samples - per_round) / float(secs[1:].sum()),
+               "ms_per_step": 1000 * float(secs.sum()) / run["steps"],
+               "accuracy_%": _shared_acc(name, run, xte, yte),
+               "local_accuracy_%": _local_acc(run["model"], xte, yte),
+               "MB_sent_per_replica": sent / 1e6}
+        if name == "torchft":
+            row["committed_outer_steps"] = run["manager"].current_step()
+            run["diloco"].__exit__(None, None, None)
+            run["manager"].shutdown(wait=False)
+        rows.append(row)
+    return rows if rank == 0 else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", default=os.environ.get("PARLAY_DATA_DIR"),
+                   help="folder with the MNIST IDX .gz files (default: $PARLAY_DATA_DIR)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 1 epoch of 12,800 images")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--sync-every", type=int, default=50, help="H")
+    p.add_argument("--lr", type=float, default=1e-3, help="inner Adam's")
+    p.add_argument("--fp16", action="store_true", help="add parlay with fp16 pseudo-gradients")
+    p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    try:
+        from torchft.coordination import LighthouseServer
+    except ImportError as e:
+        print(f"{INSTALL}\n({e})", file=sys.stderr)
+        return 2
+    names = ([] if a.no_ddp else ["ddp"]) + ["parlay", "torchft"] + \
+        (["parlay-fp16"] if a.fp16 else [])
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+    cfg = {"data": a.data, "names": names, "epochs": 1 if a.quick else a.epochs, "batch": 64,
+           "lr": a.lr, "H": a.sync_every, "train_samples": 12800 if a.quick else 0,
+           "lighthouse": lighthouse.address(), "timeout": 120}
+    try:
+        rows = run_world(_worker, 2, cfg, timeout=7200, comm_timeout=600)[0]
+    finally:
+        lighthouse.shutdown()
+    by = {r["name"]: r for r in rows}
+    ratios: dict[str, float] = {}
+    for num, den in (("parlay", "torchft"), ("parlay", "ddp"), ("torchft", "ddp"),
+                     ("parlay-fp16", "torchft")):
+        if num in by and den in by:
+            for k in ("samples_per_s", "samples_per_s_steady"):
+                ratios[f"{num}/{den}_{k}"] = by[num][k] / by[den][k]
+            ratios[f"{num}-{den}_accuracy_points"] = by[num]["accuracy_%"] - by[den]["accuracy_%"]
+            ratios[f"{den}/{num}_bytes"] = \
+                by[den]["MB_sent_per_replica"] / max(by[num]["MB_sent_per_replica"], 1e-12)
+    print(table(rows, ["name", "steps", "samples_per_s", "samples_per_s_steady", "ms_per_step",
+                       "accuracy_%", "local_accuracy_%", "MB_sent_per_replica", "train_s"]))
+    print(json.dumps(ratios, indent=1))
+    write_json(a.json, "diloco_torchft", ratios, rows, config={k: v for k, v in cfg.items()
+                                                               if k != "lighthouse"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
