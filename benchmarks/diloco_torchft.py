@@ -13,12 +13,17 @@ same initialisation and data order for every contestant:
   (every replica starts from the same seeded weights, as parlay's broadcast ensures).
   torchft's quantiser needs a GPU, so neither DiLoCo quantises.
 * ``parlay-fp16`` (``--fp16``): an extra row, parlay with fp16 pseudo-gradients.
+* ``compute-only``: the ceiling, the same inner steps with no exchange (parlay's optimizer
+  with a round longer than the run; its accuracy is the start's): no DiLoCo at this H and
+  inner optimizer can beat its samples/s.
 
 The same hand-written loop drives every contestant (zero_grad, forward, backward, step).
 Training is interleaved one round (H steps) at a time, in an order drawn afresh each round
 (:func:`tools.bench.harness.round_order`), between barriers, so the load of other processes on
 this shared machine hits every contestant alike; samples/s is samples over the summed round
-times (``steady``: without the first round, which holds torchft's first quorum).
+times (``steady``: without the first round, which holds torchft's first quorum), and
+``paired_median`` the median over rounds of one contestant's speed over the other's in the
+same round (the ratio least moved by load that drifts between rounds).
 
 Accuracy is on the 10,000 test images after 2 epochs: for the DiLoCo contestants the shared
 weights of the last outer step (step 900; ``local``: each replica's own weights at step 936,
@@ -31,13 +36,14 @@ torchft is not a parlay dependency: ``pip install --no-deps torchft==0.2.0`` and
 non-torch requirements (``pip install opentelemetry-api opentelemetry-sdk
 opentelemetry-exporter-otlp-proto-http``); without it this script exits with status 2.
 
-    PARLAY_DATA_DIR=../shared/data/mnist python benchmarks/diloco_torchft.py [--quick] [--json out.json]
+    PARLAY_DATA_DIR=../shared/data/mnist python benchmarks/diloco_torchft.py [--quick] [--json F]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from datetime import timedelta
@@ -107,8 +113,9 @@ def _contestants(cfg: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
             ddp = DistributedDataParallel(model)
             run.update(net=ddp, sent={"bytes": 0})
             ddp.register_comm_hook(run["sent"], _counting_hook)
-        elif name.startswith("parlay"):
-            run["opt"] = DiLoCoOptimizer(inner, model.named_parameters(), sync_every=cfg["H"],
+        elif name.startswith("parlay") or name == "compute-only":
+            h = 10**9 if name == "compute-only" else cfg["H"]
+            run["opt"] = DiLoCoOptimizer(inner, model.named_parameters(), sync_every=h,
                                          compression="fp16" if name == "parlay-fp16" else None)
         elif name == "torchft":
             run["diloco"], extra = _torchft(model, inner, cfg, rank)
@@ -122,7 +129,7 @@ def _shared_acc(name: str, run: dict[str, Any], xte: Any, yte: Any) -> float:
     import torch
 
     model = run["model"]
-    if name.startswith("parlay"):
+    if name.startswith("parlay") or name == "compute-only":
         with run["opt"].shared_weights():
             return _test_acc(model, xte, yte)
     if name == "torchft":
@@ -189,15 +196,14 @@ def _worker(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
         parlay.comm.allreduce(secs, "max")
         samples = run["steps"] * gbatch
         per_round = cfg["H"] * gbatch
-        sent = run["opt"].comm_stats()["wire_bytes"] if name.startswith("parlay") \
-            else run["sent"]["bytes"]
+        sent = run["sent"]["bytes"] if "sent" in run else run["opt"].comm_stats()["wire_bytes"]
         row = {"name": name, "steps": run["steps"], "train_s": float(secs.sum()),
                "samples_per_s": samples / float(secs.sum()),
                "samples_per_s_steady": (samples - per_round) / float(secs[1:].sum()),
                "ms_per_step": 1000 * float(secs.sum()) / run["steps"],
                "accuracy_%": _shared_acc(name, run, xte, yte),
                "local_accuracy_%": _local_acc(run["model"], xte, yte),
-               "MB_sent_per_replica": sent / 1e6}
+               "MB_sent_per_replica": sent / 1e6, "round_s": secs.tolist()}
         if name == "torchft":
             row["committed_outer_steps"] = run["manager"].current_step()
             run["diloco"].__exit__(None, None, None)
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"{INSTALL}\n({e})", file=sys.stderr)
         return 2
-    names = ([] if a.no_ddp else ["ddp"]) + ["parlay", "torchft"] + \
+    names = ([] if a.no_ddp else ["ddp"]) + ["parlay", "torchft", "compute-only"] + \
         (["parlay-fp16"] if a.fp16 else [])
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
     cfg = {"data": a.data, "names": names, "epochs": 1 if a.quick else a.epochs, "batch": 64,
@@ -236,13 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     by = {r["name"]: r for r in rows}
     ratios: dict[str, float] = {}
     for num, den in (("parlay", "torchft"), ("parlay", "ddp"), ("torchft", "ddp"),
-                     ("parlay-fp16", "torchft")):
+                     ("parlay-fp16", "torchft"), ("compute-only", "torchft")):
         if num in by and den in by:
             for k in ("samples_per_s", "samples_per_s_steady"):
                 ratios[f"{num}/{den}_{k}"] = by[num][k] / by[den][k]
-            ratios[f"{num}-{den}_accuracy_points"] = by[num]["accuracy_%"] - by[den]["accuracy_%"]
-            ratios[f"{den}/{num}_bytes"] = \
-                by[den]["MB_sent_per_replica"] / max(by[num]["MB_sent_per_replica"], 1e-12)
+            ratios[f"{num}/{den}_paired_median"] = statistics.median(
+                b / a for a, b in zip(by[num]["round_s"], by[den]["round_s"]))
+            if num != "compute-only":  # its accuracy is the start's, its bytes none
+                ratios[f"{num}-{den}_accuracy_points"] = \
+                    by[num]["accuracy_%"] - by[den]["accuracy_%"]
+                ratios[f"{den}/{num}_bytes"] = \
+                    by[den]["MB_sent_per_replica"] / by[num]["MB_sent_per_replica"]
     print(table(rows, ["name", "steps", "samples_per_s", "samples_per_s_steady", "ms_per_step",
                        "accuracy_%", "local_accuracy_%", "MB_sent_per_replica", "train_s"]))
     print(json.dumps(ratios, indent=1))
