@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 
 #: Case families and the tries each makes by default (the counts issue 25 asks for).
-FAMILIES = {"corrupt": 100, "same_run_id": 20, "replica_flip": 20, "ps_loss": 3, "errors": 1}
+FAMILIES = {"corrupt": 100, "same_run_id": 20, "replica_flip": 20, "ps_loss": 3, "errors": 1,
+            "diloco_kill": 6}
 
 
 def main(argv: list[str] | None = None) -> int:
