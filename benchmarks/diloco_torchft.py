@@ -43,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -61,8 +63,10 @@ INSTALL = ("torchft is not installed. Install it without touching torch:\n"
            "opentelemetry-exporter-otlp-proto-http")
 
 
-def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int) -> tuple[Any, dict]:
-    """torchft's DiLoCo for this replica group (one process): its store, PG and Manager."""
+def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int,
+             die_in_sync: bool = False) -> tuple[Any, dict]:
+    """torchft's DiLoCo for this replica group (one process): its store, PG and Manager
+    (``die_in_sync``: SIGKILL this process inside its first outer sync, allreduce started)."""
     import torch
     from torch.distributed import TCPStore
     from torchft.local_sgd import DiLoCo
@@ -71,7 +75,12 @@ def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int) -> tuple[An
 
     t = timedelta(seconds=cfg["timeout"])
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=t), load_state_dict=None, state_dict=None,
+    def load(sd: dict) -> None:  # a restarted replica heals from a live one
+        model.load_state_dict(sd["model"])
+        inner.load_state_dict(sd["inner"])
+
+    manager = Manager(pg=ProcessGroupGloo(timeout=t), load_state_dict=load,
+                      state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
                       min_replica_size=2, use_async_quorum=False, replica_id=f"replica{rank}",
                       store_addr="localhost", store_port=store.port, rank=0, world_size=1,
                       lighthouse_addr=cfg["lighthouse"], init_sync=False, timeout=t,
@@ -81,7 +90,10 @@ def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int) -> tuple[An
 
     def counted(tensor: Any, *a: Any, **k: Any) -> Any:
         sent["bytes"] += tensor.numel() * tensor.element_size()
-        return allreduce(tensor, *a, **k)
+        work = allreduce(tensor, *a, **k)
+        if die_in_sync:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return work
 
     manager.allreduce = counted  # type: ignore[method-assign]
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
@@ -212,6 +224,53 @@ def _worker(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
     return rows if rank == 0 else None
 
 
+def _replica(a: argparse.Namespace) -> None:
+    """One torchft replica group of the kill run (a process of its own): ``a.steps`` inner
+    steps, then what it trained and what it committed, in ``a.out``."""
+    import torch
+    import torch.nn as nn
+
+    torch.set_num_threads(1)
+    xtr, ytr = load_mnist(a.data or None, "train")
+    model = build_mlp()
+    inner = torch.optim.Adam(model.parameters(), lr=a.lr)
+    cfg = {"H": a.sync_every, "lighthouse": a.replica[1], "timeout": 120}
+    rank = int(a.replica[0])
+    diloco, extra = _torchft(model, inner, cfg, rank, die_in_sync=a.die_in_sync)
+    for s in range(a.steps):
+        idx = torch.arange(64) + (s * 128 + rank * 64) % (len(xtr) - 64)
+        inner.zero_grad()
+        nn.functional.cross_entropy(model(prep(xtr[idx])), ytr[idx]).backward()
+        inner.step()
+    commits = extra["manager"].current_step()
+    with open(a.out, "w") as f:
+        json.dump({"inner_steps": a.steps, "committed_rounds": commits,
+                   "discarded_inner_steps": a.steps - a.sync_every * commits}, f)
+    diloco.__exit__(None, None, None)
+    extra["manager"].shutdown(wait=False)
+
+
+def _kill_run(a: argparse.Namespace, lighthouse: str) -> dict[str, Any]:
+    """torchft: replica 1 SIGKILLs itself inside the first outer sync and is started again;
+    replica 0 trains 3 rounds, the restarted replica 1 2 (they meet at their syncs)."""
+    import tempfile
+
+    base = [sys.executable, os.path.abspath(__file__), "--data", a.data or "",
+            "--sync-every", str(a.sync_every), "--lr", str(a.lr)]
+    with tempfile.TemporaryDirectory() as d:
+        def start(rank: int, steps: int, *extra: str) -> subprocess.Popen:
+            return subprocess.Popen(base + ["--replica", str(rank), lighthouse, "--steps",
+                                            str(steps), "--out", f"{d}/r{rank}.json", *extra],
+                                    stderr=subprocess.DEVNULL)
+        survivor = start(0, 3 * a.sync_every)
+        killed = start(1, 3 * a.sync_every, "--die-in-sync").wait()
+        again = start(1, 2 * a.sync_every)
+        rcs = [survivor.wait(timeout=600), again.wait(timeout=600)]
+        out = {f"replica{r}": json.load(open(f"{d}/r{r}.json")) for r in range(2)
+               if os.path.exists(f"{d}/r{r}.json")}
+    return {"killed_rc": killed, "rcs": rcs, **out}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", default=os.environ.get("PARLAY_DATA_DIR"),
@@ -223,12 +282,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp16", action="store_true", help="add parlay with fp16 pseudo-gradients")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--json", default=None)
+    p.add_argument("--kill", action="store_true",
+                   help="instead: what torchft discards when a replica dies in an outer sync")
+    p.add_argument("--replica", nargs=2, metavar=("RANK", "LIGHTHOUSE"), help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--die-in-sync", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
+    if a.replica:
+        _replica(a)
+        return 0
     try:
         from torchft.coordination import LighthouseServer
     except ImportError as e:
         print(f"{INSTALL}\n({e})", file=sys.stderr)
         return 2
+    if a.kill:
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+        try:
+            res = _kill_run(a, lighthouse.address())
+        finally:
+            lighthouse.shutdown()
+        print(json.dumps(res, indent=1))
+        write_json(a.json, "diloco_torchft_kill", {}, [res])
+        return 0
     names = ([] if a.no_ddp else ["ddp"]) + ["parlay", "torchft", "compute-only"] + \
         (["parlay-fp16"] if a.fp16 else [])
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
