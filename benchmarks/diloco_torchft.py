@@ -8,11 +8,14 @@ same initialisation and data order for every contestant:
 * ``parlay``: :class:`parlay.local.diloco.DiLoCoOptimizer` around the Adam, ``sync_every=50``,
   its default outer Nesterov SGD (lr 0.7, momentum 0.9), no compression.
 * ``torchft``: ``torchft.local_sgd.DiLoCo`` with the same H and outer optimizer, as torchft
-  runs on CPU: one lighthouse (in this process), one ``Manager(ProcessGroupGloo, ...)`` per
+  runs on CPU: one lighthouse (on rank 0), one ``Manager(ProcessGroupGloo, ...)`` per
   replica group with its own ``TCPStore``, ``use_async_quorum=False``; ``init_sync=False``
   (every replica starts from the same seeded weights, as parlay's broadcast ensures).
   torchft's quantiser needs a GPU, so neither DiLoCo quantises.
 * ``parlay-fp16`` (``--fp16``): an extra row, parlay with fp16 pseudo-gradients.
+* ``torchft-stream``, ``parlay-fp16-stream`` (``--stream TAU``): Streaming DiLoCo, 2 fragments
+  (torchft: the first Linear, the rest; parlay: its even split, the same here), each merged
+  TAU inner steps after its exchange left (torchft's ``fragment_sync_delay``); parlay's in fp16.
 * ``compute-only``: the ceiling, the same inner steps with no exchange (parlay's optimizer
   with a round longer than the run; its accuracy is the start's): no DiLoCo at this H and
   inner optimizer can beat its samples/s.
@@ -64,7 +67,7 @@ INSTALL = ("torchft is not installed. Install it without touching torch:\n"
 
 
 def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int,
-             die_in_sync: bool = False) -> tuple[Any, dict]:
+             die_in_sync: bool = False, stream: bool = False) -> tuple[Any, dict]:
     """torchft's DiLoCo for this replica group (one process): its store, PG and Manager
     (``die_in_sync``: SIGKILL this process inside its first outer sync, allreduce started)."""
     import torch
@@ -74,7 +77,8 @@ def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int,
     from torchft.process_group import ProcessGroupGloo
 
     t = timedelta(seconds=cfg["timeout"])
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    host = cfg.get("host", "localhost")
+    store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
     def load(sd: dict) -> None:  # a restarted replica heals from a live one
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
@@ -82,7 +86,7 @@ def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int,
     manager = Manager(pg=ProcessGroupGloo(timeout=t), load_state_dict=load,
                       state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
                       min_replica_size=2, use_async_quorum=False, replica_id=f"replica{rank}",
-                      store_addr="localhost", store_port=store.port, rank=0, world_size=1,
+                      store_addr=host, store_port=store.port, rank=0, world_size=1, hostname=host,
                       lighthouse_addr=cfg["lighthouse"], init_sync=False, timeout=t,
                       quorum_timeout=t, connect_timeout=t)
     sent = {"bytes": 0}
@@ -96,8 +100,11 @@ def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int,
         return work
 
     manager.allreduce = counted  # type: ignore[method-assign]
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    diloco = DiLoCo(manager, [model], inner, outer, sync_every=cfg["H"])
+    frags = [model[:2], model[2:]] if stream else [model]  # streaming: 2 fragments
+    outer = [torch.optim.SGD(f.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+             for f in frags]
+    diloco = DiLoCo(manager, frags, inner, outer, sync_every=cfg["H"],
+                    fragment_sync_delay=cfg["tau"] if stream else 0)
     diloco.__enter__()
     return diloco, {"store": store, "manager": manager, "sent": sent}
 
@@ -127,10 +134,13 @@ def _contestants(cfg: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
             ddp.register_comm_hook(run["sent"], _counting_hook)
         elif name.startswith("parlay") or name == "compute-only":
             h = 10**9 if name == "compute-only" else cfg["H"]
+            stream = {"fragments": 2, "overlap": cfg["tau"]} if "stream" in name else {}
             run["opt"] = DiLoCoOptimizer(inner, model.named_parameters(), sync_every=h,
-                                         compression="fp16" if name == "parlay-fp16" else None)
-        elif name == "torchft":
-            run["diloco"], extra = _torchft(model, inner, cfg, rank)
+                                         compression="fp16" if "fp16" in name else None,
+                                         **stream)
+        elif name.startswith("torchft"):
+            mine = dict(cfg, lighthouse=cfg["lighthouses"][name])
+            run["diloco"], extra = _torchft(model, inner, mine, rank, stream="stream" in name)
             run.update(extra)
         runs[name] = run
     return runs
@@ -144,12 +154,13 @@ def _shared_acc(name: str, run: dict[str, Any], xte: Any, yte: Any) -> float:
     if name.startswith("parlay") or name == "compute-only":
         with run["opt"].shared_weights():
             return _test_acc(model, xte, yte)
-    if name == "torchft":
-        frag = run["diloco"]._fragments[0]
+    if name.startswith("torchft"):
+        frags = run["diloco"]._fragments
         mine = {n: p.detach().clone() for n, p in model.named_parameters()}
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(frag.original_parameters[n])
+            for f in frags:
+                for n, p in f._model_fragment.named_parameters():
+                    p.copy_(f.original_parameters[n])
             acc = _test_acc(model, xte, yte)
             for n, p in model.named_parameters():
                 p.copy_(mine[n])
@@ -175,7 +186,23 @@ def _worker(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
 
     import parlay
 
+    torch.set_num_threads(1)
     rank, world = parlay.rank(), parlay.size()
+    # one lighthouse per torchft contestant, on rank 0's host, at its address
+    import socket
+
+    import torch.distributed as dist
+    from torchft.coordination import LighthouseServer
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as so:
+        so.connect((os.environ["MASTER_ADDR"], 9))
+        cfg = dict(cfg, host=so.getsockname()[0])
+    lighthouses = {n: LighthouseServer(bind="[::]:0", min_replicas=2)
+                   for n in cfg["names"] if n.startswith("torchft") and rank == 0}
+    addrs = [{n: f"http://{cfg['host']}:{lh.address().rsplit(':', 1)[1]}"
+              for n, lh in lighthouses.items()}]
+    dist.broadcast_object_list(addrs, src=0)
+    cfg = dict(cfg, lighthouses=addrs[0])
     xtr, ytr = load_mnist(cfg["data"], "train")
     xte, yte = load_mnist(cfg["data"], "test")
     if cfg["train_samples"]:
@@ -216,12 +243,15 @@ def _worker(cfg: dict[str, Any]) -> list[dict[str, Any]] | None:
                "accuracy_%": _shared_acc(name, run, xte, yte),
                "local_accuracy_%": _local_acc(run["model"], xte, yte),
                "MB_sent_per_replica": sent / 1e6, "round_s": secs.tolist()}
-        if name == "torchft":
+        if name.startswith("torchft"):
             row["committed_outer_steps"] = run["manager"].current_step()
             run["diloco"].__exit__(None, None, None)
             run["manager"].shutdown(wait=False)
         rows.append(row)
-    return rows if rank == 0 else None
+    parlay.comm.barrier()
+    for lh in lighthouses.values():
+        lh.shutdown()
+    return rows if rank == 0 else []
 
 
 def _replica(a: argparse.Namespace) -> None:
@@ -280,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sync-every", type=int, default=50, help="H")
     p.add_argument("--lr", type=float, default=1e-3, help="inner Adam's")
     p.add_argument("--fp16", action="store_true", help="add parlay with fp16 pseudo-gradients")
+    p.add_argument("--stream", type=int, default=0, metavar="TAU",
+                   help="add streaming rows (2 fragments, merged TAU steps after they leave): "
+                   "torchft-stream and parlay-fp16-stream")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--json", default=None)
     p.add_argument("--kill", action="store_true",
@@ -288,9 +321,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--die-in-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--rate", default=None,
+                   help="instead of loopback: 2 simulated hosts (root), links shaped to RATE")
     a = p.parse_args(argv)
     if a.replica:
         _replica(a)
+        return 0
+    if a.spec:  # one rank on a simulated host (--rate)
+        from tools.cluster.spec_run import rank_main
+        rank_main(_worker, "diloco_torchft", 600, ["--spec", a.spec, "--out", a.out])
         return 0
     try:
         from torchft.coordination import LighthouseServer
@@ -307,19 +347,23 @@ def main(argv: list[str] | None = None) -> int:
         write_json(a.json, "diloco_torchft_kill", {}, [res])
         return 0
     names = ([] if a.no_ddp else ["ddp"]) + ["parlay", "torchft", "compute-only"] + \
-        (["parlay-fp16"] if a.fp16 else [])
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2)
+        (["parlay-fp16"] if a.fp16 else []) + \
+        (["torchft-stream", "parlay-fp16-stream"] if a.stream else [])
     cfg = {"data": a.data, "names": names, "epochs": 1 if a.quick else a.epochs, "batch": 64,
-           "lr": a.lr, "H": a.sync_every, "train_samples": 12800 if a.quick else 0,
-           "lighthouse": lighthouse.address(), "timeout": 120}
-    try:
+           "lr": a.lr, "H": a.sync_every, "tau": a.stream, "train_samples": 12800 if a.quick else 0,
+           "timeout": 120}
+    info: dict[str, Any] = {"link": "loopback"}
+    if a.rate:
+        from tools.cluster.spec_run import launch
+        rows, info = launch("benchmarks.diloco_torchft", cfg, 2, a.rate, 7200, measure_link=True)
+    else:
         rows = run_world(_worker, 2, cfg, timeout=7200, comm_timeout=600)[0]
-    finally:
-        lighthouse.shutdown()
     by = {r["name"]: r for r in rows}
     ratios: dict[str, float] = {}
     for num, den in (("parlay", "torchft"), ("parlay", "ddp"), ("torchft", "ddp"),
-                     ("parlay-fp16", "torchft"), ("compute-only", "torchft")):
+                     ("parlay-fp16", "torchft"), ("compute-only", "torchft"),
+                     ("parlay-fp16-stream", "torchft-stream"),
+                     ("parlay-fp16-stream", "torchft")):
         if num in by and den in by:
             for k in ("samples_per_s", "samples_per_s_steady"):
                 ratios[f"{num}/{den}_{k}"] = by[num][k] / by[den][k]
@@ -333,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, ["name", "steps", "samples_per_s", "samples_per_s_steady", "ms_per_step",
                        "accuracy_%", "local_accuracy_%", "MB_sent_per_replica", "train_s"]))
     print(json.dumps(ratios, indent=1))
-    write_json(a.json, "diloco_torchft", ratios, rows, config={k: v for k, v in cfg.items()
-                                                               if k != "lighthouse"})
+    print(json.dumps(info))
+    write_json(a.json, "diloco_torchft", ratios, rows, link=info,
+               config=cfg)
     return 0
 
 
