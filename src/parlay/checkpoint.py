@@ -14,19 +14,24 @@ checkpoint records the identity of its run (layout, batch size, model fingerprin
 :mod:`parlay.runinfo`) and a resume that could not continue it exactly is refused with the
 reason. The ranks agree using integer tensors only (no pickled objects cross the network), and
 files are read with ``torch.load(weights_only=True)``: a checkpoint cannot execute code.
+A sharded run's shards go to ``ckpt-<step>.dcp/`` first (``torch.distributed.checkpoint``); every
+rank's file then records the CRC-32 of each file there, checked before a resume uses them.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import errno
 import logging
 import os
 import re
 import secrets
+import shutil
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 from collections.abc import Callable
@@ -40,7 +45,7 @@ from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load",
+__all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load", "file_crcs",
            "CheckpointManager", "FORMAT_VERSION", "CRC_KEY", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("parlay")
@@ -186,6 +191,20 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
     return obj
 
 
+def file_crcs(folder: Path, names: list[str], group: Any = None) -> list[int]:
+    """CRC-32 of this rank's share of the files ``names`` in ``folder``: every N-th from its
+    rank in ``group`` of N (-1: unreadable, -2: another rank's share)."""
+    me, world = (comm.group_rank(group), comm.group_size(group)) \
+        if torch.distributed.is_initialized() else (0, 1)
+    out = [-2] * len(names)
+    for i in range(me, len(names), world):
+        out[i] = -1
+        with contextlib.suppress(OSError), open(folder / names[i], "rb") as f:
+            out[i] = functools.reduce(lambda c, b: zlib.crc32(b, c),
+                                      iter(lambda: f.read(1 << 24), b""), 0)
+    return out
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -293,6 +312,10 @@ class CheckpointManager:
         owner = self.rank if rank is None else rank
         return self.directory / f"ckpt-{int(step):010d}.rank{owner}.pt"
 
+    def dcp_path(self, step: int) -> Path:
+        """Folder of ``step``'s shards (``torch.distributed.checkpoint`` files)."""
+        return self.directory / f"ckpt-{int(step):010d}.dcp"
+
     def steps(self) -> list[int]:
         """Steps this rank has a file for, ascending."""
         return sorted(s for s, ranks in self.written().items() if self.rank in ranks)
@@ -317,8 +340,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save / load
     def save(self, step: int, state: dict[str, Any], *,
-             allow_inf: Callable[[torch.Tensor], bool] | None = None) -> Path:
+             allow_inf: Callable[[torch.Tensor], bool] | None = None,
+             shards: Callable[[Path], dict[str, int]] | None = None) -> Path:
         """Write this rank's ``state`` for ``step``; prune old checkpoints once all ranks did.
+        ``shards(folder)``: every rank writes the step's shards into :meth:`dcp_path` first
+        and returns the CRC-32 of each file there (:func:`file_crcs`), kept under ``"dcp"``.
 
         A state holding a NaN, or an infinity outside tensors ``allow_inf`` accepts (e.g. a
         model's ``-inf`` attention-mask buffers), is refused on every rank: it would replace
@@ -344,19 +370,30 @@ class CheckpointManager:
                                   "holds a NaN or an infinity. The previous checkpoints are "
                                   "kept. Hint: Trainer(nonfinite='raise') stops before such "
                                   "an update; lower the learning rate or clip gradients.")
-        else:
+        chief = self._world() == 1 or comm.group_rank(self.group) == 0
+        if shards is not None and chief:  # a stale one (a step saved again after a fallback)
+            shutil.rmtree(self.dcp_path(step), ignore_errors=True)
+        if shards is not None and comm.all_ok(err is None, self.group):
+            try:
+                payload["dcp"] = shards(self.dcp_path(step))
+            except CheckpointError as e:
+                err = e
+        if err is None:
             try:
                 save_atomic(payload, path)
             except CheckpointError as e:
                 err = e
         if not comm.all_ok(err is None, self.group):
-            if bad is None:
+            if bad is None:  # (its shards go with the next save's pruning)
                 path.unlink(missing_ok=True)
             raise err or CheckpointError(f"checkpoint at step {step} failed on another rank "
                                          "(see that rank's error); previous checkpoints are kept.")
         older = [s for s in self.steps() if s < step]
         for old in older[:max(0, len(older) - (self.keep_last - 1))]:
             self.path(old).unlink(missing_ok=True)
+        kept = {self.dcp_path(s) for s in {*self.steps(), step}}
+        for folder in set(self.directory.glob("ckpt-*.dcp")) - kept if chief else ():
+            shutil.rmtree(folder, ignore_errors=True)  # the shards of steps no longer kept
         return path
 
     def _common_steps(self, mine: list[int]) -> tuple[list[int], int]:
@@ -396,14 +433,43 @@ class CheckpointManager:
             raise CheckpointError(
                 f"cannot resume from checkpoint step {step} in {self.directory} (rank "
                 f"{self.rank}): {why.rstrip('.')}. Nothing was deleted.")
-        self.run_id = rid if isinstance(rid, str) else self._new_run_id()
-        self._lock.update({"run_id": self.run_id, "world_size": self._world()})
+        self.continue_run(rid if isinstance(rid, str) else None)
 
     def continue_run(self, run_id: str | None) -> None:
         """Go on as run ``run_id`` (a new one when ``None``), resumed by other means than
-        :meth:`load_latest` (a resharded resume reads every rank's file itself)."""
+        :meth:`load_latest` (a resharded resume reads rank 0's file itself)."""
         self.run_id = run_id or self._new_run_id()
         self._lock.update({"run_id": self.run_id, "world_size": self._world()})
+
+    def first_usable(self, steps: list[int],
+                     path: Callable[[int], Path]) -> dict[str, Any] | None:
+        """The state in ``path(step)`` of the newest of ``steps`` that every rank can read
+        (with its shard files, each rank checking a share), or ``None``. A step unusable on
+        any rank is skipped by all, with a warning naming the file and the rank."""
+        for step in sorted(steps, reverse=True):
+            state: dict[str, Any] | None = None
+            problem = ""
+            try:
+                state = load(path(step))
+                if state.get("step") != step:
+                    problem = f"it says step {state.get('step')}, its name says {step}"
+                    state = None
+                elif "dcp" in state:
+                    names = sorted(state["dcp"])
+                    for n, crc in zip(names, file_crcs(self.dcp_path(step), names, self.group)):
+                        if crc not in (-2, state["dcp"][n]):
+                            raise CheckpointError(f"sharded checkpoint file {self.dcp_path(step)}"
+                                                  f"/{n} is missing or fails its CRC-32")
+            except CheckpointError as e:
+                problem, state = str(e), None
+            if comm.all_ok(state is not None, self.group):
+                return state
+            msg = (f"checkpoint step {step} is not usable on every rank"
+                   + (f" (rank {self.rank}: {problem})" if problem else "")
+                   + "; falling back to the previous one.")
+            warnings.warn(msg, stacklevel=3)
+            log.warning(msg)
+        return None
 
     def _layout_message(self) -> str:
         """Some ranks hold checkpoints and others none: say what the directory holds."""
@@ -440,24 +506,9 @@ class CheckpointManager:
         common, most = self._common_steps(self.steps())
         if not common and most:
             raise CheckpointError(self._layout_message())
-        for step in sorted(common, reverse=True):
-            state: dict[str, Any] | None = None
-            problem = ""
-            try:
-                state = load(self.path(step))
-                if state.get("step") != step:
-                    problem = f"it says step {state.get('step')}, its name says {step}"
-                    state = None
-            except CheckpointError as e:
-                problem = str(e)
-            if comm.all_ok(state is not None, self.group):
-                self._check_identity(step, state)  # type: ignore[arg-type]
-                return state
-            msg = (f"checkpoint step {step} is not usable on every rank"
-                   + (f" (rank {self.rank}: {problem})" if problem else "")
-                   + "; falling back to the previous one.")
-            warnings.warn(msg, stacklevel=2)
-            log.warning(msg)
-        self.run_id = self._new_run_id()
-        self._lock.update({"run_id": self.run_id, "world_size": self._world()})
-        return None
+        state = self.first_usable(common, self.path)
+        if state is not None:
+            self._check_identity(state["step"], state)
+        else:
+            self.continue_run(None)
+        return state

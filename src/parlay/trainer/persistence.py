@@ -8,6 +8,7 @@ and keeps the smallest interval at which snapshots cost at most 2% of training.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -22,6 +23,7 @@ import torch.nn as nn
 from parlay import comm, runtime
 from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.sampler import ShardedSampler
+from parlay.dp.shard_dcp import load_dcp, save_dcp
 from parlay.errors import CheckpointError, ConfigError, ReplicaDivergence
 from parlay.runinfo import stable_repr, trainer_identity
 from parlay.snapshot import (
@@ -129,10 +131,22 @@ class Persistence:
             resumed = ckpt.load_latest()
         if resumed is not None:
             self.load_state_dict(resumed, where=str(ckpt.directory))
+            if "dcp" in resumed:  # the shards, at this world (verified by ckpt)
+                try:
+                    load_dcp(self._sharded(), str(ckpt.dcp_path(resumed["step"])))
+                except ConfigError as e:
+                    raise CheckpointError(f"the checkpoint does not fit this model: {e}") from e
             self.last_checkpoint_step = self.state.step
         # Saves may agree over fewer ranks than the resume (ps async/stale: each worker).
         ckpt.group = s.checkpoint_group
         return ckpt
+
+    def _sharded(self) -> Any:
+        """The optimizer whose chunks checkpoints keep in DCP form (``shard=`` in mode
+        ``"allreduce"``), or ``None``."""
+        opt = getattr(self.strategy, "optimizer", None)
+        sharded = self.mode == "allreduce" and getattr(opt, "shard_engine", None) is not None
+        return opt if sharded else None
 
     # ------------------------------------------------------------------ the training state
     @property
@@ -177,7 +191,15 @@ class Persistence:
             self._check_replicas(self.state.step)  # only a state the replicas agree on is kept
         model = getattr(self.strategy, "model", None)
         inf_ok = {b.data_ptr() for b in model.buffers()} if model is not None else set()
-        self.checkpoints.save(self.state.step, self.state_dict(),
+        state, opt, shards = self.state_dict(), self._sharded(), None
+        if opt is not None:  # its chunks go to DCP, the rest to this rank's file
+            shards, sd = functools.partial(save_dcp, opt), state["strategy"]["optimizer"]
+            rest = {k: {n: v for n, v in e.items() if not isinstance(v, torch.Tensor)}
+                    for k, e in sd["state"].items()}
+            layout = {k: v for k, v in sd["parlay_shard"].items() if k != "params"}
+            state["strategy"] = {**state["strategy"],
+                                 "optimizer": {**sd, "state": rest, "parlay_shard": layout}}
+        self.checkpoints.save(self.state.step, state, shards=shards,
                               allow_inf=lambda t: t.data_ptr() in inf_ok)  # -inf masks
         self.last_checkpoint_step = self.state.step
 

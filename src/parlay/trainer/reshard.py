@@ -1,78 +1,31 @@
 """Resume a checkpoint written by another number of ranks: ``Trainer(reshard=True)``.
 
-A Trainer checkpoint is one file per rank. At the same number of ranks each rank resumes its
-own file, bit for bit. Asked to reshard (mode ``"allreduce"``), a run at another number of
-ranks reads every file of the newest complete step (each verified by its CRC) and builds its
-own state from them:
+A Trainer checkpoint is one file per rank (and, for ``shard=`` runs, the shards in
+``torch.distributed.checkpoint`` form beside them). At the same number of ranks each rank
+resumes its own file, bit for bit. Asked to reshard (mode ``"allreduce"``), a run at another
+number of ranks resumes the newest step whose files every old rank wrote:
 
 * what every rank held alike (the model of a replicated run, the step, the loss scale, the
   learning-rate schedule) comes from rank 0's file;
-* the shards of ``shard=`` runs are re-split exactly: each unit's chunks are joined in rank
-  order and cut anew for this world (:func:`rechunk`);
+* the shards of ``shard=`` runs: each rank's chunks are loaded by ``dcp.load`` at this world,
+  reading only the ranges they cover (:func:`parlay.dp.shard_dcp.load_dcp`), exactly;
 * what belonged to a rank and has no counterpart at another world size starts afresh: its RNG
   and compression residuals. The epoch goes on from the same number of samples consumed,
   sharded over the new ranks, so the data order changes; a warning says so.
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Any
 
-import torch
-
 from parlay._validate import ceil_div
-from parlay.checkpoint import CheckpointManager, load
+from parlay.checkpoint import CheckpointManager
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError
 from parlay.rngstate import rng_state
 from parlay.runinfo import LAYOUT_FIELDS, describe_mismatch
 
-__all__ = ["load_resharded", "rechunk"]
-
-def _newest_complete(ckpt: CheckpointManager) -> tuple[int, int] | None:
-    """``(step, ranks)`` of the newest step whose files ``rank0..rank(n-1)`` are all there."""
-    ranks = ckpt.written()
-    for step in sorted(ranks, reverse=True):
-        if ranks[step] == set(range(len(ranks[step]))):
-            return step, len(ranks[step])
-    return None
-
-
-def rechunk(chunks: list[torch.Tensor], numel: int, world: int, rank: int) -> torch.Tensor:
-    """Rank ``rank``'s chunk, at ``world`` ranks, of the unit of ``numel`` elements whose
-    chunks (in rank order, as another number of ranks held them) are ``chunks``: exact, the
-    padding zero (the layout of :mod:`parlay.dp.shard`)."""
-    full = torch.cat([c.reshape(-1) for c in chunks])[:numel]
-    size = ceil_div(numel, world)
-    out = full.new_zeros(size)
-    piece = full[rank * size:(rank + 1) * size]
-    out[:piece.numel()] = piece
-    return out
-
-
-def _reshard_optimizer(opts: list[dict[str, Any]], world: int, rank: int) -> dict[str, Any]:
-    # Join the chunks in the order they tile each unit (a host-first layout's differs from
-    # the ranks').
-    opts = sorted(opts, key=lambda o: int(o.get("parlay_shard", {}).get("rank", 0)))
-    out = copy.copy(opts[0])
-    out.pop("parlay_compression", None)  # each rank's residuals: they start afresh
-    layout = out.get("parlay_shard")
-    if layout is None:
-        return out  # replicated: rank 0's is every rank's
-    units, order = layout["units"], layout["order"]
-    state: dict[Any, dict[str, Any]] = {}
-    for k, entry in opts[0]["state"].items():
-        numel = units[order[int(k)]]
-        state[k] = {key: rechunk([o["state"][k][key] for o in opts], numel, world, rank)
-                    if getattr(v, "dim", lambda: 0)() > 0 else v for key, v in entry.items()}
-    out["state"] = state
-    out["parlay_shard"] = {**layout, "world": world, "rank": rank}
-    if "params" in layout:
-        out["parlay_shard"]["params"] = [
-            rechunk([o["parlay_shard"]["params"][u] for o in opts], units[u], world, rank)
-            for u in range(len(units))]
-    return out
+__all__ = ["load_resharded"]
 
 
 def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int,
@@ -80,33 +33,42 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
     """This rank's state from the newest checkpoint in ``ckpt``'s directory when it was
     written by another number of ranks; ``None`` when it was not (resume as usual) or there is
     none. ``chunk``: the chunk of every unit this rank holds (default ``rank``; another one
-    where it reduces host first).
+    where it reduces host first). A step whose files fail their checks is skipped by every
+    rank, with a warning, for the previous complete one.
 
     Raises:
-        CheckpointError: A file is unreadable, or the checkpoint is another run's (model,
-            mode, batch size or settings differ).
+        CheckpointError: No complete step is usable, it holds shards without their DCP form
+            (written before Trainer checkpoints had one), or the checkpoint is another run's
+            (model, mode, batch size or settings differ).
     """
-    found = _newest_complete(ckpt)
-    if found is None or found[1] == world:
+    complete = {s: len(r) for s, r in ckpt.written().items() if r == set(range(len(r)))}
+    if not complete or complete[max(complete)] == world:
         return None
-    step, old = found
     if identity.get("mode") != "allreduce":
-        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} was written by {old} "
-                              f"rank(s), this run has {world}; reshard=True resumes mode "
-                              "'allreduce' only. Fix: relaunch with the layout that wrote it.")
-    states = [load(ckpt.path(step, r)) for r in range(old)]
-    saved = {k: v for k, v in (states[0].get("identity") or {}).items()
-             if k not in LAYOUT_FIELDS}
+        raise CheckpointError(f"checkpoint step {max(complete)} in {ckpt.directory} was written "
+                              f"by {complete[max(complete)]} rank(s), this run has {world}; "
+                              "reshard=True resumes mode 'allreduce' only. Fix: relaunch with "
+                              "the layout that wrote it.")
+    state = ckpt.first_usable(list(complete), lambda s: ckpt.path(s, 0))
+    if state is None:
+        raise CheckpointError(f"no checkpoint in {ckpt.directory} is usable on every rank (see "
+                              "the warnings). Nothing was deleted.")
+    step, old = state["step"], complete[state["step"]]
+    saved = {k: v for k, v in (state.get("identity") or {}).items() if k not in LAYOUT_FIELDS}
     problem = describe_mismatch(saved, {k: v for k, v in identity.items()
                                         if k not in LAYOUT_FIELDS})
+    opt = dict(state["strategy"]["optimizer"])
+    layout = opt.get("parlay_shard")
+    if layout is not None and "dcp" not in state:
+        problem = problem or ("its shards were written before Trainer checkpoints kept them in "
+                              f"torch.distributed.checkpoint form: resume it at {old} ranks")
     if problem:
         raise CheckpointError(f"cannot reshard checkpoint step {step} in {ckpt.directory}: "
                               f"{problem.rstrip('.')}. Nothing was deleted.")
-    state = dict(states[0])
-    strategy = dict(state["strategy"])
-    strategy["optimizer"] = _reshard_optimizer([s["strategy"]["optimizer"] for s in states],
-                                               world, rank if chunk is None else chunk)
-    state["strategy"] = strategy
+    opt.pop("parlay_compression", None)  # each rank's residuals: they start afresh
+    if layout is not None:  # its chunks come from the DCP form, at this world
+        opt["parlay_shard"] = {**layout, "world": world, "rank": rank if chunk is None else chunk}
+    state["strategy"] = {**state["strategy"], "optimizer": opt}
     trainer, sampler = dict(state["trainer"]), dict(state["sampler"])
     batch = int(state["identity"]["batch_size"])
     batches = trainer["batch_in_epoch"] * old // world  # the same samples consumed, re-sharded
