@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import hashlib
 import errno
 import logging
@@ -31,7 +30,6 @@ import secrets
 import shutil
 import warnings
 import zipfile
-import zlib
 from pathlib import Path
 from typing import Any, BinaryIO
 from collections.abc import Callable
@@ -40,12 +38,12 @@ import torch
 
 from parlay import comm
 from parlay.errors import CheckpointError, ConfigError
-from parlay.integrity import state_crc
+from parlay.integrity import file_crcs, state_crc
 from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
 
-__all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load", "file_crcs",
+__all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load",
            "CheckpointManager", "FORMAT_VERSION", "CRC_KEY", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("parlay")
@@ -189,20 +187,6 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"{path} is corrupt: its identity record is not a mapping of plain "
                               "values. Hint: delete it and the previous checkpoint is used.")
     return obj
-
-
-def file_crcs(folder: Path, names: list[str], group: Any = None) -> list[int]:
-    """CRC-32 of this rank's share of the files ``names`` in ``folder``: every N-th from its
-    rank in ``group`` of N (-1: unreadable, -2: another rank's share)."""
-    me, world = (comm.group_rank(group), comm.group_size(group)) \
-        if torch.distributed.is_initialized() else (0, 1)
-    out = [-2] * len(names)
-    for i in range(me, len(names), world):
-        out[i] = -1
-        with contextlib.suppress(OSError), open(folder / names[i], "rb") as f:
-            out[i] = functools.reduce(lambda c, b: zlib.crc32(b, c),
-                                      iter(lambda: f.read(1 << 24), b""), 0)
-    return out
 
 
 def _is_int(v: Any) -> bool:
@@ -455,8 +439,9 @@ class CheckpointManager:
                     problem = f"it says step {state.get('step')}, its name says {step}"
                     state = None
                 elif "dcp" in state:
-                    names = sorted(state["dcp"])
-                    for n, crc in zip(names, file_crcs(self.dcp_path(step), names, self.group)):
+                    names, size = sorted(state["dcp"]), self._world()
+                    me = comm.group_rank(self.group) if size > 1 else 0
+                    for n, crc in zip(names, file_crcs(self.dcp_path(step), names, me, size)):
                         if crc not in (-2, state["dcp"][n]):
                             raise CheckpointError(f"sharded checkpoint file {self.dcp_path(step)}"
                                                   f"/{n} is missing or fails its CRC-32")

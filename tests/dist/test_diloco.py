@@ -1,6 +1,7 @@
 """DiLoCoOptimizer and mode="diloco" on real gloo ranks against plain single-process oracles."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 import parlay
+from parlay.dp.hierarchical import host_groups
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.local.diloco import OUTER_DEFAULTS, DiLoCoOptimizer, _split
 from parlay.testing import run_world
@@ -33,27 +35,36 @@ def _data(world: int):
 INNER = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adam": (torch.optim.Adam, {"lr": 0.01})}
 
 
-def _run(inner, H, P, tau, outer_args, hierarchical=False):
-    """Every rank's final weights and shared (outer) weights."""
+def _run(inner, H, P, tau, outer_args, hierarchical=False, shard=None):
+    """Every rank's final weights and shared (outer) weights. With ``shard``, data parallel
+    sharded inside each host, local updates across hosts."""
     world, r = parlay.size(), parlay.rank()
     m = _model()
     cls, args = INNER[inner]
-    opt = DiLoCoOptimizer(cls(m.parameters(), **args), m.named_parameters(), sync_every=H,
-                          fragments=P, overlap=tau, outer_optimizer_args=outer_args,
-                          hierarchical=hierarchical)
+    opt, group = cls(m.parameters(), **args), None
+    if shard is not None:
+        host, group = host_groups()
+        opt = parlay.DistributedOptimizer(opt, m.named_parameters(), shard=shard, model=m,
+                                          process_group=host)
+    dl = DiLoCoOptimizer(opt, m.named_parameters(), sync_every=H, fragments=P, overlap=tau,
+                         outer_optimizer_args=outer_args, hierarchical=hierarchical,
+                         process_group=group)
     x, y = _data(world)
     sl = slice(r * PER, (r + 1) * PER)
     for s in range(STEPS):
-        opt.zero_grad()
+        dl.zero_grad()
         nn.functional.mse_loss(m(x[s][sl]), y[s][sl]).backward()
-        opt.step()
-    with opt.shared_weights():
+        dl.step()
+    gathered = opt.gathered_parameters if shard else contextlib.nullcontext
+    with dl.shared_weights(), gathered():
         shared = [p.detach().clone() for p in m.parameters()]
-    return [p.detach().clone() for p in m.parameters()], shared
+    with gathered():
+        return [p.detach().clone() for p in m.parameters()], shared
 
 
-def _oracle(world, inner, H, P, tau, outer_args):
-    """The algorithm written plainly, one process: ``world`` replicas side by side."""
+def _oracle(world, inner, H, P, tau, outer_args, per=PER):
+    """The algorithm written plainly, one process: ``world`` replicas side by side, each
+    training on ``per`` rows of every step's batch."""
     models = [_model() for _ in range(world)]
     cls, args = INNER[inner]
     inners = [cls(m.parameters(), **args) for m in models]
@@ -63,7 +74,7 @@ def _oracle(world, inner, H, P, tau, outer_args):
              for f in frags]
     outer_opts = [torch.optim.SGD(o, **(outer_args or OUTER_DEFAULTS)) for o in outer]
     flights: dict[int, tuple[list[torch.Tensor], list[list[torch.Tensor]], int]] = {}
-    x, y = _data(world)
+    x, y = _data(world * per // PER)
 
     def params(k, f):
         return [list(models[k].parameters())[i] for i in frags[f]]
@@ -81,7 +92,7 @@ def _oracle(world, inner, H, P, tau, outer_args):
     for t in range(1, STEPS + 1):
         for k, (m, opt) in enumerate(zip(models, inners)):
             opt.zero_grad()
-            sl = slice(k * PER, (k + 1) * PER)
+            sl = slice(k * per, (k + 1) * per)
             nn.functional.mse_loss(m(x[t - 1][sl]), y[t - 1][sl]).backward()
             opt.step()
         for f in range(len(frags)):
@@ -133,6 +144,18 @@ def test_host_first_pseudo_gradients_on_2_hosts_x_2():
     for r, (final, _) in enumerate(run_world(_run, 4, "adam", 4, 2, 1, None, True,
                                              local_world_size=2)):
         for a, b in zip(final, ref[r]):
+            torch.testing.assert_close(a, b, **TOL)
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
+def test_sharded_data_parallel_inside_each_host_and_local_updates_across(shard):
+    # 2 hosts x 2 ranks: each host is one replica training on its ranks' rows together.
+    ref = _oracle(2, "adam", 4, 1, 1, None, per=2 * PER)
+    out = run_world(_run, 4, "adam", 4, 1, 1, None, False, shard, local_world_size=2)
+    for r, (final, shared) in enumerate(out):
+        for a, b in zip(final, ref[r // 2]):
+            torch.testing.assert_close(a, b, **TOL)
+        for a, b in zip(shared, out[0][1]):
             torch.testing.assert_close(a, b, **TOL)
 
 
@@ -208,13 +231,16 @@ def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(full[0][1], full[1][1]))
 
 
-def _mode(mode, options):
+def _mode(mode, options, shard=None):
     t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
-                       optimizer_args={"lr": 0.05}, batch_size=4, mode=mode,
-                       strategy_options=options, max_iteration=10, progress=False)
+                       optimizer_args={"lr": 0.05}, batch_size=4, mode=mode, shard=shard,
+                       strategy_options=options, max_iteration=10, progress=False,
+                       validation_dataset=_dataset(), validation_batch_size=5)
     while not t.should_stop():
         t.train_on_batch()
-    return [p.detach().clone() for p in t.model.parameters()]
+    acc = t.validate()
+    with t.strategy.optimizer.inner.gathered_parameters() if shard else contextlib.nullcontext():
+        return [p.detach().clone() for p in t.model.parameters()], acc
 
 
 def test_trainer_mode_with_one_inner_step_and_plain_outer_sgd_is_the_allreduce_mode():
@@ -222,6 +248,19 @@ def test_trainer_mode_with_one_inner_step_and_plain_outer_sgd_is_the_allreduce_m
     dp = run_world(_mode, 2, "allreduce", None)
     dl = run_world(_mode, 2, "diloco", {"sync_every": 1,
                                         "outer_optimizer_args": {"lr": 1.0}})
-    for a, b in zip(dp, dl):
+    for (a, _), (b, _) in zip(dp, dl):
         for p, q in zip(a, b):
             torch.testing.assert_close(p, q, **TOL)
+
+
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_trainer_mode_sharded_inside_hosts_is_the_allreduce_mode_at_one_inner_step(shard):
+    # 2 hosts x 2 ranks: data parallel sharded inside each host, local steps across hosts;
+    # evaluation (uneven shares: 64 samples in batches of 5) runs on the shared weights.
+    opts = {"sync_every": 1, "outer_optimizer_args": {"lr": 1.0}}
+    dp = run_world(_mode, 4, "allreduce", None, local_world_size=2)
+    dl = run_world(_mode, 4, "diloco", opts, shard, local_world_size=2)
+    for (a, acc_a), (b, acc_b) in zip(dp, dl):
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, **TOL)
+        assert acc_a == pytest.approx(acc_b, abs=1e-9)

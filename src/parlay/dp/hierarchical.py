@@ -42,7 +42,7 @@ from parlay.compress.base import (AllOf, CommStats, Compressor, _nbytes, further
                                   has_rounds)
 from parlay.errors import CommError, ConfigError
 
-__all__ = ["Topology", "HierarchicalReducer", "make_reducer", "host_topology"]
+__all__ = ["Topology", "HierarchicalReducer", "make_reducer", "host_topology", "host_groups"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,23 @@ def _new_group(group: Any, members: tuple[int, ...]) -> Any:
     with comm.comm_errors("new_group"):
         # Only the members call: ranks of other groups (other stages, other hosts) need not.
         return runtime.new_group(ranks, use_local_synchronization=True)
+
+
+def host_groups(group: Any = None) -> tuple[Any, Any]:
+    """``(host, cross)``: the group of this rank's host, and the group of one rank per host
+    (those with this rank's local index); e.g. data parallel inside each host and local
+    updates across hosts. A collective over ``group``.
+
+    Raises:
+        ConfigError: The hosts hold different numbers of ranks.
+    """
+    topo = discover(group)
+    if not topo.uniform:
+        raise ConfigError(f"host groups need the same number of ranks on every host, got "
+                          f"{[len(h) for h in topo.hosts]}. Hint: launch the same -n on every "
+                          "node.")
+    me = comm.group_rank(group)
+    return _new_group(group, topo.local_group(me)), _new_group(group, topo.cross_group(me))
 
 
 class HierarchicalReducer:

@@ -169,6 +169,7 @@ class ShardedBuckets(GradientBuckets):
         self._seen: list[set[int]] = [set() for _ in plan.buckets]
         self._module_hooks: list[Any] = []
         self._last = len(plan.buckets) - 1
+        self._held = False  # inside gathered(): forwards free nothing
         if level == "parameters" and model is not None:
             self._hook_modules(model)
 
@@ -325,14 +326,15 @@ class ShardedBuckets(GradientBuckets):
         for shard, saved_chunk in zip(self.shards, saved.get("params", [])):
             shard.data.copy_(saved_chunk)
 
+    def unit_name(self, b: int) -> str:
+        """Unit ``b``'s chunk, named after the parameters it is part of (in messages)."""
+        names = [self.names[i] for i in self.plan.buckets[b].members]
+        return f"chunk of {', '.join(names[:3])}" + (", ..." if len(names) > 3 else "")
+
     def named_local_grads(self) -> list[tuple[str, torch.Tensor]]:
         """:meth:`local_grads`, each named after the parameters its chunk is part of."""
-        out = []
-        for bucket, grad in zip(self.plan.buckets, self.local_grads()):
-            names = [self.names[i] for i in bucket.members]
-            out.append((f"chunk of {', '.join(names[:3])}" + (", ..." if len(names) > 3 else ""),
-                        grad))
-        return out
+        return [(self.unit_name(b), s.grad) for b, s in enumerate(self.shards)
+                if s.grad is not None]
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's chunks of the averaged gradients (after :meth:`finish`)."""
@@ -375,15 +377,24 @@ class ShardedBuckets(GradientBuckets):
             p.data = flat[where].view(shape)
         self._full[b] = True
 
+    def reload(self) -> None:
+        """The chunks were written outside a step (an outer optimizer, a restore): drop what
+        was gathered from the old values and gather anew, as after a step."""
+        for b in range(len(self.shards)):
+            self.release(b)
+        self.gather_all()
+
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """Inside the block every parameter holds its full value (to read: writes to a
         gathered ``"parameters"`` unit are not kept); freed again after it."""
         for b in range(len(self.plan.buckets)):
             self.ensure(b)
+        self._held = True  # forwards inside the block keep them
         try:
             yield
         finally:
+            self._held = False
             for b in range(len(self.plan.buckets)):
                 self.release(b)
 
@@ -429,7 +440,7 @@ class ShardedBuckets(GradientBuckets):
                 torch.autograd.graph.register_multi_grad_hook(
                     outs, lambda grads: self._before_backward(mine), mode="any")
             for b in mine:
-                if not (outs and b == 0):  # the last unit of forward is backward's first
+                if not self._held and not (outs and b == 0):  # backward's first unit stays
                     self.release(b)
         return hook
 

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from parlay import comm
-from parlay.checkpoint import file_crcs
+from parlay.integrity import file_crcs
 from parlay.dp.shard import ShardedBuckets
 from parlay.errors import CheckpointError, ConfigError
 from parlay.nonfinite import first_nonfinite_entry
@@ -102,7 +102,9 @@ def save_dcp(opt: Any, folder: Path) -> dict[str, int]:
     try:
         meta = dcp.save(shards, checkpoint_id=folder, process_group=group)
         names = sorted({".metadata", *(m.relative_path for m in meta.storage_data.values())})
-        rows = comm.gather_ints(file_crcs(folder, names, group), len(names), group)
+        rows = comm.gather_ints(
+            file_crcs(folder, names, comm.group_rank(group), comm.group_size(group)),
+            len(names), group)
     except Exception as e:  # noqa: BLE001 - DCP raises every rank's failure on every rank
         raise CheckpointError(f"could not write the sharded checkpoint {folder}: {e}. Hint: "
                               "check free disk space and write permission.") from e

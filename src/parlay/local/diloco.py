@@ -92,7 +92,11 @@ class DiLoCoOptimizer:
     0's weights (broadcast at construction unless ``broadcast=False``: replicas built alike).
 
     Args:
-        optimizer: The inner optimizer, over the model's parameters.
+        optimizer: The inner optimizer, over the model's parameters. A
+            :class:`~parlay.DistributedOptimizer` over each host's ranks (e.g. with ``shard=``)
+            makes every host one replica: pass the groups of
+            :func:`parlay.dp.hierarchical.host_groups` (the host's to it, the cross one as
+            ``process_group``); with ``shard=`` each rank syncs only its chunks.
         named_parameters: ``model.named_parameters()`` (names in error messages).
         sync_every: Inner steps per round (``H``).
         fragments: Parameter groups synced at staggered steps (``P``, at most ``H``).
@@ -139,8 +143,13 @@ class DiLoCoOptimizer:
         self.world = comm.group_size(process_group) if dist.is_initialized() else 1
         self._reducer = make_reducer(hierarchical, process_group, self.compression, self.world)
         mine = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-        named = list(named_parameters) if named_parameters is not None else \
-            [(f"param{i}", p) for i, p in enumerate(mine)]
+        #: A sharded inner optimizer's engine: its chunks are what this rank syncs.
+        self._engine = getattr(optimizer, "shard_engine", None)
+        if self._engine is not None:
+            named = [(self._engine.unit_name(b), s) for b, s in enumerate(self._engine.shards)]
+        else:
+            named = list(named_parameters) if named_parameters is not None else \
+                [(f"param{i}", p) for i, p in enumerate(mine)]
         ids = {id(p) for p in mine}
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
@@ -209,6 +218,7 @@ class DiLoCoOptimizer:
             for frag in self.fragments:
                 for p, o in zip(frag.params, frag.outer):
                     p.copy_(o)
+        self._written()
         try:
             yield
         finally:
@@ -216,6 +226,13 @@ class DiLoCoOptimizer:
                 for frag, saved in zip(self.fragments, mine):
                     for p, v in zip(frag.params, saved):
                         p.copy_(v)
+            self._written()
+
+    def _written(self) -> None:
+        """The synced tensors changed outside an inner step: a sharded inner optimizer's
+        model gathers them anew."""
+        if self._engine is not None:
+            self._engine.reload()
 
     def sync_now(self) -> None:
         """Finish every exchange under way and sync every fragment at once (e.g. before the
@@ -261,6 +278,7 @@ class DiLoCoOptimizer:
                         else 0, parameter=frag.names[0])
                 for p, o in zip(frag.params, frag.outer):  # skip: back to the shared weights
                     p.copy_(o)
+                self._written()
                 return
             off = 0
             for o in frag.outer:
@@ -273,6 +291,7 @@ class DiLoCoOptimizer:
                     p.add_(o - flight.sent_from[i])
                 else:
                     p.copy_(o)
+        self._written()
 
     # ----------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -311,6 +330,7 @@ class DiLoCoOptimizer:
                 list(flight["sent_from"]), int(flight["due"]))
         if state.get("compression"):
             self.compression.load_state_dict(state["compression"])
+        self._written()
 
     def comm_stats(self) -> dict[str, float]:
         """Pseudo-gradient bytes so far: dense and on the wire, per inner step."""

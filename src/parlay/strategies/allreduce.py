@@ -122,6 +122,10 @@ class WholeModelStrategy(StepTemplate):
         self._load_scaler_state(state)
 
     @property
+    def eval_in_lockstep(self) -> bool:
+        return self.shard == "parameters"
+
+    @property
     def _param_names(self) -> set[str]:
         model, _, _ = self._ready()
         return {n for n, _ in model.named_parameters()}

@@ -7,6 +7,7 @@ to this module (``allreduce.py``, ``ps.py``, ``hybrid.py``) and register when fi
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -118,6 +119,16 @@ class Strategy:
         serving-only ones (None: world). Checkpoint saves/resumes agree over it, so every
         member must reach the same checkpoint points."""
         return None
+
+    def evaluating(self) -> contextlib.AbstractContextManager[Any]:
+        """Held around a whole evaluation (every rank of ``train_group`` enters it)."""
+        return contextlib.nullcontext()
+
+    @property
+    def eval_in_lockstep(self) -> bool:
+        """True where every forward is a collective over ``dp_group`` (parameters gathered
+        as modules run): every rank must then evaluate as many batches as the others."""
+        return False
 
     @property
     def reports_loss(self) -> bool:

@@ -11,6 +11,7 @@ the mode then trains exactly as ``"allreduce"`` does).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -19,6 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import runtime
+from parlay.dp.hierarchical import host_groups
+from parlay.dp.optimizer import DistributedOptimizer
+from parlay.errors import ConfigError
 from parlay.local.diloco import DiLoCoOptimizer
 from parlay.strategies.allreduce import WholeModelStrategy
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
@@ -38,6 +42,9 @@ class DiLoCoStrategy(WholeModelStrategy):
         outer_optimizer_args: Its arguments.
         compression: Compressor of the pseudo-gradients.
         hierarchical: Sum the pseudo-gradients inside each host first (``True``, ``"auto"``).
+        shard: Train data parallel inside each host, with the state sharded over its ranks
+            (``"optimizer"``, ``"gradients"``, ``"parameters"``; see :mod:`parlay.dp.shard`):
+            every host is then one replica, and each rank syncs only its chunks across hosts.
         precision, grad_clip, loss_scale: As for the ``"allreduce"`` mode (clipping and the
             loss scale act on each replica's own gradients).
 
@@ -52,9 +59,13 @@ class DiLoCoStrategy(WholeModelStrategy):
                  overlap: int = 0, outer_optimizer: Any = torch.optim.SGD,
                  outer_optimizer_args: dict[str, Any] | None = None,
                  loss_scale: float | None = None, hierarchical: bool | str = False,
-                 **unknown: Any) -> None:
+                 shard: str | None = None, **unknown: Any) -> None:
         reject_unknown(DiLoCoStrategy, unknown)
+        if shard is not None and hierarchical:
+            raise ConfigError("shard= already makes each host one replica (data parallel "
+                              "inside it); hierarchical= does not apply. Hint: drop one.")
         super().__init__(precision, grad_clip, loss_scale)
+        self.shard = shard
         self.compression = compression
         self.options = dict(sync_every=sync_every, fragments=fragments, overlap=overlap,
                             outer_optimizer=outer_optimizer,
@@ -73,16 +84,29 @@ class DiLoCoStrategy(WholeModelStrategy):
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
         model = self._place(model, loss_fn)
         inner = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
+        replicas = None
+        if self.shard is not None:  # data parallel inside each host, local updates across
+            self._alone, replicas = host_groups(self.process_group)
+            inner = DistributedOptimizer(inner, model.named_parameters(), shard=self.shard,
+                                         model=model, process_group=self._alone)
+            if self.scaler is not None:  # the host's ranks check different chunks
+                self.scaler.group, self.scaler.agree = self._alone, True
+        elif dist.is_initialized():
+            self._alone = runtime.new_group([dist.get_rank()], use_local_synchronization=True)
         self.optimizer = DiLoCoOptimizer(
             inner, model.named_parameters(), compression=self.compression,
-            on_nonfinite=self.guard.policy, broadcast=False, **self.options)  # _place did
-        if dist.is_initialized():
-            self._alone = runtime.new_group([dist.get_rank()], use_local_synchronization=True)
+            process_group=replicas, on_nonfinite=self.guard.policy, broadcast=False,
+            **self.options)  # _place did
 
     def train_step(self, x: Any, y: Any) -> StepResult:
         model, opt, loss, y = self._forward(x, y)
         (self.scaler.scale_loss(loss) if self.scaler is not None else loss).backward()
-        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        inner = opt.inner if self.shard is not None else None
+        if inner is not None:
+            inner.synchronize()  # the host's averaged gradients, each rank its chunks
+            named = inner.named_local_gradients()
+        else:
+            named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
         if self.scaler is not None:
             skipped = self.scaler.unscale_([g for _, g in named])
         else:
@@ -93,8 +117,10 @@ class DiLoCoStrategy(WholeModelStrategy):
             opt.step_without_update()
         else:
             if self.grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.grad_clip))
-            opt.step()
+                (inner.clip_grad_norm_ if inner is not None else functools.partial(
+                    torch.nn.utils.clip_grad_norm_, model.parameters()))(float(self.grad_clip))
+            with inner.skip_synchronize() if inner is not None else contextlib.nullcontext():
+                opt.step()
         if self.scaler is not None:
             self.scaler.update(skipped)
         return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),

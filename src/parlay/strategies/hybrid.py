@@ -8,6 +8,7 @@ computes and reports the loss, and metrics are reduced over the last stages' ``d
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 from collections.abc import Callable
 
@@ -157,6 +158,12 @@ class HybridStrategy(StepTemplate):
         b["steps"] += 1
         loss = float(out.loss.item()) if out.loss is not None else None
         return StepResult(loss=loss, samples=batch_size_of(y), skipped=skipped)
+
+    def evaluating(self) -> contextlib.AbstractContextManager[Any]:
+        # Micro-batches make the number of forwards differ between replicas: a sharded stage
+        # holds its parameters gathered for the whole evaluation instead.
+        return self.optimizer.gathered_parameters() if self.shard == "parameters" \
+            else contextlib.nullcontext()
 
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor | None:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset
 
-from parlay import comm
+from parlay import _tree, comm
 from parlay.data.loader import build_loader
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import ConfigError
@@ -56,25 +56,33 @@ class Evaluation:
             loader = self._loader
         else:
             loader = self._loader_for(dataset)
-        sums, count = self._evaluate(loader)
+        sums, count = self._evaluate(loader, dataset if dataset is not None else self.dataset)
         if loader is not self._loader:
             loader.close()
         return reduce_metrics(sums, count, s.dp_group) if s.reports_loss else {}
 
-    def _evaluate(self, loader: Any) -> tuple[dict[str, float], int]:
+    def _evaluate(self, loader: Any, ds: Any) -> tuple[dict[str, float], int]:
         """Sample-weighted metric sums and the sample count of this rank's share."""
         s = self.strategy
         sums: dict[str, float] = {}
-        count = 0
-        for x, y in loader:
-            out = s.eval_forward(x)
-            if out is None or not s.reports_loss:
-                continue
-            y = y.to(out.device) if isinstance(y, torch.Tensor) else y
-            k = len(y)
-            for name, v in self.metric_fn(out, y).items():
-                sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
-            count += k
+        count, x = 0, None
+        # Where every forward is a collective, ranks with fewer batches join the others'.
+        most = int(comm.allreduce(torch.tensor([len(loader)]), "max", group=s.train_group)) \
+            if s.eval_in_lockstep else 0
+        with s.evaluating():
+            for x, y in loader:
+                out = s.eval_forward(x)
+                if out is None or not s.reports_loss:
+                    continue
+                y = y.to(out.device) if isinstance(y, torch.Tensor) else y
+                k = len(y)
+                for name, v in self.metric_fn(out, y).items():
+                    sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
+                count += k
+            if most > len(loader):
+                like = x if x is not None else _tree.map_tensors(lambda t: t[None], ds[0][0])
+                for _ in range(most - len(loader)):
+                    s.eval_forward(like)  # its output is not counted
         return sums, count
 
     def close(self) -> None:
