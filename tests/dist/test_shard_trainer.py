@@ -220,3 +220,55 @@ def test_sharded_parameters_validate_uneven_shares_as_the_replicated_run(mode, w
     for a, b in zip(plain, sharded):
         assert a.get("samples", n) == b.get("samples", n) == n
         assert a == pytest.approx(b, rel=1e-12)
+
+
+def _dcp_run(ckpt, max_iteration, reshard=False):
+    """Train (checkpoints every 2 steps, 2 kept); the resumed step, this rank's chunks and the
+    warnings given while resuming."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                           optimizer_args={"lr": 1e-2}, batch_size=BATCH, shard="gradients",
+                           max_iteration=max_iteration, checkpoint_dir=ckpt, checkpoint_every=2,
+                           keep_last=2, reshard=reshard, progress=False)
+    resumed = t.state.step
+    while not t.should_stop():
+        t.train_on_batch()
+    return resumed, t.strategy.optimizer.state_dict(), [str(w.message) for w in caught]
+
+
+def test_sharded_checkpoints_are_dcp_shards_verified_pruned_and_fall_back(tmp_path):
+    from parlay.checkpoint import load
+    first = run_world(_dcp_run, 2, str(tmp_path), 6)
+    # each rank's file holds no chunk; the shards sit in one DCP folder per kept step
+    assert sorted(p.name for p in tmp_path.glob("*.dcp")) == \
+        ["ckpt-0000000004.dcp", "ckpt-0000000006.dcp"]
+    assert sorted(p.name for p in (tmp_path / "ckpt-0000000006.dcp").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    state = load(tmp_path / "ckpt-0000000006.rank1.pt")
+    assert sorted(state["dcp"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    opt = state["strategy"]["optimizer"]
+    assert not any(isinstance(v, torch.Tensor) for e in opt["state"].values() for v in e.values())
+    assert "params" not in opt["parlay_shard"]
+    # a flipped byte in a shard file: both ranks fall back to step 4, saying which file
+    bad = tmp_path / "ckpt-0000000006.dcp" / "__1_0.distcp"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    again = run_world(_dcp_run, 2, str(tmp_path), 6)
+    assert [r[0] for r in again] == [4, 4]
+    assert any(str(bad) in w and "rank 0" in w for w in again[0][2]), again[0][2]
+    assert all(any("falling back" in w for w in r[2]) for r in again)
+    for r in range(2):  # trained on from step 4 to the same state, bit for bit
+        a, b = first[r][1], again[r][1]
+        assert all(torch.equal(v, b["state"][k][n]) for k in a["state"]
+                   for n, v in a["state"][k].items())
+    # resharded onto 3 ranks: the same check, the same fallback
+    bad = tmp_path / "ckpt-0000000006.dcp" / "__0_0.distcp"
+    bad.write_bytes(bad.read_bytes()[:-7])
+    three = run_world(_dcp_run, 3, str(tmp_path), 6, True)
+    assert [r[0] for r in three] == [4, 4, 4]
+    assert any(str(bad) in w for r in three for w in r[2])
+    assert sorted(p.name for p in (tmp_path / "ckpt-0000000006.dcp").iterdir()) == \
+        [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
