@@ -3,9 +3,10 @@
 The sharded levels of :class:`~parlay.dp.optimizer.DistributedOptimizer` need a reduce-scatter
 and an all-gather that each carry ``(N-1)/N`` of a buffer per rank, as a ring does. NCCL's own
 collectives do. Gloo's do not on torch 2.13: its reduce-scatter is an allreduce underneath and
-its all-gather is slower than a ring of point-to-point transfers (measured in
-``docs/benchmarks.md``). So on gloo the ring is written here over c10d's batched point-to-point
-operations, in ``N-1`` steps of one chunk each.
+its all-gather is slower than point-to-point transfers (measured in ``docs/benchmarks.md``). So
+on gloo they are written here over c10d's batched point-to-point operations: the reduce-scatter
+as a ring, in ``N-1`` steps of one chunk each, the all-gather as one round in which every rank
+sends its chunk to every other (the same bytes per rank as a ring, without ``N-2`` waits).
 
 Every buffer is ``N`` equal chunks (padded by the caller); rank ``r`` owns chunk ``r`` (with
 :class:`HostRing`, chunk ``local_rank * hosts + host``). The
@@ -42,6 +43,7 @@ class Ring:
         if self.size > 1:
             self._next = comm.to_global_rank(group, (self.rank + 1) % self.size)
             self._prev = comm.to_global_rank(group, (self.rank - 1) % self.size)
+            self._peers = [comm.to_global_rank(group, j) for j in range(self.size)]
         self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def _chunk(self, buf: torch.Tensor, i: int) -> torch.Tensor:
@@ -90,9 +92,18 @@ class Ring:
             if self.native:
                 comm.all_gather_single(buf, self._chunk(buf, self.rank).clone(), group=self.group)
                 return buf
-            for s in range(self.size - 1):
-                self._exchange(self._chunk(buf, self.rank - s),
-                               self._chunk(buf, self.rank - s - 1))
+            if buf.is_cuda:  # gloo moves host memory only: through the host and back
+                return buf.copy_(self.all_gather(buf.cpu()))
+            # Every peer's chunk straight from it, all at once: a ring's bytes per rank in one
+            # round instead of N-1 (faster on gloo, see docs/benchmarks.md).
+            mine, ops = self._chunk(buf, self.rank), []
+            for j in range(self.size):
+                if j != self.rank:
+                    peer = self._peers[j]
+                    ops += [dist.P2POp(dist.isend, mine, peer, self.group),
+                            dist.P2POp(dist.irecv, self._chunk(buf, j), peer, self.group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
         return buf
 
 
