@@ -12,10 +12,10 @@ same initialisation and data order for every contestant:
   replica group with its own ``TCPStore``, ``use_async_quorum=False``; ``init_sync=False``
   (every replica starts from the same seeded weights, as parlay's broadcast ensures).
   torchft's quantiser needs a GPU, so neither DiLoCo quantises.
-* ``parlay-fp16`` (``--fp16``): an extra row, parlay with fp16 pseudo-gradients.
-* ``torchft-stream``, ``parlay-fp16-stream`` (``--stream TAU``): Streaming DiLoCo, 2 fragments
+* Extra rows (``--rows``): ``parlay-fp16``, parlay with fp16 pseudo-gradients;
+  ``torchft-stream``, ``parlay-stream``, ``parlay-fp16-stream``: Streaming DiLoCo, 2 fragments
   (torchft: the first Linear, the rest; parlay: its even split, the same here), each merged
-  TAU inner steps after its exchange left (torchft's ``fragment_sync_delay``); parlay's in fp16.
+  ``--tau`` inner steps after its exchange left (torchft's ``fragment_sync_delay``).
 * ``compute-only``: the ceiling, the same inner steps with no exchange (parlay's optimizer
   with a round longer than the run; its accuracy is the start's): no DiLoCo at this H and
   inner optimizer can beat its samples/s.
@@ -40,6 +40,8 @@ non-torch requirements (``pip install opentelemetry-api opentelemetry-sdk
 opentelemetry-exporter-otlp-proto-http``); without it this script exits with status 2.
 
     PARLAY_DATA_DIR=../shared/data/mnist python benchmarks/diloco_torchft.py [--quick] [--json F]
+    ... --rows parlay,torchft,compute-only,parlay-fp16 --rate 100mbit   # shaped links (root)
+    ... --kill                     # what torchft discards when a replica dies in an outer sync
 """
 from __future__ import annotations
 
@@ -309,11 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--sync-every", type=int, default=50, help="H")
     p.add_argument("--lr", type=float, default=1e-3, help="inner Adam's")
-    p.add_argument("--fp16", action="store_true", help="add parlay with fp16 pseudo-gradients")
-    p.add_argument("--stream", type=int, default=0, metavar="TAU",
-                   help="add streaming rows (2 fragments, merged TAU steps after they leave): "
-                   "torchft-stream and parlay-fp16-stream")
-    p.add_argument("--no-ddp", action="store_true")
+    p.add_argument("--rows", default="ddp,parlay,torchft,compute-only",
+                   help="contestants, of: ddp, parlay, torchft, compute-only, parlay-fp16, "
+                   "torchft-stream, parlay-stream, parlay-fp16-stream")
+    p.add_argument("--tau", type=int, default=20, help="the streaming rows' overlap")
     p.add_argument("--json", default=None)
     p.add_argument("--kill", action="store_true",
                    help="instead: what torchft discards when a replica dies in an outer sync")
@@ -346,11 +347,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=1))
         write_json(a.json, "diloco_torchft_kill", {}, [res])
         return 0
-    names = ([] if a.no_ddp else ["ddp"]) + ["parlay", "torchft", "compute-only"] + \
-        (["parlay-fp16"] if a.fp16 else []) + \
-        (["torchft-stream", "parlay-fp16-stream"] if a.stream else [])
+    names = a.rows.split(",")
     cfg = {"data": a.data, "names": names, "epochs": 1 if a.quick else a.epochs, "batch": 64,
-           "lr": a.lr, "H": a.sync_every, "tau": a.stream, "train_samples": 12800 if a.quick else 0,
+           "lr": a.lr, "H": a.sync_every, "tau": a.tau, "train_samples": 12800 if a.quick else 0,
            "timeout": 120}
     info: dict[str, Any] = {"link": "loopback"}
     if a.rate:
@@ -362,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, float] = {}
     for num, den in (("parlay", "torchft"), ("parlay", "ddp"), ("torchft", "ddp"),
                      ("parlay-fp16", "torchft"), ("compute-only", "torchft"),
+                     ("parlay-stream", "torchft-stream"), ("parlay-stream", "torchft"),
                      ("parlay-fp16-stream", "torchft-stream"),
                      ("parlay-fp16-stream", "torchft")):
         if num in by and den in by:
