@@ -81,6 +81,7 @@ def _torchft(model: Any, inner: Any, cfg: dict[str, Any], rank: int,
     t = timedelta(seconds=cfg["timeout"])
     host = cfg.get("host", "localhost")
     store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
     def load(sd: dict) -> None:  # a restarted replica heals from a live one
         model.load_state_dict(sd["model"])
         inner.load_state_dict(sd["inner"])
