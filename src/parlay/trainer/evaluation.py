@@ -67,7 +67,8 @@ class Evaluation:
         sums: dict[str, float] = {}
         count, x = 0, None
         # Where every forward is a collective, ranks with fewer batches join the others'.
-        most = int(comm.allreduce(torch.tensor([len(loader)]), "max", group=s.train_group)) \
+        most = int(comm.allreduce(torch.tensor(
+            [len(loader)], device=comm.group_device(s.train_group)), "max", group=s.train_group)) \
             if s.eval_in_lockstep else 0
         with s.evaluating():
             for x, y in loader:
