@@ -11,6 +11,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import re
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "broadcast_object", "allgather_object", "barrier", "send", "recv", "group_rank",
     "group_size", "to_global_rank", "ReduceOp", "REDUCE_OPS", "reduce_op", "c10d_op",
     "all_gather_single", "reduce_scatter_single", "group_device", "gather_ints", "all_ok",
+    "issued", "set_issued",
 ]
 
 
@@ -236,6 +238,28 @@ def to_global_rank(group: Any, group_rank_: int) -> int:
     return dist.get_global_rank(group, group_rank_)
 
 
+_issued = 0
+
+
+def issued() -> int:
+    """Collectives this process's main thread has issued (set back by a resume). Every rank
+    issues the same ones in the same order, so ranks that meet only at collectives (mode
+    ``"diloco"``) and show the same count stand between the same two of them."""
+    return _issued
+
+
+def set_issued(n: int) -> None:
+    """Continue counting from ``n`` (the count a resumed state was written at)."""
+    global _issued
+    _issued = int(n)
+
+
+def _issue() -> None:
+    global _issued
+    if threading.current_thread() is threading.main_thread():
+        _issued += 1
+
+
 def allreduce(tensor: torch.Tensor, op: str | int = "sum", group: Any = None,
               async_op: bool = False) -> Any:
     """In-place allreduce of ``tensor``; ``op="avg"`` (or ``ReduceOp.Average``) divides by
@@ -246,6 +270,7 @@ def allreduce(tensor: torch.Tensor, op: str | int = "sum", group: Any = None,
     """
     rop = reduce_op(op)
     avg = rop == ReduceOp.Average
+    _issue()
     with comm_errors("allreduce", group=group):
         work = dist.all_reduce(tensor, op=c10d_op(rop), group=group, async_op=True)
 
@@ -261,6 +286,7 @@ def allreduce(tensor: torch.Tensor, op: str | int = "sum", group: Any = None,
 def allgather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None,
                    async_op: bool = False) -> Any:
     """Gather equally sized ``tensor`` from every rank into ``output`` (first dim = world * n)."""
+    _issue()
     with comm_errors("allgather", group=group):
         work = all_gather_single(output, tensor.contiguous(), group=group, async_op=True)
     h = Handle(work, "allgather", group=group, finish=lambda: output)
@@ -277,6 +303,7 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
     t = tensor if tensor.dim() > 0 else tensor.reshape(1)
     meta = torch.tensor([t.shape[0]], dtype=torch.int64, device=t.device)
     sizes = [torch.zeros_like(meta) for _ in range(world)]
+    _issue()
     with comm_errors("allgather", group=group):
         dist.all_gather(sizes, meta, group=group)
     counts = [int(s.item()) for s in sizes]
@@ -301,6 +328,7 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: bool = False) -> Any:
     """In-place broadcast from group rank ``src``."""
+    _issue()
     with comm_errors("broadcast", group=group):
         work = dist.broadcast(tensor, src=to_global_rank(group, src), group=group, async_op=True)
     h = Handle(work, "broadcast", group=group, finish=lambda: tensor)
@@ -310,6 +338,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None, async_op: b
 def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
     """Broadcast a picklable object from group rank ``src``; returns it on every rank."""
     box = [obj]
+    _issue()
     with comm_errors("broadcast_object", group=group):
         dist.broadcast_object_list(box, src=to_global_rank(group, src), group=group)
     return box[0]
@@ -318,6 +347,7 @@ def broadcast_object(obj: Any, src: int = 0, group: Any = None) -> Any:
 def allgather_object(obj: Any, group: Any = None) -> list[Any]:
     """Gather a picklable object from every rank; returns the list ordered by rank."""
     out: list[Any] = [None] * group_size(group)
+    _issue()
     with comm_errors("allgather_object", group=group):
         dist.all_gather_object(out, obj, group=group)
     return out
@@ -325,6 +355,7 @@ def allgather_object(obj: Any, group: Any = None) -> list[Any]:
 
 def barrier(group: Any = None) -> None:
     """Block until every rank of ``group`` reached the barrier (within the timeout)."""
+    _issue()
     with comm_errors("barrier", group=group):
         # all_reduce instead of dist.barrier: the latter guesses a device on NCCL.
         t = torch.zeros(1, device=group_device(group))

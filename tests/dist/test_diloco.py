@@ -264,3 +264,35 @@ def test_trainer_mode_sharded_inside_hosts_is_the_allreduce_mode_at_one_inner_st
         for p, q in zip(a, b):
             torch.testing.assert_close(p, q, **TOL)
         assert acc_a == pytest.approx(acc_b, abs=1e-9)
+
+
+def _until(steps, env_ok):
+    """Train to ``steps[rank]`` inner steps with a snapshot every step, then stop as a crash
+    does (the snapshots stay); the step resumed at and the final weights."""
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=4, mode="diloco",
+                       strategy_options={"sync_every": 8}, max_iteration=12, snapshot_every=1,
+                       replica_check=0, progress=False)
+    start = t.state.step
+    while t.state.step < steps[parlay.rank()]:
+        t.train_on_batch()
+    params = [p.detach().clone() for p in t.model.parameters()]
+    if steps[parlay.rank()] == 12:
+        t.should_stop()  # the final sync
+        params = [p.detach().clone() for p in t.model.parameters()]
+    t.close()
+    return start, params
+
+
+def test_replicas_apart_in_a_round_each_resume_their_own_newest_snapshot(tmp_path):
+    # Replicas meet only at syncs (every 8 steps): one crashes at step 3 while the other has
+    # gone on to step 7. Each resumes its own newest snapshot (no step both hold is needed),
+    # and the run ends bit for bit as an uninterrupted one.
+    env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "apart"}
+    run_world(_until, 2, {0: 7, 1: 3}, True, env=env, timeout=90)
+    second = run_world(_until, 2, {0: 12, 1: 12}, True, env=env, timeout=90)
+    env["PARLAY_RUN_ID"] = "whole"
+    full = run_world(_until, 2, {0: 12, 1: 12}, True, env=env, timeout=90)
+    assert [start for start, _ in second] == [7, 3]
+    for (_, a), (_, b) in zip(second, full):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))

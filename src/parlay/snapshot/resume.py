@@ -93,15 +93,18 @@ def key_or_off(identity: str, message: str = NO_RUN_ID, level: int = logging.INF
 _REPORT = 16  # newest steps each rank reports when the ranks agree where to resume
 
 
-def agree(store: SnapshotStore, group: Any = None,
-          after: int = -1) -> tuple[int, dict[str, Any]] | None:
+def agree(store: SnapshotStore, group: Any = None, after: int = -1,
+          apart: bool = False) -> tuple[int, dict[str, Any]] | None:
     """The newest snapshot step above ``after`` that every rank of ``group`` holds and can read,
     with this rank's state for it; ``None`` when there is none (every rank gets the same answer).
+    With ``apart``, each rank's own step (see :func:`_agree_apart`).
 
     The ranks exchange only tensors (their committed steps, then one ok flag per candidate),
     never pickled objects. A rank killed while writing step t still holds t-1 (``keep`` >= 2),
     so after a single failure the common step is at most one behind the newest.
     """
+    if apart:
+        return _agree_apart(store, group, after)
     mine = [s for s in store.steps() if s > after]
     common = set.intersection(*({v for v in r if v >= 0}
                                 for r in comm.gather_ints(mine, _REPORT, group)))
@@ -124,6 +127,24 @@ def agree(store: SnapshotStore, group: Any = None,
         log.warning("rank %d: no snapshot verifies on every rank (refused step(s) %s); the disk "
                     "checkpoint, or a replica's state, is used instead", store.rank, refused)
     return None
+
+
+def _agree_apart(store: SnapshotStore, group: Any,
+                 after: int) -> tuple[int, dict[str, Any]] | None:
+    """For ranks that meet only at collectives: each rank's newest readable snapshot taken
+    after as many collectives as every other rank's (:func:`parlay.comm.issued`). No
+    collective lies between such states, so each rank goes on from its own, exactly."""
+    mine: dict[int, tuple[int, dict[str, Any]]] = {}
+    for step in sorted((s for s in store.steps() if s > after), reverse=True):
+        try:
+            state = store.load(step)
+        except CheckpointError as e:
+            log.warning("rank %d: %s", store.rank, e)
+            continue
+        mine.setdefault(int(state.get("collectives", -1)), (step, state))
+    rows = comm.gather_ints(sorted(c for c in mine if c >= 0), _REPORT, group)
+    common = set.intersection(*({v for v in r if v >= 0} for r in rows))
+    return mine[max(common)] if common else None
 
 
 def _identity(run: TrainingRun) -> str:
@@ -222,7 +243,7 @@ def resume_trainer(run: TrainingRun, store: SnapshotStore) -> int | None:
     if s.agrees_snapshots_early:
         return _resume_agreed(run, store, s.agreed_snapshot_step)
     after = run.step
-    found = agree(store, s.train_group, after=after)
+    found = agree(store, s.train_group, after=after, apart=s.resumes_apart)
     exact = True
     if found is not None:
         step, state = found

@@ -120,6 +120,12 @@ class Strategy:
         member must reach the same checkpoint points."""
         return None
 
+    @property
+    def resumes_apart(self) -> bool:
+        """True where ranks meet only at collectives (no collective every step): each may
+        resume from its own newest snapshot taken between the same two collectives."""
+        return False
+
     def evaluating(self) -> contextlib.AbstractContextManager[Any]:
         """Held around a whole evaluation (every rank of ``train_group`` enters it)."""
         return contextlib.nullcontext()

@@ -80,6 +80,10 @@ class DiLoCoStrategy(WholeModelStrategy):
     def supports_snapshots(self) -> bool:
         return True
 
+    @property
+    def resumes_apart(self) -> bool:
+        return True  # replicas meet only at syncs, evaluations and checkpoints
+
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
         model = self._place(model, loss_fn)

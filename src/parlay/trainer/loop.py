@@ -212,6 +212,7 @@ class Trainer:
         x, y = batch
         factor = self.lr_factor()
         s.set_lr_factor(factor)
+        self.persistence.begin_step()
         try:
             res = self.last_step = s.train_step(x, y)
         except NonFiniteError as e:

@@ -109,6 +109,9 @@ class Persistence:
             log.info("resumed from the in-memory snapshot of step %d", self.resumed_from_snapshot)
         if self.store is None:
             self.every = 0
+        # Ranks that meet only at collectives resume apart (see snapshot.resume.agree).
+        self._apart = self.store is not None and strategy.resumes_apart
+        self._issued = 0
         self.replicas = ReplicaCheck(strategy, config.replica_check or 0, self.state.step)
         if self.state.step and self.replicas.every:  # resumed: do the replicas agree?
             self._check_replicas(self.state.step)
@@ -159,7 +162,8 @@ class Persistence:
         s = self.strategy
         strategy = s.snapshot_state_dict() if snapshot else s.state_dict()
         return {"trainer": asdict(self.state), "mode": self.mode, "strategy": strategy,
-                "sampler": self.sampler.state_dict(), "rng": rng_state(), "recipe": self.recipe}
+                "sampler": self.sampler.state_dict(), "rng": rng_state(), "recipe": self.recipe,
+                "collectives": comm.issued()}
 
     def load_state_dict(self, state: dict[str, Any], where: str = "snapshot") -> None:
         """Continue from ``state``.
@@ -181,6 +185,7 @@ class Persistence:
                                   "as the run that wrote it, or use a fresh checkpoint_dir.") from e
         vars(self.state).update(asdict(TrainerState(**state["trainer"])))
         set_rng_state(state["rng"])
+        comm.set_issued(state.get("collectives", comm.issued()))
 
     # ------------------------------------------------------------------ saving
     def save_checkpoint(self) -> None:
@@ -217,8 +222,18 @@ class Persistence:
             try:
                 self.store.save(step, self.state_dict(snapshot=True),
                                 defer=optimizer_tensors(self.strategy))
+                if self._apart and comm.issued() != self._issued:
+                    self.store.wait()
             except CheckpointError as e:
                 self._stop_snapshots(e)
+        if self._apart and comm.issued() != self._issued:
+            # A step that met the other ranks: none goes on before every rank holds its
+            # snapshot of it, so a kill costs each rank at most one step.
+            comm.barrier(self.strategy.train_group)
+
+    def begin_step(self) -> None:
+        """A training step starts (the Trainer calls it): did it meet the other ranks?"""
+        self._issued = comm.issued()
 
     def _check_replicas(self, step: int) -> None:
         """Compare the replicas now; when they diverged, this rank's snapshots after the last
