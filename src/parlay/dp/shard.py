@@ -298,14 +298,11 @@ class ShardedBuckets(GradientBuckets):
             self.release(b)
 
     def layout(self) -> dict[str, Any]:
-        """What a shard's saved state must match to be loaded (and, with ``"parameters"``,
-        this rank's parameter chunks)."""
-        out: dict[str, Any] = {"level": self.level, "world": self.world, "rank": self.rank,
-                               "units": [b.numel for b in self.plan.buckets],
-                               "order": list(self.order)}
-        if self.level == "parameters":
-            out["params"] = [s.detach() for s in self.shards]
-        return out
+        """What a shard's saved state must match to be loaded, and this rank's parameter
+        chunks (a sharded state holds no whole parameter)."""
+        return {"level": self.level, "world": self.world, "rank": self.rank,
+                "units": [b.numel for b in self.plan.buckets], "order": list(self.order),
+                "params": [s.detach() for s in self.shards]}
 
     def load_layout(self, saved: dict[str, Any] | None) -> None:
         """Check ``saved`` (from :meth:`layout`) is this rank's shard; load its parameters.
@@ -325,6 +322,8 @@ class ShardedBuckets(GradientBuckets):
             self.release(b)  # nothing gathered or prefetched from the chunks replaced now
         for shard, saved_chunk in zip(self.shards, saved.get("params", [])):
             shard.data.copy_(saved_chunk)
+        if saved.get("params") and self.level != "parameters":
+            self.gather_all()  # every rank's chunks into the parameters
 
     def unit_name(self, b: int) -> str:
         """Unit ``b``'s chunk, named after the parameters it is part of (in messages)."""
@@ -440,7 +439,9 @@ class ShardedBuckets(GradientBuckets):
                 torch.autograd.graph.register_multi_grad_hook(
                     outs, lambda grads: self._before_backward(mine), mode="any")
             for b in mine:
-                if not self._held and not (outs and b == 0):  # backward's first unit stays
+                # Backward's first two units stay (no more than forward held at a time), so
+                # backward starts without waiting for a gather.
+                if not self._held and not (outs and b <= 1):
                     self.release(b)
         return hook
 

@@ -111,13 +111,13 @@ class WholeModelStrategy(StepTemplate):
     def state_dict(self) -> dict[str, Any]:
         model, opt, _ = self._ready()
         sd = model.state_dict()
-        if self.shard == "parameters":  # the parameters are the optimizer state's chunks
+        if self.shard:  # the parameters are in the optimizer state's chunks
             sd = {k: v for k, v in sd.items() if k not in self._param_names}
         return self._scaler_state({"model": sd, "optimizer": opt.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         model, opt, _ = self._ready()
-        model.load_state_dict(state["model"], strict=self.shard != "parameters")
+        model.load_state_dict(state["model"], strict=not self.shard)
         opt.load_state_dict(state["optimizer"])
         self._load_scaler_state(state)
 
