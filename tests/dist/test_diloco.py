@@ -284,15 +284,17 @@ def _until(steps, env_ok):
     return start, params
 
 
-def test_replicas_apart_in_a_round_each_resume_their_own_newest_snapshot(tmp_path):
+@pytest.mark.parametrize("stops", [(7, 3), (10, 8)])
+def test_replicas_apart_in_a_round_each_resume_their_own_newest_snapshot(tmp_path, stops):
     # Replicas meet only at syncs (every 8 steps): one crashes at step 3 while the other has
-    # gone on to step 7. Each resumes its own newest snapshot (no step both hold is needed),
-    # and the run ends bit for bit as an uninterrupted one.
+    # gone on to step 7, or right after the sync of step 8 while the other reached 10. Each
+    # resumes its own newest snapshot (no step both hold is needed), and the run ends bit for
+    # bit as an uninterrupted one.
     env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "apart"}
-    run_world(_until, 2, {0: 7, 1: 3}, True, env=env, timeout=90)
+    run_world(_until, 2, dict(enumerate(stops)), True, env=env, timeout=90)
     second = run_world(_until, 2, {0: 12, 1: 12}, True, env=env, timeout=90)
     env["PARLAY_RUN_ID"] = "whole"
     full = run_world(_until, 2, {0: 12, 1: 12}, True, env=env, timeout=90)
-    assert [start for start, _ in second] == [7, 3]
+    assert [start for start, _ in second] == list(stops)
     for (_, a), (_, b) in zip(second, full):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
