@@ -190,8 +190,8 @@ def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
                 num_nodes=c.num_nodes, role=c.role, num_ps=c.num_ps, source=c.source,
                 pipeline_stages=c.pipeline_stages, master=f"{c.master_addr}:{c.master_port}",
                 backend=backend, device=str(device), torch=torch.__version__)
-    if ns.json:
-        print(json.dumps(info))
+    if ns.json:  # one write: the ranks of a host share the launcher's (unbuffered) stdout
+        sys.stdout.write(json.dumps(info) + "\n")
     else:
         for k, v in info.items():
             print(f"{k:>16}: {v}")
