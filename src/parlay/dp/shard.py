@@ -14,7 +14,7 @@ Adagrad, ...):
 * ``"gradients"`` (ZeRO-2): as above, but each final gradient is copied into a bucket made for
   this step and freed at once (``p.grad`` becomes ``None``); a rank keeps only its chunks.
 * ``"parameters"`` (ZeRO-3): parameters are kept as chunks too. A unit is all-gathered just
-  before its module's forward (the next two are prefetched), freed after it (but the last,
+  before its module's forward (the next two are prefetched), freed after it (but the last two,
   which backward needs first), gathered again when backward reaches the module and freed
   once its gradients are in.
 

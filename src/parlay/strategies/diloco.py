@@ -11,7 +11,6 @@ the mode then trains exactly as ``"allreduce"`` does).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -120,9 +119,10 @@ class DiLoCoStrategy(WholeModelStrategy):
             opt.zero_grad(set_to_none=True)
             opt.step_without_update()
         else:
-            if self.grad_clip is not None:
-                (inner.clip_grad_norm_ if inner is not None else functools.partial(
-                    torch.nn.utils.clip_grad_norm_, model.parameters()))(float(self.grad_clip))
+            if self.grad_clip is not None and inner is not None:
+                inner.clip_grad_norm_(float(self.grad_clip))  # over the host's chunks
+            elif self.grad_clip is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.grad_clip))
             with inner.skip_synchronize() if inner is not None else contextlib.nullcontext():
                 opt.step()
         if self.scaler is not None:

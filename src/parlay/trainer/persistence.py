@@ -218,41 +218,34 @@ class Persistence:
             self.save_checkpoint()
         if self._probe is not None:
             self._probe_step()
-        met = self._apart and comm.issued() != self._issued
-        if self.store is not None and self.every and step % self.every == 0:
-            self._snapshot(step, commit=met)
-        if met:
-            self._hold()
-        self._issued = comm.issued()
+        self._snapshot(step, due=True)
 
     def begin_step(self) -> None:
         """A training step starts (the Trainer calls it). Ranks that resume apart and met
         since the last step (an evaluation, say) first snapshot the step they are at again,
         so that its snapshot stands after that meeting too."""
-        if self._apart and comm.issued() != self._issued:
-            if self.store is not None and self.every and self.state.step % self.every == 0:
-                self._snapshot(self.state.step, commit=True)
-            self._hold()
+        self._snapshot(self.state.step, due=False)
+
+    def _snapshot(self, step: int, due: bool) -> None:
+        """Snapshot ``step`` when ``due`` or when this rank met the others since the last
+        call (ranks that resume apart), at the interval's steps. After such a meeting no rank
+        goes on before every rank holds its snapshot committed, so a kill costs each rank at
+        most one step; the barrier that ensures it is not counted, as those snapshots already
+        stand after it."""
+        met = self._apart and comm.issued() != self._issued
+        if self.store is not None and self.every and step % self.every == 0 and (due or met):
+            try:
+                self.store.save(step, self.state_dict(snapshot=True),
+                                defer=optimizer_tensors(self.strategy))
+                if met:
+                    self.store.wait()
+            except CheckpointError as e:
+                self._stop_snapshots(e)
+        if met:
+            n = comm.issued()
+            comm.barrier(self.strategy.train_group)
+            comm.set_issued(n)
         self._issued = comm.issued()
-
-    def _snapshot(self, step: int, commit: bool) -> None:
-        """Snapshot ``step`` (committed before returning with ``commit``)."""
-        assert self.store is not None
-        try:
-            self.store.save(step, self.state_dict(snapshot=True),
-                            defer=optimizer_tensors(self.strategy))
-            if commit:
-                self.store.wait()
-        except CheckpointError as e:
-            self._stop_snapshots(e)
-
-    def _hold(self) -> None:
-        """No rank goes on before every rank holds its snapshot of where it met the others,
-        so a kill costs each rank at most one step. The barrier is not counted: those
-        snapshots already stand after it, as every later one does."""
-        n = comm.issued()
-        comm.barrier(self.strategy.train_group)
-        comm.set_issued(n)
 
     def _check_replicas(self, step: int) -> None:
         """Compare the replicas now; when they diverged, this rank's snapshots after the last
