@@ -15,6 +15,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,20 +23,33 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def launch(out: Path, nproc: int, args: list[str], env: dict[str, str],
-           timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """``parlay run -n nproc --max-restarts 0`` this script with ``args``, writing to ``out``."""
+           timeout: float = 180, script: str = __file__,
+           max_restarts: int = 0) -> subprocess.CompletedProcess[str]:
+    """``parlay run -n nproc --max-restarts N`` ``script`` (default: this one) with ``args``,
+    writing to ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     base = {k: v for k, v in os.environ.items()
             if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    base.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"), **env)
-    cmd = [sys.executable, "-m", "parlay.cli", "run", "-n", str(nproc), "--max-restarts", "0",
-           __file__, "--out", str(out), *args]
+    base.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'src'}:{ROOT}", **env)
+    cmd = [sys.executable, "-m", "parlay.cli", "run", "-n", str(nproc), "--max-restarts",
+           str(max_restarts), script, "--out", str(out), *args]
     try:
         return subprocess.run(cmd, env=base, capture_output=True, text=True, timeout=timeout,
                               cwd=ROOT)
     except subprocess.TimeoutExpired as e:  # a hang: the caller reports it
         err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
         return subprocess.CompletedProcess(cmd, 124, "", f"{err}\nTIMEOUT after {timeout} s")
+
+
+def tries(workdir: Path, repeats: int,
+          one: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """``one(i)`` for each of ``repeats`` tries, one row each, saying on stderr how each went."""
+    rows = []
+    for i in range(repeats):
+        rows.append(one(i))
+        print(f"  {workdir.name} {i + 1}/{repeats}: {'ok' if rows[-1]['ok'] else 'FAIL'}",
+              file=sys.stderr, flush=True)
+    return rows
 
 
 def finals(out: Path, nproc: int) -> list[dict[str, Any]] | None:

@@ -35,7 +35,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from tools.fault_cases._train import ROOT, finals, launch, same
+from tools.fault_cases._train import ROOT, finals, launch, same, tries
 
 TARGETS = ("snapshot data", "snapshot record", "checkpoint")
 STEPS = 20  #: steps of every run (the killed one, the restart, the uninterrupted reference)
@@ -247,9 +247,4 @@ def run(repeats: int, workdir: Path) -> list[dict[str, Any]]:
     """``repeats`` tries, one row each."""
     workdir.mkdir(parents=True, exist_ok=True)
     cache: dict[bool, Any] = {}
-    rows = []
-    for i in range(repeats):
-        rows.append(one(i, workdir, cache))
-        print(f"  {workdir.name} {i + 1}/{repeats}: {'ok' if rows[-1]['ok'] else 'FAIL'}",
-              file=sys.stderr, flush=True)
-    return rows
+    return tries(workdir, repeats, lambda i: one(i, workdir, cache))

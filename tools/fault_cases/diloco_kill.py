@@ -33,17 +33,10 @@ STEPS, H = 120, 50
 
 
 def _launch(out: Path, args: list[str], run_id: str) -> subprocess.CompletedProcess[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT / 'src'}:{ROOT}", PARLAY_RUN_ID=run_id)
-    cmd = [sys.executable, "-m", "parlay.cli", "run", "-n", "2", "--max-restarts", "1",
-           __file__, "--out", str(out), *args]
-    try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    except subprocess.TimeoutExpired as e:
-        err = e.stderr.decode() if isinstance(e.stderr, bytes) else e.stderr or ""
-        return subprocess.CompletedProcess(cmd, 124, "", f"{err}\nTIMEOUT after 300 s")
+    from tools.fault_cases._train import launch
+
+    return launch(out, 2, args, {"PARLAY_RUN_ID": run_id}, timeout=300, script=__file__,
+                  max_restarts=1)
 
 
 def _records(out: Path) -> dict[tuple[int, int], dict[str, Any]]:
@@ -101,19 +94,14 @@ def one(i: int, workdir: Path, reference: list[dict[str, Any]] | None) -> dict[s
 
 def run(repeats: int, workdir: Path) -> list[dict[str, Any]]:
     """An uninterrupted reference run, then ``repeats`` tries, one row each."""
-    from tools.fault_cases._train import finals
+    from tools.fault_cases._train import finals, tries
 
     workdir.mkdir(parents=True, exist_ok=True)
     p = _launch(workdir / "reference", [], f"faults-diloco-ref-{time.time_ns()}")
     reference = finals(workdir / "reference", 2)
     if reference is None:
         print(f"reference run failed (exit {p.returncode}):\n{p.stderr[-2000:]}", file=sys.stderr)
-    rows = []
-    for i in range(repeats):
-        rows.append(one(i, workdir, reference))
-        print(f"  {workdir.name} {i + 1}/{repeats}: {'ok' if rows[-1]['ok'] else 'FAIL'}",
-              file=sys.stderr, flush=True)
-    return rows
+    return tries(workdir, repeats, lambda i: one(i, workdir, reference))
 
 
 def main() -> None:

@@ -17,11 +17,10 @@ import json
 import random
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
-from tools.fault_cases._train import finals, launch, same
+from tools.fault_cases._train import finals, launch, same, tries
 
 CHECKS = (1, 2, 3, 5, "auto")
 #: Steps trained after the flip: more than the interval, which "auto" chooses from timings.
@@ -92,9 +91,4 @@ def one(i: int, workdir: Path) -> dict[str, Any]:
 def run(repeats: int, workdir: Path) -> list[dict[str, Any]]:
     """``repeats`` tries, one row each."""
     workdir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i in range(repeats):
-        rows.append(one(i, workdir))
-        print(f"  {workdir.name} {i + 1}/{repeats}: {'ok' if rows[-1]['ok'] else 'FAIL'}",
-              file=sys.stderr, flush=True)
-    return rows
+    return tries(workdir, repeats, lambda i: one(i, workdir))
