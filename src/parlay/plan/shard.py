@@ -11,6 +11,7 @@ none (DDP) allreduce ``2(N-1)/N S``                ``P + G + KP``
 optimizer  reduce-scatter + all-gather: as DDP    ``P + G + KP/N``
 gradients  reduce-scatter + all-gather: as DDP    ``P + (G + KP)/N``
 parameters all-gather x2 + reduce-scatter: 1.5x   ``(P + G + KP)/N``   3 x the largest unit
+           (less for few units, below)
 ========== ===================================== ==================== ===================
 
 An element-wise 16-bit compressor (``fp16``, ``bf16``) halves the reduce-scatter (the
@@ -18,7 +19,9 @@ gradients) only; parameters are all-gathered in their own dtype. The ``"paramete
 transient is one unit gathered, the next one prefetched and the unit's full gradient before
 its reduce-scatter; a unit is a module (``--layers``: ``S / layers``; a profiled script: its
 largest parameter tensor) or else a 25 MiB bucket. Activations, buffers and the framework's
-own memory are not counted.
+own memory are not counted. Backward's first two units are still gathered from forward, so
+``"parameters"`` all-gathers ``(U-2)/U`` of the model again in backward (``U`` units): 1.25x DDP
+for 4 units, towards 1.5x for many.
 
 Step time reuses the flat ring's pricing (:func:`parlay.plan.modes.allreduce_terms`): the
 reduce-scatter and the all-gather each cost half an allreduce of their bytes and, like DDP's
@@ -129,10 +132,12 @@ def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none"
            "gradients": p + (g + k * p) / n,
            "parameters": (p + g + k * p) / n + (3 * _unit_bytes(w) if n > 1 else 0.0)}
     out = [ShardLevel("none", mem["none"], 2 * rs_b, ddp)]
+    again = max(0, units - 2) / units  # "parameters": backward re-gathers all but two units
     for level in LEVELS[1:]:
         terms = dict(ddp)
-        terms["comm"] = exposed(rs_s + ag_s, backward, buckets, c.overlap)
-        wire = rs_b + ag_b
+        ag = again if level == "parameters" else 1.0
+        terms["comm"] = exposed(rs_s + ag * ag_s, backward, buckets, c.overlap)
+        wire = rs_b + ag * ag_b
         if level == "parameters":
             terms["comm-forward"] = exposed(ring_s("none", units) / 2, forward, units, c.overlap)
             wire += ag_b
