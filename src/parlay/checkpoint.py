@@ -2,11 +2,11 @@
 
 Every rank that trains writes its own file, ``ckpt-<step>.rank<r>.pt``, because ranks own
 different state (compression residuals, parameter-server versions, pipeline stages). A file is
-written to a temporary name, flushed and ``fsync``-ed, then ``os.replace``-d into place, so a
-crash leaves either the old file or the new one, never half of one. A checkpoint counts only
-when every rank wrote its file (the ranks agree with one small allreduce), and older ones are
-pruned only after that, so a failed save never leaves the run without a usable checkpoint. A
-state holding a NaN or an infinity is never written.
+written atomically and verified when read (:mod:`parlay.statefile`): a crash leaves either the
+old file or the new one, never half of one. A checkpoint counts only when every rank wrote its
+file (the ranks agree with one small allreduce), and older ones are pruned only after that, so
+a failed save never leaves the run without a usable checkpoint. A state holding a NaN or an
+infinity is never written.
 
 Resuming picks the newest step that every rank holds and can read; an unreadable (empty,
 truncated, corrupt) file makes all ranks fall back to the previous checkpoint together. Each
@@ -14,34 +14,33 @@ checkpoint records the identity of its run (layout, batch size, model fingerprin
 :mod:`parlay.runinfo`) and a resume that could not continue it exactly is refused with the
 reason. The ranks agree using integer tensors only (no pickled objects cross the network), and
 files are read with ``torch.load(weights_only=True)``: a checkpoint cannot execute code.
-A sharded run's shards go to ``ckpt-<step>.dcp/`` first (``torch.distributed.checkpoint``); every
-rank's file then records the CRC-32 of each file there, checked before a resume uses them.
+A sharded run's shards go to ``ckpt-<step>.dcp/`` first (``torch.distributed.checkpoint``; a
+folder per pipeline stage in mode ``"hybrid"``); every rank's file then records the CRC-32 of
+each file there, checked (each rank a share) before a resume uses them.
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import hashlib
-import errno
 import logging
 import os
 import re
 import secrets
 import shutil
 import warnings
-import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 from collections.abc import Callable
 
 import torch
 
 from parlay import comm
 from parlay.errors import CheckpointError, ConfigError
-from parlay.integrity import file_crcs, state_crc
+from parlay.integrity import file_crcs
 from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
+from parlay.statefile import CRC_KEY, read_atomic, save_atomic, verify, write_atomic
 
 __all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load",
            "CheckpointManager", "FORMAT_VERSION", "CRC_KEY", "rng_state", "set_rng_state"]
@@ -51,112 +50,7 @@ log = logging.getLogger("parlay")
 #: Bumped when the layout of the saved dictionary changes incompatibly (2: a checksum).
 FORMAT_VERSION = 2
 _KEY = "parlay_checkpoint"
-#: Key of the CRC-32 of everything else in a file that :func:`save_atomic` writes.
-CRC_KEY = "parlay_crc32"
 _NAME = re.compile(r"^ckpt-(\d{10})\.rank(\d+)\.pt$")
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):  # e.g. platforms that cannot open directories
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_atomic(path: Path, write: Callable[[BinaryIO], object], what: str, hint: str, *,
-                 durable: bool = True) -> None:
-    """Have ``write`` fill a temporary file next to ``path``, then rename it to ``path``: a
-    reader sees the old file or the whole new one, and a process killed in between leaves only
-    a temporary file (its owner removes it when it opens the folder again). ``durable``: the
-    file and its folder are ``fsync``-ed too (a disk's, not host memory's, crash safety).
-
-    Raises:
-        CheckpointError: The file could not be written: "could not write ``what`` ``path``",
-            the cause and ``hint`` (the previous file, if any, is intact).
-    """
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        if durable:
-            _fsync_dir(path.parent)
-    except Exception as e:  # noqa: BLE001 - disk errors and unpicklable state alike
-        tmp.unlink(missing_ok=True)
-        cause = (f"no space left on device (the file system of {path.parent} is full)"
-                 if _no_space(e) else str(e))
-        raise CheckpointError(f"could not write {what} {path}: {cause}. Hint: {hint}") from e
-
-
-def _no_space(e: BaseException | None) -> bool:
-    """Whether ``e`` or an exception it was raised from is ``ENOSPC`` (torch's writer reports
-    a full disk as ``unexpected pos ...``, with the ``OSError`` as its context)."""
-    while e is not None:
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def save_atomic(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save(obj)`` to ``path`` atomically: temp file, flush, fsync, rename. A dict is
-    saved with the CRC-32 of its contents under :data:`CRC_KEY`, which :func:`verify`
-    checks.
-
-    Raises:
-        CheckpointError: The file could not be written (the previous file, if any, is intact).
-    """
-    if isinstance(obj, dict):
-        obj = {**obj, CRC_KEY: state_crc(obj)}
-    write_atomic(Path(path), lambda f: torch.save(obj, f), "checkpoint",
-                 f"check free disk space and write permission of {Path(path).parent}, and that "
-                 "the state holds only tensors and plain Python values.")
-
-
-_RETRY = ("e.g. the disk filled up or a copy was cut short; delete it and the previous "
-          "checkpoint is used.")
-
-
-def read_atomic(path: Path, what: str = "checkpoint", retry: str = _RETRY) -> Any:
-    """``torch.load(path, weights_only=True)`` onto the CPU, every failure a
-    :class:`CheckpointError` that says what the file is (``what``) and what happens next
-    (``retry``)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
-        raise CheckpointError(_unreadable(path, e, what, retry)) from e
-
-
-def verify(obj: Any, path: Path, what: str = "checkpoint", retry: str = _RETRY, *,
-           required: bool = False) -> Any:
-    """``obj`` (read from ``path``) without its checksum, once the checksum matches.
-
-    A dict without one was written before files carried checksums: it is returned with a
-    warning, or refused when ``required``.
-
-    Raises:
-        CheckpointError: The contents changed after the file was written (a flipped bit or
-            byte on disk or in a copy), or ``required`` and the checksum is missing.
-    """
-    if not isinstance(obj, dict):
-        return obj
-    if CRC_KEY not in obj:
-        if required:
-            raise CheckpointError(f"{what} {path} carries no checksum: it is corrupt or was "
-                                  f"not written by parlay. It is not used. Hint: {retry}")
-        log.warning("%s %s predates checksums: it is loaded unverified", what, path)
-        return obj
-    crc = obj.pop(CRC_KEY)
-    if crc != state_crc(obj):
-        raise CheckpointError(f"{what} {path} fails its checksum: its contents changed after it "
-                              "was written (a flipped bit or byte, on disk or in a copy). It is "
-                              f"not used. Hint: {retry}")
-    return obj
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -209,27 +103,6 @@ def _show(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _unreadable(path: Path, err: BaseException, what: str, retry: str) -> str:
-    """Why ``torch.load`` failed on ``path``, told apart by what the file is (torch's own
-    message for a non-archive speaks of weights_only, which would mislead)."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip()
-    cause = f" ({type(err).__name__}: {text.splitlines()[0]})" if text else ""
-    size = path.stat().st_size if path.exists() else 0
-    if size == 0:
-        state = "empty (0 bytes): it is truncated or corrupt"
-    elif not zipfile.is_zipfile(path):
-        state = (f"not a valid {what} file ({size} bytes that are not a torch.save archive): it is "
-                 "truncated or corrupt")
-    elif "weights_only" in text or "Unsupported global" in text:
-        return (f"{what} {path} holds objects that weights_only loading refuses{cause}. "
-                "Hint: parlay writes only tensors and plain values; a file holding other "
-                "objects was not written by parlay (unpickling it could run code), so it is "
-                "not loaded.")
-    else:
-        state = f"unreadable: it is truncated or corrupt{cause}"
-    return f"{what} {path} is {state}. Hint: {retry}"
-
-
 class CheckpointManager:
     """Save and resume one rank's checkpoints in ``directory``, in step with the other ranks.
 
@@ -261,6 +134,7 @@ class CheckpointManager:
         self.group = group
         self.identity = dict(identity) if identity is not None else None
         self.run_id: str | None = None
+        self.dcp_share: tuple[int, int] | None = None  # (rank, ranks) checking the shard files
         self.rank = int(rank) if rank is not None else (
             torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         try:
@@ -439,8 +313,9 @@ class CheckpointManager:
                     problem = f"it says step {state.get('step')}, its name says {step}"
                     state = None
                 elif "dcp" in state:
-                    names, size = sorted(state["dcp"]), self._world()
-                    me = comm.group_rank(self.group) if size > 1 else 0
+                    names, (me, size) = sorted(state["dcp"]), self.dcp_share or (
+                        (comm.group_rank(self.group), self._world()) if self._world() > 1
+                        else (0, 1))
                     for n, crc in zip(names, file_crcs(self.dcp_path(step), names, me, size)):
                         if crc not in (-2, state["dcp"][n]):
                             raise CheckpointError(f"sharded checkpoint file {self.dcp_path(step)}"

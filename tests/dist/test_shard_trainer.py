@@ -272,3 +272,39 @@ def test_sharded_checkpoints_are_dcp_shards_verified_pruned_and_fall_back(tmp_pa
     assert any(str(bad) in w for r in three for w in r[2])
     assert sorted(p.name for p in (tmp_path / "ckpt-0000000006.dcp").iterdir()) == \
         [".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp"]
+
+
+def _hybrid_ckpt(shard, ckpt, max_iteration):
+    t = parlay.Trainer(_build_deep, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=BATCH, shard=shard, mode="hybrid",
+                       strategy_options={"pp": 2, "chunks": 2}, max_iteration=max_iteration,
+                       checkpoint_dir=ckpt, checkpoint_every=3, progress=False)
+    losses = []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+    opt = t.strategy.optimizer
+    return losses, [s.detach().clone() for g in opt.param_groups for s in g["params"]]
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "parameters"])
+def test_hybrid_sharded_checkpoints_are_dcp_per_stage_and_resume_bit_for_bit(tmp_path, shard):
+    full = run_world(_hybrid_ckpt, 4, shard, None, TOTAL)
+    first = run_world(_hybrid_ckpt, 4, shard, str(tmp_path), CUT)
+    # each stage's replicas write their chunks into the step's DCP folder (one a stage; 7: the end)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("*.dcp/*/*")) == \
+        [f"ckpt-00000000{s:02d}.dcp/stage{k}/{f}" for s in (3, 6, 7) for k in (0, 1)
+         for f in (".metadata", "__0_0.distcp", "__1_0.distcp")]
+    from parlay.checkpoint import load
+    state = load(tmp_path / "ckpt-0000000007.rank3.pt")["strategy"]
+    assert not any(k.endswith(("weight", "bias")) for k in state["model"])  # all in the chunks
+    assert not any(isinstance(v, torch.Tensor) for e in state["optimizer"]["state"].values()
+                   for v in e.values())
+    # a flipped byte in one stage's shard file: every rank falls back to step 6 together
+    bad = tmp_path / "ckpt-0000000007.dcp" / "stage1" / "__1_0.distcp"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    second = run_world(_hybrid_ckpt, 4, shard, str(tmp_path), TOTAL)
+    for r in range(4):
+        assert first[r][0][:6] + second[r][0] == full[r][0]
+        assert all(torch.equal(a, b) for a, b in zip(full[r][1], second[r][1]))

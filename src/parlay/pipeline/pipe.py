@@ -213,15 +213,18 @@ class Pipeline:
                         for k, v in mod.layers.state_dict().items()})
         return out
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore :meth:`state_dict` (strict: the keys must be this rank's)."""
-        mine = self.state_dict()
-        if set(state) != set(mine):
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Restore :meth:`state_dict` (the keys must be this rank's: all of them if
+        ``strict``, else a subset, e.g. no parameters where a sharded optimizer holds them)."""
+        mine = set(self.state_dict())
+        if set(state) != mine if strict else not set(state) <= mine:
             raise ConfigError(f"state for this pipeline rank holds {sorted(state)[:4]}..., "
-                              f"expected exactly the keys of stages {self.stage_ids}.")
+                              f"expected {'exactly ' if strict else ''}the keys of stages "
+                              f"{self.stage_ids}.")
         for mod in self.modules:
-            keys = mod.layers.state_dict().keys()
-            mod.layers.load_state_dict({k: state[original_name(k, self.traced)] for k in keys})
+            keys = [k for k in mod.layers.state_dict() if original_name(k, self.traced) in state]
+            mod.layers.load_state_dict({k: state[original_name(k, self.traced)] for k in keys},
+                                       strict=strict)
 
     def train(self, mode: bool = True) -> Pipeline:
         """Set the stage modules' training mode."""

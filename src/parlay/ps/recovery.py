@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from parlay import comm, runtime
-from parlay.checkpoint import save_atomic, verify
+from parlay.statefile import save_atomic, verify
 from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError
 from parlay.launch import droppable_marker

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from parlay.checkpoint import save_atomic, verify
+from parlay.statefile import save_atomic, verify
 from parlay.errors import CheckpointError
 from parlay.snapshot import SnapshotStore, optimizer_tensors
 

@@ -82,7 +82,7 @@ def layout(tensors: list[torch.Tensor]) -> str:
 
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """:func:`parlay.checkpoint.write_atomic` for host memory (no ``fsync``).
+    """:func:`parlay.statefile.write_atomic` for host memory (no ``fsync``).
 
     Raises:
         CheckpointError: The file could not be written (the temporary file is removed).

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
-from parlay.checkpoint import read_atomic
+from parlay.statefile import read_atomic
 from parlay.integrity import tensor_crc
 from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps

@@ -122,6 +122,10 @@ class WholeModelStrategy(StepTemplate):
         self._load_scaler_state(state)
 
     @property
+    def sharded_checkpoint(self) -> tuple[Any, str] | None:
+        return (self._ready()[1], "") if self.shard else None
+
+    @property
     def eval_in_lockstep(self) -> bool:
         return self.shard == "parameters"
 

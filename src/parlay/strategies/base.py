@@ -131,6 +131,12 @@ class Strategy:
         return contextlib.nullcontext()
 
     @property
+    def sharded_checkpoint(self) -> tuple[Any, str] | None:
+        """The ``shard=`` optimizer whose chunks checkpoints keep in DCP form, and the folder
+        (inside the step's) its ``dp_group`` writes them to; ``None`` where nothing is sharded."""
+        return None
+
+    @property
     def eval_in_lockstep(self) -> bool:
         """True where every forward is a collective over ``dp_group`` (parameters gathered
         as modules run): every rank must then evaluate as many batches as the others."""

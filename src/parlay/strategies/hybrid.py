@@ -104,6 +104,11 @@ class HybridStrategy(StepTemplate):
         return not self.shard  # sharded replicas each hold their own chunks
 
     @property
+    def sharded_checkpoint(self) -> tuple[Any, str] | None:
+        """Each stage's replicas write their own DCP checkpoint (``stage<k>``)."""
+        return (self.optimizer, f"stage{self._ready().mesh.pp_rank}") if self.shard else None
+
+    @property
     def reports_loss(self) -> bool:
         return self._ready().is_last
 
@@ -179,7 +184,11 @@ class HybridStrategy(StepTemplate):
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         pipe = self._ready()
-        return self._scaler_state({"model": pipe.state_dict(),
+        model = pipe.state_dict()
+        if self.shard:  # the parameters are in the optimizer state's chunks
+            names = {n for n, _ in pipe.named_parameters()}
+            model = {k: v for k, v in model.items() if k not in names}
+        return self._scaler_state({"model": model,
                                    "optimizer": self.optimizer.state_dict(),
                                    "stages": list(pipe.stage_ids),
                                    "balance": list(pipe.partition.balance)})
@@ -192,7 +201,7 @@ class HybridStrategy(StepTemplate):
             raise ConfigError(f"checkpoint holds stages {got[0]} with balance {got[1]}, this rank "
                               f"runs stages {want[0]} with balance {want[1]}. Hint: resume with "
                               "the same pp, schedule and balance.")
-        pipe.load_state_dict(state["model"])
+        pipe.load_state_dict(state["model"], strict=not self.shard)
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scaler_state(state)
 

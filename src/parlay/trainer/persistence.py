@@ -14,6 +14,7 @@ import math
 import time
 import warnings
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
@@ -126,6 +127,10 @@ class Persistence:
                                  group=s.train_group, lock=True,
                                  identity=trainer_identity(s, self.mode, self.batch_size, model,
                                                            self.recipe))
+        sharded = s.sharded_checkpoint
+        if sharded is not None and sharded[1]:  # a stage's files are checked by its replicas
+            group = sharded[0].process_group
+            ckpt.dcp_share = (comm.group_rank(group), comm.group_size(group))
         rank = comm.group_rank(s.train_group)
         resumed = load_resharded(ckpt, ckpt.identity or {}, comm.group_size(s.train_group),
                                  rank, getattr(getattr(s, "optimizer", None), "shard_rank", rank)) \
@@ -134,22 +139,15 @@ class Persistence:
             resumed = ckpt.load_latest()
         if resumed is not None:
             self.load_state_dict(resumed, where=str(ckpt.directory))
-            if "dcp" in resumed:  # the shards, at this world (verified by ckpt)
+            if "dcp" in resumed and sharded:  # the shards, at this world (verified by ckpt)
                 try:
-                    load_dcp(self._sharded(), str(ckpt.dcp_path(resumed["step"])))
+                    load_dcp(sharded[0], str(ckpt.dcp_path(resumed["step"]) / sharded[1]))
                 except ConfigError as e:
                     raise CheckpointError(f"the checkpoint does not fit this model: {e}") from e
             self.last_checkpoint_step = self.state.step
         # Saves may agree over fewer ranks than the resume (ps async/stale: each worker).
         ckpt.group = s.checkpoint_group
         return ckpt
-
-    def _sharded(self) -> Any:
-        """The optimizer whose chunks checkpoints keep in DCP form (``shard=`` in mode
-        ``"allreduce"``), or ``None``."""
-        opt = getattr(self.strategy, "optimizer", None)
-        sharded = self.mode == "allreduce" and getattr(opt, "shard_engine", None) is not None
-        return opt if sharded else None
 
     # ------------------------------------------------------------------ the training state
     @property
@@ -196,9 +194,10 @@ class Persistence:
             self._check_replicas(self.state.step)  # only a state the replicas agree on is kept
         model = getattr(self.strategy, "model", None)
         inf_ok = {b.data_ptr() for b in model.buffers()} if model is not None else set()
-        state, opt, shards = self.state_dict(), self._sharded(), None
-        if opt is not None:  # its chunks go to DCP, the rest to this rank's file
-            shards, sd = functools.partial(save_dcp, opt), state["strategy"]["optimizer"]
+        state, sharded, shards = self.state_dict(), self.strategy.sharded_checkpoint, None
+        if sharded is not None:  # its chunks go to DCP, the rest to this rank's file
+            opt, sub = sharded
+            shards, sd = functools.partial(_save_shards, opt, sub), state["strategy"]["optimizer"]
             rest = {k: {n: v for n, v in e.items() if not isinstance(v, torch.Tensor)}
                     for k, e in sd["state"].items()}
             layout = {k: v for k, v in sd["parlay_shard"].items() if k != "params"}
@@ -329,3 +328,8 @@ class Persistence:
             if over:
                 self.store.clear()
             self.store.close()
+
+
+def _save_shards(opt: Any, sub: str, folder: Path) -> dict[str, int]:
+    """:func:`save_dcp` into ``folder/sub``; the CRCs keyed by path within ``folder``."""
+    return {f"{sub}/{n}" if sub else n: crc for n, crc in save_dcp(opt, folder / sub).items()}
