@@ -154,7 +154,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         model: Accepted for Horovod compatibility; not needed.
         process_set: Ranks to broadcast among (default: all).
         process_group: A torch group instead.
+
+    Raises:
+        ConfigError: ``optimizer`` is sharded (``shard=``), on every rank: each rank holds its
+            own chunks, so there is no state to copy.
     """
+    if getattr(optimizer, "shard_engine", None) is not None:
+        raise ConfigError("broadcast_optimizer_state: a DistributedOptimizer(shard=...) holds "
+                          "only this rank's chunks of the state, so there is nothing to copy. "
+                          "Hint: drop the call (broadcast the parameters before wrapping); "
+                          "restore a state with each rank's own load_state_dict().")
     group, root = _group_and_root(root_rank, process_set, process_group)
     me = comm.group_rank(group)
     state = optimizer.state_dict() if me == root else None

@@ -20,7 +20,8 @@ from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_comp
 from parlay.dp.buckets import BucketPlan, ParamInfo
 from parlay.dp.hierarchical import HierarchicalReducer, host_topology, make_reducer
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
-from parlay.dp.shard import ShardedBuckets, check_level, clip_chunks_, plan_units
+from parlay.dp.shard import ShardedBuckets
+from parlay.dp.shard_units import check_level, clip_chunks_, plan_units
 from parlay.dp import checks
 from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
@@ -409,6 +410,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if eng is not None and eng.shards:
             return clip_chunks_(eng.local_grads(), max_norm, norm_type, self.process_group)
         return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm, norm_type)
+
+    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
+        """``scaler.unscale_(self)`` (after :meth:`synchronize`), then the ranks agree whether a
+        gradient overflowed: with ``shard=`` each rank checks only its chunks, so a
+        ``torch.amp.GradScaler`` alone would skip ``scaler.step(opt)`` on some ranks only."""
+        scaler.unscale_(self)
+        for t in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
+            comm.allreduce(t, "max", group=self.process_group)
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:
         """Inside this block every parameter holds its full value, to read (with

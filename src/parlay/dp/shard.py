@@ -40,80 +40,13 @@ from torch.utils._pytree import tree_leaves
 from parlay import comm
 from parlay._validate import ceil_div
 from parlay.compress.base import CommStats, Compressor
-from parlay.dp.buckets import Bucket, BucketPlan, ParamInfo
+from parlay.dp.buckets import Bucket, BucketPlan
 from parlay.dp.hooks import GradientBuckets, LocalReducer
 from parlay.dp.ring import CommThread
+from parlay.dp.shard_units import unit_params
 from parlay.errors import ConfigError
 
-__all__ = ["LEVELS", "check_level", "plan_units", "ShardedBuckets", "clip_chunks_"]
-
-#: The shard levels, ZeRO-1 to ZeRO-3.
-LEVELS = ("optimizer", "gradients", "parameters")
-
-
-def check_level(shard: Any, compressor: Compressor, optimizer: torch.optim.Optimizer) -> str | None:
-    """Validate ``shard=`` against the compressor and optimizer it is combined with.
-
-    Raises:
-        ConfigError: An unknown level, a compressor that is not an element-wise cast, or an
-            optimizer that needs sparse gradients.
-    """
-    if shard is None or shard is False:
-        return None
-    if shard not in LEVELS:
-        raise ConfigError(f"shard must be one of {LEVELS} or None, got {shard!r}. Hint: "
-                          "'optimizer' shards the optimizer state (ZeRO-1), 'gradients' also "
-                          "the gradients (ZeRO-2), 'parameters' also the parameters (ZeRO-3).")
-    if compressor.shard_dtype(torch.float32) is None:
-        raise ConfigError(f"shard={shard!r} reduce-scatters gradients chunk by chunk, which "
-                          f"needs an element-wise compression; {compressor!r} is not one. "
-                          "Hint: use compression=None, 'fp16' or 'bf16' with shard=.")
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        raise ConfigError(f"shard={shard!r} steps flat chunks of dense gradients; SparseAdam "
-                          "needs sparse ones. Hint: use Adam, or shard=None.")
-    return str(shard)
-
-
-def plan_units(named: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer,
-               cap_bytes: int, model: nn.Module | None = None) -> BucketPlan:
-    """The units: buckets of at most ``cap_bytes`` per parameter group (with ``model``: one
-    per module and parameter group), in backward order (last registered first).
-
-    Raises:
-        ConfigError: With ``model``, a parameter the model does not hold.
-    """
-    group = {id(p): g for g, grp in enumerate(optimizer.param_groups) for p in grp["params"]}
-    keys: list[tuple[int, int]] = [(group[id(p)], 0) for _, p in named]
-    if model is not None:
-        owner: dict[int, int] = {}
-        for m, module in enumerate(model.modules()):
-            for p in module.parameters(recurse=False):
-                owner.setdefault(id(p), m)
-        missing = [n for n, p in named if id(p) not in owner]
-        if missing:
-            raise ConfigError(f"shard='parameters': {missing[:3]} are optimized but not held "
-                              "by the model passed as model=. Hint: pass the module whose "
-                              "parameters the optimizer steps.")
-        keys = [(group[id(p)], owner[id(p)]) for _, p in named]
-        cap_bytes = 1 << 62  # a module's parameters of one group are one unit
-    infos = [ParamInfo(n, p.numel(), p.dtype, str(p.device)) for n, p in named]
-    units: list[list[int]] = []
-    for key in dict.fromkeys(keys):
-        idx = [i for i, k in enumerate(keys) if k == key]
-        sub = BucketPlan.build([infos[i] for i in idx], cap_bytes)
-        units += [[idx[m] for m in b.members] for b in sub.buckets]
-    units.sort(key=lambda members: -max(members))
-    buckets, where = [], {}
-    for b, members in enumerate(units):
-        offsets, off = [], 0
-        for slot, i in enumerate(members):
-            offsets.append(off)
-            off += infos[i].numel
-            where[i] = (b, slot)
-        first = infos[members[0]]
-        buckets.append(Bucket(b, tuple(members), tuple(offsets), off, first.dtype, first.device))
-    return BucketPlan(tuple(buckets), where)
-
+__all__ = ["ShardedBuckets"]
 
 def _empty(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
@@ -127,7 +60,7 @@ class ShardedBuckets(GradientBuckets):
         plan: The units (:func:`plan_units`).
         optimizer: The wrapped optimizer; its ``param_groups`` get the chunks instead of the
             parameters (it must hold no state yet).
-        level: One of :data:`LEVELS`.
+        level: One of :data:`~parlay.dp.shard_units.LEVELS`.
         group: The data-parallel group.
         compressor: An element-wise cast (or none) applied on the wire.
         stats: Counts the bytes sent.
@@ -141,9 +74,11 @@ class ShardedBuckets(GradientBuckets):
                  compressor: Compressor, stats: CommStats, *, passes: int, prescale: float,
                  postscale: float, model: nn.Module | None = None,
                  hosts: tuple[tuple[int, ...], ...] | None = None) -> None:
-        if optimizer.state:
-            raise ConfigError("shard= needs an optimizer without state yet: wrap it before "
-                              "its first step, then load a checkpoint into the wrapper.")
+        if any(float(s.get("step", 1)) > 0 for s in optimizer.state.values()):
+            raise ConfigError("shard= needs an optimizer that has not stepped yet: wrap it "
+                              "before its first step, then load a checkpoint into the wrapper.")
+        made_at_init = {id(p): s for p, s in optimizer.state.items()}  # e.g. Adagrad's sums
+        optimizer.state.clear()
         self.level, self.thread = level, CommThread(group, hosts)
         self.world, self.rank = self.thread.ring.size, self.thread.ring.rank
         self.chunk = [ceil_div(b.numel, self.world) for b in plan.buckets]
@@ -165,6 +100,8 @@ class ShardedBuckets(GradientBuckets):
         self.order = sorted(range(len(plan.buckets)), key=unit_group.__getitem__)
         for g, grp in enumerate(optimizer.param_groups):
             grp["params"] = [self.shards[b] for b in self.order if unit_group[b] == g]
+        for b in range(len(plan.buckets)):
+            self._chunk_state(optimizer, b, made_at_init)
         self._pending: list[Future[torch.Tensor] | None] = [None] * len(plan.buckets)
         self._seen: list[set[int]] = [set() for _ in plan.buckets]
         self._module_hooks: list[Any] = []
@@ -174,6 +111,24 @@ class ShardedBuckets(GradientBuckets):
             self._hook_modules(model)
 
     # ----------------------------------------------------------------- layout
+    def _chunk_state(self, optimizer: torch.optim.Optimizer, b: int,
+                     made: dict[int, dict[str, Any]]) -> None:
+        """Unit ``b``'s chunk of the state ``optimizer`` made for its parameters at
+        construction: parameter-shaped tensors are chunked as the unit, the rest copied."""
+        members = self._members(b)
+        first = made.get(id(members[0][0]))
+        if not first:
+            return
+        state = optimizer.state[self.shards[b]]
+        for name, v in first.items():
+            if not (isinstance(v, torch.Tensor) and v.shape == members[0][2]):
+                state[name] = v.clone() if isinstance(v, torch.Tensor) else v
+                continue
+            flat = torch.zeros(self.chunk[b] * self.world, dtype=v.dtype, device=v.device)
+            for p, where, _ in members:
+                flat[where].copy_(made[id(p)][name].reshape(-1))
+            state[name] = flat[self._span(b)].clone()
+
     def _span(self, b: int) -> slice:
         c = self.chunk[b]
         return slice(self.rank * c, (self.rank + 1) * c)
@@ -302,7 +257,9 @@ class ShardedBuckets(GradientBuckets):
         chunks (a sharded state holds no whole parameter)."""
         return {"level": self.level, "world": self.world, "rank": self.rank,
                 "units": [b.numel for b in self.plan.buckets], "order": list(self.order),
-                "params": [s.detach() for s in self.shards]}
+                # a chunk of "optimizer"/"gradients" views its unit: saved alone, not the unit
+                "params": [s.detach() if self.level == "parameters" else s.detach().clone()
+                           for s in self.shards]}
 
     def load_layout(self, saved: dict[str, Any] | None) -> None:
         """Check ``saved`` (from :meth:`layout`) is this rank's shard; load its parameters.
@@ -394,7 +351,10 @@ class ShardedBuckets(GradientBuckets):
             yield
         finally:
             self._held = False
-            for b in range(len(self.plan.buckets)):
+            for b, flat in enumerate(self.flats):
+                if self.level == "parameters":  # tensors read inside keep their storage
+                    self.flats[b] = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
+                    self.flats[b].untyped_storage().resize_(0)
                 self.release(b)
 
     def release(self, b: int) -> None:
@@ -415,9 +375,8 @@ class ShardedBuckets(GradientBuckets):
         for b, bucket in enumerate(self.plan.buckets):
             for i in bucket.members:
                 units.setdefault(id(self.params[i]), []).append(b)
-        for module in model.modules():
-            mine = sorted({b for p in module.parameters(recurse=False)
-                           for b in units.get(id(p), [])})
+        for module, params in unit_params(model):
+            mine = sorted({b for p in params for b in units.get(id(p), [])})
             if mine:
                 self._module_hooks += [
                     module.register_forward_pre_hook(self._before_forward(mine)),
@@ -457,22 +416,3 @@ class ShardedBuckets(GradientBuckets):
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
-
-
-def clip_chunks_(grads: list[torch.Tensor], max_norm: float, norm_type: float,
-                 group: Any) -> torch.Tensor:
-    """Clip gradient chunks, which together over ``group`` make the whole gradient, to a
-    global ``max_norm``; returns the norm before clipping (as
-    ``torch.nn.utils.clip_grad_norm_``, whose clip coefficient it applies)."""
-    p = float(norm_type)
-    if math.isinf(p):
-        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1)
-        comm.allreduce(total, "max", group=group)
-    else:
-        total = torch.stack([g.double().norm(p) ** p for g in grads]).sum().reshape(1)
-        comm.allreduce(total, "sum", group=group)
-        total = total ** (1.0 / p)
-    coef = float(max_norm) / (float(total) + 1e-6)
-    if coef < 1.0:
-        torch._foreach_mul_(grads, coef)
-    return total.reshape(()).to(grads[0].dtype)

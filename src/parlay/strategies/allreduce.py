@@ -123,7 +123,8 @@ class WholeModelStrategy(StepTemplate):
 
     @property
     def sharded_checkpoint(self) -> tuple[Any, str] | None:
-        return (self._ready()[1], "") if self.shard else None
+        opt = self._ready()[1]  # (diloco's wraps the sharded one: its chunks stay in its file)
+        return (opt, "") if getattr(opt, "shard_engine", None) is not None else None
 
     @property
     def eval_in_lockstep(self) -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import Dataset
 
-from parlay.dp.shard import LEVELS as SHARD_LEVELS
+from parlay.dp.shard_units import LEVELS as SHARD_LEVELS
 from parlay.errors import ConfigError
 from parlay.nonfinite import check_policy
 
