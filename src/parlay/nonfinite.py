@@ -133,7 +133,8 @@ class NonFiniteGuard:
             return False
         rank = None
         if first != _NONE:
-            rank = comm.to_global_rank(group, first) if dist else first
+            rank = comm.to_global_rank(group, first) if torch.distributed.is_initialized() \
+                else first  # (a group of one: this rank, by its global number)
         param = first_nonfinite(named_grads)
         if self.policy == "skip":
             self.skipped += 1

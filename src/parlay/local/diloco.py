@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,8 @@ from parlay.errors import ConfigError, NonFiniteError
 from parlay.nonfinite import all_finite
 
 __all__ = ["DiLoCoOptimizer", "OUTER_DEFAULTS"]
+
+log = logging.getLogger("parlay")
 
 #: The outer optimizer of the DiLoCo paper: Nesterov SGD, lr 0.7, momentum 0.9.
 OUTER_DEFAULTS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
@@ -69,8 +72,10 @@ def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]
         ConfigError: Fewer parameters than ``parts``.
     """
     if len(named) < parts:
-        raise ConfigError(f"fragments={parts} needs at least as many parameter tensors; the "
-                          f"model has {len(named)}. Hint: fragments={len(named)} or fewer.")
+        raise ConfigError(f"fragments={parts} needs at least as many parameter tensors (with "
+                          "a sharded inner optimizer: units; at shard='optimizer'/'gradients' "
+                          f"25 MB buckets); there are {len(named)}. Hint: fragments={len(named)}"
+                          " or fewer, or shard='parameters' (a unit per module).")
     total = max(1, sum(p.numel() for _, p in named))
     groups: list[list[int]] = [[] for _ in range(parts)]
     seen, g = 0, 0
@@ -150,24 +155,34 @@ class DiLoCoOptimizer:
         else:
             named = list(named_parameters) if named_parameters is not None else \
                 [(f"param{i}", p) for i, p in enumerate(mine)]
+        given = {id(p) for _, p in named}
+        if self._engine is None and any(id(p) not in given for p in mine):
+            raise ConfigError("DiLoCoOptimizer: named_parameters lacks parameters the optimizer "
+                              "steps, which would never be synced. Hint: pass "
+                              "model.named_parameters() of the whole model.")
+        if self.world > 1 and broadcast:  # every given tensor (frozen ones too): one start
+            for _, p in named:
+                comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
+                               group=process_group)
         ids = {id(p) for p in mine}
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
             raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
-        if self.world > 1 and broadcast:
-            for _, p in named:
-                comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
-                               group=process_group)
         outer_args = dict(OUTER_DEFAULTS if outer_optimizer_args is None
                           and outer_optimizer is torch.optim.SGD else outer_optimizer_args or {})
+        if "lr" not in outer_args:  # torch's defaults (SGD 1e-3) are no outer learning rate
+            raise ConfigError(f"outer_optimizer_args needs an 'lr', got {outer_args}. Hint: "
+                              "e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True} (the default "
+                              "for SGD), or {'lr': 1.0} for plain averaging.")
         self.fragments: list[Fragment] = []
         for f, idx in enumerate(_split(named, n_frag)):
             outer = [torch.nn.Parameter(named[i][1].detach().clone()) for i in idx]
             try:
                 opt = outer_optimizer(outer, **outer_args)
-            except TypeError as e:
+            except (TypeError, ValueError) as e:
                 raise ConfigError(f"could not build the outer optimizer {outer_optimizer!r} "
-                                  f"with {outer_args}: {e}") from e
+                                  f"with {outer_args}: {e}. Hint: pass a torch.optim class "
+                                  "(e.g. torch.optim.SGD) and its keyword arguments.") from e
             self.fragments.append(Fragment(f, [named[i][0] for i in idx],
                                            [named[i][1] for i in idx], outer, opt,
                                            offset=f * self.sync_every // n_frag))
@@ -240,6 +255,12 @@ class DiLoCoOptimizer:
         for frag in self.fragments:
             if frag.flight is not None:
                 self._merge(frag)
+            if self.steps > frag.offset and (self.steps - frag.offset) % self.sync_every == 0:
+                with torch.no_grad():  # synced at this very step: an outer step on a zero
+                    for p, o in zip(frag.params, frag.outer):  # pseudo-gradient would still
+                        p.copy_(o)  # move the weights (momentum); so none
+                self._written()
+                continue
             self._send(frag, wait=True)
 
     # ----------------------------------------------------------------- one fragment
@@ -276,6 +297,11 @@ class DiLoCoOptimizer:
                         "applied. Hint: lower the inner learning rate or clip gradients.",
                         step=self.steps, rank=comm.group_rank(self.group) if self.world > 1
                         else 0, parameter=frag.names[0])
+                log.warning("the averaged pseudo-gradient of fragment %d at inner step %d is not "
+                            "finite: its outer step is skipped, every replica goes back to the "
+                            "shared weights and the compression state starts afresh",
+                            frag.index, self.steps)
+                self.compression.load_state_dict({})  # residuals may hold the non-finite values
                 for p, o in zip(frag.params, frag.outer):  # skip: back to the shared weights
                     p.copy_(o)
                 self._written()

@@ -76,7 +76,8 @@ class ParameterServerStrategy(Strategy):
                  **unknown: Any) -> None:
         if "shard" in unknown:
             raise ConfigError("mode 'ps' shards the parameters and optimizer state over its "
-                              "servers already; shard= is for modes 'allreduce' and 'hybrid'.")
+                              "servers already; shard= is for modes 'allreduce', 'hybrid' and "
+                              "'diloco'.")
         reject_unknown(ParameterServerStrategy, unknown)
         check_precision(precision, "ps", supported=("fp32", "bf16"))
         if grad_clip is not None:

@@ -85,7 +85,7 @@ class TrainerConfig:
             data-parallel ranks (ZeRO): ``"optimizer"`` (1/N of the optimizer state per rank),
             ``"gradients"`` (also of the gradients) or ``"parameters"`` (also of the
             parameters, each module's gathered just before use). ``None``: every rank holds
-            all of it. Checkpoints are then per-rank shards. Mode ``"diloco"``: data
+            all of it. Checkpoints then hold each rank's shard (DCP). Mode ``"diloco"``: data
             parallel inside each host, sharded over its ranks; the hosts are the replicas.
         reshard: Mode ``"allreduce"``: resume a checkpoint written by another number of
             ranks (e.g. 2 -> 4 -> 3), re-splitting parameters and optimizer state exactly;

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -265,12 +266,19 @@ class Trainer:
             self.close()
             return True
         if self._reached_end():
-            self._stopped = True
-            self.persistence.finish()
-            self.strategy.finish()
-            self._close(over=True)
+            self._finish()
             return True
         return False
+
+    def _finish(self, then: Callable[[], Any] = lambda: None) -> Any:
+        """End training: the final checkpoint, the strategy's end (diloco's final sync), then
+        ``then()`` (the final validation: on the weights training ends with), then close."""
+        self._stopped = True
+        self.persistence.finish()
+        self.strategy.finish()
+        out = then()
+        self._close(over=True)
+        return out
 
     def _note_skip(self) -> None:
         self.state.skipped_steps += 1
@@ -326,7 +334,6 @@ class Trainer:
         check_positive("validate_every", validate_every)
         has_val = self.config.validation_dataset is not None
         last: dict[str, float] = {}
-        validated_at = -1
         while not self._stopped and not self._reached_end():
             if not self.strategy.consumes_data:
                 break
@@ -334,13 +341,12 @@ class Trainer:
             self.train_on_batch()
             due = (self.state.step % validate_every == 0 if validate_every
                    else self.state.epoch != epoch)
-            if has_val and due:
-                last, validated_at = self.validate(), self.state.step
-        if (has_val and self.strategy.consumes_data and validated_at != self.state.step
-                and not self._stopped):
-            last = self.validate()
-        self.should_stop()
-        return last
+            if has_val and due and not self._reached_end():  # the end's comes after finishing
+                last = self.validate()
+        if self._stopped or not self.strategy.consumes_data:
+            self.should_stop()  # stopped before, or a rank that only serves
+            return last
+        return self._finish(lambda: self.validate() if has_val else last)
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:

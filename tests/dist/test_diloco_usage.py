@@ -1,0 +1,148 @@
+"""mode="diloco" and DiLoCoOptimizer the way users drive them: the end of training, refusals
+that name the problem, a replica that goes non-finite, sharded checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.data import TensorDataset
+
+import parlay
+from parlay.errors import ConfigError, NonFiniteError
+from parlay.local.diloco import DiLoCoOptimizer
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _dataset(n: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, 6, generator=g, dtype=torch.float64)
+    return TensorDataset(x, (x[:, :3].sum(1) > 0).long())
+
+
+def _build():
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2)).double(),
+            nn.CrossEntropyLoss())
+
+
+def _final_metrics(options):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=4, mode="diloco",
+                       strategy_options=options, max_iteration=12, progress=False,
+                       validation_dataset=_dataset(40))
+    returned = t.train_and_validate_to_end()
+    return returned, t.validate(), [p.detach().clone() for p in t.model.parameters()]
+
+
+@pytest.mark.parametrize("options", [{}, {"sync_every": 4, "fragments": 2}])
+def test_the_returned_validation_is_of_the_model_training_ends_with(options):
+    # With the default 100-step rounds no sync happens before the end: the returned metrics
+    # were those of the initial weights before the final sync ran after them.
+    (ret, after, w0), (ret1, after1, w1) = run_world(_final_metrics, 2, options)
+    assert ret == after == ret1 == after1
+    assert all(torch.equal(a, b) for a, b in zip(w0, w1))
+
+
+def _rounds_then_sync_now(outer_args):
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                          sync_every=2, outer_optimizer_args=outer_args)
+    for _ in range(4):  # two whole rounds: the last sync is at this very step
+        opt.zero_grad()
+        m(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.sync_now()
+    opt.sync_now()
+    return all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+
+
+@pytest.mark.parametrize("outer_args", [None, {"lr": 0.5, "momentum": 0.9}])
+def test_sync_now_right_after_a_sync_leaves_the_weights(outer_args):
+    # momentum would otherwise move them on a zero pseudo-gradient, at every call
+    assert run_world(_rounds_then_sync_now, 2, outer_args) == [True, True]
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"outer_optimizer_args": {"momentum": 0.8, "nesterov": True}}, "needs an 'lr'"),
+    ({"outer_optimizer_args": {"lr": -1.0}}, "outer optimizer"),
+])
+def test_outer_arguments_that_would_train_wrongly_are_refused(kw, words):
+    m = nn.Linear(3, 2)
+    with pytest.raises(ConfigError, match=words):
+        DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), **kw)
+
+
+def test_named_parameters_missing_some_of_the_optimizer_s_are_refused():
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match="named_parameters lacks"):
+        DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m[0].named_parameters())
+
+
+def _nan_replica():
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.1}, batch_size=4, mode="diloco",
+                       strategy_options={"sync_every": 4}, max_iteration=8, progress=False)
+    try:
+        while not t.should_stop():
+            if parlay.rank() == 1 and t.state.step == 2:
+                with torch.no_grad():
+                    next(t.model.parameters())[0, 0] = float("nan")
+            t.train_on_batch()
+    except NonFiniteError as e:
+        return e.rank, str(e)
+    return None, None
+
+
+def test_a_replica_that_goes_nonfinite_is_named_by_its_own_rank():
+    rank, msg = run_world(_nan_replica, 2, return_exceptions=True)[1]
+    assert rank == 1 and "rank 1" in msg
+
+
+def _skip_powersgd(bad_rank):
+    m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    torch.manual_seed(0)
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), m.named_parameters(),
+                          sync_every=2, outer_optimizer_args={"lr": 1.0},
+                          compression="powersgd:1", on_nonfinite="skip")
+    applied = []
+    for s in range(12):
+        opt.zero_grad()
+        m(torch.randn(4, 8)).pow(2).mean().backward()
+        if s == 1 and parlay.rank() == bad_rank:
+            with torch.no_grad():
+                m[0].weight[0, 0] = float("inf")
+        before = [o.detach().clone() for o in opt.fragments[0].outer]
+        opt.step()
+        if s % 2 == 1:
+            applied.append(not all(torch.equal(a, o) for a, o in
+                                   zip(before, opt.fragments[0].outer)))
+    return applied
+
+
+def test_a_skipped_round_does_not_poison_the_later_ones():
+    for applied in run_world(_skip_powersgd, 2, 1):
+        assert applied == [False, True, True, True, True, True]
+
+
+def _sharded(ckpt, steps, shard):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
+                       optimizer_args={"lr": 1e-2}, batch_size=4, mode="diloco", shard=shard,
+                       strategy_options={"sync_every": 4, "overlap": 1}, max_iteration=steps,
+                       checkpoint_dir=ckpt, checkpoint_every=3, progress=False)
+    while not t.should_stop():
+        t.train_on_batch()
+    with t.strategy.optimizer.inner.gathered_parameters():
+        return [p.detach().clone() for p in t.model.parameters()]
+
+
+@pytest.mark.parametrize("shard", ["gradients", "parameters"])
+def test_sharded_inside_hosts_resumes_bit_for_bit(tmp_path, shard):
+    full = run_world(_sharded, 4, None, 14, shard, local_world_size=2)
+    run_world(_sharded, 4, str(tmp_path), 10, shard, local_world_size=2)
+    second = run_world(_sharded, 4, str(tmp_path), 14, shard, local_world_size=2)
+    for a, b in zip(full, second):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
