@@ -46,7 +46,7 @@ def build_mlp() -> tuple[nn.Module, nn.Module]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="parlay demo mnist", description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="allreduce", help="allreduce | ps | hybrid")
+    p.add_argument("--mode", default="allreduce", help="allreduce | ps | hybrid | diloco")
     p.add_argument("--compression", default=None, help="e.g. fp16, topk:0.01 (default: none)")
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--shard", default=None, choices=["optimizer", "gradients", "parameters"],
