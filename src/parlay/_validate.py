@@ -199,10 +199,12 @@ def check_task(task_type: object, index: object,
     out: dict[str, tuple[str, ...]] = {}
     for job in TASK_TYPES:
         name = f"{job}_hosts"
-        given = hosts.get(job, ())
-        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
-            raise fail(name, "a list of 'host:port' strings", f"{type(given).__name__} "
-                       f"{show(given)}", f"wrap a single address in a list: {name}=['node0:2222']")
+        given = hosts.get(job, ()) or ()
+        if isinstance(given, str):  # TensorLayer's comma-separated form
+            given = [h.strip() for h in given.split(",") if h.strip()]
+        if not isinstance(given, Sequence) or isinstance(given, bytes):
+            raise fail(name, "a list of 'host:port' strings (or one comma-separated string)",
+                       f"{type(given).__name__} {show(given)}", f"e.g. {name}=['node0:2222']")
         out[job] = tuple(given)
         for i, address in enumerate(out[job]):
             host, port = parse_address(address, f"{name}[{i}]")

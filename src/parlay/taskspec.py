@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order, fail,
-                              join_address, parse_address, rank_of, read_tf_config)
+                              int_var, join_address, parse_address, rank_of, read_tf_config)
 from parlay.discovery import detect
 
 if TYPE_CHECKING:
@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "TaskSpec", "TaskSpecDef", "create_task_spec_def"]
 
 _SYNTH_PORTS = 65536 - 1024  # unprivileged ports available to synthesized host lists
+
+
+class _Flag(int):
+    """A yes/no that also answers TensorLayer's method form: ``spec.is_ps`` and
+    ``spec.is_ps()`` both work."""
+
+    def __call__(self) -> bool:
+        return bool(self)
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
 
 
 @dataclass(frozen=True)
@@ -93,26 +104,35 @@ class TaskSpec:
         return rank_of(self.task_type, self.index, self._hosts())
 
     @property
-    def is_ps(self) -> bool:
+    def is_ps(self) -> _Flag:
         """Whether this task is a parameter server."""
-        return self.task_type == "ps"
+        return _Flag(self.task_type == "ps")
 
     @property
-    def is_worker(self) -> bool:
+    def is_worker(self) -> _Flag:
         """Whether this task trains: a worker or the chief (TF's chief trains too)."""
-        return self.task_type in ("worker", "chief")
+        return _Flag(self.task_type in ("worker", "chief"))
 
     @property
-    def is_chief(self) -> bool:
+    def is_chief(self) -> _Flag:
         """The chief task, or worker 0 when the cluster has no chief (TF convention)."""
-        if self.task_type == "chief":
-            return True
-        return self.task_type == "worker" and self.index == 0 and not self.chief_hosts
+        return _Flag(self.task_type == "chief" or (self.task_type == "worker" and self.index == 0
+                                                   and not self.chief_hosts))
+
+    #: TensorLayer's name for :attr:`is_chief` (``spec.is_master()``).
+    is_master = is_chief
 
     @property
-    def is_evaluator(self) -> bool:
+    def shard_index(self) -> int | None:
+        """This task's share of the data among the :attr:`num_workers` training tasks
+        (TensorLayer's ``dataset.shard(spec.num_workers, spec.shard_index)``); ``None`` for
+        parameter servers and evaluators."""
+        return None if self.rank is None or not self.is_worker else self.rank - self.num_ps
+
+    @property
+    def is_evaluator(self) -> _Flag:
         """Whether this task is an evaluator (outside the training world)."""
-        return self.task_type == "evaluator"
+        return _Flag(self.task_type == "evaluator")
 
     @property
     def master_addr(self) -> str:
@@ -233,6 +253,14 @@ TaskSpecDef = TaskSpec
 
 
 def create_task_spec_def(environ: Mapping[str, str] | None = None) -> TaskSpec:
-    """TensorLayer's ``create_task_spec_def()``: this process's task, from ``TF_CONFIG`` or
-    the launcher's environment (torchrun, SLURM, MPI). Same as :meth:`TaskSpec.from_env`."""
+    """TensorLayer's ``create_task_spec_def()``: this process's task, from ``TF_CONFIG``,
+    TensorLayer's ``JOB_NAME``/``TASK_INDEX``/``PS_HOSTS``/``WORKER_HOSTS``/``MASTER_HOST``, or
+    the launcher's environment (torchrun, SLURM, MPI); else as :meth:`TaskSpec.from_env`."""
+    env = os.environ if environ is None else environ
+    if "JOB_NAME" in env and not env.get("TF_CONFIG", "").strip():
+        job = env["JOB_NAME"]
+        return TaskSpec("chief" if job == "master" else job,
+                        int_var(env, "TASK_INDEX") or 0,
+                        ps_hosts=env.get("PS_HOSTS", ""), worker_hosts=env.get("WORKER_HOSTS", ""),
+                        chief_hosts=env.get("MASTER_HOST", ""))
     return TaskSpec.from_env(environ)

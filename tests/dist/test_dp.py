@@ -187,6 +187,22 @@ def test_broadcast_makes_ranks_identical():
         torch.testing.assert_close(x, y, rtol=0, atol=0)
 
 
+def _broadcast_other_shapes():
+    model = nn.Linear(4, 8 if parlay.rank() == 0 else 16)  # a per-rank configuration slip
+    try:
+        parlay.broadcast_parameters(model.state_dict(), root_rank=0)
+    except parlay.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_broadcasting_into_other_shapes_is_refused_on_every_rank():
+    # gloo takes a smaller message into a larger buffer: without the check rank 1 got a
+    # shifted mix of rank 0's values and its own, silently
+    for msg in run_world(_broadcast_other_shapes, 2):
+        assert msg is not None and "shapes" in msg and "Hint" in msg
+
+
 def _clip_then_step():
     model = _model()
     opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))

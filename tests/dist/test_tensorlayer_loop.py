@@ -58,3 +58,21 @@ def test_tensorlayer_example_runs_under_parlay_run(tmp_path):
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "test accuracy" in p.stdout
+
+
+def _tensorlayer_names():
+    rng = np.random.default_rng(3)
+    X, y = rng.random((48, 8)).astype(np.float32), rng.integers(0, 3, 48)
+    data = parlay.data.from_arrays(X, y)
+    # tl.distributed.Trainer's own order: the dataset first, then the build function
+    trainer = parlay.Trainer(data, _build, torch.optim.Adam, {"lr": 0.001}, 4, prefetch_size=2,
+                             validation_dataset=data, num_epochs=2, progress=False)
+    trainer.train_and_validate_to_end(validate_step_size=4)
+    metrics = trainer.validation_metrics
+    return (trainer.global_step, trainer.training_network is trainer.model,
+            [name for name, _ in metrics], dict(metrics) == trainer.validate())
+
+
+def test_trainer_takes_tensorlayer_s_argument_order_and_names():
+    for step, same, names, agreed in run_world(_tensorlayer_names, 2):
+        assert step == 2 * 48 // (4 * 2) and same and agreed and "loss" in names

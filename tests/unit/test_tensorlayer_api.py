@@ -24,6 +24,29 @@ def test_taskspecdef_is_taskspec_and_device_fn_places_a_model():
     assert ps.device_fn() == torch.device("cpu"), "parameter servers hold their shards on the CPU"
 
 
+def test_taskspecdef_answers_tensorlayer_s_calls():
+    # comma-separated hosts; is_ps() etc. as methods and as plain truth values; shard_index
+    spec = parlay.TaskSpecDef("worker", 1, ps_hosts="p:1", worker_hosts="w:1, w:2")
+    assert spec.worker_hosts == ("w:1", "w:2") and spec.rank == 2
+    assert spec.is_worker() and spec.is_worker and not spec.is_ps() and not spec.is_ps
+    assert not spec.is_master() and not spec.is_chief and not spec.is_evaluator()
+    assert (spec.num_workers, spec.shard_index) == (2, 1)
+    chief = parlay.TaskSpecDef("worker", 0, ps_hosts="p:1", worker_hosts="w:1,w:2")
+    assert chief.is_master() and chief.shard_index == 0
+    assert parlay.TaskSpecDef("ps", 0, ps_hosts="p:1", worker_hosts="w:1").shard_index is None
+
+
+def test_create_task_spec_def_reads_tensorlayer_s_job_variables():
+    env = {"JOB_NAME": "worker", "TASK_INDEX": "1", "PS_HOSTS": "p:1",
+           "WORKER_HOSTS": "w:1,w:2", "MASTER_HOST": "m:1"}
+    spec = parlay.create_task_spec_def(env)
+    assert (spec.task_type, spec.rank, spec.shard_index, spec.num_workers) == ("worker", 3, 2, 3)
+    master = parlay.create_task_spec_def({**env, "JOB_NAME": "master", "TASK_INDEX": "0"})
+    assert master.is_master() and master.rank == 1
+    with pytest.raises(ConfigError, match="TASK_INDEX"):
+        parlay.create_task_spec_def({**env, "TASK_INDEX": "one"})
+
+
 def test_local_index_counts_training_tasks_on_the_same_host():
     hosts = ["a:1", "a:2", "b:1", "a:3"]
     got = [parlay.TaskSpec("worker", i, ps_hosts=["a:9"], worker_hosts=hosts).local_index()

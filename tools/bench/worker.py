@@ -220,7 +220,8 @@ def _time_ps(spec: dict[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     cstep, _ = _contestant("compute", widths)
     # On one machine: the servers' dense traffic, timed before each session (every rank).
-    exchange = ps_exchange(task.is_ps, model_params(widths)) if spec.get("probe_link") else None
+    exchange = (ps_exchange(bool(task.is_ps), model_params(widths)) if spec.get("probe_link")
+                else None)
     for consistency in spec["consistencies"]:
         # The compute-only limit of one worker in this same crowded world, timed right before.
         paired = _compute_only(cstep, x, y, warmup, steps) if task.is_worker else 0.0

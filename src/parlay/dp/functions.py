@@ -19,6 +19,7 @@ lazily. The core's own tensor collectives are :mod:`parlay.comm`'s.
 from __future__ import annotations
 
 import collections
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -82,7 +83,20 @@ def _group_and_root(root_rank: int, process_set: Any, process_group: Any) -> tup
 # ------------------------------------------------------------------------------ state
 def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
                         process_group: Any = None) -> None:
-    """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device."""
+    """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device.
+
+    Raises:
+        ConfigError: On every rank, when the ranks hold different tensors (count, shapes or
+            dtypes): a broadcast into other shapes would scramble them.
+    """
+    layout = zlib.crc32(repr([(t.dtype, tuple(t.shape)) for t in tensors]).encode())
+    agree = torch.tensor([layout, -layout], dtype=torch.int64,
+                         device=comm.group_device(process_group))
+    comm.allreduce(agree, "max", group=process_group)
+    if int(agree[0]) != -int(agree[1]):
+        raise ConfigError("the ranks broadcast different tensors (their number, shapes or "
+                          "dtypes differ), so the values cannot be copied. Hint: build the same "
+                          "model (and optimizer) on every rank before broadcasting.")
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = \
         collections.defaultdict(list)
     for t in tensors:

@@ -163,6 +163,11 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         """Check every option that needs no process group, the first bad one raising."""
+        if not callable(self.build_training_func) and callable(self.training_dataset):
+            # TensorLayer's order, Trainer(training_dataset, build_training_func, ...): the same
+            build, data = self.training_dataset, self.build_training_func
+            object.__setattr__(self, "build_training_func", build)
+            object.__setattr__(self, "training_dataset", data)
         if not callable(self.build_training_func):
             raise ConfigError("build_training_func must be a function returning (model, loss_fn).")
         opt = self.optimizer

@@ -48,6 +48,8 @@ class Trainer:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if "prefetch_size" in kwargs:  # TensorLayer's name
+            kwargs["prefetch"] = kwargs.pop("prefetch_size")
         self.config = cfg = TrainerConfig(*args, **kwargs)
         if not runtime.is_initialized():
             runtime.init()
@@ -323,14 +325,16 @@ class Trainer:
                                     result, seconds=time.perf_counter() - t0)
         return result
 
-    def train_and_validate_to_end(self, validate_every: int | None = None) -> dict[str, float]:
+    def train_and_validate_to_end(self, validate_every: int | None = None, *,
+                                  validate_step_size: int | None = None) -> dict[str, float]:
         """Train until :meth:`should_stop`, validating every ``validate_every`` steps (default:
-        at every epoch end) and at the end.
+        at every epoch end; ``validate_step_size`` is TensorLayer's name for it) and at the end.
 
         Returns:
             The last validation metrics (empty without a validation set, or on ranks that
             do not report metrics).
         """
+        validate_every = validate_every or validate_step_size
         check_positive("validate_every", validate_every)
         has_val = self.config.validation_dataset is not None
         last: dict[str, float] = {}
@@ -399,6 +403,23 @@ class Trainer:
     def model(self) -> nn.Module | None:
         """The model being trained on this rank, when the strategy exposes it."""
         return getattr(self.strategy, "model", None)
+
+    # TensorLayer's names
+    @property
+    def global_step(self) -> int:
+        """Training steps taken so far (TensorLayer's name for ``state.step``)."""
+        return self.state.step
+
+    @property
+    def training_network(self) -> nn.Module | None:
+        """TensorLayer's name for :attr:`model`."""
+        return self.model
+
+    @property
+    def validation_metrics(self) -> list[tuple[str, float]]:
+        """TensorLayer's ``[(name, value), ...]``: :meth:`validate` on the validation set
+        (every rank must read it together)."""
+        return list(self.validate().items())
 
 
 # The signature users see (help(), IDEs, inspect): the configuration's fields.
