@@ -341,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``parlay`` argument parser (sub-commands run, env, demo, bench)."""
     parser = argparse.ArgumentParser(prog="parlay", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p_run = sub.add_parser("run", help="launch a script on N processes (torchrun underneath)")
+    p_run = sub.add_parser("run", help="launch a script on N processes (torchrun underneath)",
+                           usage="parlay run [options] script.py [script args]  (or -m module)")
     _add_launch_args(p_run)
     p_env = sub.add_parser("env", help="print the cluster parlay detects here")
     p_env.add_argument("--json", action="store_true")

@@ -88,6 +88,7 @@ def _trainer_ps_resumable(ckpt: str, max_iteration):
                        progress=False, mode="ps", checkpoint_dir=ckpt)
     while not t.should_stop():
         t.train_on_batch()
+    t.save_checkpoint()  # after the end: the final checkpoint holds it (servers have left)
     return [p.detach().clone() for p in t.model.parameters()]
 
 

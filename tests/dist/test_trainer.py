@@ -254,7 +254,36 @@ def test_bad_arguments_raise_config_error():
         parlay.Trainer(_build, ds, strategy_options={"grad_clip": 1.0}, progress=False)
     with pytest.raises(ConfigError, match="lr_schedule"):
         parlay.Trainer(_build, ds, lr_schedule="step", progress=False)
+    # values that used to surface as raw torch/Python errors, or pass as truthy strings
+    for kw, words in [({"optimizer_args": {"lr": -0.1}}, "Invalid learning rate"),
+                      ({"warmup_epochs": math.inf}, "warmup_epochs"),
+                      ({"strategy_options": [("pp", 2)]}, "strategy_options must be a dict"),
+                      ({"build_validation_func": 5}, "build_validation_func"),
+                      ({"validation_dataset": 5}, "sized dataset"),
+                      ({"checkpoint_dir": 5}, "checkpoint_dir must be a path"),
+                      ({"metrics_path": "/tmp"}, "is a directory"),
+                      ({"optimizer": torch.optim.LBFGS}, "closure"),
+                      ({"scaling_learning_rate": "False"}, "True or False"),
+                      ({"shuffle": "no"}, "True or False")]:
+        with pytest.raises(ConfigError, match=words):
+            parlay.Trainer(_build, ds, progress=False, **kw)
     parlay.shutdown()
+
+
+def _past_the_end():
+    t = parlay.Trainer(_build, _dataset(), max_iteration=2, progress=False)
+    t.train_to_end()
+    t.save_checkpoint() if t.config.checkpoint_dir else None
+    try:
+        t.train_on_batch()
+    except ConfigError as e:
+        return t.state.step, str(e)
+    return t.state.step, None
+
+
+def test_training_past_the_end_is_refused():
+    for step, msg in run_world(_past_the_end, 2):
+        assert step == 2 and msg is not None and "training is over" in msg
 
 
 def test_seed_five_arguments_by_position_and_every_option_by_keyword():

@@ -74,7 +74,9 @@ def parse_options(spec_args: Sequence[str], positional: Sequence[str],
         k = k.strip().lower()
         if k not in types:
             raise ConfigError(f"compression {name!r}: unknown option {k!r}; valid options: "
-                              f"{', '.join(sorted(types))} (e.g. '{name}:0.01,momentum=0.9').")
+                              f"{', '.join(sorted(types))} (e.g. '{name}:" + (
+                                  "0.01,momentum=0.9" if "momentum" in types
+                                  else f"{sorted(types)[0]}=...") + "').")
         t = types[k]
         try:
             if t is bool:

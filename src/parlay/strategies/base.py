@@ -131,6 +131,12 @@ class Strategy:
         return contextlib.nullcontext()
 
     @property
+    def metrics_group(self) -> Any:
+        """Where ranks that do not compute the loss (a pipeline's first stages) get the
+        metrics from the one that does; ``None``: every rank computes its own."""
+        return None
+
+    @property
     def sharded_checkpoint(self) -> tuple[Any, str] | None:
         """The ``shard=`` optimizer whose chunks checkpoints keep in DCP form, and the folder
         (inside the step's) its ``dp_group`` writes them to; ``None`` where nothing is sharded."""

@@ -104,6 +104,10 @@ class HybridStrategy(StepTemplate):
         return not self.shard  # sharded replicas each hold their own chunks
 
     @property
+    def metrics_group(self) -> Any:
+        return self._ready().mesh.pp_group if self.pp > 1 else None
+
+    @property
     def sharded_checkpoint(self) -> tuple[Any, str] | None:
         """Each stage's replicas write their own DCP checkpoint (``stage<k>``)."""
         return (self.optimizer, f"stage{self._ready().mesh.pp_rank}") if self.shard else None

@@ -91,7 +91,7 @@ def build_optimizer(optimizer_cls: type[torch.optim.Optimizer], params: Iterable
     """
     try:
         return optimizer_cls(params, **optimizer_args)
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # unknown arguments; values it refuses (lr < 0)
         raise ConfigError(f"could not build {getattr(optimizer_cls, '__name__', optimizer_cls)}"
                           f" with optimizer_args={optimizer_args}: {e}") from e
 

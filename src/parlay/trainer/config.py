@@ -7,6 +7,8 @@ built, so the loop and its collaborators read plain, valid fields instead of pas
 from __future__ import annotations
 
 import inspect
+import math
+import os
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 from collections.abc import Callable
@@ -174,12 +176,37 @@ class TrainerConfig:
         if not (isinstance(opt, type) and issubclass(opt, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer class (e.g. "
                               f"torch.optim.Adam), got {opt!r}.")
+        if issubclass(opt, torch.optim.LBFGS):
+            raise ConfigError("optimizer=LBFGS steps with a closure, which the Trainer's loop "
+                              "does not give. Hint: a first-order optimizer (Adam, SGD), or "
+                              "parlay.DistributedOptimizer in a loop of your own.")
+        for name in ("scaling_learning_rate", "shuffle", "drop_last", "progress"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        if self.strategy_options is not None and not isinstance(self.strategy_options, dict):
+            raise ConfigError(f"strategy_options must be a dict of the mode's options, got "
+                              f"{type(self.strategy_options).__name__}. Hint: e.g. "
+                              "strategy_options={'pp': 2}.")
+        for name in ("checkpoint_dir", "metrics_path"):
+            path = getattr(self, name)
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise ConfigError(f"{name} must be a path, got {path!r}.")
+        if self.metrics_path is not None and os.path.isdir(self.metrics_path):
+            raise ConfigError(f"metrics_path {self.metrics_path} is a directory. Hint: name a "
+                              "file in it, e.g. metrics.jsonl.")
+        if self.build_validation_func is not None and not callable(self.build_validation_func):
+            raise ConfigError("build_validation_func must be a function returning "
+                              "fn(output, target) -> {name: batch mean}.")
+        if self.validation_dataset is not None and not hasattr(self.validation_dataset,
+                                                               "__len__"):
+            raise ConfigError("validation_dataset must be a sized dataset (with len()), got "
+                              f"{type(self.validation_dataset).__name__}.")
         for name in ("batch_size", "log_step_size"):
             check_positive(name, getattr(self, name), allow_none=False)
         for name in ("num_epochs", "max_iteration", "checkpoint_every", "validation_batch_size"):
             check_positive(name, getattr(self, name))
         w = self.warmup_epochs
-        if isinstance(w, bool) or not (isinstance(w, (int, float)) and w >= 0):
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) and 0 <= w < math.inf):
             raise ConfigError(f"warmup_epochs must be a number >= 0, got {w!r}.")
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}.")

@@ -46,8 +46,9 @@ class Evaluation:
         return build_loader(ds, sampler, self.batch_size, **self.loader_options)
 
     def validate(self, dataset: Dataset | None) -> dict[str, float]:
-        """Metrics over ``dataset`` (None: the default one); ``{}`` on ranks that do not report
-        metrics (servers, non-last pipeline stages), at once on ranks that take no data."""
+        """Metrics over ``dataset`` (None: the default one), on every training rank (a
+        pipeline's last stage tells its other stages); ``{}`` at once on ranks that take no data
+        (parameter servers)."""
         s = self.strategy
         if not s.consumes_data:
             return {}
@@ -59,7 +60,13 @@ class Evaluation:
         sums, count = self._evaluate(loader, dataset if dataset is not None else self.dataset)
         if loader is not self._loader:
             loader.close()
-        return reduce_metrics(sums, count, s.dp_group) if s.reports_loss else {}
+        out = reduce_metrics(sums, count, s.dp_group) if s.reports_loss else {}
+        if s.metrics_group is not None:  # the means as they are (count 1), and the samples
+            mine = {**out, "@samples": out.get("samples", 0.0)} if out else {}
+            mine.pop("samples", None)
+            out = reduce_metrics(mine, 1 if out else 0, s.metrics_group)
+            out["samples"] = out.pop("@samples")
+        return out
 
     def _evaluate(self, loader: Any, ds: Any) -> tuple[dict[str, float], int]:
         """Sample-weighted metric sums and the sample count of this rank's share."""
@@ -77,7 +84,11 @@ class Evaluation:
                     continue
                 y = y.to(out.device) if isinstance(y, torch.Tensor) else y
                 k = len(y)
-                for name, v in self.metric_fn(out, y).items():
+                got = self.metric_fn(out, y)
+                if not isinstance(got, dict):
+                    raise ConfigError("the validation function must return {name: batch mean} "
+                                      f"(e.g. {{'accuracy': acc}}), got {type(got).__name__}.")
+                for name, v in got.items():
                     sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
                 count += k
             if most > len(loader):

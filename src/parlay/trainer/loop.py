@@ -207,6 +207,10 @@ class Trainer:
             raise ConfigError("train_on_batch() was called on a serving-only rank (parameter "
                               "server). Hint: loop `while not trainer.should_stop(): "
                               "trainer.train_on_batch()`; should_stop() serves on these ranks.")
+        if self._stopped:
+            raise ConfigError(f"training is over (step {self.state.step}): train_on_batch() "
+                              "after should_stop() returned True would train past the end. "
+                              "Hint: a larger max_iteration or num_epochs.")
         batch = self._next_batch()
         if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
             raise ConfigError(f"each training sample must be an (input, target) pair; the loader "
@@ -354,7 +358,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> None:
-        """Write a checkpoint of everything stateful now (every training rank must call it)."""
+        """Write a checkpoint of everything stateful now (every training rank must call it).
+        Parameter servers save their shards when the workers do; after training, the final
+        checkpoint already holds the state."""
+        if not self.strategy.consumes_data or (
+                self._stopped and self.persistence.last_checkpoint_step == self.state.step):
+            return
         self.persistence.save_checkpoint()
 
     @property
