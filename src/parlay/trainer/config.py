@@ -215,6 +215,8 @@ class TrainerConfig:
         check_policy(self.nonfinite)
         if not isinstance(self.reshard, bool):
             raise ConfigError(f"reshard must be True or False, got {self.reshard!r}.")
+        if self.shard is False:  # as DistributedOptimizer(shard=False): not sharded
+            object.__setattr__(self, "shard", None)
         if self.shard is not None and self.shard not in SHARD_LEVELS:
             raise ConfigError(f"shard must be one of {SHARD_LEVELS} or None, got {self.shard!r}.")
         twice = sorted({"compression", "precision", "grad_clip"} & set(self.strategy_options or {}))
