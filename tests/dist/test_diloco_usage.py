@@ -76,6 +76,20 @@ def test_outer_arguments_that_would_train_wrongly_are_refused(kw, words):
         DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(), **kw)
 
 
+def test_a_learning_rate_scheduler_drives_the_wrapper_as_a_torch_optimizer():
+    m = nn.Linear(3, 2)
+    inner = torch.optim.SGD(m.parameters(), lr=0.1)
+    opt = DiLoCoOptimizer(inner, m.named_parameters(), sync_every=2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(3):
+        opt.zero_grad()
+        m(torch.randn(4, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is inner.param_groups
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
+
+
 def test_named_parameters_missing_some_of_the_optimizer_s_are_refused():
     m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
     with pytest.raises(ConfigError, match="named_parameters lacks"):

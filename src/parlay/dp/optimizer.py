@@ -27,12 +27,12 @@ from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
 from parlay.errors import ConfigError
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "shared_attr"]
 
 _MB = 1024 * 1024
 
 
-def _shared(name: str) -> Any:
+def shared_attr(name: str) -> Any:
     """The wrapped optimizer's ``name`` container, seen (and replaced) through the wrapper,
     so schedulers, GradScaler and user code that edit it see one truth, even after the wrapped
     optimizer's ``load_state_dict`` rebuilt it. Before a wrapped optimizer is attached (inside
@@ -111,9 +111,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     trainable parameters are ``_named`` (``(name, parameter)`` pairs).
     """
 
-    param_groups = _shared("param_groups")
-    state = _shared("state")
-    defaults = _shared("defaults")
+    param_groups = shared_attr("param_groups")
+    state = shared_attr("state")
+    defaults = shared_attr("defaults")
 
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,

@@ -31,6 +31,7 @@ from parlay import comm
 from parlay._validate import check_int
 from parlay.compress.base import CommStats, Compressor, get_compressor, reduce_async
 from parlay.dp.hierarchical import make_reducer
+from parlay.dp.optimizer import shared_attr
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.nonfinite import all_finite
 
@@ -88,7 +89,7 @@ def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]
     return groups
 
 
-class DiLoCoOptimizer:
+class DiLoCoOptimizer(torch.optim.Optimizer):
     """Wrap an inner ``torch.optim`` optimizer: ``step()`` is an inner step, and every
     ``sync_every`` inner steps each fragment's pseudo-gradient is averaged over the group and
     applied by the outer optimizer.
@@ -131,7 +132,11 @@ class DiLoCoOptimizer:
                  outer_optimizer_args: dict[str, Any] | None = None, compression: Any = None,
                  process_group: Any = None, on_nonfinite: str = "raise",
                  hierarchical: bool | str = False, broadcast: bool = True) -> None:
-        self.inner = optimizer
+        # A torch optimizer (LR schedulers, hooks) whose containers are the inner one's.
+        super().__init__([{"params": []}], {})
+        self.inner = self._opt = optimizer
+        for name in ("param_groups", "state", "defaults"):
+            self.__dict__.pop(f"_own_{name}", None)
         self.sync_every = check_int("sync_every", sync_every, 1)
         n_frag = check_int("fragments", fragments, 1, self.sync_every)
         gap = self.sync_every // n_frag  # inner steps between two fragments' exchanges
@@ -190,10 +195,10 @@ class DiLoCoOptimizer:
         self.stats = CommStats()
 
     # ----------------------------------------------------------------- the optimizer face
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The inner optimizer's parameter groups (learning-rate schedules act on them)."""
-        return self.inner.param_groups
+    #: The inner optimizer's (learning-rate schedulers act on them).
+    param_groups = shared_attr("param_groups")
+    state = shared_attr("state")
+    defaults = shared_attr("defaults")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the inner optimizer's gradients."""
