@@ -343,8 +343,13 @@ def _run_agent(argv: list[str], run_dir: str) -> int:
     register_loopback_rendezvous()
     policy = DropPolicy(run_dir)
     try:
+        args = torchrun.parse_args(argv)
+        if not (args.module or args.no_python or os.path.isfile(args.training_script)):
+            print(f"parlay run: no script {args.training_script!r} here ({os.getcwd()}). Hint: "
+                  "the path to a Python file, or -m module.", file=sys.stderr, flush=True)
+            return 2
         with _parlay_agent(policy):
-            torchrun.run(torchrun.parse_args(argv))  # not main(): its @record logs again
+            torchrun.run(args)  # not main(): its @record logs again
     except ChildFailedError as e:
         n = policy.max_restarts
         policy.report(e.failures, f"the job failed, no restart attempt left (--max-restarts {n})")

@@ -53,6 +53,12 @@ def test_failing_script_gives_nonzero_exit():
     assert p.returncode != 0
 
 
+def test_a_missing_script_is_named_before_any_rank_starts():
+    p = _run("run", "-n", "2", "no_such_script_xyz.py")
+    assert p.returncode == 2 and "no script 'no_such_script_xyz.py'" in p.stderr
+    assert "Connection" not in p.stderr and "rank 0" not in p.stderr  # nothing was launched
+
+
 def test_parlay_env_reports_detected_cluster():
     p = _run("env", "--json", env={"SLURM_PROCID": "3", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
                                     "SLURM_NODELIST": "node[07-10]", "MASTER_PORT": "29511"})
