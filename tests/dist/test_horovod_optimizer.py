@@ -72,13 +72,16 @@ def test_horovod_signature_equals_single_process(passes, average_aggregated):
             torch.testing.assert_close(p, q, **TOL)
 
 
-def _adasum_train():
+def _adasum_train(none=False):
     import parlay.horovod as hvd
 
     r = hvd.rank()
     model = _model()
+    # Horovod's pytorch_mnist --use-adasum passes compression=hvd.Compression.none with it
+    extra = {"compression": hvd.Compression.none} if none else {}
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                   **extra)
     x, y = _data(2)
     for s in range(STEPS):
         opt.zero_grad()
@@ -87,7 +90,8 @@ def _adasum_train():
     return [p.detach() for p in model.parameters()]
 
 
-def test_adasum_optimizer_combines_each_ranks_update():
+@pytest.mark.parametrize("none", [False, True])
+def test_adasum_optimizer_combines_each_ranks_update(none):
     from parlay.horovod.execute import adasum
 
     model = _model()
@@ -101,7 +105,7 @@ def test_adasum_optimizer_combines_each_ranks_update():
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
                 p.add_(adasum([deltas[0][i], deltas[1][i]]))
-    for params in run_world(_adasum_train, 2):
+    for params in run_world(_adasum_train, 2, none):
         for p, q in zip(params, model.parameters()):
             torch.testing.assert_close(p, q.detach(), **TOL)
 

@@ -211,3 +211,57 @@ def test_hybrid_mixed_precision_converges_and_skips_agree(precision, options):
         a, b = out[stage][3], out[stage + 2][3]
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+
+
+# -- BatchNorm's running statistics: shape probes must not move them ----------------------------
+
+def _batchnorm(mode: str, options: dict):
+    import parlay
+
+    def build():
+        torch.manual_seed(0)
+        return (nn.Sequential(nn.Linear(7, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                              nn.ReLU(), nn.Linear(16, 4)).double(), nn.CrossEntropyLoss())
+
+    t = parlay.Trainer(build, _trainer_dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.05}, batch_size=6, mode=mode, progress=False,
+                       validation_dataset=_trainer_dataset(), strategy_options=options)
+    metrics = t.train_and_validate_to_end()
+    state = t.strategy.pipe.state_dict() if mode == "hybrid" else t.model.state_dict()
+    return metrics, {k: v.clone() for k, v in state.items() if "running" in k or "tracked" in k}
+
+
+def test_hybrid_keeps_batchnorm_statistics_as_the_unsplit_model_does():
+    # One micro-batch a step (BatchNorm over the whole batch): the boundary check and torch's
+    # shape inference ran extra training forwards, moving the statistics (with garbage inputs)
+    ref_metrics, ref = run_world(_batchnorm, 1, "allreduce", {})[0]
+    for metrics, stats in run_world(_batchnorm, 2, "hybrid", {"pp": 2, "chunks": 1}):
+        for k, v in stats.items():
+            torch.testing.assert_close(v, ref[k], **TOL, msg=k)
+        assert metrics.keys() == ref_metrics.keys()
+        for k in ref_metrics:
+            torch.testing.assert_close(metrics[k], ref_metrics[k], **TOL)
+
+
+def _tied():
+    import parlay
+
+    def build():
+        torch.manual_seed(0)
+        first, last = nn.Linear(7, 7), nn.Linear(7, 7)
+        last.weight = first.weight  # tied
+        return (nn.Sequential(first, nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), last,
+                              nn.Linear(7, 4)).double(), nn.CrossEntropyLoss())
+
+    try:
+        parlay.Trainer(build, _trainer_dataset(), batch_size=6, mode="hybrid", progress=False,
+                       strategy_options={"pp": 2, "balance": [3, 3]})
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_parameter_shared_across_stages_is_refused():
+    # each stage would train its own copy: the tie would break silently
+    for msg in run_world(_tied, 2):
+        assert msg is not None and "shared by stage 0 and stage 1" in msg and "Hint" in msg

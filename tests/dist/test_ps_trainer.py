@@ -103,3 +103,41 @@ def test_trainer_ps_resume_restores_server_shards(tmp_path):
     for params in out[1:]:
         for p, q in zip(params, ref):
             torch.testing.assert_close(p, q, **TOL)
+
+
+def _no_mode():
+    try:
+        parlay.Trainer(_build, _dataset(), batch_size=BATCH, progress=False)  # mode left out
+    except parlay.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_job_launched_with_servers_needs_mode_ps():
+    # the server rank used to train as a third data-parallel replica, silently
+    for msg in run_world(_no_mode, 3, env={"PARLAY_NUM_PS": "1"}):
+        assert msg is not None and "parameter servers" in msg and "mode='ps'" in msg
+
+
+def _raising_worker():
+    model, loss_fn = _build()
+    calls = [0]
+
+    def loss(out, y):
+        calls[0] += 1
+        if parlay.rank() == 2 and calls[0] == 2:
+            raise ValueError("boom in the user's loss")
+        return loss_fn(out, y)
+
+    t = parlay.Trainer(lambda: (model, loss), _dataset(), batch_size=BATCH, num_epochs=EPOCHS,
+                       progress=False, mode="ps")
+    while not t.should_stop():
+        t.train_on_batch()
+
+
+def test_a_worker_that_raises_is_named_as_failed_not_lost():
+    # the servers and the other worker hear of it at once, not after the timeout as a loss
+    out = run_world(_raising_worker, 3, env={"PARLAY_NUM_PS": "1"}, comm_timeout=60,
+                    return_exceptions=True)
+    assert "boom" in str(out[2])
+    assert all("worker 1 (rank 2) failed (it raised an error)" in str(e) for e in out[:2])

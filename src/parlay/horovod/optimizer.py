@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from parlay.compress.base import Compressor, NoneCompressor
+from parlay.compress.base import Compressor, NoneCompressor, get_compressor
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
 from parlay.reduce_ops import ReduceOp, reduce_op
@@ -208,8 +208,9 @@ class DistributedOptimizer(_BucketedOptimizer):
                               or process_set is not None else (None, process_group))
         comp = _adapt_compression(compression)
         if _is_adasum(op):
-            if comp is not None and not isinstance(comp, NoneCompressor):
-                raise ConfigError("op=Adasum does not combine with compression.")
+            if comp is not None and not isinstance(get_compressor(comp), NoneCompressor):
+                raise ConfigError("op=Adasum does not combine with compression. Hint: "
+                                  "compression=hvd.Compression.none (the default).")
             op = ReduceOp.Average
         super().__init__(optimizer, named, op=op, compression=comp,
                          backward_passes_per_step=backward_passes_per_step,

@@ -16,10 +16,11 @@ to fix it.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,6 +209,20 @@ def _detached(x: Any) -> Any:
     return out[0] if isinstance(x, torch.Tensor) else tuple(out)
 
 
+@contextlib.contextmanager
+def kept_state(module: nn.Module) -> Iterator[None]:
+    """Forwards run inside only to learn shapes leave ``module``'s buffers (BatchNorm's running
+    statistics) and the CPU random-number generator as they were."""
+    saved = [b.detach().clone() for b in module.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, v in zip(module.buffers(), saved):
+                    b.copy_(v)
+
+
 def check_boundaries(model: nn.Module, part: Partition, sample: Any) -> list[Any]:
     """Run ``sample`` through the model and check what crosses every stage boundary.
 
@@ -223,7 +238,7 @@ def check_boundaries(model: nn.Module, part: Partition, sample: Any) -> list[Any
     children = dict(model.named_children())
     outs: list[Any] = []
     x = sample
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.no_grad(), kept_state(model):
         for s in range(part.num_stages):
             for name in part.stage_names(s):
                 x = _call(children[name], x)

@@ -148,6 +148,7 @@ class Pipeline:
         self.traced = not isinstance(model, nn.Sequential)
         self.seq = as_sequential(model, split_points, sample)
         self.partition: Partition = self._cut(balance, split_points, sample, by)
+        _check_untied(self.seq, self.partition)
         self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
         self.modules: list[StageModule] = []
         for s in self.stage_ids:
@@ -404,3 +405,24 @@ def _agree_on_partition(part: Partition, device: torch.device) -> Partition:
     comm.broadcast(costs, src=0)
     return dataclasses.replace(part, balance=tuple(int(b) for b in balance.tolist()),
                                costs=tuple(float(c) for c in costs.tolist()))
+
+
+def _check_untied(seq: nn.Sequential, part: Partition) -> None:
+    """Refuse a parameter shared by layers of two stages: each stage would train its own copy.
+
+    Raises:
+        ConfigError: Naming the parameter and the stages.
+    """
+    children = dict(seq.named_children())
+    owner: dict[int, tuple[int, str]] = {}
+    for s in range(part.num_stages):
+        for name in part.stage_names(s):
+            for pname, p in children[name].named_parameters():
+                first = owner.setdefault(id(p), (s, f"{name}.{pname}"))
+                if first[0] != s:
+                    raise ConfigError(
+                        f"parameter {first[1]} is shared by stage {first[0]} and stage {s} "
+                        f"({name}.{pname}): each stage would train its own copy and the tie "
+                        "would silently break. Hint: move the boundary (balance=[...] or "
+                        "split_points=[...]) so the layers sharing it are in one stage.")
+

@@ -32,6 +32,7 @@ from torch.distributed.pipelining import (
 )
 
 from parlay.errors import ConfigError
+from parlay.pipeline.partition import kept_state
 from parlay.registry import Registry
 
 __all__ = ["wire_dtype", "StageModule", "StageMeter", "InstrumentedStage", "ScheduleSpec",
@@ -202,6 +203,12 @@ class InstrumentedStage(PipelineStage):
     def forward_one_chunk(self, *args: Any, **kwargs: Any) -> Any:
         with self.meter.timing():
             return super().forward_one_chunk(*args, **kwargs)
+
+    def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+        # torch runs the stage on placeholder inputs to learn its shapes, in training mode:
+        # that forward must not move BatchNorm's statistics (or draw dropout masks)
+        with kept_state(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:

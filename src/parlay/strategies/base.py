@@ -130,6 +130,10 @@ class Strategy:
         """Held around a whole evaluation (every rank of ``train_group`` enters it)."""
         return contextlib.nullcontext()
 
+    def abort(self, exc: BaseException) -> None:
+        """A training step raised ``exc`` on this rank: tell the ranks that wait on it
+        (parameter servers) at once. Default: nothing (collectives fail on their own)."""
+
     @property
     def metrics_group(self) -> Any:
         """Where ranks that do not compute the loss (a pipeline's first stages) get the

@@ -356,5 +356,9 @@ class ParameterServerStrategy(Strategy):
         if self.session is not None:
             self.session.close()
 
+    def abort(self, exc: BaseException) -> None:
+        if self.session is not None:
+            self.session.close(exc)  # the servers name this worker as failed, not lost
+
 
 register_strategy("ps", ParameterServerStrategy)

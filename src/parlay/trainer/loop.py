@@ -222,8 +222,11 @@ class Trainer:
         self.persistence.begin_step()
         try:
             res = self.last_step = s.train_step(x, y)
-        except NonFiniteError as e:
-            raise with_step(e, self.state.step + 1) from None
+        except BaseException as e:
+            s.abort(e)  # peers that wait on this rank hear of it now, not at their timeout
+            if isinstance(e, NonFiniteError):
+                raise with_step(e, self.state.step + 1) from None
+            raise
         if res.skipped:
             self._note_skip()
         self._advance(len(y), res.loss, factor)
