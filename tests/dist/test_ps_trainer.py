@@ -141,3 +141,16 @@ def test_a_worker_that_raises_is_named_as_failed_not_lost():
                     return_exceptions=True)
     assert "boom" in str(out[2])
     assert all("worker 1 (rank 2) failed (it raised an error)" in str(e) for e in out[:2])
+
+
+def _max_steps():
+    t = parlay.Trainer(_build, _dataset(), batch_size=BATCH, num_epochs=EPOCHS, progress=False,
+                       mode="ps", strategy_options={"consistency": "sync", "max_steps": 2})
+    while not t.should_stop():
+        t.train_on_batch()
+    return parlay.role(), t.state.step
+
+
+def test_the_ps_option_max_steps_ends_the_trainer_s_loop():
+    for role, step in run_world(_max_steps, 3, env={"PARLAY_NUM_PS": "1"}):
+        assert step == (2 if role == "worker" else 0)

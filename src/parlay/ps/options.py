@@ -40,8 +40,8 @@ def check_session_args(task_spec: Any, model: Any, optimizer: Any, optimizer_arg
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int)
                                   or max_steps < 0):
         raise ConfigError(f"max_steps must be None or an int >= 0, got {max_steps!r}.")
-    if checkpoint_every is not None and (not isinstance(checkpoint_every, int)
-                                         or checkpoint_every < 1):
+    if checkpoint_every is not None and (not isinstance(checkpoint_every, int) or isinstance(
+            checkpoint_every, bool) or checkpoint_every < 1):
         raise ConfigError(f"checkpoint_every must be None or an int >= 1, "
                           f"got {checkpoint_every!r}.")
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):

@@ -130,6 +130,11 @@ class Strategy:
         """Held around a whole evaluation (every rank of ``train_group`` enters it)."""
         return contextlib.nullcontext()
 
+    def reached_end(self) -> bool:
+        """The mode's own end of training (ps: ``max_steps`` updates applied), besides the
+        Trainer's ``max_iteration`` and ``num_epochs``."""
+        return False
+
     def abort(self, exc: BaseException) -> None:
         """A training step raised ``exc`` on this rank: tell the ranks that wait on it
         (parameter servers) at once. Default: nothing (collectives fail on their own)."""

@@ -356,6 +356,11 @@ class ParameterServerStrategy(Strategy):
         if self.session is not None:
             self.session.close()
 
+    def reached_end(self) -> bool:
+        s = self.session
+        return bool(s is not None and s.worker is not None and s.max_steps is not None
+                    and s.worker.global_step >= s.max_steps)
+
     def abort(self, exc: BaseException) -> None:
         if self.session is not None:
             self.session.close(exc)  # the servers name this worker as failed, not lost

@@ -262,7 +262,8 @@ class Trainer:
     def _reached_end(self) -> bool:
         st = self.state
         return bool((self.max_iteration is not None and st.step >= self.max_iteration)
-                    or (self.num_epochs is not None and st.epoch >= self.num_epochs))
+                    or (self.num_epochs is not None and st.epoch >= self.num_epochs)
+                    or self.strategy.reached_end())
 
     def should_stop(self) -> bool:
         """True when training is over. On serving-only ranks (parameter servers) this serves
