@@ -265,3 +265,34 @@ def test_a_parameter_shared_across_stages_is_refused():
     # each stage would train its own copy: the tie would break silently
     for msg in run_world(_tied, 2):
         assert msg is not None and "shared by stage 0 and stage 1" in msg and "Hint" in msg
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(7, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _custom(mode: str, options: dict):
+    import parlay
+
+    def build():
+        torch.manual_seed(0)
+        return _Custom().double(), nn.CrossEntropyLoss()
+
+    t = parlay.Trainer(build, _trainer_dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.05}, batch_size=6, mode=mode, progress=False,
+                       validation_dataset=_trainer_dataset(), strategy_options=options)
+    return t.train_and_validate_to_end()
+
+
+def test_a_model_that_is_not_sequential_trains_split_at_its_split_points():
+    sample = torch.randn(3, 7, dtype=torch.float64)  # one micro-batch: batch 6 / chunks 2
+    ref = run_world(_custom, 1, "allreduce", {})[0]
+    for metrics in run_world(_custom, 2, "hybrid", {"pp": 2, "chunks": 2, "split_points": ["c"],
+                                                    "sample": sample}):
+        for k in ref:
+            torch.testing.assert_close(metrics[k], ref[k], **TOL)

@@ -39,8 +39,9 @@ class HybridStrategy(StepTemplate):
             (``parlay run --pp P``, i.e. ``runtime.cluster().pipeline_stages``), else 2.
         chunks: Micro-batches per batch.
         schedule: ``"1f1b"``, ``"gpipe"`` or ``"interleaved"``.
-        balance / split_points / by / virtual_stages / activation_dtype: See
-            :class:`~parlay.pipeline.Pipeline`.
+        balance / split_points / sample / by / virtual_stages / activation_dtype: See
+            :class:`~parlay.pipeline.Pipeline` (a model that is not an ``nn.Sequential`` is
+            traced at its ``split_points``, with ``sample``, an example micro-batch input).
         bucket_cap_mb: Gradient bucket size of the data-parallel engine.
         loss_scale: Initial fp16 loss scale (default 2**16).
         shard: Shard each stage's training state over its replicas (``"optimizer"``,
@@ -55,7 +56,7 @@ class HybridStrategy(StepTemplate):
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, pp: int | None = None, chunks: int = 4,
                  schedule: str = "1f1b", balance: list[int] | None = None,
-                 split_points: list[str] | None = None, by: str = "auto",
+                 split_points: list[str] | None = None, sample: Any = None, by: str = "auto",
                  virtual_stages: int | None = None, activation_dtype: Any = None,
                  bucket_cap_mb: float = 25.0, loss_scale: float | None = None,
                  shard: str | None = None, **unknown: Any) -> None:
@@ -65,7 +66,8 @@ class HybridStrategy(StepTemplate):
         self.compression = compression
         self._pp = pp
         self.options = dict(chunks=chunks, schedule=schedule, balance=balance,
-                            split_points=split_points, by=by, virtual_stages=virtual_stages,
+                            split_points=split_points, sample=sample, by=by,
+                            virtual_stages=virtual_stages,
                             activation_dtype=activation_dtype)
         self.bucket_cap_mb = bucket_cap_mb
         self.shard = shard
