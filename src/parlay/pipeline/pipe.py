@@ -425,4 +425,3 @@ def _check_untied(seq: nn.Sequential, part: Partition) -> None:
                         f"({name}.{pname}): each stage would train its own copy and the tie "
                         "would silently break. Hint: move the boundary (balance=[...] or "
                         "split_points=[...]) so the layers sharing it are in one stage.")
-
