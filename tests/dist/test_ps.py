@@ -199,3 +199,29 @@ def _no_ps():
 def test_world_without_parameter_servers_is_a_config_error():
     for msg in run_world(_no_ps, 2):
         assert "at least one parameter-server rank" in msg and "--ps 1" in msg
+
+
+def _by_hand_limits(case):
+    model = _model()
+    with DistributedSession(model=model, optimizer=torch.optim.SGD, optimizer_args={"lr": 0.1},
+                            max_steps=2) as sess:
+        x, y = _data(sess.num_workers)
+        try:
+            for t in range(3):
+                if sess.is_ps:
+                    sess.serve()
+                    break
+                xs = x[t].clone()
+                if case == "nan" and sess.worker_index == 1 and t == 1:
+                    xs[0, 0] = float("nan")
+                sess.train_step((xs, y[t]), _mse)  # the third is past max_steps
+        except (parlay.NonFiniteError, ConfigError) as e:
+            return type(e).__name__, str(e)
+    return None, None
+
+
+def test_a_session_by_hand_refuses_nonfinite_pushes_and_steps_past_max_steps():
+    out = run_world(_by_hand_limits, 3, "past", env=PS1)
+    assert all(kind == "ConfigError" and "max_steps=2" in msg for kind, msg in out[1:])
+    out = run_world(_by_hand_limits, 3, "nan", env=PS1, return_exceptions=True)
+    assert out[2][0] == "NonFiniteError"  # before its NaN reached the servers

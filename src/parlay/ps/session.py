@@ -28,6 +28,7 @@ from parlay import comm, runtime
 from parlay.compress.base import Compressor, get_compressor
 from parlay.discovery import detect
 from parlay.errors import ConfigError
+from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.options import check_session_args
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
@@ -227,6 +228,9 @@ class DistributedSession:
                 bind(self.dp_group, collective=False)
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
                                  servers, self.ps_group, self.timeout, len(workers))
+            # a non-finite loss or gradient raises before it reaches the servers (the Trainer
+            # puts its own policy's check here)
+            self.worker.before_push = NonFiniteGuard("raise").check_local
             self.worker.hello()
             if not self.consistency.aggregate:
                 mark_droppable(c.rank)
@@ -302,6 +306,9 @@ class DistributedSession:
             self.server.serve()
             return None
         assert self.worker is not None
+        if self.max_steps is not None and self.worker.global_step >= self.max_steps:
+            raise ConfigError(f"train_step() after max_steps={self.max_steps} updates: training "
+                              "is over. Hint: loop `while not sess.should_stop(): ...`.")
         with server_loss_is_fatal(self.rank, self.num_servers):
             return self.worker.train_step(batch, loss_fn)
 
