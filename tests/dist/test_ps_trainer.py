@@ -154,3 +154,18 @@ def _max_steps():
 def test_the_ps_option_max_steps_ends_the_trainer_s_loop():
     for role, step in run_world(_max_steps, 3, env={"PARLAY_NUM_PS": "1"}):
         assert step == (2 if role == "worker" else 0)
+
+
+def _servers_dir_only(d):
+    try:
+        parlay.Trainer(_build, _dataset(), batch_size=BATCH, progress=False, mode="ps",
+                       strategy_options={"checkpoint_dir": d})
+    except parlay.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_servers_checkpoint_dir_without_the_trainer_s_is_refused(tmp_path):
+    # servers would resume their shards while the workers started again at step 0
+    for msg in run_world(_servers_dir_only, 3, str(tmp_path), env={"PARLAY_NUM_PS": "1"}):
+        assert msg is not None and "Trainer(checkpoint_dir=...)" in msg

@@ -56,7 +56,8 @@ class ParameterServerStrategy(Strategy):
         grad_clip: Must be ``None``: a global gradient norm is not available to any one rank
             when gradients are averaged on servers holding different shards.
         consistency: ``"sync"``, ``"async"`` or ``"stale:s"``.
-        checkpoint_dir: Where servers save and resume their shards (see DistributedSession).
+        checkpoint_dir: Where servers save and resume their shards (see DistributedSession),
+            with the Trainer's ``checkpoint_dir`` (default: its ``ps/`` folder).
         placement, split_bytes, timeout, checkpoint_every, max_steps: As for
             :class:`DistributedSession`.
 
@@ -176,6 +177,11 @@ class ParameterServerStrategy(Strategy):
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
         resume = None
+        if self._ckpt_dir is None and self.options["checkpoint_dir"] is not None:
+            raise ConfigError("strategy_options checkpoint_dir without the Trainer's: the servers "
+                              "would resume their shards while the workers start at step 0. "
+                              "Hint: Trainer(checkpoint_dir=...) (the servers' shards go to its "
+                              "ps/ folder).")
         if self.consumes_data:
             self._device = runtime.device()
             model = model.to(self._device)
