@@ -196,6 +196,22 @@ def _broadcast_other_shapes():
     return None
 
 
+def _other_optimizer_classes():
+    model = nn.Linear(3, 2)
+    cls = torch.optim.Adam if parlay.rank() == 0 else torch.optim.SGD
+    opt = cls(model.parameters(), lr=0.1)
+    try:
+        parlay.broadcast_optimizer_state(opt, root_rank=0)
+    except parlay.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_broadcasting_optimizer_state_between_classes_is_refused_on_every_rank():
+    for msg in run_world(_other_optimizer_classes, 2):
+        assert msg is not None and "different optimizer classes" in msg
+
+
 def test_broadcasting_into_other_shapes_is_refused_on_every_rank():
     # gloo takes a smaller message into a larger buffer: without the check rank 1 got a
     # shifted mix of rank 0's values and its own, silently

@@ -81,6 +81,14 @@ def _group_and_root(root_rank: int, process_set: Any, process_group: Any) -> tup
 
 
 # ------------------------------------------------------------------------------ state
+def _same_everywhere(text: str, group: Any) -> bool:
+    """Whether every rank of ``group`` passed the same ``text`` (one allreduce of its CRC)."""
+    crc = zlib.crc32(text.encode())
+    agree = torch.tensor([crc, -crc], dtype=torch.int64, device=comm.group_device(group))
+    comm.allreduce(agree, "max", group=group)
+    return int(agree[0]) == -int(agree[1])
+
+
 def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
                         process_group: Any = None) -> None:
     """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device.
@@ -89,11 +97,7 @@ def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
         ConfigError: On every rank, when the ranks hold different tensors (count, shapes or
             dtypes): a broadcast into other shapes would scramble them.
     """
-    layout = zlib.crc32(repr([(t.dtype, tuple(t.shape)) for t in tensors]).encode())
-    agree = torch.tensor([layout, -layout], dtype=torch.int64,
-                         device=comm.group_device(process_group))
-    comm.allreduce(agree, "max", group=process_group)
-    if int(agree[0]) != -int(agree[1]):
+    if not _same_everywhere(repr([(t.dtype, tuple(t.shape)) for t in tensors]), process_group):
         raise ConfigError("the ranks broadcast different tensors (their number, shapes or "
                           "dtypes differ), so the values cannot be copied. Hint: build the same "
                           "model (and optimizer) on every rank before broadcasting.")
@@ -179,6 +183,11 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
                           "Hint: drop the call (broadcast the parameters before wrapping); "
                           "restore a state with each rank's own load_state_dict().")
     group, root = _group_and_root(root_rank, process_set, process_group)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not _same_everywhere(type(inner).__qualname__, group):
+        raise ConfigError(f"broadcast_optimizer_state: the ranks wrap different optimizer classes "
+                          f"(this rank: {type(inner).__name__}), so root's state would be loaded "
+                          "into another optimizer. Hint: build the same optimizer on every rank.")
     me = comm.group_rank(group)
     state = optimizer.state_dict() if me == root else None
     # The structure travels as an object, each tensor in it as a shape-only ("meta") tensor.
