@@ -27,12 +27,12 @@ from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
 from parlay.errors import ConfigError
 
-__all__ = ["DistributedOptimizer", "shared_attr"]
+__all__ = ["DistributedOptimizer", "WrappedOptimizer"]
 
 _MB = 1024 * 1024
 
 
-def shared_attr(name: str) -> Any:
+def _shared(name: str) -> Any:
     """The wrapped optimizer's ``name`` container, seen (and replaced) through the wrapper,
     so schedulers, GradScaler and user code that edit it see one truth, even after the wrapped
     optimizer's ``load_state_dict`` rebuilt it. Before a wrapped optimizer is attached (inside
@@ -53,7 +53,28 @@ def shared_attr(name: str) -> Any:
     return property(get, set_, doc=f"The wrapped optimizer's ``{name}``.")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class WrappedOptimizer(torch.optim.Optimizer):
+    """A torch optimizer around ``optimizer`` whose ``param_groups``, ``state`` and
+    ``defaults`` are the wrapped optimizer's, so LR schedulers, ``torch.amp.GradScaler`` and
+    hooks work on the wrapper unchanged (:class:`DistributedOptimizer`,
+    :class:`~parlay.local.diloco.DiLoCoOptimizer`)."""
+
+    param_groups = _shared("param_groups")
+    state = _shared("state")
+    defaults = _shared("defaults")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        # torch's own __init__ sets up what every optimizer has (the step and state-dict hook
+        # registries, the profiled step) in whatever form this torch version keeps them. It
+        # needs one parameter group: an empty placeholder, dropped once the wrapped optimizer
+        # is attached and param_groups, state and defaults become its containers.
+        super().__init__([{"params": []}], {})
+        self._opt = optimizer
+        for name in ("param_groups", "state", "defaults"):
+            self.__dict__.pop(f"_own_{name}", None)
+
+
+class DistributedOptimizer(WrappedOptimizer):
     """Wrap any ``torch.optim`` optimizer so ``step()`` applies gradients averaged over ranks.
 
     The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer,
@@ -111,10 +132,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     trainable parameters are ``_named`` (``(name, parameter)`` pairs).
     """
 
-    param_groups = shared_attr("param_groups")
-    state = shared_attr("state")
-    defaults = shared_attr("defaults")
-
     def __init__(self, optimizer: torch.optim.Optimizer,
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  op: int = ReduceOp.Average, compression: Any = None,
@@ -128,7 +145,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ConfigError("the optimizer is already a DistributedOptimizer; wrap it once.")
         op = check_arguments(optimizer, op, backward_passes_per_step, bucket_cap_mb,
                               gradient_predivide_factor)
-        self._adopt(optimizer)
+        super().__init__(optimizer)
+        # SparseAdam and friends need sparse gradients back after the dense reduction (the
+        # bucket views make autograd accumulate even sparse gradients densely).
+        self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
         self.gradient_predivide_factor = float(gradient_predivide_factor)
@@ -163,19 +183,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._install()
 
     # ----------------------------------------------------------------- construction steps
-    def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
-        # torch's own __init__ sets up what every optimizer has (the step and state-dict hook
-        # registries, the profiled step) in whatever form this torch version keeps them. It
-        # needs one parameter group: an empty placeholder, dropped once the wrapped optimizer
-        # is attached and param_groups, state and defaults become its containers.
-        super().__init__([{"params": []}], {})
-        self._opt = optimizer
-        for name in ("param_groups", "state", "defaults"):
-            self.__dict__.pop(f"_own_{name}", None)
-        # SparseAdam and friends need sparse gradients back after the dense reduction (the
-        # bucket views make autograd accumulate even sparse gradients densely).
-        self._sparse_only = isinstance(optimizer, torch.optim.SparseAdam)
-
     def _scales(self) -> tuple[float, float]:
         """Horovod's scaling split: ``(prescale, postscale)`` around the sum."""
         if self.op != ReduceOp.Average:

@@ -31,7 +31,7 @@ from parlay import comm
 from parlay._validate import check_int
 from parlay.compress.base import CommStats, Compressor, get_compressor, reduce_async
 from parlay.dp.hierarchical import make_reducer
-from parlay.dp.optimizer import shared_attr
+from parlay.dp.optimizer import WrappedOptimizer
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.nonfinite import all_finite
 
@@ -89,7 +89,7 @@ def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]
     return groups
 
 
-class DiLoCoOptimizer(torch.optim.Optimizer):
+class DiLoCoOptimizer(WrappedOptimizer):
     """Wrap an inner ``torch.optim`` optimizer: ``step()`` is an inner step, and every
     ``sync_every`` inner steps each fragment's pseudo-gradient is averaged over the group and
     applied by the outer optimizer.
@@ -132,11 +132,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                  outer_optimizer_args: dict[str, Any] | None = None, compression: Any = None,
                  process_group: Any = None, on_nonfinite: str = "raise",
                  hierarchical: bool | str = False, broadcast: bool = True) -> None:
-        # A torch optimizer (LR schedulers, hooks) whose containers are the inner one's.
-        super().__init__([{"params": []}], {})
-        self.inner = self._opt = optimizer
-        for name in ("param_groups", "state", "defaults"):
-            self.__dict__.pop(f"_own_{name}", None)
+        super().__init__(optimizer)  # LR schedulers act on the inner one's param_groups
+        self.inner = optimizer
         self.sync_every = check_int("sync_every", sync_every, 1)
         n_frag = check_int("fragments", fragments, 1, self.sync_every)
         gap = self.sync_every // n_frag  # inner steps between two fragments' exchanges
@@ -195,11 +192,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.stats = CommStats()
 
     # ----------------------------------------------------------------- the optimizer face
-    #: The inner optimizer's (learning-rate schedulers act on them).
-    param_groups = shared_attr("param_groups")
-    state = shared_attr("state")
-    defaults = shared_attr("defaults")
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the inner optimizer's gradients."""
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -221,8 +213,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         for frag in self.fragments:
             if frag.flight is not None and frag.flight.due <= self.steps:
                 self._merge(frag)
-            if self.steps > frag.offset and (self.steps - frag.offset) % self.sync_every == 0:
+            if self._sends_now(frag):
                 self._send(frag)
+
+    def _sends_now(self, frag: Fragment) -> bool:
+        """Whether ``frag``'s exchange starts at the current inner step."""
+        return self.steps > frag.offset and (self.steps - frag.offset) % self.sync_every == 0
 
     def step_without_update(self) -> None:
         """Count an inner step this replica skipped (a non-finite or overflowed one): the
@@ -260,7 +256,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         for frag in self.fragments:
             if frag.flight is not None:
                 self._merge(frag)
-            if self.steps > frag.offset and (self.steps - frag.offset) % self.sync_every == 0:
+            if self._sends_now(frag):
                 with torch.no_grad():  # synced at this very step: an outer step on a zero
                     for p, o in zip(frag.params, frag.outer):  # pseudo-gradient would still
                         p.copy_(o)  # move the weights (momentum); so none
