@@ -287,8 +287,12 @@ class DistributedSession:
             self.server.serve()
             return True
         assert self.worker is not None
-        return self._closed or self.sits_out or (self.max_steps is not None
-                                and self.worker.global_step >= self.max_steps)
+        return self._closed or self.sits_out or self.at_max_steps()
+
+    def at_max_steps(self) -> bool:
+        """A worker: whether the ``max_steps`` updates it last saw were all applied."""
+        return bool(self.worker is not None and self.max_steps is not None
+                    and self.worker.global_step >= self.max_steps)
 
     def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float | None:
         """One step on a worker: push this batch's gradients, pull the released parameters.
@@ -306,7 +310,7 @@ class DistributedSession:
             self.server.serve()
             return None
         assert self.worker is not None
-        if self.max_steps is not None and self.worker.global_step >= self.max_steps:
+        if self.at_max_steps():
             raise ConfigError(f"train_step() after max_steps={self.max_steps} updates: training "
                               "is over. Hint: loop `while not sess.should_stop(): ...`.")
         with server_loss_is_fatal(self.rank, self.num_servers):

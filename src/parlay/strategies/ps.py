@@ -363,9 +363,7 @@ class ParameterServerStrategy(Strategy):
             self.session.close()
 
     def reached_end(self) -> bool:
-        s = self.session
-        return bool(s is not None and s.worker is not None and s.max_steps is not None
-                    and s.worker.global_step >= s.max_steps)
+        return self.session is not None and self.session.at_max_steps()
 
     def abort(self, exc: BaseException) -> None:
         if self.session is not None:
