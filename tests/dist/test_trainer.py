@@ -267,6 +267,10 @@ def test_bad_arguments_raise_config_error():
                       ({"shuffle": "no"}, "True or False")]:
         with pytest.raises(ConfigError, match=words):
             parlay.Trainer(_build, ds, progress=False, **kw)
+    t = parlay.Trainer(_build, ds, max_iteration=1, progress=False)
+    for kw in ({"validate_every": 0}, {"validate_step_size": 0}):  # either name, same check
+        with pytest.raises(ConfigError, match="validate_every"):
+            t.train_and_validate_to_end(**kw)
     parlay.shutdown()
 
 

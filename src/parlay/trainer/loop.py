@@ -342,7 +342,8 @@ class Trainer:
             The last validation metrics (empty without a validation set, or on ranks that
             do not report metrics).
         """
-        validate_every = validate_every or validate_step_size
+        if validate_every is None:
+            validate_every = validate_step_size
         check_positive("validate_every", validate_every)
         has_val = self.config.validation_dataset is not None
         last: dict[str, float] = {}
