@@ -243,13 +243,13 @@ def test_residual_from_another_model_is_rejected():
 
 # ------------------------------------------------------------------------ registry / facade
 def test_registry_names_options_and_errors():
-    assert {"none", "fp16", "bf16", "topk", "randomk", "powersgd"} <= set(available())
+    assert {"none", "fp16", "bf16", "topk", "randomk", "powersgd", "int8"} <= set(available())
     t = get_compressor("topk:0.001,momentum=0.9,warmup=200")
     assert isinstance(t, TopK) and t.ratio == 0.001 and t.memory.momentum == 0.9
     assert t.warmup_steps == 200
     assert get_compressor("powersgd:2").rank == 2 and get_compressor("randomk").ratio == 0.01
     assert get_compressor("topk:0.1,ef=0").memory is None
-    with pytest.raises(ConfigError, match="valid names: (auto, )?bf16, fp16, none, powersgd"):
+    with pytest.raises(ConfigError, match="valid names: (auto, )?bf16, fp16, int8, none, powersgd"):
         get_compressor("gzip")
     with pytest.raises(ConfigError, match=r"ratio must be in \(0, 1\]"):
         get_compressor("topk:0")

@@ -213,6 +213,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
         for frag in self.fragments:
             if frag.flight is not None and frag.flight.due <= self.steps:
                 self._merge(frag)
+            elif frag.flight is not None and hasattr(frag.flight.handle, "poll"):
+                frag.flight.handle.poll()  # a further round (int8's, PowerSGD's) starts now
             if self._sends_now(frag):
                 self._send(frag)
 

@@ -112,9 +112,9 @@ class DistributedSession:
         self.consistency: Consistency = get_consistency(consistency)
         self.compressor: Compressor = get_compressor(compression)
         if not getattr(self.compressor, "point_to_point", True):
-            raise ConfigError(f"compression {compression!r} needs collective rounds (PowerSGD) "
-                              "and cannot compress parameter-server pushes. Hint: use 'fp16', "
-                              "'bf16', 'topk:0.01' or 'randomk:0.01'.")
+            raise ConfigError(f"compression {compression!r} needs collective rounds (PowerSGD, "
+                              "int8) and cannot compress parameter-server pushes. Hint: use "
+                              "'fp16', 'bf16', 'topk:0.01' or 'randomk:0.01'.")
         self.checkpoint_dir = os.fspath(checkpoint_dir) if checkpoint_dir is not None else None
         self.max_steps = max_steps
         self.checkpoint_every = checkpoint_every
