@@ -10,7 +10,7 @@ cosine decay, batch 128 per replica, 4 epochs, seed 0):
 * ``auto``: ``parlay.Trainer`` in mode ``"allreduce"`` with ``compression="auto"``.
 * ``compute-only``: the limit, mode ``"diloco"`` whose round outlasts the run (no exchange).
 * ``diloco-*``: mode ``"diloco"`` with the demo's recipe (``sync_every=8``, outer SGD lr 1
-  without momentum) and fp16 pseudo-gradients, and variants (``--diloco``).
+  without momentum) with fp16 or int8 pseudo-gradients, and variants (``--diloco``).
 
 Test accuracy every ``--eval-every`` steps (32: about a quarter epoch, a multiple of every
 round length tried, so each evaluation sees freshly synced weights) outside the clock. Time to
@@ -33,10 +33,16 @@ from _common import table, write_json  # noqa: E402
 
 from tools.cluster.diloco_tta import launch  # noqa: E402
 
-DILOCO = {"diloco-h8": {"sync_every": 8},
-          "diloco-h16": {"sync_every": 16},
-          "diloco-h32": {"sync_every": 32},
-          "diloco-h8-p2-o1": {"sync_every": 8, "fragments": 2, "overlap": 1}}
+# name: (strategy_options, compression of the pseudo-gradients)
+DILOCO = {"diloco-h8": ({"sync_every": 8}, "fp16"),
+          "diloco-h16": ({"sync_every": 16}, "fp16"),
+          "diloco-h32": ({"sync_every": 32}, "fp16"),
+          "diloco-h8-p2-o1": ({"sync_every": 8, "fragments": 2, "overlap": 1}, "fp16"),
+          "diloco-h8-int8": ({"sync_every": 8}, "int8"),
+          "diloco-h8-int8-o4": ({"sync_every": 8, "overlap": 4}, "int8"),
+          "diloco-h8-int8-o7": ({"sync_every": 8, "overlap": 7}, "int8"),
+          "diloco-h8-p2-int8-o3": ({"sync_every": 8, "fragments": 2, "overlap": 3}, "int8"),
+          "diloco-h16-int8-o8": ({"sync_every": 16, "overlap": 8}, "int8")}
 
 # The compute-only limit: the same inner steps that never sync within the run (its accuracy is
 # the start's): the seconds per step no contestant can beat at equal steps.
@@ -68,7 +74,8 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=32)
     p.add_argument("--cap", type=float, default=1200.0,
                    help="seconds of clock after which a contestant stops at its next evaluation")
-    p.add_argument("--diloco", default=",".join(DILOCO), help=f"variants: {','.join(DILOCO)}")
+    p.add_argument("--diloco", default="diloco-h8,diloco-h32,diloco-h8-int8-o4",
+                   help=f"variants: {','.join(DILOCO)}")
     p.add_argument("--no-compute", action="store_true")
     p.add_argument("--no-ddp", action="store_true")
     p.add_argument("--no-auto", action="store_true")
@@ -77,7 +84,7 @@ def main() -> None:
     contestants = ([] if a.no_compute else [COMPUTE]) + \
         ([] if a.no_ddp else [{"name": "ddp", "kind": "ddp"}]) + \
         ([] if a.no_auto else [{"name": "auto", "mode": "allreduce", "compression": "auto"}]) + \
-        [{"name": n, "mode": "diloco", "compression": "fp16", "options": DILOCO[n]}
+        [{"name": n, "mode": "diloco", "compression": DILOCO[n][1], "options": DILOCO[n][0]}
          for n in a.diloco.split(",") if n]
     spec = {"data": a.data, "target": a.target, "eval_every": a.eval_every, "cap_s": a.cap,
             "contestants": contestants}

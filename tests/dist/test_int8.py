@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 import parlay
+from parlay import comm
 from parlay.compress import CommStats, Int8, get_compressor, reduce_async
 from parlay.compress.base import local_round_trip
 from parlay.errors import ConfigError
@@ -103,11 +104,9 @@ def _diloco_overlap() -> dict:
         loss.backward()
         losses.append(loss.item())
         opt.step()
+        comm.allreduce(torch.tensor([loss.item()]), "sum")  # other collectives, as a Trainer's
         flight = opt.fragments[0].flight
-        if step == 4:  # just sent: the scale round is in flight; let it finish
-            for w in flight.handle.rounds.works:
-                w.wait()
-        if step == 5:  # the inner step after it started the int8 round without waiting
+        if step == 5:  # the inner step after the send started the int8 round; merged at 6
             started_early = flight.handle.rounds.payload[0].dtype == torch.int8
     opt.sync_now()
     return dict(losses=losses, early=started_early, stats=opt.comm_stats(),

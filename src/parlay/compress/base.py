@@ -421,11 +421,6 @@ class Rounds:
         self.payload = nxt
         self.works = [comm.allreduce(p, "sum", group=self.group, async_op=True) for p in nxt]
 
-    def poll(self) -> None:
-        """Start the next round if the one in flight has finished; never waits."""
-        if not self.done and all(w.is_completed() for w in self.works):
-            self.advance()
-
     def result(self) -> list[torch.Tensor]:
         """Run the remaining rounds; the last reduced payload."""
         while not self.done:
@@ -443,11 +438,6 @@ class RoundsHandle(comm.Handle):
     def advance(self) -> None:
         """Wait for the round in flight and start the next, without waiting for it."""
         self.rounds.advance()
-
-    def poll(self) -> None:
-        """Start the next round if the one in flight has finished (a caller that goes on
-        computing meanwhile, as DiLoCo's overlapped exchanges do); never waits."""
-        self.rounds.poll()
 
 
 class AllOf:

@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay._validate import check_int
-from parlay.compress.base import CommStats, Compressor, get_compressor, reduce_async
+from parlay.compress.base import (CommStats, Compressor, RoundsHandle, get_compressor,
+                                  reduce_async)
 from parlay.dp.hierarchical import make_reducer
 from parlay.dp.optimizer import WrappedOptimizer
 from parlay.errors import ConfigError, NonFiniteError
@@ -51,6 +52,7 @@ class _InFlight:
     handle: comm.Handle
     sent_from: list[torch.Tensor]
     due: int
+    rounds_left: int = 0  # further rounds not yet started (see DiLoCoOptimizer.step)
 
 
 @dataclass
@@ -213,8 +215,11 @@ class DiLoCoOptimizer(WrappedOptimizer):
         for frag in self.fragments:
             if frag.flight is not None and frag.flight.due <= self.steps:
                 self._merge(frag)
-            elif frag.flight is not None and hasattr(frag.flight.handle, "poll"):
-                frag.flight.handle.poll()  # a further round (int8's, PowerSGD's) starts now
+            elif frag.flight is not None and frag.flight.rounds_left > 0:
+                # A further round (int8's, PowerSGD's) starts an inner step after the last,
+                # at the same step on every rank (collectives on the group stay in order).
+                frag.flight.rounds_left -= 1
+                frag.flight.handle.advance()  # type: ignore[attr-defined]
             if self._sends_now(frag):
                 self._send(frag)
 
@@ -279,7 +284,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
         else:
             handle = comm.Handle(None, "local", lambda: flat)
         sent = [p.detach().clone() for p in frag.params] if self.overlap and not wait else []
-        frag.flight = _InFlight(handle, sent, self.steps + (0 if wait else self.overlap))
+        more = getattr(self.compression, "rounds", 1) - 1 if isinstance(handle, RoundsHandle) else 0
+        frag.flight = _InFlight(handle, sent, self.steps + (0 if wait else self.overlap), more)
         if frag.flight.due <= self.steps:
             self._merge(frag)
 
