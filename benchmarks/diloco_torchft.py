@@ -12,8 +12,9 @@ same initialisation and data order for every contestant:
   replica group with its own ``TCPStore``, ``use_async_quorum=False``; ``init_sync=False``
   (every replica starts from the same seeded weights, as parlay's broadcast ensures).
   torchft's quantiser needs a GPU, so neither DiLoCo quantises.
-* Extra rows (``--rows``): ``parlay-fp16``, parlay with fp16 pseudo-gradients;
-  ``torchft-stream``, ``parlay-stream``, ``parlay-fp16-stream``: Streaming DiLoCo, 2 fragments
+* Extra rows (``--rows``): ``parlay-fp16``/``parlay-int8``, parlay with fp16/int8
+  pseudo-gradients; ``torchft-stream``, ``parlay-stream``, ``parlay-fp16-stream``,
+  ``parlay-int8-stream``: Streaming DiLoCo, 2 fragments
   (torchft: the first Linear, the rest; parlay: its even split, the same here), each merged
   ``--tau`` inner steps after its exchange left (torchft's ``fragment_sync_delay``).
 * ``compute-only``: the ceiling, the same inner steps with no exchange (parlay's optimizer
@@ -139,7 +140,8 @@ def _contestants(cfg: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
             h = 10**9 if name == "compute-only" else cfg["H"]
             stream = {"fragments": 2, "overlap": cfg["tau"]} if "stream" in name else {}
             run["opt"] = DiLoCoOptimizer(inner, model.named_parameters(), sync_every=h,
-                                         compression="fp16" if "fp16" in name else None,
+                                         compression=next((c for c in ("fp16", "int8")
+                                                           if c in name), None),
                                          **stream)
         elif name.startswith("torchft"):
             mine = dict(cfg, lighthouse=cfg["lighthouses"][name])
@@ -314,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-3, help="inner Adam's")
     p.add_argument("--rows", default="ddp,parlay,torchft,compute-only",
                    help="contestants, of: ddp, parlay, torchft, compute-only, parlay-fp16, "
-                   "torchft-stream, parlay-stream, parlay-fp16-stream")
+                   "torchft-stream, parlay-stream, parlay-fp16-stream, parlay-int8, "
+                   "parlay-int8-stream")
     p.add_argument("--tau", type=int, default=20, help="the streaming rows' overlap")
     p.add_argument("--json", default=None)
     p.add_argument("--kill", action="store_true",
@@ -364,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                      ("parlay-fp16", "torchft"), ("compute-only", "torchft"),
                      ("parlay-stream", "torchft-stream"), ("parlay-stream", "torchft"),
                      ("parlay-fp16-stream", "torchft-stream"),
-                     ("parlay-fp16-stream", "torchft")):
+                     ("parlay-fp16-stream", "torchft"), ("parlay-int8", "torchft"),
+                     ("parlay-int8-stream", "torchft-stream"),
+                     ("parlay-int8-stream", "torchft")):
         if num in by and den in by:
             for k in ("samples_per_s", "samples_per_s_steady"):
                 ratios[f"{num}/{den}_{k}"] = by[num][k] / by[den][k]

@@ -74,7 +74,7 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=32)
     p.add_argument("--cap", type=float, default=1200.0,
                    help="seconds of clock after which a contestant stops at its next evaluation")
-    p.add_argument("--diloco", default="diloco-h8,diloco-h32,diloco-h8-int8-o4",
+    p.add_argument("--diloco", default="diloco-h8,diloco-h8-int8",
                    help=f"variants: {','.join(DILOCO)}")
     p.add_argument("--no-compute", action="store_true")
     p.add_argument("--no-ddp", action="store_true")

@@ -206,9 +206,10 @@ def _build():
                           nn.Linear(16, 2)).double(), nn.CrossEntropyLoss())
 
 
-def _trainer(ckpt, max_iteration):
+def _trainer(ckpt, max_iteration, compression=None):
     t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.Adam,
                        optimizer_args={"lr": 1e-2}, batch_size=4, mode="diloco",
+                       compression=compression,
                        strategy_options={"sync_every": 4, "fragments": 2, "overlap": 1},
                        max_iteration=max_iteration, checkpoint_dir=ckpt, checkpoint_every=3,
                        progress=False)
@@ -218,12 +219,13 @@ def _trainer(ckpt, max_iteration):
     return losses, [p.detach().clone() for p in t.model.parameters()]
 
 
-def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path):
+@pytest.mark.parametrize("compression", [None, "int8"])  # int8: residuals and two rounds
+def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path, compression):
     # Checkpoints every 3 steps: step 3 holds fragment 1's exchange (sent at 2, merged at 3)
     # or fragment 0's (sent at 4... ) in flight at 9 and 10; the cut at 10 resumes one.
-    full = run_world(_trainer, 2, None, 14)
-    first = run_world(_trainer, 2, str(tmp_path), 10)
-    second = run_world(_trainer, 2, str(tmp_path), 14)
+    full = run_world(_trainer, 2, None, 14, compression)
+    first = run_world(_trainer, 2, str(tmp_path), 10, compression)
+    second = run_world(_trainer, 2, str(tmp_path), 14, compression)
     for r in range(2):
         assert first[r][0] + second[r][0] == full[r][0]
         assert all(torch.equal(a, b) for a, b in zip(full[r][1], second[r][1]))
