@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ def _data(world: int):
 INNER = {"sgd": (torch.optim.SGD, {"lr": 0.1}), "adam": (torch.optim.Adam, {"lr": 0.01})}
 
 
-def _run(inner, H, P, tau, outer_args, hierarchical=False, shard=None):
+def _run(inner, H, P, tau, outer_args, hierarchical=False, shard=None, compression=None):
     """Every rank's final weights and shared (outer) weights. With ``shard``, data parallel
     sharded inside each host, local updates across hosts."""
     world, r = parlay.size(), parlay.rank()
@@ -48,7 +47,7 @@ def _run(inner, H, P, tau, outer_args, hierarchical=False, shard=None):
                                           process_group=host)
     dl = DiLoCoOptimizer(opt, m.named_parameters(), sync_every=H, fragments=P, overlap=tau,
                          outer_optimizer_args=outer_args, hierarchical=hierarchical,
-                         process_group=group)
+                         process_group=group, compression=compression)
     x, y = _data(world)
     sl = slice(r * PER, (r + 1) * PER)
     for s in range(STEPS):
@@ -145,6 +144,19 @@ def test_host_first_pseudo_gradients_on_2_hosts_x_2():
                                              local_world_size=2)):
         for a, b in zip(final, ref[r]):
             torch.testing.assert_close(a, b, **TOL)
+
+
+def test_host_first_int8_pseudo_gradients_equal_the_flat_ones():
+    # int8's scale round and its int8 round both sum host first; the scale may differ by the
+    # order of its sum (a last bit), nothing else.
+    flat = run_world(_run, 4, "adam", 4, 2, 1, None, False, None, "int8")
+    host_first = run_world(_run, 4, "adam", 4, 2, 1, None, True, None, "int8",
+                           local_world_size=2)
+    for (a_final, a_shared), (b_final, b_shared) in zip(flat, host_first):
+        for a, b in zip(a_final + a_shared, b_final + b_shared):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+    assert not all(torch.equal(a, b) for a, b in zip(flat[0][1], run_world(
+        _run, 4, "adam", 4, 2, 1, None)[0][1]))  # int8 did round
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "gradients", "parameters"])
