@@ -13,10 +13,11 @@ cluster description needs no torch.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order, fail,
                               int_var, join_address, parse_address, rank_of, read_tf_config)
@@ -55,6 +56,9 @@ class TaskSpec:
         worker_hosts: Workers; they take the ranks after the ps and the chief.
         chief_hosts: At most one chief; it takes rank ``num_ps``.
         evaluator_hosts: Evaluators; not part of the training world.
+        master: TensorLayer's ``TaskSpecDef(master=host)``: the chief's host (a training task,
+            before the workers); ``task_type="master"`` is then that chief.
+        trial: TensorLayer's ``trial``, kept as given (it does not change the cluster).
 
     Raises:
         ConfigError: At construction, for an unknown task type, a bad or out-of-range index, a
@@ -67,8 +71,17 @@ class TaskSpec:
     worker_hosts: Sequence[str] = ()
     chief_hosts: Sequence[str] = ()
     evaluator_hosts: Sequence[str] = ()
+    master: InitVar[str | Sequence[str] | None] = None
+    trial: Any = field(default=None, compare=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, master: str | Sequence[str] | None) -> None:
+        if master:
+            if self.chief_hosts:
+                raise fail("master", "either master= (TensorLayer) or chief_hosts=",
+                           "both", "pass the chief's host once")
+            object.__setattr__(self, "chief_hosts", master)
+            if self.task_type == "master":
+                object.__setattr__(self, "task_type", "chief")
         index, hosts = check_task(self.task_type, self.index,
                                   {job: getattr(self, f"{job}_hosts") for job in TASK_TYPES})
         object.__setattr__(self, "index", index)
@@ -143,6 +156,23 @@ class TaskSpec:
     def master_port(self) -> int:
         """Port of rank 0."""
         return parse_address(self.cluster_hosts[0], "rank 0")[1]
+
+    def use_last_worker_as_evaluator(self) -> TaskSpec:
+        """TensorLayer's: the same cluster with its last worker taken out of training to
+        evaluate (an evaluator, outside the training world), as seen by this task.
+
+        Raises:
+            ConfigError: No worker to spare (one training task at least must remain).
+        """
+        if self.num_workers < 2 or not self.worker_hosts:
+            raise fail("use_last_worker_as_evaluator()", "two training tasks or more",
+                       f"{self.num_workers}", "add a worker: one must still train")
+        *keep, last = self.worker_hosts
+        me = self.task_type == "worker" and self.index == len(keep)
+        return dataclasses.replace(
+            self, task_type="evaluator" if me else self.task_type,
+            index=len(self.evaluator_hosts) if me else self.index, worker_hosts=tuple(keep),
+            evaluator_hosts=(*self.evaluator_hosts, last))
 
     def local_index(self) -> int:
         """How many training tasks (chief or workers) before this one, in rank order, run on
@@ -259,8 +289,7 @@ def create_task_spec_def(environ: Mapping[str, str] | None = None) -> TaskSpec:
     env = os.environ if environ is None else environ
     if "JOB_NAME" in env and not env.get("TF_CONFIG", "").strip():
         job = env["JOB_NAME"]
-        return TaskSpec("chief" if job == "master" else job,
-                        int_var(env, "TASK_INDEX") or 0,
+        return TaskSpec("chief" if job == "master" else job, int_var(env, "TASK_INDEX") or 0,
                         ps_hosts=env.get("PS_HOSTS", ""), worker_hosts=env.get("WORKER_HOSTS", ""),
-                        chief_hosts=env.get("MASTER_HOST", ""))
+                        master=env.get("MASTER_HOST", ""))
     return TaskSpec.from_env(environ)

@@ -100,3 +100,20 @@ def test_from_arrays_makes_a_trainer_dataset_in_one_call():
     assert tokens[0][0].dtype == torch.int64, "integer inputs (token ids) are kept"
     with pytest.raises(ConfigError, match="same length"):
         parlay.data.from_arrays(x, np.arange(5))
+
+
+def test_taskspecdef_takes_tensorlayer_s_master_and_trial_and_spares_an_evaluator():
+    hosts = dict(ps_hosts="p:1", worker_hosts="w:1,w:2", master="m:1")
+    master = parlay.TaskSpecDef(task_type="master", index=0, trial=7, **hosts)
+    assert (master.task_type, master.rank, master.num_workers, master.trial) == ("chief", 1, 3, 7)
+    assert master.is_master() and master.shard_index == 0
+    w1 = parlay.TaskSpecDef(task_type="worker", index=1, **hosts)
+    assert (w1.rank, w1.shard_index, bool(w1.is_master())) == (3, 2, False)  # as TensorLayer's
+    ev = w1.use_last_worker_as_evaluator()
+    assert ev.is_evaluator() and not ev.is_worker() and ev.rank is None and ev.world_size == 3
+    kept = master.use_last_worker_as_evaluator()
+    assert (kept.rank, kept.world_size, kept.trial, kept.evaluator_hosts) == (1, 3, 7, ("w:2",))
+    with pytest.raises(ConfigError, match="one must still train"):
+        parlay.TaskSpecDef("worker", 0, worker_hosts="w:1").use_last_worker_as_evaluator()
+    with pytest.raises(ConfigError, match="either master="):
+        parlay.TaskSpecDef("worker", 0, worker_hosts="w:1", chief_hosts="c:1", master="m:1")
