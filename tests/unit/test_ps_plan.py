@@ -171,6 +171,22 @@ def test_core_lost_worker_unblocks_stale_and_fails_sync():
     assert sync.finished()
 
 
+@pytest.mark.parametrize("policy", ["async", "sync"])
+def test_core_loses_a_silent_worker_only_while_something_waits_on_it(policy):
+    core = ServerCore(get_consistency(policy), 2, 5.0, _Log(), now=0.0)
+    core.hello(0, 0.0), core.hello(1, 0.0)
+    assert core.expire(5.0) == [] and core.lost == []  # both silent (validating): none waits
+    assert core.next_deadline() == 10.0  # the deadlines moved on, no busy loop
+    core.push(0, 0, 0, "a", 1.0, 6.0)  # async: released again at once; sync: held for worker 1
+    out = core.expire(10.0)
+    if policy == "sync":
+        assert core.lost == [1] and [(r.kind, r.worker) for r in out] == [("error", 0)]
+    else:
+        assert core.lost == [] and core.next_deadline() == 11.0  # worker 0 computes again
+        core.done(0, 12.0)
+        assert core.expire(15.0) == [] and core.lost == [1]  # the server waits only on it
+
+
 def test_max_lead_recomputes_the_bound_from_versions():
     # Worker 0 computes steps 0..3 on versions 0..3 while worker 1 never pushed until the end.
     log = [Update(0, c, c, c) for c in range(4)] + [Update(1, 0, 0, 4)]

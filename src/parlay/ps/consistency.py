@@ -298,11 +298,19 @@ class ServerCore:
         return self._maybe_save(now)
 
     def expire(self, now: float) -> list[Reply]:
-        """Declare lost every released worker silent past its deadline."""
+        """Declare lost every released worker silent past its deadline while something waits
+        on it: another worker held or at a barrier, or this server (it is the last worker). A
+        worker nothing waits on (every other one computing: a long validation, say) gets a
+        new deadline instead, so a waiter that comes later waits at most ``timeout``."""
         out: list[Reply] = []
         for w in range(self.num_workers):
             d = self.deadline[w]
-            if self.state[w] == RUN and d is not None and d <= now:
+            if self.state[w] != RUN or d is None or d > now:
+                continue
+            others = [v for v in self.active() if v != w]
+            if others and all(self.state[v] == RUN for v in others):
+                self.deadline[w] = now + self.timeout
+            else:
                 out += self.lose(w, _LOST, now)
         return out
 
