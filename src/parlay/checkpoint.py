@@ -332,17 +332,24 @@ class CheckpointManager:
         return None
 
     def _layout_message(self) -> str:
-        """Some ranks hold checkpoints and others none: say what the directory holds."""
+        """Some ranks hold checkpoints and others none: say which ranks wrote the newest one
+        and which checkpoint now (called on every rank of the group)."""
         newest = self.written()
         step = max(newest, default=-1)
-        had = len(newest.get(step, ()))
+        had = sorted(newest.get(step, ()))
+        now = sorted(r for row in comm.gather_ints([self.rank], 1, self.group) for r in row) \
+            if self._world() > 1 else [self.rank]
+        moved = (" The same number of ranks under other rank numbers: did the number of "
+                 "parameter servers change (parlay run --ps; servers take the first ranks)?"
+                 if len(had) == len(now) else "")
         return (f"cannot resume from {self.directory}: some ranks of this run hold checkpoint "
                 f"files and others none (its newest checkpoint, step {step}, was written by "
-                f"{had} rank(s); this run has {self._world()} that checkpoint). A run with a "
-                "different number of ranks cannot continue it exactly (each rank's data "
-                "shard, compression residuals and RNG are its own). Fix: relaunch with the "
-                f"layout that wrote it (e.g. {had} training ranks), or start afresh with a new "
-                "(or emptied) checkpoint_dir. Nothing was deleted.")
+                f"{len(had)} rank(s): {', '.join(map(str, had))}; this run has {len(now)} that "
+                f"checkpoint: {', '.join(map(str, now))}).{moved} A run with another layout "
+                "cannot continue it exactly (each rank's data shard, compression residuals and "
+                "RNG are its own). Fix: relaunch with the layout that wrote it (e.g. "
+                f"{len(had)} training ranks: ranks {', '.join(map(str, had))}), or start afresh "
+                "with a new (or emptied) checkpoint_dir. Nothing was deleted.")
 
     def load_latest(self) -> dict[str, Any] | None:
         """The newest checkpoint every rank can read, or ``None`` when there is none.

@@ -105,6 +105,19 @@ def test_trainer_ps_resume_restores_server_shards(tmp_path):
             torch.testing.assert_close(p, q, **TOL)
 
 
+def test_resuming_with_another_server_count_is_refused_on_every_rank_at_once(tmp_path):
+    # Worker files are named by global rank, which moves with --ps: the refusal says so, and
+    # the servers hear the workers' error at once instead of waiting out their timeout.
+    run_world(_trainer_ps_resumable, 3, str(tmp_path), 2, env={"PARLAY_NUM_PS": "1"})
+    out = run_world(_trainer_ps_resumable, 4, str(tmp_path), None, timeout=60,
+                    env={"PARLAY_NUM_PS": "2"}, return_exceptions=True)
+    for server in out[:2]:
+        assert "failed (it raised an error)" in str(server)
+    for worker in out[2:]:
+        assert "written by 2 rank(s): 1, 2; this run has 2 that checkpoint: 2, 3" in str(worker)
+        assert "did the number of parameter servers change" in str(worker)
+
+
 def _no_mode():
     try:
         parlay.Trainer(_build, _dataset(), batch_size=BATCH, progress=False)  # mode left out

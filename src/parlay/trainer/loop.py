@@ -67,8 +67,12 @@ class Trainer:
         self.last_step: StepResult | None = None
         self._it: Any = None
         self._stopped = False
-        self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
-                                       self._say)
+        try:
+            self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
+                                           self._say)
+        except BaseException as e:  # e.g. a checkpoint this layout cannot resume
+            self.strategy.abort(e)  # parameter servers hear it now, not at their timeout
+            raise
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)  # as resumed
         self.metrics = self._start_metrics()
         self.evaluation = Evaluation(self.strategy, self._metric_fn, cfg.validation_dataset,
