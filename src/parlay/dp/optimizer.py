@@ -25,53 +25,12 @@ from parlay.dp.shard_units import check_level, clip_chunks_, plan_units
 from parlay.dp import checks
 from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
+from parlay.dp.wrapped import WrappedOptimizer
 from parlay.errors import ConfigError
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer"]
 
 _MB = 1024 * 1024
-
-
-def _shared(name: str) -> Any:
-    """The wrapped optimizer's ``name`` container, seen (and replaced) through the wrapper,
-    so schedulers, GradScaler and user code that edit it see one truth, even after the wrapped
-    optimizer's ``load_state_dict`` rebuilt it. Before a wrapped optimizer is attached (inside
-    ``torch.optim.Optimizer.__init__``) the wrapper keeps its own."""
-    own = f"_own_{name}"
-
-    def get(self: Any) -> Any:
-        inner = self.__dict__.get("_opt")
-        return getattr(inner, name) if inner is not None else self.__dict__[own]
-
-    def set_(self: Any, value: Any) -> None:
-        inner = self.__dict__.get("_opt")
-        if inner is not None:
-            setattr(inner, name, value)
-        else:
-            self.__dict__[own] = value
-
-    return property(get, set_, doc=f"The wrapped optimizer's ``{name}``.")
-
-
-class WrappedOptimizer(torch.optim.Optimizer):
-    """A torch optimizer around ``optimizer`` whose ``param_groups``, ``state`` and
-    ``defaults`` are the wrapped optimizer's, so LR schedulers, ``torch.amp.GradScaler`` and
-    hooks work on the wrapper unchanged (:class:`DistributedOptimizer`,
-    :class:`~parlay.local.diloco.DiLoCoOptimizer`)."""
-
-    param_groups = _shared("param_groups")
-    state = _shared("state")
-    defaults = _shared("defaults")
-
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        # torch's own __init__ sets up what every optimizer has (the step and state-dict hook
-        # registries, the profiled step) in whatever form this torch version keeps them. It
-        # needs one parameter group: an empty placeholder, dropped once the wrapped optimizer
-        # is attached and param_groups, state and defaults become its containers.
-        super().__init__([{"params": []}], {})
-        self._opt = optimizer
-        for name in ("param_groups", "state", "defaults"):
-            self.__dict__.pop(f"_own_{name}", None)
 
 
 class DistributedOptimizer(WrappedOptimizer):

@@ -32,7 +32,7 @@ from parlay._validate import check_int
 from parlay.compress.base import (CommStats, Compressor, RoundsHandle, get_compressor,
                                   reduce_async)
 from parlay.dp.hierarchical import make_reducer
-from parlay.dp.optimizer import WrappedOptimizer
+from parlay.dp.wrapped import WrappedOptimizer
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.nonfinite import all_finite
 
