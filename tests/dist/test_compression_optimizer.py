@@ -166,3 +166,24 @@ def test_powersgd_gets_the_per_tensor_layout_from_the_optimizer():
     # Buckets list parameters last layer first; (4, 32) is too small for rank 2 to pay.
     assert mats == [(32, 32), (32, 20)]
     assert sum(dense) == 4 * 32 + 4 + 32 + 32
+
+
+def _two_optimizers(shared: bool):
+    # A GAN-like pair of models and optimizers; one compressor object given to both, or one each.
+    rank = parlay.rank()
+    a, b = _model(), _model()
+    b[0].weight.data.mul_(-2.0)  # other gradients than a's
+    comps = [parlay.compression.TopK(0.1)] * 2 if shared else \
+        [parlay.compression.TopK(0.1), parlay.compression.TopK(0.1)]
+    opts = [parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=m.named_parameters(), compression=c)
+            for m, c in zip((a, b), comps)]
+    for m, opt in zip((a, b), opts):
+        _run(m, opt, 3, rank=rank)
+    return [p.detach().clone() for m in (a, b) for p in m.parameters()]
+
+
+def test_one_compressor_object_given_to_two_optimizers_keeps_their_state_apart():
+    shared, own = run_world(_two_optimizers, WORLD, True), run_world(_two_optimizers, WORLD, False)
+    for s, o in zip(shared, own):
+        assert all(torch.equal(x, y) for x, y in zip(s, o))

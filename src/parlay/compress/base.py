@@ -38,6 +38,8 @@ The contract every caller may rely on (stable API):
 """
 from __future__ import annotations
 
+import copy
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Compressor", "NoneCompressor", "register", "get_compressor", "available",
            "reduce_async", "CommStats", "has_rounds", "AllOf", "Rounds", "RoundsHandle",
-           "local_round_trip", "reusable", "Round"]
+           "local_round_trip", "reusable", "Round", "own_compressor"]
 
 
 @dataclass(frozen=True)
@@ -249,6 +251,22 @@ def get_compressor(spec: str | Compressor | None) -> Compressor:
 
 
 register("none", NoneCompressor)
+
+# id(compressor) -> the live optimizer that uses it (see own_compressor)
+_OWNERS: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+
+
+def own_compressor(spec: str | Compressor | None, owner: Any) -> Compressor:
+    """:func:`get_compressor` for ``owner`` (an optimizer). A compressor object another live
+    optimizer already uses is copied: compressors keep per-bucket state (residuals, scales)
+    under keys every optimizer names alike (``"bucket0"``), so one object shared by two
+    optimizers (a GAN's, say) would mix their state."""
+    comp = get_compressor(spec)
+    other = _OWNERS.get(id(comp))
+    if other is not None and other is not owner:
+        comp = copy.deepcopy(comp)
+    _OWNERS[id(comp)] = owner
+    return comp
 
 
 @dataclass

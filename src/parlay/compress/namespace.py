@@ -18,6 +18,7 @@ from parlay.compress.auto import AutoCompressor
 from parlay.compress.base import ClassOrInstance, NoneCompressor
 from parlay.compress.cast import BF16, FP16
 from parlay.compress.powersgd import PowerSGD
+from parlay.compress.quant import Int8
 from parlay.compress.sparse import RandomK, TopK
 
 __all__ = ["Compression", "NoneCompressor", "FP16Compressor"]
@@ -44,7 +45,8 @@ class FP16Compressor(FP16):
 
 class Compression:
     """Compressors by name: ``none`` and ``fp16`` (as in Horovod), ``bf16``, ``topk``,
-    ``randomk``, ``powersgd`` and ``auto`` (the last five in ``DistributedOptimizer`` only)."""
+    ``randomk``, ``powersgd``, ``int8`` and ``auto`` (the last six in ``DistributedOptimizer``
+    only)."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
@@ -52,4 +54,5 @@ class Compression:
     topk = TopK
     randomk = RandomK
     powersgd = PowerSGD
+    int8 = Int8
     auto = AutoCompressor

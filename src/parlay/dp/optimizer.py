@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from parlay import comm
-from parlay.compress.base import CommStats, Compressor, NoneCompressor, get_compressor
+from parlay.compress.base import CommStats, Compressor, NoneCompressor, own_compressor
 from parlay.dp.buckets import BucketPlan, ParamInfo
 from parlay.dp.hierarchical import HierarchicalReducer, host_topology, make_reducer
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
@@ -114,7 +114,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self.average_aggregated_gradients = bool(average_aggregated_gradients)
         self.process_group = process_group
         self.overlap = bool(overlap)
-        self.compression: Compressor = get_compressor(compression)
+        self.compression: Compressor = own_compressor(compression, self)
         #: The shard level (``None``: every rank holds the whole state).
         self.shard = check_level(shard, self.compression, optimizer)
         self._world = comm.group_size(process_group)

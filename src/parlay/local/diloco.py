@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay._validate import check_int
-from parlay.compress.base import (CommStats, Compressor, RoundsHandle, get_compressor,
+from parlay.compress.base import (CommStats, Compressor, RoundsHandle, own_compressor,
                                   reduce_async)
 from parlay.dp.hierarchical import make_reducer
 from parlay.dp.wrapped import WrappedOptimizer
@@ -147,7 +147,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
         self.on_nonfinite = on_nonfinite
-        self.compression: Compressor = get_compressor(compression)
+        self.compression: Compressor = own_compressor(compression, self)
         self.group = process_group
         self.world = comm.group_size(process_group) if dist.is_initialized() else 1
         self._reducer = make_reducer(hierarchical, process_group, self.compression, self.world)
