@@ -318,3 +318,17 @@ def test_ranks_creating_and_clearing_the_same_run_concurrently_never_fail(tmp_pa
                     for r in range(ranks)]
             assert [j.get(timeout=120) for j in jobs] == [rounds] * ranks
     assert not (tmp_path / "race").exists()
+
+
+def test_snapshots_of_the_run_id_under_another_recipe_are_named_not_silently_left(
+        tmp_path, caplog):
+    old = SnapshotStore("job-0123456789ab", 0, root=tmp_path, live=True)
+    old.save(3, _state(3))
+    old.close()
+    with caplog.at_level("WARNING", logger="parlay"):
+        new = SnapshotStore("job-ba9876543210", 0, root=tmp_path, live=True)
+        other_rank = SnapshotStore("job-ba9876543210", 1, root=tmp_path, live=True)
+    warned = [r.getMessage() for r in caplog.records if "another configuration" in r.getMessage()]
+    assert len(warned) == 1 and str(tmp_path / "job-0123456789ab" / "rank0") in warned[0]
+    assert new.latest() is None and old.directory.is_dir()  # not used, not deleted
+    new.close(), other_rank.close()

@@ -36,7 +36,8 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no owner files, nothing swept
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "hold_live", "default_root"]
+__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "hold_live", "default_root",
+           "other_recipes"]
 
 log = logging.getLogger("parlay")
 
@@ -151,6 +152,17 @@ def hold(root: Path, key: str) -> int:
         os.close(fd)
         return -1
     return fd
+
+
+def other_recipes(root: Path, key: str, rank: int) -> list[Path]:
+    """This rank's snapshot folders of the same run id as ``key`` but another recipe (another
+    digest of :func:`~parlay.snapshot.resume.run_key`): a job of this recipe cannot resume
+    them."""
+    name = _run_of(key)
+    if name is None or not root.is_dir():
+        return []
+    return [d / f"rank{int(rank)}" for d in _folders(root, name)
+            if d.name != key and any((d / f"rank{int(rank)}").glob("*"))]
 
 
 def live_path(root: Path, key: str, rank: int) -> Path:

@@ -50,7 +50,7 @@ from parlay.statefile import read_atomic
 from parlay.integrity import tensor_crc
 from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
-from parlay.snapshot.owner import default_root, hold, hold_live, live_path
+from parlay.snapshot.owner import default_root, hold, hold_live, live_path, other_recipes
 
 __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
@@ -106,6 +106,11 @@ class SnapshotStore:
             except OSError as e:
                 raise CheckpointError(f"cannot create snapshot folder {self.root}: {e}. Hint: "
                                       "set PARLAY_SNAPSHOT_DIR to a writable folder.") from e
+            for old in other_recipes(self.root, key, self.rank):
+                log.warning("rank %d: in-memory snapshots of this run id taken with another "
+                            "configuration (model, batch size, world size or data) are in %s; "
+                            "this job cannot resume them and does not use them. Remove them, "
+                            "or relaunch with the configuration that wrote them.", self.rank, old)
         self._make_folder()
         self._owner_fd = hold(self.root, key)  # a sweep leaves this run alone while it is held
         for stale in self.directory.glob(".*.tmp*"):
