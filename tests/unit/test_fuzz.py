@@ -132,8 +132,8 @@ def test_compression_spec(spec: str) -> None:
     except ConfigError:
         return
     assert isinstance(comp, Compressor)
-    # What the parser accepts must work on a gradient (PowerSGD refuses a single round with
-    # a ConfigError: it needs its two collectives).
+    # What the parser accepts must work on a gradient (PowerSGD and int8 refuse a single round
+    # with a ConfigError: they need their two collectives).
     flat = torch.linspace(-1.0, 1.0, 64)
     try:
         payload, ctx = comp.compress(flat.clone(), "fuzz")

@@ -27,6 +27,7 @@ import torch
 
 from parlay.compress.base import Compressor, Round, register, reusable
 from parlay.compress.feedback import Residuals, parse_options
+from parlay.errors import ConfigError
 
 __all__ = ["Int8"]
 
@@ -91,6 +92,11 @@ class Int8(Compressor):
 
     def decompress(self, payload: list[torch.Tensor], ctx: Any,
                    out: torch.Tensor | None = None) -> torch.Tensor:
+        if not (ctx.quantised or ctx.fallback):
+            raise ConfigError("int8 needs its two collective rounds (the shared scale, then the "
+                              "values): reduce it with parlay.compress.reduce_async, not with "
+                              "compress/decompress alone (e.g. parameter-server pushes). Hint: "
+                              "use 'fp16', 'bf16' or 'topk' there.")
         t = payload[0]
         out = out.copy_(t) if reusable(out, t.shape, ctx.dtype, t.device) else t.to(ctx.dtype)
         return out.mul_(ctx.scale) if ctx.quantised else out
