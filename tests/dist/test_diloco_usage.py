@@ -112,7 +112,8 @@ def _nan_replica():
 
 
 def test_a_replica_that_goes_nonfinite_is_named_by_its_own_rank():
-    rank, msg = run_world(_nan_replica, 2, return_exceptions=True)[1]
+    # rank 0 waits at its next sync for rank 1, which raised: it fails at the comm timeout
+    rank, msg = run_world(_nan_replica, 2, return_exceptions=True, comm_timeout=5)[1]
     assert rank == 1 and "rank 1" in msg
 
 
