@@ -118,18 +118,21 @@ def test_resuming_with_another_server_count_is_refused_on_every_rank_at_once(tmp
         assert "did the number of parameter servers change" in str(worker)
 
 
-def _no_mode():
+def _no_mode(mode):
+    kw = {} if mode is None else {"mode": mode}  # None: mode left out
     try:
-        parlay.Trainer(_build, _dataset(), batch_size=BATCH, progress=False)  # mode left out
+        parlay.Trainer(_build, _dataset(), batch_size=BATCH, progress=False, **kw)
     except parlay.ConfigError as e:
         return str(e)
     return None
 
 
-def test_a_job_launched_with_servers_needs_mode_ps():
+@pytest.mark.parametrize("mode", [None, "hybrid", "diloco"])
+def test_a_job_launched_with_servers_needs_mode_ps(mode):
     # the server rank used to train as a third data-parallel replica, silently
-    for msg in run_world(_no_mode, 3, env={"PARLAY_NUM_PS": "1"}):
+    for msg in run_world(_no_mode, 3, mode, env={"PARLAY_NUM_PS": "1"}):
         assert msg is not None and "parameter servers" in msg and "mode='ps'" in msg
+        assert "launch without --ps" in msg
 
 
 def _raising_worker():

@@ -68,10 +68,7 @@ class WholeModelStrategy(StepTemplate):
     def _place(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor]) -> nn.Module:
         """Put the model on this rank's device, identical on every rank (rank 0's weights,
         even if the ranks built it with different seeds)."""
-        if runtime.is_initialized() and runtime.cluster().num_ps:  # as mode "hybrid" refuses
-            raise ConfigError(f"mode {self.name!r} does not use parameter servers, but the job "
-                              f"was launched with {runtime.cluster().num_ps} (--ps). Hint: "
-                              "Trainer(mode='ps'), or launch without --ps.")
+        self._refuse_servers()
         self._device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
         self.model = model.to(self._device)
         self._loss_fn = loss_fn

@@ -131,9 +131,7 @@ class HybridStrategy(StepTemplate):
     # ------------------------------------------------------------------ life cycle
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
-        if runtime.is_initialized() and runtime.cluster().num_ps:
-            raise ConfigError("mode 'hybrid' does not use parameter servers, but the cluster has "
-                              f"{runtime.cluster().num_ps}. Hint: launch without --ps.")
+        self._refuse_servers()
         self.pipe = Pipeline(model, loss_fn, stages=self.pp,
                              autocast_dtype=PRECISIONS[self.precision], **self.options)
         opt = self._new_optimizer(optimizer_cls, self.pipe.parameters(), optimizer_args)

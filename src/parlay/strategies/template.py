@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from parlay import comm
+from parlay import comm, runtime
 from parlay.errors import ConfigError
 from parlay.nonfinite import NonFiniteGuard, all_finite
 from parlay.strategies.base import Strategy
@@ -209,6 +209,18 @@ class StepTemplate(Strategy):
     Raises:
         ConfigError: Bad precision, clip value or loss scale.
     """
+
+    def _refuse_servers(self) -> None:
+        """A job launched with parameter servers (``parlay run --ps``) needs mode ``"ps"``: here
+        the server ranks would train as extra replicas.
+
+        Raises:
+            ConfigError: The cluster has parameter servers.
+        """
+        if runtime.is_initialized() and runtime.cluster().num_ps:
+            raise ConfigError(f"mode {self.name!r} does not use parameter servers, but the job "
+                              f"was launched with {runtime.cluster().num_ps} (--ps). Hint: "
+                              "Trainer(mode='ps'), or launch without --ps.")
 
     def __init__(self, precision: str, grad_clip: float | None, loss_scale: float | None,
                  scaler_group: Any = None, scaler_agree: bool = True) -> None:
