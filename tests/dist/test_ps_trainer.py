@@ -118,6 +118,29 @@ def test_resuming_with_another_server_count_is_refused_on_every_rank_at_once(tmp
         assert "did the number of parameter servers change" in str(worker)
 
 
+class _Unsized(torch.utils.data.Dataset):
+    def __getitem__(self, i):
+        return torch.zeros(5), torch.zeros(2)
+
+
+def _workers_data_refused():
+    data = _dataset() if parlay.rank() == 0 else _Unsized()  # a mistake on the workers only
+    try:
+        t = parlay.Trainer(_build, data, batch_size=BATCH, progress=False, mode="ps")
+        while not t.should_stop():  # servers serve here
+            t.train_on_batch()
+    except (parlay.ConfigError, parlay.CommError) as e:
+        return str(e)
+    return None
+
+
+def test_a_worker_failing_after_the_servers_started_is_named_by_them_at_once():
+    server, *workers = run_world(_workers_data_refused, 3, env={"PARLAY_NUM_PS": "1"},
+                                 timeout=40)
+    assert all("map-style Dataset" in w for w in workers)
+    assert "failed (it raised an error)" in server
+
+
 def _no_mode(mode):
     kw = {} if mode is None else {"mode": mode}  # None: mode left out
     try:

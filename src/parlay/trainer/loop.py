@@ -63,16 +63,20 @@ class Trainer:
             **(cfg.strategy_options or {}))
         self.strategy.guard = NonFiniteGuard(cfg.nonfinite)  # strategies that check steps use it
         model = self._build_model()
+        try:
+            self._start(cfg, model)
+        except BaseException as e:  # e.g. a checkpoint this layout cannot resume: the ranks
+            self.strategy.abort(e)  # that wait on this one (parameter servers) hear it now
+            raise
+
+    def _start(self, cfg: TrainerConfig, model: nn.Module) -> None:
+        """What construction does once the strategy is set up: data, resume, metrics."""
         self._build_data(cfg.training_dataset)
         self.last_step: StepResult | None = None
         self._it: Any = None
         self._stopped = False
-        try:
-            self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
-                                           self._say)
-        except BaseException as e:  # e.g. a checkpoint this layout cannot resume
-            self.strategy.abort(e)  # parameter servers hear it now, not at their timeout
-            raise
+        self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
+                                       self._say)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)  # as resumed
         self.metrics = self._start_metrics()
         self.evaluation = Evaluation(self.strategy, self._metric_fn, cfg.validation_dataset,
