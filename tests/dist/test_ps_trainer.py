@@ -137,7 +137,11 @@ def _workers_data_refused():
 def test_a_worker_failing_after_the_servers_started_is_named_by_them_at_once():
     server, *workers = run_world(_workers_data_refused, 3, env={"PARLAY_NUM_PS": "1"},
                                  timeout=40)
-    assert all("map-style Dataset" in w for w in workers)
+    # a worker still in its first pull when the other's failure reaches the server hears of
+    # that failure instead of reaching its own data check; either way it is named, not a hang
+    assert any("map-style Dataset" in w for w in workers), workers
+    assert all("map-style Dataset" in w or "failed (it raised an error)" in w
+               for w in workers), workers
     assert "failed (it raised an error)" in server
 
 
