@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from parlay import runtime
 from parlay.horovod import collectives as c
-from parlay.horovod import scatter
+from parlay.horovod import joining, scatter
 from parlay.horovod.basics import HorovodInternalError, HorovodUnsupportedError
 from parlay.horovod.engine import Handle, Meta, Request
 from parlay.horovod.functions import allgather_async, global_root, horovod_compressor
@@ -278,9 +279,11 @@ def join(device: int = -1) -> int:
     other ranks' allreduces with zeros (averages still divide by the full size).
 
     Allgather, broadcast, alltoall and reducescatter fail on the other ranks while a rank has
-    joined. Covers operations of the global process set started through these functions (not
-    DistributedOptimizer's bucketed gradient reductions). A joined rank waits at most the
-    collective timeout (``PARLAY_TIMEOUT``) for the other ranks' next operation.
+    joined. Covers operations of the global process set started through these functions and
+    the gradient reductions of every ``DistributedOptimizer`` on the global set (see
+    :mod:`parlay.horovod.joining`; the joined rank's own weights stay as they were, as in
+    Horovod). A joined rank waits at most the collective timeout (``PARLAY_TIMEOUT``) for the
+    other ranks' next operation.
 
     Args:
         device: Accepted for Horovod compatibility (zeros are made on the tensors' device).
@@ -288,7 +291,7 @@ def join(device: int = -1) -> int:
     Returns:
         The global rank that joined last (the same on every rank).
     """
-    return c.target(global_process_set).drive(None)
+    return joining.mirrored_join(c.target(global_process_set), runtime.timeout().total_seconds())
 
 
 def poll(handle: Any) -> bool:

@@ -19,6 +19,7 @@ import torch
 from parlay.compress.base import Compressor, NoneCompressor, get_compressor
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
+from parlay.horovod import joining
 from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["DistributedOptimizer"]
@@ -217,12 +218,25 @@ class DistributedOptimizer(_BucketedOptimizer):
                          bucket_cap_mb=_bucket_cap_mb(bucket_cap_mb),
                          gradient_predivide_factor=gradient_predivide_factor,
                          process_group=process_group, **options)
+        if not local_only and process_group is None and self._buckets is not None:
+            joining.register(self)  # hvd.join() stands in for this rank's steps once joined
         if named is None:
             self._parameter_names = {p: f"allreduce.noname.{i}.{j}"
                                      for i, g in enumerate(optimizer.param_groups)
                                      for j, p in enumerate(g["params"])}
         else:
             self._parameter_names = {p: n for n, p in named}
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        joining.note_round(self)
+
+    def _mirror_round(self) -> None:
+        """A joined rank's stand-in for a step: the same reductions from zero gradients, the
+        result dropped (the weights stay; see :mod:`parlay.horovod.joining`)."""
+        self.zero_grad(set_to_none=True)
+        self.synchronize()
+        self._synchronized = False
 
     def _make_reducer(self, hierarchical: bool | str) -> Any:
         # Ranks outside the process set, and Adasum (which reduces updates in step()), keep

@@ -1,0 +1,144 @@
+"""``hvd.join()`` for ``DistributedOptimizer``: a joined rank takes part in the other ranks'
+gradient reductions with zeros, as in Horovod, so uneven numbers of steps per rank just work.
+
+The optimizer's bucketed reductions go straight to c10d, matched by call order, not through the
+name-matching engine. So while a rank is joined, a helper thread *mirrors* the optimizer the
+loop steps (the one stepped last; alone since the previous join, see :func:`_stepping`): it
+posts the same bucket reductions as a real step, from zero gradients, and drops the result
+(the joined rank's weights stay as they were, as in Horovod). The other ranks pay nothing for
+this: a step carries no extra flag. The calling thread meanwhile answers the engine's rounds
+(``allreduce`` of a metric, ``barrier``). Once the engine sees every rank joined, the ranks
+agree on the most reductions any rank posted (one max-allreduce), every mirror completes up to
+that count, and ``join`` returns. The mirror starts after a short grace period, so ranks that
+join together exchange nothing extra.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parlay.horovod.basics import HorovodInternalError
+from parlay.reduce_ops import ReduceOp
+
+__all__ = ["register", "note_round", "mirrored_join"]
+
+_GRACE_S = 0.05
+_clock = itertools.count(1)
+_live: list[weakref.ref[Any]] = []
+
+
+def register(opt: Any) -> None:
+    """Have ``hvd.join()`` consider ``opt`` (an optimizer on the global process set)."""
+    _live[:] = [r for r in _live if r() is not None]
+    _live.append(weakref.ref(opt))
+    opt._join_rounds = (0, 0)
+
+
+def note_round(opt: Any) -> None:
+    """``opt`` reduced its gradients: remember the first and last time since the last join."""
+    now = next(_clock)
+    first, _ = getattr(opt, "_join_rounds", (0, 0))
+    opt._join_rounds = (first or now, now)
+
+
+def _stepping(opts: list[Any]) -> Any | None:
+    """The optimizer to mirror: the one stepped last, if no other stepped since its first
+    step after the previous join (two optimizers stepped in turn cannot be told apart from
+    their order here, so neither is mirrored). Without steps, the one created last."""
+    stepped = [o for o in opts if o._join_rounds[1]]
+    if not stepped:
+        return opts[-1] if opts else None
+    cur = max(stepped, key=lambda o: o._join_rounds[1])
+    if any(o is not cur and o._join_rounds[1] > cur._join_rounds[0] for o in stepped):
+        return None
+    return cur
+
+
+class _Mirror:
+    """The helper thread: mirror rounds until told how many the optimizer must reach."""
+
+    def __init__(self, opt: Any) -> None:
+        self.opt = opt
+        self.real = self.posted = opt._steps  # reductions posted on this rank so far
+        self.target: int | None = None        # set once every rank joined
+        self.hold = False
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="parlay-hvd-join")
+        self.thread.start()
+
+    def _claim(self) -> bool:
+        with self.cond:
+            self.cond.wait_for(lambda: not self.hold or self.target is not None)
+            if self.target is not None and self.posted >= self.target:
+                return False
+            self.posted += 1
+            return True
+
+    def _run(self) -> None:
+        try:
+            with self.cond:  # ranks that join together agree before any round is needed
+                self.cond.wait_for(lambda: self.hold, timeout=_GRACE_S)
+            while self._claim():
+                self.opt._mirror_round()
+        except BaseException as e:  # noqa: BLE001 - re-raised by the joining thread
+            self.error = e
+
+    def agree(self, group: Any, rank: int, size: int) -> list[int]:
+        """Every rank joined: stop claiming rounds, agree on the count, finish up to it.
+        Returns every rank's number of real steps (before it joined)."""
+        with self.cond:
+            self.hold = True
+            mine = [self.posted] + [self.real if r == rank else 0 for r in range(size)]
+        counts = torch.tensor(mine, dtype=torch.int64, device=group.control_device())
+        group.all_reduce(counts, int(ReduceOp.Max))
+        got = counts.tolist()
+        with self.cond:
+            self.target = got[0]
+            self.cond.notify_all()
+        return got[1:]
+
+
+def mirrored_join(engine: Any, timeout_s: float) -> int:
+    """Run the engine's join while mirroring the stepping optimizer; return the last joined
+    rank.
+
+    Raises:
+        HorovodInternalError: The optimizer is sharded, or a mirrored reduction failed.
+    """
+    gc.collect()  # optimizers no longer reachable are gone on every rank alike
+    opts = [o for o in (r() for r in _live) if o is not None]
+    opt = _stepping(opts)
+    for o in opts:
+        o._join_rounds = (0, 0)
+    if opt is None or opt._buckets is None:
+        return int(engine.drive(None))
+    if opt.shard:
+        raise HorovodInternalError(
+            "hvd.join() cannot stand in for a sharded DistributedOptimizer (shard=...): every "
+            "rank must step it, since each holds a part of the state. Hint: give every rank the "
+            "same number of steps (parlay.data's sampler with drop_last), or drop shard=.",
+            op="join")
+    mirror = _Mirror(opt)
+    last = int(engine.drive(None))
+    # Ranks that only stepped never ran an engine round before joining, so the engine may not
+    # know who joined last: the rank with the most real steps did (the engine's pick on ties).
+    ranks = engine.global_ranks
+    real = mirror.agree(engine.group, ranks.index(dist.get_rank()), engine.size)
+    if real[ranks.index(last)] < max(real):
+        last = ranks[max(r for r, n in enumerate(real) if n == max(real))]
+    mirror.thread.join(timeout_s)
+    opt._join_rounds = (0, 0)
+    if mirror.error is not None:
+        raise HorovodInternalError(f"hvd.join(): mirroring the optimizer's reductions failed: "
+                                   f"{mirror.error}", op="join") from mirror.error
+    if mirror.thread.is_alive():
+        raise HorovodInternalError(f"hvd.join(): the optimizer's last reductions did not finish "
+                                   f"within {timeout_s:.0f} s", op="join")
+    return last
