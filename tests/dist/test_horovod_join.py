@@ -14,7 +14,6 @@ from parlay.testing import run_world
 pytestmark = pytest.mark.timeout(120)
 
 TOL = dict(rtol=1e-10, atol=1e-10)
-ENV = {"PARLAY_TIMEOUT": "20"}
 
 
 def _model() -> nn.Module:
@@ -72,7 +71,7 @@ def _reference(world: int, rank: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("metric", [False, True])
 def test_joined_ranks_stand_in_for_the_optimizer_with_zeros(metric):
-    out = run_world(_uneven, 3, None, metric, env=ENV)
+    out = run_world(_uneven, 3, None, metric, comm_timeout=20)
     assert [o[0] for o in out] == [2, 2, 2]  # rank 2 took the most steps
     for rank, (_, after, _) in enumerate(out):
         for got, want in zip(after, _reference(3, rank)):
@@ -84,7 +83,7 @@ def test_joined_ranks_stand_in_for_the_optimizer_with_zeros(metric):
 
 @pytest.mark.parametrize("compression", ["fp16", "powersgd:1"])
 def test_join_mirrors_compressed_and_two_round_reductions(compression):
-    out = run_world(_uneven, 3, compression, True, env=ENV)
+    out = run_world(_uneven, 3, compression, True, comm_timeout=20)
     assert [o[0] for o in out] == [2, 2, 2]
     assert all(torch.isfinite(p).all() for _, after, again in out for p in after + again)
     if compression == "fp16":  # the same rule, up to fp16's rounding of the gradients
@@ -116,7 +115,7 @@ def _two_optimizers(uneven: bool):
 
 @pytest.mark.parametrize("uneven", [False, True])
 def test_join_stands_in_for_the_optimizer_being_stepped(uneven):
-    out = run_world(_two_optimizers, 3, uneven, env=ENV)
+    out = run_world(_two_optimizers, 3, uneven, comm_timeout=20)
     assert [o[0] for o in out] == ([2, 2, 2] if uneven else [out[0][0]] * 3)
     if not uneven:  # the ranks stepped together: their weights agree
         for _, w in out[1:]:
@@ -138,5 +137,33 @@ def _sharded():
 
 
 def test_join_refuses_a_sharded_optimizer_by_name():
-    for msg in run_world(_sharded, 2, env=ENV):
+    for msg in run_world(_sharded, 2, comm_timeout=20):
         assert msg is not None and "sharded DistributedOptimizer" in msg and "Hint" in msg
+
+
+def _active_rank_leaves():
+    import parlay.horovod as hvd
+
+    r = hvd.rank()
+    model = _model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters())
+    hvd.allreduce(torch.zeros(1), name="warm-up")  # the engine's group is connected
+    for s in range(3 if r == 0 else 1):
+        opt.zero_grad()
+        x, y = _batch(s, r)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+    if r == 0:
+        return "left without joining"  # its process ends: the joined rank must hear of it
+    try:
+        hvd.join()
+    except hvd.HorovodInternalError as e:
+        return str(e)
+    return None
+
+
+def test_a_joined_rank_hears_of_a_rank_that_left_instead_of_hanging():
+    left, joined = run_world(_active_rank_leaves, 2, comm_timeout=5, timeout=60)
+    assert left == "left without joining"
+    assert joined is not None and "rank" in joined

@@ -90,6 +90,11 @@ class _Mirror:
         except BaseException as e:  # noqa: BLE001 - re-raised by the joining thread
             self.error = e
 
+    def stop(self) -> None:
+        with self.cond:
+            self.hold, self.target = True, self.posted
+            self.cond.notify_all()
+
     def agree(self, group: Any, rank: int, size: int) -> list[int]:
         """Every rank joined: stop claiming rounds, agree on the count, finish up to it.
         Returns every rank's number of real steps (before it joined)."""
@@ -126,7 +131,11 @@ def mirrored_join(engine: Any, timeout_s: float) -> int:
             "same number of steps (parlay.data's sampler with drop_last), or drop shard=.",
             op="join")
     mirror = _Mirror(opt)
-    last = int(engine.drive(None))
+    try:
+        last = int(engine.drive(None))
+    except BaseException:
+        mirror.stop()  # no further rounds: a later join() starts a mirror of its own
+        raise
     # Ranks that only stepped never ran an engine round before joining, so the engine may not
     # know who joined last: the rank with the most real steps did (the engine's pick on ties).
     ranks = engine.global_ranks
