@@ -91,8 +91,11 @@ def test_plan_recommends_a_shard_level(capsys) -> None:
     out = capsys.readouterr().out
     assert "shard levels on 4 data-parallel ranks" in out and "1.49x" in out  # 1 + 0.5 * 98/100
     assert "shard: 'gradients'" in out and "shard='gradients'" in out
-    assert main([*PLAN, "--memory-per-rank", "1GiB", "--optimizer", "sgd"]) == 0
+    # nothing fits: the table and the hint print, and the exit status says so (scripts)
+    assert main([*PLAN, "--memory-per-rank", "1GiB", "--optimizer", "sgd"]) == 1
     assert "error: nothing fits 1 GiB" in capsys.readouterr().out
+    assert main([*PLAN, "--json", "--memory-per-rank", "1GiB", "--optimizer", "sgd"]) == 1
+    assert json.loads(capsys.readouterr().out)["shard"]["recommendation"] is None
     assert main(PLAN) == 0
     assert "shard" not in capsys.readouterr().out  # the default output is unchanged
     assert main([*PLAN, "--memory-per-rank", "lots"]) == 2

@@ -12,7 +12,8 @@ for GPUs). Constants are calibrated on first use (a few seconds) and cached; ``-
 measures again, ``--no-calibrate`` uses built-in defaults. Configurations are ranked by time to
 accuracy: step time x the compressor's measured convergence factor (:func:`advise.excluded`
 says why one is never recommended). Inputs outside :data:`LIMITS` are refused with one line
-(exit status 2): no model, link or cluster is that size.
+(exit status 2): no model, link or cluster is that size. Exit status 1: ``--memory-per-rank``
+was given and no shard level fits it (the table and the hint still print).
 """
 from __future__ import annotations
 
@@ -105,7 +106,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     z = p.add_argument_group("sharded data parallel (DistributedOptimizer(shard=...))")
     z.add_argument("--memory-per-rank", help="memory a rank has for parameters, gradients and "
                    "optimizer state, e.g. 8GiB, 512MB: prices the shard levels on the flat "
-                   "ring of every rank and recommends the lowest that fits")
+                   "ring of every rank and recommends the lowest that fits (exit status 1 "
+                   "when none does)")
     z.add_argument("--optimizer", help="torch.optim name and options, e.g. adam, "
                    "sgd:momentum=0.9 (default adam): its state per parameter is measured")
     z.add_argument("--shard", action="store_true",
@@ -318,13 +320,14 @@ def _plan(ns: argparse.Namespace) -> int:
     if ns.optimizer is None and (memory is not None or ns.shard or ns.json):
         notes.append("shard levels: Adam's state assumed (2 tensors per parameter); pass "
                      "--optimizer")
+    fits = int(memory is not None and all(lv.memory_bytes > memory for lv in levels))
     if ns.json:
         best = next(p for p in sync or ranked if math.isfinite(p.to_accuracy_s))
         print(json.dumps({"recommendation": _doc(best), "why": why, "excluded": left_out,
                           "notes": notes, "predictions": [_doc(p) for p in ranked],
                           "diloco": dl,
                           "shard": shard_doc(levels, k, memory, cluster.world)}))
-        return 0
+        return fits
     print(f"parlay plan: {workload.params:,.0f} parameters, batch {workload.batch} per rank, "
           f"compute {format_seconds(workload.compute_s)} per step; {cluster.nodes} host(s) x "
           f"{cluster.ranks_per_node} rank(s), {format_bandwidth(cluster.inter.bandwidth_bps)}, "
@@ -341,7 +344,7 @@ def _plan(ns: argparse.Namespace) -> int:
     if memory is not None or ns.shard:
         print(f"\n{_shard_table(levels, memory, cluster.world, k)}")
     print(f"({len(ranked)} configurations in {time.perf_counter() - t0:.2f} s)")
-    return 0
+    return fits
 
 
 def _shard_table(levels: list[ShardLevel], memory: float | None, world: int, k: float) -> str:
