@@ -334,3 +334,22 @@ def test_sparse_gradients_with_sparse_adam(use_base, views):
         opt.step()
     for w in out:
         torch.testing.assert_close(w, emb.weight.detach(), **TOL)
+
+
+def _two_passes_before_step():
+    model = _model()
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x, y = _data(parlay.size())
+    nn.functional.mse_loss(model(x[0]), y[0]).backward()
+    try:
+        nn.functional.mse_loss(model(x[1]), y[1]).backward()  # a second pass, passes=1
+    except parlay.ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_a_pass_beyond_backward_passes_per_step_is_refused_not_lost():
+    # it used to warn and drop the pass's gradient; Horovod raises too
+    for msg in run_world(_two_passes_before_step, 2):
+        assert msg is not None and "backward_passes_per_step=1" in msg
+        assert "would be lost" in msg and "no_sync()" in msg

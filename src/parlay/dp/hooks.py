@@ -10,7 +10,6 @@ this small state object; the collective itself is a :class:`Reducer`.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -19,6 +18,7 @@ import torch
 from parlay import comm
 from parlay.compress.base import CommStats, Compressor, reduce_async
 from parlay.dp.buckets import Bucket, BucketPlan
+from parlay.errors import ConfigError
 
 __all__ = ["Reducer", "FlatReducer", "LocalReducer", "GradientBuckets", "zero_grad_of"]
 
@@ -140,14 +140,13 @@ class GradientBuckets:
         self._delay[i] -= 1
         if self._delay[i] > 0:
             return
-        if self._delay[i] < 0 or self._filled[i]:
-            warnings.warn(
+        if self._delay[i] < 0 or self._filled[i]:  # raised, as Horovod does: it would be lost
+            raise ConfigError(
                 f"gradient of {self.names[i]!r} was computed more than backward_passes_per_step="
-                f"{self.passes} times before optimizer.step(); the extra pass is added locally "
-                "after communication started and is lost. Hint: raise backward_passes_per_step, "
-                "call step() after each group of passes, or run the extra passes inside "
-                "optimizer.no_sync().", stacklevel=3)
-            return
+                f"{self.passes} times before optimizer.step(); its reduction had started, so "
+                "the extra pass would be lost. Hint: raise backward_passes_per_step, call "
+                "step() after each group of passes, or run the extra passes inside "
+                "optimizer.no_sync().")
         self._fill(i)
         self._ready[self.plan.where[i][0]] += 1
         if self.overlap:

@@ -130,7 +130,8 @@ class DistributedOptimizer(_BucketedOptimizer):
 
     Horovod's ``hvd.DistributedOptimizer``: gradient hooks start fused, asynchronous
     reductions during backward and ``step()`` waits for them; ``synchronize()`` and
-    ``skip_synchronize()`` work as in Horovod, as do its misuse warnings.
+    ``skip_synchronize()`` work as in Horovod, as do its misuse warnings and its error for a
+    backward pass beyond ``backward_passes_per_step`` before ``step()``.
 
     Args:
         optimizer: The optimizer to wrap.
