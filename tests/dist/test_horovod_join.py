@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import parlay
 from parlay.testing import run_world
 
 pytestmark = pytest.mark.timeout(120)
@@ -167,3 +168,36 @@ def test_a_joined_rank_hears_of_a_rank_that_left_instead_of_hanging():
     left, joined = run_world(_active_rank_leaves, 2, comm_timeout=5, timeout=60)
     assert left == "left without joining"
     assert joined is not None and "rank" in joined
+
+
+def _in_turn():
+    import warnings
+
+    import parlay.horovod as hvd
+
+    r = hvd.rank()
+    a, b = _model(), _model()
+    oa = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1), a.named_parameters())
+    ob = hvd.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.1), b.named_parameters())
+    try:
+        for s in range(3 if r == 0 else 1):  # a GAN's two optimizers, stepped in turn
+            for model, opt in ((a, oa), (b, ob)):
+                x, y = _batch(s, r)
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            hvd.join()
+    except (hvd.HorovodInternalError, parlay.CommError) as e:
+        return str(e), [str(m.message) for m in w] if r else []
+    return None
+
+
+def test_join_does_not_guess_between_optimizers_stepped_in_turn():
+    # mirroring the wrong one collided with the other rank's reductions (gloo abort); now the
+    # joined rank says why it cannot stand in, and both ranks fail within the timeout
+    active, joined = run_world(_in_turn, 2, comm_timeout=5, timeout=60)
+    assert active is not None and joined is not None
+    assert "cannot tell which" in joined[0] and "stepped in turn" in joined[0]
+    assert any("cannot tell which" in m for m in joined[1])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -37,36 +38,56 @@ def register(opt: Any) -> None:
     """Have ``hvd.join()`` consider ``opt`` (an optimizer on the global process set)."""
     _live[:] = [r for r in _live if r() is not None]
     _live.append(weakref.ref(opt))
-    opt._join_rounds = (0, 0)
 
 
 def note_round(opt: Any) -> None:
-    """``opt`` reduced its gradients: remember the first and last time since the last join."""
+    """``opt`` reduced its gradients: remember its first and last round and how many."""
     now = next(_clock)
-    first, _ = getattr(opt, "_join_rounds", (0, 0))
-    opt._join_rounds = (first or now, now)
+    first, _, n = getattr(opt, "_join_rounds", (0, 0, 0))
+    opt._join_rounds = (first or now, now, n + 1)
+
+
+def _rounds(opt: Any) -> tuple[int, int, int]:
+    return getattr(opt, "_join_rounds", (0, 0, 0))
 
 
 def _stepping(opts: list[Any]) -> Any | None:
-    """The optimizer to mirror: the one stepped last, if no other stepped since its first
-    step after the previous join (two optimizers stepped in turn cannot be told apart from
-    their order here, so neither is mirrored). Without steps, the one created last."""
-    stepped = [o for o in opts if o._join_rounds[1]]
+    """The optimizer the loop steps, or ``None`` where this rank's history cannot tell.
+
+    The only one; else the only one ever stepped; else the one stepped last, if it stepped at
+    least twice and every other one's rounds all came before its first (phases of training).
+    Optimizers stepped in turn (a GAN), or several of which none (or one, once) stepped here,
+    are not guessed: mirroring the wrong one would collide with the other ranks' reductions.
+    """
+    if len(opts) <= 1:
+        return opts[0] if opts else None
+    stepped = [o for o in opts if _rounds(o)[2]]
+    if len(stepped) == 1:
+        return stepped[0]
     if not stepped:
-        return opts[-1] if opts else None
-    cur = max(stepped, key=lambda o: o._join_rounds[1])
-    if any(o is not cur and o._join_rounds[1] > cur._join_rounds[0] for o in stepped):
         return None
-    return cur
+    cur = max(stepped, key=lambda o: _rounds(o)[1])
+    first, _, n = _rounds(cur)
+    if n >= 2 and all(_rounds(o)[1] < first for o in stepped if o is not cur):
+        return cur
+    return None
+
+
+_UNSURE = ("hvd.join() cannot tell which of this rank's {n} DistributedOptimizers the other "
+           "ranks step ({why}), so it does not stand in for their reductions: if another rank "
+           "still steps, both wait until the collective timeout. Hint: give every rank the "
+           "same number of steps (parlay.data's sampler with drop_last), or step one "
+           "optimizer per loop.")
 
 
 class _Mirror:
-    """The helper thread: mirror rounds until told how many the optimizer must reach."""
+    """The helper thread: mirror rounds of ``opt`` (none if ``None``) until told how many it
+    must reach."""
 
-    def __init__(self, opt: Any) -> None:
+    def __init__(self, opt: Any, steps: int) -> None:
         self.opt = opt
-        self.real = self.posted = opt._steps  # reductions posted on this rank so far
-        self.target: int | None = None        # set once every rank joined
+        self.real = self.posted = steps  # reductions posted on this rank so far
+        self.target: int | None = None   # set once every rank joined
         self.hold = False
         self.error: BaseException | None = None
         self.cond = threading.Condition()
@@ -76,7 +97,7 @@ class _Mirror:
     def _claim(self) -> bool:
         with self.cond:
             self.cond.wait_for(lambda: not self.hold or self.target is not None)
-            if self.target is not None and self.posted >= self.target:
+            if self.opt is None or (self.target is not None and self.posted >= self.target):
                 return False
             self.posted += 1
             return True
@@ -115,35 +136,41 @@ def mirrored_join(engine: Any, timeout_s: float) -> int:
     rank.
 
     Raises:
-        HorovodInternalError: The optimizer is sharded, or a mirrored reduction failed.
+        HorovodInternalError: The optimizer is sharded, a mirrored reduction failed, or the
+            engine's join failed (with a hint where this rank could not tell what to mirror).
     """
     gc.collect()  # optimizers no longer reachable are gone on every rank alike
     opts = [o for o in (r() for r in _live) if o is not None]
-    opt = _stepping(opts)
-    for o in opts:
-        o._join_rounds = (0, 0)
-    if opt is None or opt._buckets is None:
+    if not opts:
         return int(engine.drive(None))
-    if opt.shard:
+    opt, unsure = _stepping(opts), None
+    if opt is None:
+        n = sum(1 for o in opts if _rounds(o)[2])
+        unsure = _UNSURE.format(n=len(opts), why="none stepped here yet" if n == 0 else
+                                "they were stepped in turn, or the last one only once")
+        warnings.warn(unsure, stacklevel=3)
+    elif opt.shard:
         raise HorovodInternalError(
             "hvd.join() cannot stand in for a sharded DistributedOptimizer (shard=...): every "
             "rank must step it, since each holds a part of the state. Hint: give every rank the "
             "same number of steps (parlay.data's sampler with drop_last), or drop shard=.",
             op="join")
-    mirror = _Mirror(opt)
+    mirror = _Mirror(opt, opt._steps if opt is not None else max(o._steps for o in opts))
     try:
         last = int(engine.drive(None))
-    except BaseException:
+    except BaseException as e:
         mirror.stop()  # no further rounds: a later join() starts a mirror of its own
+        if unsure is not None:
+            raise HorovodInternalError(f"{e} ({unsure})", op="join") from e
         raise
     # Ranks that only stepped never ran an engine round before joining, so the engine may not
     # know who joined last: the rank with the most real steps did (the engine's pick on ties).
+    # Every rank with a DistributedOptimizer takes part, mirroring or not.
     ranks = engine.global_ranks
     real = mirror.agree(engine.group, ranks.index(dist.get_rank()), engine.size)
     if real[ranks.index(last)] < max(real):
         last = ranks[max(r for r, n in enumerate(real) if n == max(real))]
     mirror.thread.join(timeout_s)
-    opt._join_rounds = (0, 0)
     if mirror.error is not None:
         raise HorovodInternalError(f"hvd.join(): mirroring the optimizer's reductions failed: "
                                    f"{mirror.error}", op="join") from mirror.error
