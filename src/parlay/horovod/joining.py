@@ -3,10 +3,10 @@ gradient reductions with zeros, as in Horovod, so uneven numbers of steps per ra
 
 The optimizer's bucketed reductions go straight to c10d, matched by call order, not through the
 name-matching engine. So while a rank is joined, a helper thread *mirrors* the optimizer the
-loop steps (the one stepped last; alone since the previous join, see :func:`_stepping`): it
-posts the same bucket reductions as a real step, from zero gradients, and drops the result
-(the joined rank's weights stay as they were, as in Horovod). The other ranks pay nothing for
-this: a step carries no extra flag. The calling thread meanwhile answers the engine's rounds
+loop steps (where this rank's history tells which, see :func:`_stepping`): it posts the same
+bucket reductions as a real step, from zero gradients, and drops the result (the joined rank's
+weights stay as they were, as in Horovod). The other ranks pay nothing for this: a step carries
+no extra flag. The calling thread meanwhile answers the engine's rounds
 (``allreduce`` of a metric, ``barrier``). Once the engine sees every rank joined, the ranks
 agree on the most reductions any rank posted (one max-allreduce), every mirror completes up to
 that count, and ``join`` returns. The mirror starts after a short grace period, so ranks that
