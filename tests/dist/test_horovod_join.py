@@ -4,6 +4,8 @@ size, as in Horovod), the active ranks match single-process training of that rul
 the joined rank keeps its weights, and ``join`` names the rank that joined last."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -48,13 +50,35 @@ def _uneven(compression: str | None, metric: bool):
         opt.step()
         if metric:  # an engine operation between steps, answered by the joined ranks too
             hvd.allreduce(loss.detach(), name="loss")
+    grads = [p.grad.clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.compression.state_dict())
     last = hvd.join()
     after = [p.detach().clone() for p in model.parameters()]
+    # join leaves gradients alone; the rank that joined last only ran the round every rank
+    # mirrored after it, which is undone (with it, error feedback's residuals)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+    if r == 2:
+        _same(state, opt.compression.state_dict())
     x, y = _batch(0, 0)  # the ranks train on together after the join
     opt.zero_grad()
     F.mse_loss(model(x), y).backward()
     opt.step()
     return last, after, [p.detach().clone() for p in model.parameters()]
+
+
+def _same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
 
 
 def _reference(world: int, rank: int) -> list[torch.Tensor]:
@@ -82,7 +106,7 @@ def test_joined_ranks_stand_in_for_the_optimizer_with_zeros(metric):
         assert all(torch.isfinite(p).all() for p in again)
 
 
-@pytest.mark.parametrize("compression", ["fp16", "powersgd:1"])
+@pytest.mark.parametrize("compression", ["fp16", "powersgd:1", "topk:0.3"])
 def test_join_mirrors_compressed_and_two_round_reductions(compression):
     out = run_world(_uneven, 3, compression, True, comm_timeout=20)
     assert [o[0] for o in out] == [2, 2, 2]

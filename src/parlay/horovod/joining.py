@@ -14,6 +14,7 @@ join together exchange nothing extra.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import itertools
 import threading
@@ -87,6 +88,11 @@ class _Mirror:
     def __init__(self, opt: Any, steps: int) -> None:
         self.opt = opt
         self.real = self.posted = steps  # reductions posted on this rank so far
+        # join leaves the gradients as they were; the compressor's state before each of the
+        # last two rounds, to undo a round every rank only mirrored (see restore)
+        self.grads = [None if p.grad is None else p.grad.detach().clone()
+                      for _, p in opt._named] if opt is not None else []
+        self.states: dict[int, Any] = {}
         self.target: int | None = None   # set once every rank joined
         self.hold = False
         self.error: BaseException | None = None
@@ -107,6 +113,10 @@ class _Mirror:
             with self.cond:  # ranks that join together agree before any round is needed
                 self.cond.wait_for(lambda: self.hold, timeout=_GRACE_S)
             while self._claim():
+                state = self.opt.compression.state_dict()
+                if state:  # error-feedback residuals and the like
+                    self.states[self.posted] = copy.deepcopy(state)
+                    self.states.pop(self.posted - 2, None)
                 self.opt._mirror_round()
         except BaseException as e:  # noqa: BLE001 - re-raised by the joining thread
             self.error = e
@@ -115,6 +125,17 @@ class _Mirror:
         with self.cond:
             self.hold, self.target = True, self.posted
             self.cond.notify_all()
+
+    def restore(self, real: int) -> None:
+        """After the last round: the gradients as before the join and, when rounds after
+        ``real`` (the most real steps of any rank) ran, every rank having mirrored them and
+        dropped their result, the compressor's state from before the first of them."""
+        if self.opt is None:
+            return
+        for (_, p), g in zip(self.opt._named, self.grads):
+            p.grad = g
+        if self.posted > real and real + 1 in self.states:
+            self.opt.compression.load_state_dict(self.states[real + 1])
 
     def agree(self, group: Any, rank: int, size: int) -> list[int]:
         """Every rank joined: stop claiming rounds, agree on the count, finish up to it.
@@ -177,4 +198,5 @@ def mirrored_join(engine: Any, timeout_s: float) -> int:
     if mirror.thread.is_alive():
         raise HorovodInternalError(f"hvd.join(): the optimizer's last reductions did not finish "
                                    f"within {timeout_s:.0f} s", op="join")
+    mirror.restore(max(real))
     return last
