@@ -212,3 +212,29 @@ def test_a_servers_checkpoint_dir_without_the_trainer_s_is_refused(tmp_path):
     # servers would resume their shards while the workers started again at step 0
     for msg in run_world(_servers_dir_only, 3, str(tmp_path), env={"PARLAY_NUM_PS": "1"}):
         assert msg is not None and "Trainer(checkpoint_dir=...)" in msg
+
+
+def _one_worker_saves(ckpt: str, consistency: str):
+    t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": LR}, batch_size=BATCH, num_epochs=EPOCHS,
+                       progress=False, mode="ps", checkpoint_dir=ckpt,
+                       strategy_options={"consistency": consistency})
+    try:
+        while not t.should_stop():
+            t.train_on_batch()
+            if parlay.rank() == 1 and t.state.step == 2:
+                t.save_checkpoint()  # the DDP habit: one rank saves; the others train on
+    except parlay.CheckpointError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("consistency", ["sync", "stale:1"])
+def test_a_checkpoint_only_one_worker_asks_for_is_refused_at_once(tmp_path, consistency):
+    # the saver waited for the others at the checkpoint, the others for the saver's next
+    # gradient: both sat out the 60 s timeout (longer than this test may run) before
+    server, *workers = run_world(_one_worker_saves, 3, str(tmp_path), consistency,
+                                 env={"PARLAY_NUM_PS": "1"}, comm_timeout=60, timeout=40)
+    for msg in workers:
+        assert msg is not None and "went on training" in msg
+        assert "save_checkpoint() on every worker" in msg

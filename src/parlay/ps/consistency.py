@@ -225,7 +225,8 @@ class ServerCore:
             self._record(w, step, base_version)
             self._apply([grad], lr_factor)
             self.version += 1
-        return self._release(now)
+        out = self._release(now)
+        return out + self._stuck()
 
     def heard(self, w: int, now: float) -> None:
         """Part of a push of worker ``w`` arrived: its silence deadline starts again."""
@@ -295,7 +296,7 @@ class ServerCore:
         self.state[w] = SAVING
         self.deadline[w] = None
         self.saving[w] = barrier
-        return self._maybe_save(now)
+        return self._maybe_save(now) + self._stuck()
 
     def expire(self, now: float) -> list[Reply]:
         """Declare lost every released worker silent past its deadline while something waits
@@ -364,6 +365,18 @@ class ServerCore:
                 out.append(Reply("saved", v) if kind == "save" else
                            Reply("epoch", v, tag, counts=counts))
         return out
+
+    def _stuck(self) -> list[Reply]:
+        """Some live workers wait at a checkpoint (or epoch end) while every other one waits
+        for a step the first ones must push (sync, or past the staleness bound): only timeouts
+        could follow, so every waiter is told now, as for mismatched checkpoints."""
+        act = self.active()
+        if self.failure is not None or {self.state[v] for v in act} != {SAVING, HELD}:
+            return []
+        for v in act:
+            self.saving.pop(v, None)
+            self.state[v], self.deadline[v] = DONE, None
+        return [Reply("error", v, _SAVE_MISMATCH, v) for v in act]
 
     def _release(self, now: float) -> list[Reply]:
         act = self.active()

@@ -77,7 +77,8 @@ class Err:
     FAILED = 2    #: a peer worker raised an error (sync cannot continue)
     EVICTED = 3   #: this worker was declared lost earlier (it was silent past the timeout)
     MISMATCH = 4  #: this worker's model (its ShardPlan) differs from the server's
-    SAVE_MISMATCH = 5  #: the live workers waited at different checkpoints or epoch ends
+    SAVE_MISMATCH = 5  #: the live workers waited at different checkpoints or epoch ends, or
+    #: some at one while the others went on training
     GONE = 6      #: a peer worker's connection closed (its process died; sync cannot continue)
 
 

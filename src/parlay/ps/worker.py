@@ -167,9 +167,11 @@ class Worker:
                 raise CheckpointError(f"{what} at step {self.step} on worker {self.index} "
                                       f"(rank {self.rank}): the live workers asked parameter "
                                       f"server {s} for checkpoints (or epoch ends) of different "
-                                      "steps, so no consistent cut exists. Hint: every worker "
+                                      "steps, or some went on training while others waited at "
+                                      "one, so no consistent cut exists. Hint: every worker "
                                       "must checkpoint and end epochs at the same steps (same "
-                                      "Trainer options).")
+                                      "Trainer options; call save_checkpoint() on every "
+                                      "worker, not only on one).")
             if m.op == Op.ERROR:
                 self.told_error = True
                 raise CommError(lost_message(int(m.scalar), m.extra - len(self.server_ranks),
