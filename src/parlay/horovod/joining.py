@@ -44,11 +44,12 @@ def register(opt: Any) -> None:
 def note_round(opt: Any) -> None:
     """``opt`` reduced its gradients: remember its first and last round and how many."""
     now = next(_clock)
-    first, _, n = getattr(opt, "_join_rounds", (0, 0, 0))
+    first, _, n = _rounds(opt)
     opt._join_rounds = (first or now, now, n + 1)
 
 
 def _rounds(opt: Any) -> tuple[int, int, int]:
+    """(first round, last round, rounds) of ``opt`` on this rank's clock; zeros if none."""
     return getattr(opt, "_join_rounds", (0, 0, 0))
 
 

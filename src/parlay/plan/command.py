@@ -320,14 +320,15 @@ def _plan(ns: argparse.Namespace) -> int:
     if ns.optimizer is None and (memory is not None or ns.shard or ns.json):
         notes.append("shard levels: Adam's state assumed (2 tensors per parameter); pass "
                      "--optimizer")
-    fits = int(memory is not None and all(lv.memory_bytes > memory for lv in levels))
+    # exit status 1: --memory-per-rank given and no shard level fits it
+    status = int(memory is not None and all(lv.memory_bytes > memory for lv in levels))
     if ns.json:
         best = next(p for p in sync or ranked if math.isfinite(p.to_accuracy_s))
         print(json.dumps({"recommendation": _doc(best), "why": why, "excluded": left_out,
                           "notes": notes, "predictions": [_doc(p) for p in ranked],
                           "diloco": dl,
                           "shard": shard_doc(levels, k, memory, cluster.world)}))
-        return fits
+        return status
     print(f"parlay plan: {workload.params:,.0f} parameters, batch {workload.batch} per rank, "
           f"compute {format_seconds(workload.compute_s)} per step; {cluster.nodes} host(s) x "
           f"{cluster.ranks_per_node} rank(s), {format_bandwidth(cluster.inter.bandwidth_bps)}, "
@@ -344,7 +345,7 @@ def _plan(ns: argparse.Namespace) -> int:
     if memory is not None or ns.shard:
         print(f"\n{_shard_table(levels, memory, cluster.world, k)}")
     print(f"({len(ranked)} configurations in {time.perf_counter() - t0:.2f} s)")
-    return fits
+    return status
 
 
 def _shard_table(levels: list[ShardLevel], memory: float | None, world: int, k: float) -> str:

@@ -225,8 +225,7 @@ class ServerCore:
             self._record(w, step, base_version)
             self._apply([grad], lr_factor)
             self.version += 1
-        out = self._release(now)
-        return out + self._stuck()
+        return self._release(now) + self._maybe_save(now)
 
     def heard(self, w: int, now: float) -> None:
         """Part of a push of worker ``w`` arrived: its silence deadline starts again."""
@@ -296,7 +295,7 @@ class ServerCore:
         self.state[w] = SAVING
         self.deadline[w] = None
         self.saving[w] = barrier
-        return self._maybe_save(now) + self._stuck()
+        return self._maybe_save(now)
 
     def expire(self, now: float) -> list[Reply]:
         """Declare lost every released worker silent past its deadline while something waits
@@ -347,36 +346,29 @@ class ServerCore:
 
     def _maybe_save(self, now: float) -> list[Reply]:
         act = self.active()
-        if not act or self.failure is not None or any(self.state[v] != SAVING for v in act):
+        states = {self.state[v] for v in act}
+        if self.failure is not None or SAVING not in states or RUN in states:
             return []
-        tags = {self.saving[v][:2] for v in act}
-        kind, tag = min(tags)
+        # Every live worker waits. No consistent cut exists if they wait at different
+        # checkpoints (or epoch ends), or if some wait for a step the others must push first
+        # (sync, or past the staleness bound: only timeouts could follow): every one is told.
+        tags = {self.saving[v][:2] for v in act if self.state[v] == SAVING}
+        if HELD in states or len(tags) > 1:
+            for v in act:
+                self.saving.pop(v, None)
+                self.state[v], self.deadline[v] = DONE, None
+            return [Reply("error", v, _SAVE_MISMATCH, v) for v in act]
+        (kind, tag), = tags
         counts = tuple(self.saving[v][2] if v in act else -1 for v in range(self.num_workers))
-        if len(tags) == 1 and kind == "save":
+        if kind == "save":
             self._snapshot(tag)
         out = []
         for v in act:
             self.saving.pop(v, None)
-            if len(tags) > 1:  # no consistent cut exists; every waiter is told
-                self.state[v], self.deadline[v] = DONE, None
-                out.append(Reply("error", v, _SAVE_MISMATCH, v))
-            else:
-                self.state[v], self.deadline[v] = RUN, now + self.timeout
-                out.append(Reply("saved", v) if kind == "save" else
-                           Reply("epoch", v, tag, counts=counts))
+            self.state[v], self.deadline[v] = RUN, now + self.timeout
+            out.append(Reply("saved", v) if kind == "save" else
+                       Reply("epoch", v, tag, counts=counts))
         return out
-
-    def _stuck(self) -> list[Reply]:
-        """Some live workers wait at a checkpoint (or epoch end) while every other one waits
-        for a step the first ones must push (sync, or past the staleness bound): only timeouts
-        could follow, so every waiter is told now, as for mismatched checkpoints."""
-        act = self.active()
-        if self.failure is not None or {self.state[v] for v in act} != {SAVING, HELD}:
-            return []
-        for v in act:
-            self.saving.pop(v, None)
-            self.state[v], self.deadline[v] = DONE, None
-        return [Reply("error", v, _SAVE_MISMATCH, v) for v in act]
 
     def _release(self, now: float) -> list[Reply]:
         act = self.active()
