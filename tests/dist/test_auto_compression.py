@@ -103,23 +103,29 @@ def _small_model() -> dict:
                 described=opt.compression.describe())
 
 
-def _trial(seen_by_rank: list[dict]) -> dict:
+def _trial(seen_by_rank: list[dict], resume_after: int = 0) -> dict:
     """Stay dense by prediction (margin 0.99), then measure dense and fp16 for 2 steps each,
-    each rank seeing the step times ``seen_by_rank`` gives it."""
+    each rank seeing the step times ``seen_by_rank`` gives it; ``resume_after`` steps, the
+    optimizer's state goes to a new model, compressor and optimizer that go on."""
     auto_module.TRIAL_WITHIN = 1e3  # fp16 is a contender whatever it was predicted
-    model = _mlp([784, 64, 32, 10])
-    auto = AutoCompressor(["none", "fp16"], margin=0.99, trial=2)
     seen = seen_by_rank[parlay.rank()]
 
-    def hook(kind: str, name: str, seconds: float) -> float:
-        if kind != "trial":
-            return seconds
-        return seen[next(iter(set(auto.trialing.options[int(name)].values())))]
-    auto.timing_hook = hook
-    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                      named_parameters=model.named_parameters(),
-                                      compression=auto, bucket_cap_mb=0.005)
-    _train(opt, model, 8)
+    def build(state: dict | None = None):
+        model = _mlp([784, 64, 32, 10])
+        auto = AutoCompressor(["none", "fp16"], margin=0.99, trial=2)
+        auto.timing_hook = lambda kind, name, seconds: seconds if kind != "trial" else \
+            seen[next(iter(set(auto.trialing.options[int(name)].values())))]
+        opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                          named_parameters=model.named_parameters(),
+                                          compression=auto, bucket_cap_mb=0.005)
+        if state is not None:
+            opt.load_state_dict(state)
+        return model, auto, opt
+    model, auto, opt = build()
+    if resume_after:
+        _train(opt, model, resume_after)
+        model, auto, opt = build(opt.state_dict())
+    _train(opt, model, 8 - resume_after)
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     return dict(choices=dict(auto.choices), history=[h[:4] for h in auto.history],
                 reasons=[h[4] for h in auto.history], params=params,
@@ -140,7 +146,9 @@ def _all() -> dict:
     kept = _trial([{"none": 0.5, "fp16": 1.0}, {"none": 0.7, "fp16": 0.6}])
     # fp16 measures 20% faster on the slowest rank: it replaces the decision
     replaced = _trial([{"none": 1.0, "fp16": 0.5}, {"none": 0.9, "fp16": 0.8}])
-    return dict(agree=_agree(), switches=_switches(), small=_small_model(), trial=kept,
+    # saved while the trial runs fp16: the resumed one finishes the trial and keeps dense
+    resumed = _trial([{"none": 0.5, "fp16": 1.0}, {"none": 0.7, "fp16": 0.6}], resume_after=5)
+    return dict(trial_resumed=resumed, agree=_agree(), switches=_switches(), small=_small_model(), trial=kept,
                 trial_replaced=replaced, noisy=_noisy_fp32_probe())
 
 
@@ -174,6 +182,15 @@ def test_trial_keeps_the_fastest_measured_and_ranks_agree(per_rank):
     assert set(a["choices"].values()) == {"fp16"}
 
 
+def test_a_trial_saved_midway_goes_on_after_the_resume(per_rank):
+    a, b = per_rank[0]["trial_resumed"], per_rank[1]["trial_resumed"]
+    assert a["history"] == b["history"] and a["trialing"] is None
+    # the step spanning the restart is not timed: the trial ends at step 7, not 6
+    assert sorted({(h[0], h[3]) for h in a["history"]}) == [(7, "none")], a["history"]
+    assert a["reasons"][-1] == "trial: none 700.00ms, fp16 1000.00ms", a["reasons"][-1]
+    assert set(a["choices"].values()) == {"none"}
+
+
 def test_bind_restricts_candidates(per_rank):
     r = per_rank[0]["agree"]
     # every rank on this host: leaving the current choice needs a predicted 2x (ONE_HOST_MARGIN)
@@ -204,7 +221,7 @@ def test_fp16_never_costs_less_per_byte_than_fp32(per_rank):
 def test_loopback_small_model_stays_dense(per_rank):
     for rank, r in enumerate(per_rank):
         assert set(r["small"]["choices"].values()) == {"none"}, (rank, r["small"]["pred"])
-        assert r["small"]["state"] == ["cands", "carry", "choices", "step"]
+        assert r["small"]["state"] == ["cands", "carry", "choices", "prediction", "step", "trial"]
         assert r["small"]["described"] == " ".join(f"{k}=none" for k in r["small"]["choices"])
 
 

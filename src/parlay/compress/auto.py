@@ -456,9 +456,12 @@ class AutoCompressor(Compressor):
         return sum(parts[1:], parts[0].clone()) if parts else None
 
     def state_dict(self) -> dict[str, Any]:
+        t = self.trialing  # a trial under way goes on after a resume, from what it measured
+        trial = vars(t).copy() if isinstance(t, _Trial) else t
         return {"choices": dict(self.choices), "step": self._step,
                 "carry": {k: v.clone() for k, v in self._carry.items()},
-                "cands": {s: c.state_dict() for s, c in self.cands.items()}}
+                "cands": {s: c.state_dict() for s, c in self.cands.items()},
+                "trial": trial, "prediction": {k: dict(v) for k, v in self.last_prediction.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         choices = state.get("choices", {})
@@ -471,7 +474,13 @@ class AutoCompressor(Compressor):
         for s, sd in state.get("cands", {}).items():
             if s in self.cands:
                 self.cands[s].load_state_dict(sd)
-        self._t_last, self.trialing = None, None
+        self.last_prediction = {str(k): dict(v) for k, v in state.get("prediction", {}).items()}
+        trial = state.get("trial")
+        self.trialing = trial is True or None
+        if isinstance(trial, dict):
+            t = self.trialing = _Trial(list(trial["options"]), int(trial["steps"]))
+            t.times, t.medians = list(trial["times"]), list(trial["medians"])
+        self._t_last = None  # the step spanning the restart is not timed
 
     def __repr__(self) -> str:
         return f"AutoCompressor(candidates={self.specs})"
