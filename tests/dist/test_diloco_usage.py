@@ -67,8 +67,13 @@ def test_sync_now_right_after_a_sync_leaves_the_weights(outer_args):
 
 
 @pytest.mark.parametrize("kw, words", [
-    ({"outer_optimizer_args": {"momentum": 0.8, "nesterov": True}}, "needs an 'lr'"),
-    ({"outer_optimizer_args": {"lr": -1.0}}, "outer optimizer"),
+    ({"outer_optimizer_args": {"momentum": 0.8, "nesterov": True}}, "needs a finite 'lr'"),
+    ({"outer_optimizer_args": {"lr": -1.0}}, "needs a finite 'lr' > 0"),
+    ({"outer_optimizer_args": {"lr": float("nan")}}, "needs a finite 'lr' > 0"),
+    ({"outer_optimizer_args": {"lr": 0.1, "momentum": -1}}, "could not build the outer"),
+    ({"outer_optimizer_args": "{'lr': 1.0}"}, "must be a dict"),
+    ({"outer_optimizer": torch.optim.LBFGS}, "without a closure"),
+    ({"outer_optimizer": "sgd"}, "must be a torch.optim.Optimizer class"),
 ])
 def test_outer_arguments_that_would_train_wrongly_are_refused(kw, words):
     m = nn.Linear(3, 2)
@@ -92,7 +97,7 @@ def test_a_learning_rate_scheduler_drives_the_wrapper_as_a_torch_optimizer():
 
 def test_named_parameters_missing_some_of_the_optimizer_s_are_refused():
     m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    with pytest.raises(ConfigError, match="named_parameters lacks"):
+    with pytest.raises(ConfigError, match="parameters are not named in it"):
         DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m[0].named_parameters())
 
 
@@ -161,3 +166,107 @@ def test_sharded_inside_hosts_resumes_bit_for_bit(tmp_path, shard):
     second = run_world(_sharded, 4, str(tmp_path), 14, shard, local_world_size=2)
     for a, b in zip(full, second):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _errors(*builders) -> list[str]:
+    out = []
+    for build in builders:
+        try:
+            build()
+            out.append("")
+        except ConfigError as e:
+            out.append(str(e))
+    return out
+
+
+def _misuse() -> dict:
+    rank = parlay.rank()
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+
+    def sgd():
+        return torch.optim.SGD(m.parameters(), lr=0.1)
+
+    def unfrozen_later():
+        m[0].requires_grad_(False)
+        opt = DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=2)
+        m[0].requires_grad_(True)
+        for _ in range(2):
+            m(torch.randn(2, 4)).sum().backward()
+            opt.step()
+    errors = _errors(
+        lambda: DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=2 + rank),
+        lambda: DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=4, overlap=rank),
+        lambda: DiLoCoOptimizer(torch.optim.SGD(m[rank].parameters(), lr=0.1),
+                                m[rank].named_parameters()),
+        lambda: DiLoCoOptimizer(sgd(), m.named_parameters()).add_param_group(
+            {"params": [nn.Parameter(torch.ones(2))]}),
+        lambda: DiLoCoOptimizer(sgd(), m.parameters()),
+        unfrozen_later)
+    # An overflow on one replica: GradScaler still counts its skipped inner step, so the
+    # replicas stay in step (they sync the same rounds and end equal).
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    opt = DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=2,
+                          outer_optimizer_args={"lr": 1.0})
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    g = torch.Generator().manual_seed(rank)
+    for s in range(8):
+        opt.zero_grad()
+        loss = m(torch.randn(4, 4, generator=g)).pow(2).mean()
+        scaler.scale(loss * (float("inf") if (rank, s) == (1, 2) else 1.0)).backward()
+        scaler.step(opt)
+        scaler.update()
+    opt.sync_now()
+    return dict(errors=errors, steps=opt.steps, scale=scaler.get_scale(),
+                weights=[p.detach().clone() for p in m.parameters()])
+
+
+def test_misuse_is_refused_on_every_rank_and_a_gradscaler_overflow_keeps_the_rounds():
+    a, b = run_world(_misuse, 2, comm_timeout=20)
+    assert a["errors"][:3] == b["errors"][:3]
+    schedule, overlap, models, group, unnamed, unfrozen = a["errors"]
+    assert "disagree on the schedule (sync_every 2..3" in schedule
+    assert "overlap 0..1" in overlap
+    assert "ranks hold different models" in models
+    assert "before wrapping it in DiLoCoOptimizer" in group
+    assert "(name, parameter) tuples" in unnamed
+    assert "2 parameter(s)" in unfrozen and "became trainable after" in unfrozen
+    assert a["steps"] == b["steps"] == 8
+    assert b["scale"] == a["scale"] / 2  # rank 1's overflow was seen by its scaler
+    assert all(torch.equal(x, y) for x, y in zip(a["weights"], b["weights"]))
+
+
+def _saved_in_flight() -> dict:
+    torch.manual_seed(0)
+    m = nn.Linear(3, 2)
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                          sync_every=4, overlap=2, outer_optimizer_args={"lr": 1.0})
+    g = torch.Generator().manual_seed(parlay.rank())
+    for _ in range(4):  # the exchange starts at step 4, to be merged at step 6
+        opt.zero_grad()
+        m(torch.randn(4, 3, generator=g)).pow(2).sum().backward()
+        opt.step()
+    sent = torch.cat([(o - p).detach().reshape(-1) for o, p in
+                      zip(opt.fragments[0].outer, opt.fragments[0].params)])
+    return dict(model=m.state_dict(), state=opt.state_dict(), avg=_avg(sent))
+
+
+def _avg(t: torch.Tensor) -> torch.Tensor:
+    from parlay import comm
+    return comm.allreduce(t.clone(), "avg")
+
+
+def test_an_exchange_saved_in_flight_resumes_at_another_world_size_as_an_average():
+    saved = run_world(_saved_in_flight, 2)[0]
+    m = nn.Linear(3, 2)  # this process alone: a world of one
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                          sync_every=4, overlap=2, outer_optimizer_args={"lr": 1.0})
+    m.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["state"])
+    before = torch.cat([o.detach().reshape(-1).clone() for o in opt.fragments[0].outer])
+    for _ in range(2):
+        opt.zero_grad()
+        m(torch.randn(4, 3)).pow(2).sum().backward()
+        opt.step()
+    after = torch.cat([o.detach().reshape(-1) for o in opt.fragments[0].outer])
+    torch.testing.assert_close(before - after, saved["avg"], rtol=1e-6, atol=1e-7)

@@ -143,3 +143,18 @@ def test_command_end_to_end(capsys) -> None:
     assert main(base + ["--diloco-h", "50", "--diloco-fragments", "5",
                         "--diloco-overlap", "10"]) == 2
     assert "= [0, 9], got 10" in capsys.readouterr().err
+    assert main(base + ["--modes", "allreduce", "--diloco-h", "50"]) == 2
+    assert "which --modes allreduce leaves out" in capsys.readouterr().err
+
+
+def test_diloco_at_one_inner_step_is_never_advised() -> None:
+    # as much communication as data parallel: any predicted gain is noise, not a reason to
+    # change the optimisation
+    w, c = Workload(params=25e6, batch=64, compute_s_per_sample=0.5e-3), \
+        ClusterSpec(4, 8, Link(100e6), overlap=0.0)
+    rows = sorted((predict(w, c, m, comp, C, **({"sync_every": 1} if m == "diloco" else {}))
+                   for m in ("allreduce", "diloco") for comp in ("none", "powersgd:4")),
+                  key=lambda p: p.to_accuracy_s)
+    assert rows[0].mode == "diloco"  # a hair ahead of powersgd data parallel, by the model
+    a = diloco_advice(rows, w, c)
+    assert a is not None and not a["advised"], a["why"]

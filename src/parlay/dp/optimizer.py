@@ -317,18 +317,6 @@ class DistributedOptimizer(WrappedOptimizer):
                 "cause a race condition.", stacklevel=2)
         eng.zero_grad(params, set_to_none)
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Not supported once wrapped (buckets are planned at construction).
-
-        Raises:
-            ConfigError: Always, after construction.
-        """
-        if "_opt" not in self.__dict__:  # torch's __init__ registering the placeholder group
-            super().add_param_group(param_group)
-            return
-        raise ConfigError("add parameter groups to the optimizer before wrapping it in "
-                          "DistributedOptimizer (its buckets are planned at construction).")
-
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change the number of backward passes per reduction (Horovod's method); the step in
         progress starts over."""

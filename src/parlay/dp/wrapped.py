@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from parlay.errors import ConfigError
+
 __all__ = ["WrappedOptimizer"]
 
 
@@ -51,3 +53,16 @@ class WrappedOptimizer(torch.optim.Optimizer):
         self._opt = optimizer
         for name in ("param_groups", "state", "defaults"):
             self.__dict__.pop(f"_own_{name}", None)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Not supported once wrapped (what is reduced or synced is planned at construction).
+
+        Raises:
+            ConfigError: Always, after construction.
+        """
+        if "_opt" not in self.__dict__:  # torch's __init__ registering the placeholder group
+            super().add_param_group(param_group)
+            return
+        raise ConfigError(f"add parameter groups to the optimizer before wrapping it in "
+                          f"{type(self).__name__} (what it reduces or syncs is planned at "
+                          "construction).")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from parlay import comm
 from parlay._validate import check_int
 from parlay.compress.base import (CommStats, Compressor, RoundsHandle, own_compressor,
                                   reduce_async)
+from parlay.dp import checks
 from parlay.dp.hierarchical import make_reducer
 from parlay.dp.wrapped import WrappedOptimizer
 from parlay.errors import ConfigError, NonFiniteError
@@ -66,6 +68,24 @@ class Fragment:
     optimizer: torch.optim.Optimizer
     offset: int
     flight: _InFlight | None = field(default=None, repr=False)
+
+
+def _outer_args(cls: Any, args: Any) -> dict[str, Any]:
+    """The outer optimizer's arguments, checked (it is built once per fragment)."""
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) \
+            or issubclass(cls, torch.optim.LBFGS):
+        raise ConfigError(f"outer_optimizer must be a torch.optim.Optimizer class stepped "
+                          f"without a closure (e.g. torch.optim.SGD), got {cls!r}.")
+    if args is not None and not isinstance(args, dict):
+        raise ConfigError(f"outer_optimizer_args must be a dict of keyword arguments, got "
+                          f"{args!r}. Hint: {{'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}.")
+    out = dict(OUTER_DEFAULTS if args is None and cls is torch.optim.SGD else args or {})
+    lr = out.get("lr")  # torch's defaults (SGD 1e-3) are no outer learning rate
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
+        raise ConfigError(f"outer_optimizer_args needs a finite 'lr' > 0, got {out}. Hint: "
+                          "e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True} (the default "
+                          "for SGD), or {'lr': 1.0} for plain averaging.")
+    return out
 
 
 def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]:
@@ -156,15 +176,14 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self._engine = getattr(optimizer, "shard_engine", None)
         if self._engine is not None:
             named = [(self._engine.unit_name(b), s) for b, s in enumerate(self._engine.shards)]
-        else:
-            named = list(named_parameters) if named_parameters is not None else \
-                [(f"param{i}", p) for i, p in enumerate(mine)]
-        given = {id(p) for _, p in named}
-        if self._engine is None and any(id(p) not in given for p in mine):
-            raise ConfigError("DiLoCoOptimizer: named_parameters lacks parameters the optimizer "
-                              "steps, which would never be synced. Hint: pass "
-                              "model.named_parameters() of the whole model.")
-        if self.world > 1 and broadcast:  # every given tensor (frozen ones too): one start
+        elif named_parameters is None:
+            named = [(f"param{i}", p) for i, p in enumerate(mine)]
+        else:  # every given tensor (frozen ones too) starts from rank 0's; each is checked
+            named = list(named_parameters)
+            checks.named_parameters(optimizer, named)
+        if self.world > 1:
+            self._agree_on_schedule(n_frag, named if self._engine is None else [])
+        if self.world > 1 and broadcast:
             for _, p in named:
                 comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
                                group=process_group)
@@ -172,12 +191,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
             raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
-        outer_args = dict(OUTER_DEFAULTS if outer_optimizer_args is None
-                          and outer_optimizer is torch.optim.SGD else outer_optimizer_args or {})
-        if "lr" not in outer_args:  # torch's defaults (SGD 1e-3) are no outer learning rate
-            raise ConfigError(f"outer_optimizer_args needs an 'lr', got {outer_args}. Hint: "
-                              "e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True} (the default "
-                              "for SGD), or {'lr': 1.0} for plain averaging.")
+        outer_args = _outer_args(outer_optimizer, outer_optimizer_args)
         self.fragments: list[Fragment] = []
         for f, idx in enumerate(_split(named, n_frag)):
             outer = [torch.nn.Parameter(named[i][1].detach().clone()) for i in idx]
@@ -192,8 +206,29 @@ class DiLoCoOptimizer(WrappedOptimizer):
                                            offset=f * self.sync_every // n_frag))
         self.steps = 0
         self.stats = CommStats()
+        self._synced = {id(p) for frag in self.fragments for p in frag.params}
+
+    def _agree_on_schedule(self, n_frag: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Every replica must sync the same fragments at the same steps (else different rounds
+        would be averaged, or mismatched collectives abort): one MIN-allreduce at start."""
+        mine = [self.sync_every, n_frag, self.overlap]
+        t = torch.tensor(mine + [-v for v in mine], device=comm.group_device(self.group))
+        lo = comm.allreduce(t, "min", group=self.group).tolist()
+        if lo[:3] != [-v for v in lo[3:]]:
+            spans = ", ".join(f"{n} {a}..{-b}" for n, a, b in
+                              zip(("sync_every", "fragments", "overlap"), lo[:3], lo[3:]))
+            raise ConfigError(f"DiLoCo replicas disagree on the schedule ({spans} over the "
+                              "replicas). Hint: give every rank the same sync_every, "
+                              "fragments and overlap.")
+        if named:
+            checks.check_consistency(named, self.group)
 
     # ----------------------------------------------------------------- the optimizer face
+    #: ``torch.amp.GradScaler.step`` then calls :meth:`step` on an overflow too (setting
+    #: ``found_inf`` and ``grad_scale``): the skipped inner step still counts, so a replica
+    #: that overflowed alone stays in step with the others.
+    _step_supports_amp_scaling = True
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the inner optimizer's gradients."""
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -206,6 +241,15 @@ class DiLoCoOptimizer(WrappedOptimizer):
             CommError: A replica was lost or timed out.
             NonFiniteError: An averaged pseudo-gradient is not finite (``on_nonfinite``).
         """
+        found_inf, scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
+        if found_inf is not None and bool(found_inf):
+            self._after_inner_step()
+            return None
+        if scale is not None:  # GradScaler left the gradients scaled
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(scale.to(p.grad.device))
         out = self.inner.step(closure) if closure is not None else self.inner.step()
         self._after_inner_step()
         return out
@@ -273,6 +317,14 @@ class DiLoCoOptimizer(WrappedOptimizer):
 
     # ----------------------------------------------------------------- one fragment
     def _send(self, frag: Fragment, wait: bool = False) -> None:
+        if self._engine is None:
+            unsynced = [p for g in self.inner.param_groups for p in g["params"]
+                        if p.requires_grad and id(p) not in self._synced]
+            if unsynced:
+                raise ConfigError(f"{len(unsynced)} parameter(s) the inner optimizer steps "
+                                  "became trainable after the DiLoCoOptimizer was built, so "
+                                  "they would never be synced. Hint: call sync_now(), then wrap "
+                                  "the inner optimizer in a new DiLoCoOptimizer.")
         flat = torch.cat([(o.detach() - p.detach()).reshape(-1)
                           for o, p in zip(frag.outer, frag.params)])
         key = f"fragment{frag.index}"
@@ -335,8 +387,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
         flights = []
         for frag in self.fragments:
             f = frag.flight
-            flights.append(None if f is None else
-                           {"avg": f.handle.wait(), "sent_from": f.sent_from, "due": f.due})
+            flights.append(None if f is None else {"avg": f.handle.wait(), "world": self.world,
+                                                   "sent_from": f.sent_from, "due": f.due})
         return {"inner": self.inner.state_dict(), "steps": self.steps,
                 "outer": [[o.detach().clone() for o in frag.outer] for frag in self.fragments],
                 "outer_optimizers": [frag.optimizer.state_dict() for frag in self.fragments],
@@ -359,10 +411,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 for o, saved in zip(frag.outer, outer):
                     o.copy_(saved)
             frag.optimizer.load_state_dict(opt_sd)
-            frag.flight = None if flight is None else _InFlight(
-                comm.Handle(None, "restored", functools.partial(torch.Tensor.clone,
-                                                                flight["avg"])),
-                list(flight["sent_from"]), int(flight["due"]))
+            if flight is not None:  # a sum over the replicas that saved it: rescaled to ours
+                total = flight["avg"] * (self.world / flight["world"]) \
+                    if flight.get("world", self.world) != self.world else flight["avg"]
+                flight = _InFlight(comm.Handle(None, "restored", functools.partial(
+                    torch.Tensor.clone, total)), list(flight["sent_from"]), int(flight["due"]))
+            frag.flight = flight
         if state.get("compression"):
             self.compression.load_state_dict(state["compression"])
         self._written()

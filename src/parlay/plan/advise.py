@@ -334,13 +334,18 @@ def mode_variants(mode: str, workload: Workload, cluster: ClusterSpec,
     return out if out or not given else [{}]
 
 
+#: Diloco changes the optimisation: it is advised only for this much more compute used.
+DILOCO_GAIN = 1.25
+
+
 def diloco_advice(ranked: Sequence[Prediction], workload: Workload, cluster: ClusterSpec,
                   target: float = DILOCO_TARGET) -> dict[str, Any] | None:
     """Whether to prefer ``mode="diloco"`` over data parallel, and at which ``H``.
 
     Diloco changes the optimisation (local steps, an outer optimizer), so it is advised only
     when per-step communication bounds every exact mode: the best of them (by time to
-    accuracy) uses less than ``target`` of the compute, and a diloco configuration uses more.
+    accuracy) uses less than ``target`` of the compute, and a diloco configuration uses
+    :data:`DILOCO_GAIN` times as much.
     Of those reaching ``target`` the one with the smallest ``H`` (the closest to data
     parallel) wins, then the fastest; else the one using the most compute.
 
@@ -360,7 +365,8 @@ def diloco_advice(ranked: Sequence[Prediction], workload: Workload, cluster: Clu
     mine = diloco_link_bytes(workload, cluster, d.compressor, h)
     ddp = diloco_link_bytes(workload, cluster, "none", 1)
     best = exact[0] if exact else None
-    advised = best is None or (best.utilisation < target and d.utilisation > best.utilisation)
+    advised = best is None or (best.utilisation < target
+                               and d.utilisation > DILOCO_GAIN * best.utilisation)
     opts = ", ".join(f"'{k}': {v}" for k, v in d.options.items())
     comp = "" if d.compressor == "none" else f", compression='{d.compressor}'"
     fewer = f"{ddp / mine:.3g}x fewer than dense data parallel" if mine else "none"

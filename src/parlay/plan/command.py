@@ -299,6 +299,10 @@ def _plan(ns: argparse.Namespace) -> int:
     calib = _calibration(ns)
     workload, cluster, notes = build_inputs(ns, calib)
     opts = _mode_options(ns, workload, cluster)
+    if "diloco" not in modes and {"sync_every", "fragments", "overlap"} & set(opts):
+        raise ConfigError("--diloco-h, --diloco-fragments and --diloco-overlap price mode "
+                          f"diloco, which --modes {ns.modes} leaves out. Hint: add diloco to "
+                          "--modes.")
     costs = calib.costs if calib is not None else Costs()
     if ns.script and calib is not None and workload.shapes:
         from parlay.plan.calibrate import retime_codecs
