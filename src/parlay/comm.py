@@ -293,8 +293,10 @@ def allgather_into(output: torch.Tensor, tensor: torch.Tensor, group: Any = None
     return h if async_op else h.wait()
 
 
-def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
-    """Concatenate ``tensor`` from every rank along dim 0; first-dimension sizes may differ.
+def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False,
+              parts: bool = False) -> Any:
+    """Concatenate ``tensor`` from every rank along dim 0; first-dimension sizes may differ
+    (``parts=True``: the list of every rank's tensor instead).
 
     Raises:
         CommError: Ranks disagree on dtype or trailing shape, or a peer was lost.
@@ -316,11 +318,11 @@ def allgather(tensor: torch.Tensor, group: Any = None, async_op: bool = False) -
     with comm_errors("allgather", group=group):
         work = all_gather_single(out, padded.contiguous(), group=group, async_op=True)
 
-    def finish() -> torch.Tensor:
-        if all(c == biggest for c in counts):
+    def finish() -> Any:
+        if all(c == biggest for c in counts) and not parts:
             return out
-        chunks = out.split(biggest)
-        return torch.cat([chunks[i][: counts[i]] for i in range(world)])
+        chunks = [c[:n] for c, n in zip(out.split(biggest), counts)]
+        return chunks if parts else torch.cat(chunks)
 
     h = Handle(work, "allgather", group=group, finish=finish)
     return h if async_op else h.wait()

@@ -54,8 +54,29 @@ class Toy(Compressor):
         return numel * costs.cast_s_per_elem * world
 
 
+@dataclass(frozen=True)
+class _Scaled:
+    dtype: torch.dtype
+    scale: float
+
+
+class ScaledToy(Toy):
+    """Each rank's bucket divided by its own largest magnitude, in float16: the scale, which
+    differs per rank, lives in the context (as the protocol allows)."""
+
+    name = NAME + "-scaled"
+
+    def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        scale = float(flat.abs().max()) or 1.0
+        return [(flat / scale).half()], _Scaled(flat.dtype, scale)
+
+    def decompress(self, payload: list[torch.Tensor], ctx: Any) -> torch.Tensor:
+        return payload[0].to(ctx.dtype) * ctx.scale
+
+
 def _register() -> None:
     register(NAME, Toy)
+    register(ScaledToy.name, ScaledToy)
 
 
 def _build():
@@ -69,11 +90,11 @@ def _dataset() -> TensorDataset:
     return TensorDataset(torch.randn(48, 6, generator=g), torch.randn(48, 3, generator=g))
 
 
-def _train(mode: str, options: dict) -> dict:
+def _train(mode: str, options: dict, name: str = NAME) -> dict:
     _register()
     t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
                        optimizer_args={"lr": 0.05}, batch_size=4, num_epochs=2, mode=mode,
-                       progress=False, compression=NAME, strategy_options=options)
+                       progress=False, compression=name, strategy_options=options)
     while not t.should_stop():
         t.train_on_batch()
     state = t.strategy.pipe.state_dict() if mode == "hybrid" else t.model.state_dict()
@@ -95,6 +116,19 @@ def test_toy_trains_in_allreduce_mode():
     for k in a["state"]:
         torch.testing.assert_close(a["state"][k], b["state"][k], rtol=0, atol=0)
     _check_trained(a["state"])
+
+
+def _scaled_and_dense() -> tuple[dict, dict]:
+    return _train("allreduce", {}, ScaledToy.name), _train("allreduce", {}, "none")
+
+
+def test_a_context_that_differs_per_rank_decodes_each_rank_s_payload():
+    # each rank's payload is decoded with its sender's scale: the replicas agree and follow
+    # dense training (decoded with the local scale, they parted and drifted)
+    (a, dense), (b, _) = run_world(_scaled_and_dense, 2)
+    for k in a["state"]:
+        torch.testing.assert_close(a["state"][k], b["state"][k], rtol=0, atol=0)
+        torch.testing.assert_close(a["state"][k], dense["state"][k], rtol=0, atol=2e-3)
 
 
 def test_toy_trains_in_ps_mode():

@@ -232,6 +232,8 @@ class AutoCompressor(Compressor):
         if len(set(self.specs)) != len(self.specs):
             raise ConfigError(f"auto compression candidates repeat: {self.specs}.")
         self.cands = {s: get_compressor(s) for s in self.specs}
+        self.shared_ctx = all(c.summable or c.shared_ctx  # type: ignore[misc]
+                              for c in self.cands.values())
         if any(isinstance(c, AutoCompressor) for c in self.cands.values()):
             raise ConfigError("auto compression cannot choose 'auto' among its candidates.")
         if isinstance(trial, bool) or int(trial) != trial or trial < 0:

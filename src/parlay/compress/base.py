@@ -17,11 +17,14 @@ The contract every caller may rely on (stable API):
 * ``decompress`` and ``aggregate`` are pure functions of their arguments (state lives only on
   the sender), so a parameter server can decode with its own instance.
 * ``payload`` is a list of tensors (what crosses the wire; ``CommStats`` counts their bytes).
-  ``ctx`` is small, picklable metadata (shape, dtype, scale, seed) that stays with the sender;
-  a receiver in another process (a parameter server) decodes with ``decompress(payload, ctx)``
-  on an instance of the same compressor, so send ``ctx`` along with the payload.
+  ``ctx`` is small metadata of plain values (shape, dtype, scale, seed: None, bool, int, float,
+  dtype, str, and tuples, dicts or dataclasses of them). A receiver in another process (a
+  parameter server, the other ranks of an allgather) decodes with ``decompress(payload, ctx)``
+  on an instance of the same compressor, with the sender's ``ctx`` values carried along
+  (:mod:`parlay.compress.ctxwire`).
 * ``summable`` compressors decode a *sum* of payloads to the sum of inputs (allreduce);
-  otherwise ``aggregate(payloads, ctx)`` decodes every rank's payload and sums (allgather).
+  otherwise every rank's payload is gathered, then decoded with its own ``ctx`` and summed, or
+  with ``shared_ctx`` (a ``ctx`` the same on every rank) by ``aggregate(payloads, ctx)``.
 * ``next_round(reduced, ctx)`` (default ``None``) lets a compressor run further collective
   rounds after the first allreduce: PowerSGD sends P then Q, fp16 retries in fp32 on overflow.
   Compressors with ``point_to_point = False`` (PowerSGD) need those rounds and therefore only
@@ -47,6 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from parlay import comm
+from parlay.compress.ctxwire import decode_ctx, encode_ctx
 from parlay.errors import ConfigError
 from parlay.registry import Registry
 
@@ -95,6 +99,10 @@ class Compressor:
     #: True when it encodes ``a * x`` as ``a`` times the encoding of ``x`` (``a > 0``): a caller
     #: may then scale the bucket before the sum instead of the result after it.
     homogeneous: ClassVar[bool] = False
+    #: True when ``ctx`` is the same on every rank (sizes, a shared seed). Otherwise an
+    #: allgather sends every rank's ``ctx`` along (its plain values, never pickled) and decodes
+    #: each payload with its sender's: a per-rank scale may live in ``ctx``.
+    shared_ctx: ClassVar[bool] = False
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         """Encode ``flat``. Returns ``(payload, ctx)``; ``ctx`` stays local."""
@@ -388,6 +396,8 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
         if getattr(compressor, "rounds", 1) > 1:  # the rounds wait for their own works
             return RoundsHandle(AllOf([], settled=False), "allreduce", finish, rounds)
         return comm.Handle(AllOf(works, settled=not has_rounds(compressor)), "allreduce", finish)
+    ctxs = None if compressor.shared_ctx else \
+        comm.allgather(encode_ctx(ctx), group=group, async_op=True, parts=True)
     outs = [p.new_empty((world * p.numel(),)) for p in payload]
     works = [comm.allgather_into(o, p.reshape(-1), group=group, async_op=True)
              for o, p in zip(outs, payload)]
@@ -397,7 +407,12 @@ def reduce_async(flat: torch.Tensor, compressor: Compressor, key: str, group: An
             w.wait()
         per_rank = [[o.view(world, -1)[r].view(p.shape) for o, p in zip(outs, payload)]
                     for r in range(world)]
-        if into is not None and getattr(compressor, "decodes_into", False):
+        codes = ctxs.wait() if ctxs is not None else []
+        if any(not torch.equal(c, codes[0]) for c in codes):  # each payload with its own ctx
+            decoded = [compressor.decompress(p, decode_ctx(c, ctx))
+                       for p, c in zip(per_rank, codes)]
+            out = sum(decoded[1:], decoded[0])
+        elif into is not None and getattr(compressor, "decodes_into", False):
             out = compressor.aggregate(per_rank, ctx, out=into)
         else:
             out = compressor.aggregate(per_rank, ctx)

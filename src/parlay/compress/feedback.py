@@ -231,6 +231,7 @@ class ErrorFeedback(Compressor):
         self.inner = inner
         self.memory = Residuals(momentum, masking)
         self.summable = inner.summable  # type: ignore[misc]
+        self.shared_ctx = inner.shared_ctx  # type: ignore[misc]
 
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
         corrected = self.memory.correct(key, flat)

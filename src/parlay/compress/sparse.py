@@ -199,6 +199,7 @@ class TopK(_Sparsifier):
 
     name = "topk"
     summable = False
+    shared_ctx = True
     decodes_into = True
     cost_fields = ("topk_s_per_elem", "scatter_s_per_elem")
 
