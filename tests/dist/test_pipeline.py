@@ -302,3 +302,27 @@ def test_traced_model_with_split_points_equals_the_model():
     assert sorted(grads) == ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
+
+
+def _stalled_stage():
+    import time
+
+    from parlay.pipeline.hybrid import build_mesh
+
+    mesh = build_mesh(2, 2)  # two stages, two replicas: each group a true subgroup
+    if parlay.rank() != 0:
+        time.sleep(6.0 if parlay.rank() == 1 else 0)  # a stage that stalls (not dead)
+        return None
+    t0 = time.monotonic()
+    try:
+        parlay.comm.allreduce(torch.ones(2), "sum", group=mesh.pp_group)
+    except parlay.CommError:
+        return time.monotonic() - t0
+    return None
+
+
+def test_the_mesh_groups_time_out_within_the_configured_timeout():
+    # init_device_mesh gave its groups torch's 30-minute default: a stalled stage hung the
+    # others past PARLAY_TIMEOUT
+    elapsed = run_world(_stalled_stage, 4, comm_timeout=2.0, timeout=60)[0]
+    assert elapsed is not None and elapsed < 2.0 + 4.0, elapsed

@@ -167,7 +167,7 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
     if world == 1:
         world_group = dist.group.WORLD
         return HybridMesh(1, 1, 0, 0, world_group, world_group, None)
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh
 
     from parlay import runtime
 
@@ -176,8 +176,16 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
     if rank == 0:
         _log_choice(dp, pp, local, where, why)
     shape, names = ((dp, pp), ("dp", "pp")) if where == "pp-local" else ((pp, dp), ("pp", "dp"))
-    with comm.comm_errors("init_device_mesh"):
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    # Each dimension's groups are built here, not by init_device_mesh: torch gives those its
+    # 30-minute default timeout, and a stalled stage must surface within the configured one.
+    grid, mine = torch.arange(world).reshape(shape), []
+    timeout = runtime.timeout() if runtime.is_initialized() else None
+    with comm.comm_errors("new_group"):
+        for d in range(2):
+            for ranks in grid.movedim(d, -1).reshape(-1, shape[d]).tolist():
+                g = dist.new_group(ranks, timeout=timeout)
+                mine += [g] if rank in ranks else []
+        mesh = DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=names)
     dp_rank, pp_rank = (rank // pp, rank % pp) if where == "pp-local" else (rank % dp, rank // dp)
     return HybridMesh(dp=dp, pp=pp, dp_rank=dp_rank, pp_rank=pp_rank,
                       dp_group=mesh["dp"].get_group(), pp_group=mesh["pp"].get_group(),
