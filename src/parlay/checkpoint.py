@@ -359,7 +359,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: Some ranks hold checkpoints and others none (a different number
-                of ranks wrote them), the files of one step come from different runs, or the
+                of ranks wrote them), none is usable on every rank, the files of one step
+                come from different runs, or the
                 checkpoint's identity differs from this run's (the message says why and how
                 to fix it). Raised on every rank; nothing is deleted and the lock is released.
         """
@@ -376,6 +377,12 @@ class CheckpointManager:
         state = self.first_usable(common, self.path)
         if state is not None:
             self._check_identity(state["step"], state)
+        elif common:  # starting afresh would write over them: the evidence would be gone
+            raise CheckpointError(
+                f"no checkpoint in {self.directory} is usable on every rank (steps "
+                f"{', '.join(map(str, sorted(common)))}; see the warnings). Fix: restore the "
+                "files, or start afresh with a new (or emptied) checkpoint_dir. Nothing was "
+                "deleted.")
         else:
             self.continue_run(None)
         return state

@@ -95,6 +95,19 @@ def test_zero_byte_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert latest["step"] == 1
 
 
+def test_no_usable_checkpoint_is_refused_not_started_over(tmp_path):
+    # starting at step 0 would have written over the corrupt files: the evidence gone
+    m = CheckpointManager(tmp_path, keep_last=3, rank=0)
+    m.save(3, _state(3.0))
+    m.save(6, _state(6.0))
+    for step in (3, 6):
+        m.path(step).write_bytes(m.path(step).read_bytes()[:-100])
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError,
+                                                  match="no checkpoint .* is usable.* 3, 6"):
+        CheckpointManager(tmp_path, keep_last=3, rank=0).load_latest()
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == [m.path(3).name, m.path(6).name]
+
+
 def test_random_bytes_are_reported_as_corrupt_not_as_a_weights_only_refusal(tmp_path):
     path = tmp_path / "noise.pt"
     path.write_bytes(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(1),
