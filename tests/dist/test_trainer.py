@@ -325,3 +325,21 @@ def test_learning_rate_warmup_and_scaling_schedule():
     assert t.lr_factor(10) == 4.0 and t.lr_factor(t.total_steps) == pytest.approx(0.0, abs=1e-12)
     t.close()
     parlay.shutdown()
+
+
+def _apart(what: str):
+    rank = parlay.rank()
+    try:
+        parlay.Trainer(_build, _dataset(N - 4 * rank if what == "data" else N), torch.optim.SGD,
+                       {"lr": 0.1}, 4 * (1 + rank) if what == "batch" else 4, progress=False)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what, words", [("data", "dataset_size on rank(s) 1 differs"),
+                                         ("batch", "batch_size on rank(s) 1 differs")])
+def test_ranks_that_start_apart_are_refused_on_every_rank(what, words):
+    # they used to step out of turn until gloo aborted on a mismatched collective
+    a, b = run_world(_apart, 2, what, comm_timeout=20)
+    assert a is not None and b is not None and words in a and words in b, (a, b)

@@ -9,6 +9,7 @@ and keeps the smallest interval at which snapshots cost at most 2% of training.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import math
 import time
@@ -72,6 +73,29 @@ def recipe(config: TrainerConfig, sampler: ShardedSampler) -> dict[str, str]:
     return {k: stable_repr(v) for k, v in fields.items()}
 
 
+def _check_same_recipe(settings: dict[str, str], group: Any) -> None:
+    """Every training rank must start with the same settings (one allgather of their hashes):
+    ranks apart on the dataset or the batch size would step out of turn and meet in
+    mismatched collectives, which gloo answers with an abort.
+
+    Raises:
+        ConfigError: On every rank, naming the first setting that differs.
+    """
+    keys = sorted(settings)
+    mine = [int(hashlib.sha256(f"{k}={settings[k]}".encode()).hexdigest()[:15], 16)
+            for k in keys]
+    rows = comm.gather_ints(mine, len(keys), group)
+    for i, k in enumerate(keys):
+        apart = [comm.to_global_rank(group, r) for r, row in enumerate(rows)
+                 if row[i] != rows[0][i]]
+        if apart:
+            raise ConfigError(
+                f"the training ranks start with different settings: {k} on rank(s) "
+                f"{', '.join(map(str, apart))} differs from rank {comm.to_global_rank(group, 0)}'s "
+                f"(this rank: {k}={settings[k]}). Hint: build the same dataset and pass the same "
+                "Trainer arguments on every rank.")
+
+
 class Persistence:
     """Checkpoints and snapshots of one rank's training run; resumes on construction.
 
@@ -93,6 +117,9 @@ class Persistence:
         self.strategy, self.sampler, self.state = strategy, sampler, state
         self.mode, self.batch_size = config.mode, config.batch_size
         self.recipe = recipe(config, sampler)
+        if strategy.consumes_data:
+            _check_same_recipe({**self.recipe, "batch_size": str(config.batch_size)},
+                               strategy.train_group)
         self.checkpoint_every = config.checkpoint_every
         self._report = report
         self.last_checkpoint_step = -1
