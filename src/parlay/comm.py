@@ -37,6 +37,9 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _PEER_RE = re.compile(r"\b(?:rank|peer)\s*[:=]?\s*(\d+)\b", re.IGNORECASE)
+#: c10d errors about the tensors given, raised before any data moves: not a lost peer.
+_LOCAL_RE = re.compile(r"invalid scalar type|unsupported (?:dtype|scalar type|device)|"
+                       r"no backend type associated")
 
 # Marks a comm_errors block whose peers are unknown (neither a collective nor point-to-point).
 _UNKNOWN: Any = object()
@@ -116,6 +119,11 @@ def _as_comm_error(op: str, err: BaseException, *, group: Any = _UNKNOWN,
                    peer: int | None = None) -> CommError:
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     lowered = str(err).lower()
+    if _LOCAL_RE.search(lowered):  # refused here, before any peer was involved
+        return CommError(f"{op} failed on rank {_my_rank()}: the backend refused the tensors "
+                         f"given ({text}); no peer is at fault. Hint: check their dtype and "
+                         "device (gloo reduces float, int32/int64, int8/uint8 on the CPU).",
+                         op=op, rank=_my_rank(), peer=None)
     who, lost = _who(group, peer, err)
     named = who.startswith("rank")
     if "timed out" in lowered or "timeout" in lowered:

@@ -311,7 +311,7 @@ def _stalled_stage():
 
     mesh = build_mesh(2, 2)  # two stages, two replicas: each group a true subgroup
     if parlay.rank() != 0:
-        time.sleep(6.0 if parlay.rank() == 1 else 0)  # a stage that stalls (not dead)
+        time.sleep(5.0 if parlay.rank() == 1 else 0)  # a stage that stalls (not dead)
         return None
     t0 = time.monotonic()
     try:

@@ -105,6 +105,13 @@ def test_plan_prints_every_mode_and_a_recommendation_fast(capsys) -> None:
     assert "is " in out.split("recommended:")[1] and "% of its step" in out
 
 
+def test_plan_compressor_options_after_a_comma_stay_with_their_spec(capsys) -> None:
+    argv = [*ISSUE, "--no-calibrate", "--json", "--compressors", "none,topk:0.01,compact=1"]
+    assert main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {p["compressor"] for p in doc["predictions"]} >= {"none", "topk:0.01,compact=1"}
+
+
 def test_plan_json_is_ranked(capsys) -> None:
     assert main([*ISSUE, "--no-calibrate", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -142,6 +149,7 @@ def test_plan_json_is_ranked(capsys) -> None:
     ({"--top": "-1"}, ["--top must be an integer >= 0", "Hint: --top 0"]),
     ({"--compressors": "zip"}, ["unknown compression 'zip'", "topk:0.01"]),
     ({"--compressors": ","}, ["--compressors each need at least one name", "Hint"]),
+    ({"--compressors": "none,auto"}, ["--compressors 'auto'", "prices its candidates"]),
     ({"--modes": "bogus"}, ["mode must be one of allreduce", "'bogus'"]),
     ({"--stages": "8", "--layers": "4"}, ["--stages 8", "4 layers", "Hint"]),
     ({"--stages": "3"}, ["--stages 3", "divide"]),

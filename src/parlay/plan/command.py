@@ -284,16 +284,34 @@ def run_plan(ns: argparse.Namespace) -> int:
         return 2
 
 
+def _specs(text: str) -> list[str]:
+    """Compression specs separated by commas; a ``key=value`` part belongs to the spec before
+    it (``"none,topk:0.01,compact=1"`` is two specs)."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if out and "=" in part and ":" not in part:
+            out[-1] += "," + part
+        elif part:
+            out.append(part)
+    return out
+
+
 def _plan(ns: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     top = _int(ns.top, "--top", low=0)
     modes = [m.strip() for m in ns.modes.split(",") if m.strip()]
-    comps = [c.strip() for c in ns.compressors.split(",") if c.strip()]
+    comps = _specs(ns.compressors)
     if not modes or not comps:
         raise ConfigError("--modes and --compressors each need at least one name. Hint: "
                           "--modes allreduce --compressors none,topk:0.01")
-    for c in comps:
-        compressor_of(c)  # an unknown name: refused here, never dropped from the table
+    for c in comps:  # an unknown or unpriceable one: refused here, never dropped from the table
+        try:
+            compressor_of(c).wire_rounds(1 << 20)
+        except ConfigError as e:
+            script = (" (a compressor that --script registers is registered in the script's "
+                      "process only: price it from Python, e.g. parlay.plan.predict, after "
+                      "registering it)" if ns.script else "")
+            raise ConfigError(f"--compressors {c!r}: {e}{script}") from None
     memory = parse_size(ns.memory_per_rank) if ns.memory_per_rank is not None else None
     k = state_per_param(ns.optimizer or "adam")
     calib = _calibration(ns)

@@ -187,6 +187,13 @@ class TrainerConfig:
             raise ConfigError(f"strategy_options must be a dict of the mode's options, got "
                               f"{type(self.strategy_options).__name__}. Hint: e.g. "
                               "strategy_options={'pp': 2}.")
+        if self.optimizer_args is not None and not isinstance(self.optimizer_args, dict):
+            raise ConfigError(f"optimizer_args must be a dict of the optimizer's keyword "
+                              f"arguments, got {self.optimizer_args!r}. Hint: e.g. "
+                              "optimizer_args={'lr': 0.1}.")
+        for name in ("optimizer_args", "strategy_options"):  # the caller's dict may change
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, dict(getattr(self, name)))
         for name in ("checkpoint_dir", "metrics_path"):
             path = getattr(self, name)
             if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -219,7 +226,8 @@ class TrainerConfig:
             object.__setattr__(self, "shard", None)
         if self.shard is not None and self.shard not in SHARD_LEVELS:
             raise ConfigError(f"shard must be one of {SHARD_LEVELS} or None, got {self.shard!r}.")
-        twice = sorted({"compression", "precision", "grad_clip"} & set(self.strategy_options or {}))
+        twice = sorted({"compression", "precision", "grad_clip", "shard"}
+                       & set(self.strategy_options or {}))
         if twice:
             raise ConfigError(f"strategy_options sets {twice}, which are Trainer arguments. "
                               f"Hint: pass them as Trainer({twice[0]}=...).")

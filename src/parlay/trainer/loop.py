@@ -49,6 +49,9 @@ class Trainer:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if "prefetch_size" in kwargs:  # TensorLayer's name
+            if "prefetch" in kwargs:
+                raise ConfigError("pass prefetch or prefetch_size (TensorLayer's name for it), "
+                                  "not both.")
             kwargs["prefetch"] = kwargs.pop("prefetch_size")
         self.config = cfg = TrainerConfig(*args, **kwargs)
         if not runtime.is_initialized():
