@@ -147,7 +147,7 @@ def test_compression_spec(spec: str) -> None:
 
 # "fp16:0", "fp16:nan" and "fp16:inf" are refused when parsed (a zero scale divided by zero at
 # the first decompress; nan/inf gave NaN gradients).
-@pytest.mark.parametrize("spec", ["fp16:0", "fp16:nan", "fp16:inf", "fp16:-2"])
+@pytest.mark.parametrize("spec", ["fp16:0", "fp16:nan", "fp16:inf", "fp16:-2", "fp16:3"])
 def test_fp16_scale_that_is_zero_or_not_finite(spec: str) -> None:
     with pytest.raises(ConfigError, match="init_scale"):
         get_compressor(spec)

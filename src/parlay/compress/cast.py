@@ -119,9 +119,9 @@ class FP16(_Cast):
 
     def __init__(self, init_scale: float = 1.0, dynamic: bool = True) -> None:
         scale = float(init_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ConfigError(f"fp16 init_scale must be a finite number > 0, got {init_scale!r}. "
-                              "Hint: use a power of two such as fp16:1 (a plain cast) or "
+        if not (math.isfinite(scale) and scale > 0 and math.frexp(scale)[0] == 0.5):
+            raise ConfigError(f"fp16 init_scale must be a power of two (exact to scale and "
+                              f"unscale), got {init_scale!r}. Hint: fp16:1 (a plain cast) or "
                               "fp16:1024.")
         self.init_scale = scale
         self.dynamic = bool(dynamic)
@@ -182,7 +182,9 @@ class FP16(_Cast):
         self._scale = {str(k): float(v) for k, v in state.get("scale", {}).items()}
 
     def __repr__(self) -> str:
-        return "FP16()"
+        scale = "" if self.init_scale == 1.0 else f"init_scale={self.init_scale:g}"
+        return f"FP16({scale}{', ' if scale and not self.dynamic else ''}" \
+            f"{'' if self.dynamic else 'dynamic=False'})"
 
 
 def _make_fp16(*args: str) -> Compressor:
