@@ -238,3 +238,55 @@ def test_a_checkpoint_only_one_worker_asks_for_is_refused_at_once(tmp_path, cons
     for msg in workers:
         assert msg is not None and "went on training" in msg
         assert "save_checkpoint() on every worker" in msg
+
+
+def _train_with_checkpoints(ckpt: str):
+    try:
+        t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
+                           optimizer_args={"lr": LR}, batch_size=BATCH, max_iteration=4,
+                           progress=False, mode="ps", checkpoint_dir=ckpt, checkpoint_every=2)
+        while not t.should_stop():
+            t.train_on_batch()
+    except (parlay.CheckpointError, parlay.CommError) as e:
+        return str(e)
+    return None
+
+
+def test_a_relaunch_with_another_layout_is_refused_and_keeps_the_servers_files(tmp_path):
+    # the servers deleted every step of theirs before the workers' layout check refused
+    assert run_world(_train_with_checkpoints, 3, str(tmp_path),
+                     env={"PARLAY_NUM_PS": "1"}) == [None] * 3
+    saved = sorted(p.name for p in (tmp_path / "ps").iterdir())
+    assert saved, "the servers checkpointed"
+    out = run_world(_train_with_checkpoints, 4, str(tmp_path), env={"PARLAY_NUM_PS": "1"},
+                    comm_timeout=20)
+    assert any(m and "another layout" in m for m in out), out
+    assert sorted(p.name for p in (tmp_path / "ps").iterdir()) == saved
+
+
+class _FrozenHalfFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(5, dtype=torch.float16), requires_grad=False)
+        self.body = _build()[0]
+
+    def forward(self, x):
+        return self.body(x * self.gain.double())
+
+
+def _frozen_first():
+    torch.manual_seed(0)
+    t = parlay.Trainer(lambda: (_FrozenHalfFirst(), nn.MSELoss()), _dataset(),
+                       optimizer=torch.optim.SGD, optimizer_args={"lr": LR}, batch_size=BATCH,
+                       max_iteration=3, progress=False, mode="ps")
+    while not t.should_stop():
+        t.train_on_batch()
+    return [p.detach().clone() for p in t.model.body.parameters()]
+
+
+def test_a_frozen_first_parameter_of_another_dtype_trains():
+    # the workers sized their pushes by the frozen fp16 parameter, the server by the first
+    # trainable one: gloo aborted every rank on the size mismatch
+    server, a, b = run_world(_frozen_first, 3, env={"PARLAY_NUM_PS": "1"})
+    for x, y, z in zip(server, a, b):
+        assert torch.equal(x, y) and torch.equal(x, z)

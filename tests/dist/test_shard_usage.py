@@ -88,6 +88,38 @@ def _scaler_run(level: str | None) -> tuple[list[float], list[torch.Tensor]]:
         return scales, [p.detach().clone() for p in m.parameters()]
 
 
+def _scaler_recipes() -> dict:
+    out = {}
+    for name, level in (("plain", None), ("plain", "gradients"), ("synchronized", None),
+                        ("synchronized", "gradients")):
+        m = nn.Linear(1, 1, bias=False)
+        nn.init.zeros_(m.weight)
+        opt = parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0),
+                                          m.named_parameters(), shard=level, model=m)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(m(torch.ones(1, 1)).sum()).backward()  # gradient 1 on every rank
+        try:
+            if name == "synchronized":
+                opt.synchronize()
+            scaler.step(opt)
+            scaler.update()
+            with opt.gathered_parameters():
+                out[name, level] = m.weight.item()
+        except ConfigError as e:
+            out[name, level] = str(e)
+            opt.synchronize()  # the reduction the refused step left behind
+    return out
+
+
+def test_grad_scaler_on_gradients_being_reduced_is_refused_not_stepped_scaled():
+    # scaler.step(opt) right after backward stepped with the gradients times the scale (-1024)
+    for got in run_world(_scaler_recipes, 2):
+        assert "before this optimizer reduced them" in got["plain", None]
+        assert "before this optimizer reduced them" in got["plain", "gradients"]
+        assert got["synchronized", None] == -1.0
+        assert "opt.unscale_(scaler)" in got["synchronized", "gradients"]
+
+
 def test_grad_scaler_skips_the_same_steps_on_every_rank():
     ref = run_world(_scaler_run, 2, None)[0]
     assert ref[0][0] < 2.0 ** 100  # the overflow was seen and the step skipped
@@ -122,3 +154,29 @@ def test_a_saved_state_holds_this_rank_s_chunks_and_broadcasting_it_is_refused(l
         # parameter chunk + momentum chunk: a quarter of two models each, not the whole model
         assert size < 4 * numel * 2 / 4 + 4096, size
         assert "shard=" in refused and "Hint:" in refused  # on every rank, nothing hangs
+
+
+def _synchronize_then_step() -> list:
+    out = []
+    for level in (None, *LEVELS):
+        m = nn.Linear(1, 1, bias=False)
+        nn.init.zeros_(m.weight)
+        opt = parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0),
+                                          m.named_parameters(), shard=level, model=m)
+        m(torch.ones(1, 1)).sum().backward()
+        opt.synchronize()
+        with pytest.warns(UserWarning, match="skip_synchronize"):
+            opt.step()  # without skip_synchronize(): Horovod's warning, the same update
+        with opt.gathered_parameters():
+            out.append(m.weight.item())
+    with pytest.raises(ConfigError, match="Adasum does not combine with shard"):
+        parlay.horovod.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0),
+                                            m.named_parameters(), op=parlay.horovod.Adasum,
+                                            shard="gradients", model=m)
+    return out
+
+
+def test_synchronize_then_step_without_skip_applies_the_gradient_once_at_every_level():
+    # a sharded optimizer applied zero gradients: its second finish() reduced handed-back ones
+    for got in run_world(_synchronize_then_step, 2):
+        assert got == [-1.0] * (1 + len(LEVELS))

@@ -231,6 +231,7 @@ def test_compressor_context_travels_without_pickle(name):
     ({"placement": "hash"}, "placement must be one of"),
     ({"compression": "powersgd"}, "needs collective rounds"),
     ({"optimizer_args": {"learning_rate": 0.1}}, "do not fit SGD"),
+    ({"timeout": float("inf")}, "at most 1e7"),  # an OverflowError at start() before
 ])
 def test_session_rejects_bad_arguments(kw, match):
     args = {"model": nn.Linear(2, 2), "optimizer": torch.optim.SGD,

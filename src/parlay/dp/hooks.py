@@ -121,6 +121,11 @@ class GradientBuckets:
         """Whether a reduction has started (a gradient went into a bucket) and not finished."""
         return any(self._filled)
 
+    @property
+    def untouched(self) -> bool:
+        """Whether no backward pass reached a hook since the last :meth:`finish`."""
+        return not self.in_flight and all(d == self.passes for d in self._delay)
+
     def remove(self) -> None:
         """Detach the hooks."""
         for h in self._hooks:

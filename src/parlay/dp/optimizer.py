@@ -37,8 +37,9 @@ class DistributedOptimizer(WrappedOptimizer):
     """Wrap any ``torch.optim`` optimizer so ``step()`` applies gradients averaged over ranks.
 
     The wrapper shares ``param_groups``, ``state`` and ``defaults`` with the wrapped optimizer,
-    so LR schedulers and ``torch.amp.GradScaler`` work on it unchanged; it is built by
-    ``torch.optim.Optimizer.__init__``, so step and state-dict hooks registered on it fire.
+    so LR schedulers and ``torch.amp.GradScaler`` work on it (the scaler once the gradients are
+    reduced: see :meth:`step`); it is built by ``torch.optim.Optimizer.__init__``, so step and
+    state-dict hooks registered on it fire.
 
     Args:
         optimizer: The optimizer to wrap.
@@ -284,8 +285,24 @@ class DistributedOptimizer(WrappedOptimizer):
         finally:
             eng.silent = was
 
+    #: ``torch.amp.GradScaler.step(opt)`` then leaves the overflow check's outcome and the
+    #: scale to :meth:`step` (``found_inf``, ``grad_scale``), which can tell whether the
+    #: gradients the scaler checked were already reduced.
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Synchronize gradients (unless inside :meth:`skip_synchronize`), then step."""
+        """Synchronize gradients (unless inside :meth:`skip_synchronize`), then step.
+
+        Under ``torch.amp.GradScaler.step(opt)`` the gradients must have been reduced before
+        the scaler checked them for overflows (each rank would otherwise skip on its own
+        gradients): ``opt.synchronize()`` first, and with ``shard=``, ``opt.unscale_(scaler)``.
+
+        Raises:
+            ConfigError: GradScaler checked gradients still being reduced, or a sharded
+                optimizer's chunks without :meth:`unscale_`.
+        """
+        if "found_inf" in self.__dict__:
+            return self._scaler_step(closure)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn(
@@ -293,8 +310,33 @@ class DistributedOptimizer(WrappedOptimizer):
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.", stacklevel=2)
-            self.synchronize()
+            if not (self._synchronized and self._buckets is not None and self._buckets.untouched):
+                self.synchronize()  # (a second finish() would reduce handed-back gradients)
         self._synchronized = False
+        return self._apply_update(closure)
+
+    def _scaler_step(self, closure: Callable[[], Any] | None) -> Any:
+        """``step()`` called by ``torch.amp.GradScaler.step`` (see :meth:`step`)."""
+        eng, scale = self._buckets, self.__dict__["grad_scale"]
+        pending = self._should_synchronize and not self._synchronized \
+            and eng is not None and not eng.untouched
+        if pending or (scale is not None and self.shard):
+            del self.found_inf, self.grad_scale  # GradScaler does not reach its own del
+            raise ConfigError(
+                "torch.amp.GradScaler checked the gradients for overflows before this "
+                "optimizer reduced them, so each rank would decide alone and step with scaled "
+                "gradients. Hint: loss.backward(); opt.synchronize(); opt.unscale_(scaler); "
+                "with opt.skip_synchronize(): scaler.step(opt); then scaler.update().")
+        if self._should_synchronize and not self._synchronized:
+            self.synchronize()  # no backward since the last step: as step() would
+        self._synchronized = False
+        if bool(self.__dict__["found_inf"]):
+            return None  # the overflow skip, the same on every rank (reduced gradients)
+        if scale is not None:  # the scaler left them scaled: unscale the reduced gradients
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(scale.to(p.grad.device))
         return self._apply_update(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -213,6 +213,10 @@ class DistributedOptimizer(_BucketedOptimizer):
             if comp is not None and not isinstance(get_compressor(comp), NoneCompressor):
                 raise ConfigError("op=Adasum does not combine with compression. Hint: "
                                   "compression=hvd.Compression.none (the default).")
+            if options.get("shard"):  # each rank would step only its chunk: no update to combine
+                raise ConfigError("op=Adasum does not combine with shard=: Adasum combines "
+                                  "every rank's whole update. Hint: op=Average with shard=, or "
+                                  "Adasum unsharded.")
             op = ReduceOp.Average
         super().__init__(optimizer, named, op=op, compression=comp,
                          backward_passes_per_step=backward_passes_per_step,

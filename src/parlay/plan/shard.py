@@ -128,7 +128,7 @@ def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none"
     rs_b, ag_b = link_bytes(comp, w.params, n, w.shapes) / 2, link_bytes("none", w.params, n) / 2
     rs_s, ag_s = ring_s(compressor, buckets) / 2, ring_s("none", buckets) / 2
     p = g = s
-    mem = {"none": p + g + k * p, "optimizer": p + g + k * p / n,
+    mem = {"none": p + g + k * p, "optimizer": p + g + (g + k * p) / n,  # + its gradient chunk
            "gradients": p + (g + k * p) / n,
            "parameters": (p + g + k * p) / n + (3 * _unit_bytes(w) if n > 1 else 0.0)}
     out = [ShardLevel("none", mem["none"], 2 * rs_b, ddp)]

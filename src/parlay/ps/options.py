@@ -44,8 +44,9 @@ def check_session_args(task_spec: Any, model: Any, optimizer: Any, optimizer_arg
             checkpoint_every, bool) or checkpoint_every < 1):
         raise ConfigError(f"checkpoint_every must be None or an int >= 1, "
                           f"got {checkpoint_every!r}.")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout <= 1e7):
+        raise ConfigError(f"timeout must be a number of seconds > 0 and at most 1e7, got "
+                          f"{timeout!r}.")
     if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
         raise ConfigError(f"checkpoint_dir must be a path or None, got {checkpoint_dir!r}.")
     try:  # catch misspelt optimizer arguments on every rank, without building one

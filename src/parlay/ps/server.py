@@ -173,9 +173,11 @@ class Server(ShardPersistence, ChunkedServing):
             version, clocks = self._load(self.snapshot_path(step))
         elif self.path and os.path.exists(self.path):
             version, clocks = self._load(self.path)
-        if tagged and self.dir:  # later steps than the resumed one belong to a lost future
+        # Later steps than the resumed one belong to a lost future. Without an agreed step
+        # (a fresh start, or a relaunch about to be refused) nothing is removed.
+        if tagged and self.dir and step is not None:
             for t in snapshot_steps(self.dir, self.index):
-                if step is None or t > step:
+                if t > step:
                     os.remove(self.snapshot_path(t))
         return version, clocks
 

@@ -58,7 +58,8 @@ class Worker:
         self.compressor, self.server_ranks = compressor, server_ranks
         self.group, self.timeout = group, timeout
         named = dict(model.named_parameters())
-        self.dtype = next(iter(named.values())).dtype
+        # the first trainable one's, as the server and the plan take it (frozen ones never push)
+        self.dtype = next(p for p in named.values() if p.requires_grad).dtype
         self.slices: list[list[tuple[torch.Tensor, int, int, int]]] = []
         self.grads: list[torch.Tensor] = []
         self.push_bufs: list[torch.Tensor] = []
