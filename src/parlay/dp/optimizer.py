@@ -321,7 +321,7 @@ class DistributedOptimizer(WrappedOptimizer):
         pending = self._should_synchronize and not self._synchronized \
             and eng is not None and not eng.untouched
         if pending or (scale is not None and self.shard):
-            del self.found_inf, self.grad_scale  # GradScaler does not reach its own del
+            del self.__dict__["found_inf"], self.__dict__["grad_scale"]  # its del is not reached
             raise ConfigError(
                 "torch.amp.GradScaler checked the gradients for overflows before this "
                 "optimizer reduced them, so each rank would decide alone and step with scaled "
