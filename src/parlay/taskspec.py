@@ -278,8 +278,18 @@ class TaskSpec:
         return cls("worker", found.rank - k, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
 
 
-#: TensorLayer's name for the same class (``tl.distributed.TaskSpecDef``).
-TaskSpecDef = TaskSpec
+class TaskSpecDef(TaskSpec):
+    """TensorLayer's ``tl.distributed.TaskSpecDef``: a :class:`TaskSpec` taking TensorLayer's
+    positional order ``(task_type, index, trial, ps_hosts, worker_hosts, master)`` and an index
+    given as text (``"1"``, as read from an environment variable), as TensorLayer does."""
+
+    def __init__(self, task_type: str = "master", index: int | str = 0, trial: Any = None,
+                 ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
+                 master: str | Sequence[str] | None = None, **more: Any) -> None:
+        # anything else than digits is checked (and refused, named) as TaskSpec's index
+        idx: Any = int(index) if isinstance(index, str) and index.strip().isdigit() else index
+        super().__init__(task_type, idx, ps_hosts or (), worker_hosts or (), master=master,
+                         trial=trial, **more)
 
 
 def create_task_spec_def(environ: Mapping[str, str] | None = None) -> TaskSpec:

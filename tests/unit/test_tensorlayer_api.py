@@ -15,7 +15,11 @@ from parlay.errors import ConfigError
 def test_taskspecdef_is_taskspec_and_device_fn_places_a_model():
     spec = parlay.TaskSpecDef(task_type="worker", index=0, ps_hosts=["ps0:2222"],
                               worker_hosts=["w0:2222", "w1:2222"])
-    assert parlay.TaskSpecDef is parlay.TaskSpec and isinstance(spec, parlay.TaskSpec)
+    assert isinstance(spec, parlay.TaskSpec)
+    # TensorLayer's positional order (trial third) and an index read from the environment
+    tl = parlay.TaskSpecDef("worker", "1", None, "ps0:2222", "w0:2222,w1:2222")
+    assert (tl.ps_hosts, tl.worker_hosts, tl.index, tl.rank) == (
+        ("ps0:2222",), ("w0:2222", "w1:2222"), 1, 2)
     dev = spec.device_fn()
     assert isinstance(dev, torch.device)
     model = nn.Linear(3, 2).to(spec.device_fn())
