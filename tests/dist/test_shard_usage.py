@@ -180,3 +180,19 @@ def test_synchronize_then_step_without_skip_applies_the_gradient_once_at_every_l
     # a sharded optimizer applied zero gradients: its second finish() reduced handed-back ones
     for got in run_world(_synchronize_then_step, 2):
         assert got == [-1.0] * (1 + len(LEVELS))
+
+
+def _levels_apart():
+    m = nn.Linear(2, 2)
+    try:
+        parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), m.named_parameters(),
+                                    shard=(None, "gradients")[parlay.rank()], model=m)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_passing_different_levels_are_refused_at_construction():
+    # they met in mismatched collectives: a store timeout or a gloo abort
+    for msg in run_world(_levels_apart, 2, comm_timeout=20):
+        assert msg and "shard=None" in msg and "shard='gradients' on rank 1" in msg, msg

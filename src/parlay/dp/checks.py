@@ -108,30 +108,44 @@ def _text(text: str, src: int, group: Any, size: int = 512) -> str:
     return bytes(buf.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
-def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any) -> None:
-    """Check that every rank of ``group`` holds the same trainable parameters (a collective).
+def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any,
+                      settings: dict[str, Any] | None = None) -> None:
+    """Check that every rank of ``group`` holds the same trainable parameters and ``settings``
+    (those that shape the collectives, e.g. the shard level and bucket size): a collective.
 
     One allreduce of hashes when the ranks agree; on a mismatch a few more find the first
     difference, and every rank raises the same error describing it.
 
     Raises:
-        ConfigError: The ranks disagree on names, shapes, dtypes or the number of parameters.
+        ConfigError: The ranks disagree on a setting, or on names, shapes, dtypes or the
+            number of parameters.
     """
+    said = ", ".join(f"{k}={v!r}" for k, v in sorted((settings or {}).items()))
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
     hs = [_hash(e) for e in mine]
-    total = _hash(tuple(hs))
+    total = _hash((tuple(hs), said))
     dev = comm.group_device(group)  # a NCCL-only group reduces CUDA tensors only
     t = torch.tensor([len(mine), total, -len(mine), -total], dtype=torch.int64, device=dev)
     comm.allreduce(t, "min", group=group)
     fewest, low, neg_most, neg_high = t.tolist()
     if fewest == -neg_most and low == -neg_high:
         return
+    world, me = comm.group_size(group), comm.group_rank(group)
+    ref = torch.tensor([_hash(said)], dtype=torch.int64, device=dev)
+    comm.broadcast(ref, src=0, group=group)
+    key = torch.tensor([me if int(ref) != _hash(said) else world], device=dev)
+    comm.allreduce(key, "min", group=group)
+    if int(key) < world:
+        a, b = _text(said, 0, group), _text(said, int(key), group)
+        raise ConfigError(
+            f"ranks wrap their optimizer with different settings: {a} on rank 0 but {b} on "
+            f"rank {comm.to_global_rank(group, int(key))}. Hint: pass the same arguments on "
+            "every rank.")
     longest = -neg_most
     own = torch.tensor(hs + [-1] * (longest - len(hs)), dtype=torch.int64, device=dev)
     ref = own.clone()
     comm.broadcast(ref, src=0, group=group)
     differs = (own != ref).nonzero()
-    world, me = comm.group_size(group), comm.group_rank(group)
     none = longest * world + world
     key = torch.tensor([int(differs[0]) * world + me if len(differs) else none], device=dev)
     comm.allreduce(key, "min", group=group)

@@ -122,7 +122,10 @@ class DistributedOptimizer(WrappedOptimizer):
         self._named = [(n, p) for n, p in checks.named_parameters(optimizer, named_parameters)
                        if p.requires_grad]
         if check_consistency and self._world > 1:
-            checks.check_consistency(self._named, process_group)
+            checks.check_consistency(self._named, process_group, {
+                "shard": self.shard, "bucket_cap_mb": bucket_cap_mb, "op": int(op),
+                "backward_passes_per_step": backward_passes_per_step,
+                "hierarchical": hierarchical, "compression": type(self.compression).__name__})
         self._model = model
         if self.shard == "parameters" and model is None:
             raise ConfigError("shard='parameters' gathers each module's parameters just before "
