@@ -167,6 +167,10 @@ def _synchronize_then_step() -> list:
         opt.synchronize()
         with pytest.warns(UserWarning, match="skip_synchronize"):
             opt.step()  # without skip_synchronize(): Horovod's warning, the same update
+        m.zero_grad()  # model.zero_grad(), not opt's: p.grad leaves its bucket view
+        m(torch.ones(1, 1)).sum().backward()
+        opt.step()
+        opt.step()  # no backward since: zero gradients ("optimizer" re-applied the last one)
         with opt.gathered_parameters():
             out.append(m.weight.item())
     with pytest.raises(ConfigError, match="Adasum does not combine with shard"):
@@ -176,10 +180,12 @@ def _synchronize_then_step() -> list:
     return out
 
 
-def test_synchronize_then_step_without_skip_applies_the_gradient_once_at_every_level():
-    # a sharded optimizer applied zero gradients: its second finish() reduced handed-back ones
+def test_synchronize_then_step_and_model_zero_grad_apply_each_gradient_once():
+    # a sharded optimizer applied zero gradients after synchronize(): its second finish()
+    # reduced handed-back ones; after model.zero_grad(), "optimizer" re-applied the last
+    # gradient at a step without backward (unsharded does, as documented: -3)
     for got in run_world(_synchronize_then_step, 2):
-        assert got == [-1.0] * (1 + len(LEVELS))
+        assert got == [-3.0] + [-2.0] * len(LEVELS), got
 
 
 def _levels_apart():

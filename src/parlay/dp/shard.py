@@ -227,8 +227,13 @@ class ShardedBuckets(GradientBuckets):
             grad.mul_(self.postscale)
         if self.level == "optimizer":
             # The other chunks hold partial sums now: zeroed, so that gradients (the
-            # ``p.grad`` views) never carry a step over, as with every level.
+            # ``p.grad`` views) never carry a step over, as with every level. A gradient
+            # that left its view (``model.zero_grad()``) is pointed back at it.
             self.buffers[b].zero_()
+            for i in self.plan.buckets[b].members:
+                p, view = self.params[i], self.views[i]
+                if view is not None and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
+                    p.grad = view
         else:
             self.buffers[b] = self._new_buffer(self.plan.buckets[b])
 
