@@ -277,8 +277,11 @@ def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]]:
         if not isinstance(hosts, list):
             raise fail(f"TF_CONFIG['cluster'][{job!r}]", "a list of 'host:port' strings",
                        show(hosts), hint)
+    index = task.get("index", 0)  # TensorFlow reads it with int(): "1" is accepted there too
+    if isinstance(index, str) and index.strip().isdigit():
+        index = int(index)
     try:
-        index, checked = check_task(task.get("type"), task.get("index", 0), cluster)
+        index, checked = check_task(task.get("type"), index, cluster)
     except ConfigError as exc:
         raise ConfigError(f"TF_CONFIG: {exc}") from None
     return task["type"], index, checked

@@ -118,6 +118,9 @@ def test_from_env_tf_config() -> None:
     assert spec.rank == 1
     default_index = json.dumps({"cluster": {"worker": WORKERS}, "task": {"type": "worker"}})
     assert TaskSpec.from_env({"TF_CONFIG": default_index}).index == 0
+    as_text = json.dumps({"cluster": {"worker": WORKERS}, "task": {"type": "worker",
+                                                                   "index": "1"}})
+    assert TaskSpec.from_env({"TF_CONFIG": as_text}).index == 1  # TensorFlow's int(index)
 
 
 def test_from_env_tf_config_checked_against_launcher() -> None:
