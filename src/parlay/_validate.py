@@ -97,6 +97,12 @@ def as_index(value: object, subject: str) -> int:
                    "pass e.g. 0") from None
 
 
+def digits_as_int(value: object) -> object:
+    """An index given as text (``"1"``, as TensorFlow and TensorLayer read it with ``int()``)
+    as an int; anything else unchanged, for :func:`check_task` to check and name."""
+    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """``value`` when it is an int (not a bool) in ``[low, high]`` (no upper bound without
     ``high``); else a ConfigError naming ``name`` and the range."""
@@ -277,11 +283,9 @@ def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]]:
         if not isinstance(hosts, list):
             raise fail(f"TF_CONFIG['cluster'][{job!r}]", "a list of 'host:port' strings",
                        show(hosts), hint)
-    index = task.get("index", 0)  # TensorFlow reads it with int(): "1" is accepted there too
-    if isinstance(index, str) and index.strip().isdigit():
-        index = int(index)
     try:
-        index, checked = check_task(task.get("type"), index, cluster)
+        index, checked = check_task(task.get("type"), digits_as_int(task.get("index", 0)),
+                                    cluster)
     except ConfigError as exc:
         raise ConfigError(f"TF_CONFIG: {exc}") from None
     return task["type"], index, checked

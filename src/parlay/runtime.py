@@ -396,6 +396,8 @@ def timeout() -> _dt.timedelta:
 
 def new_group(ranks: Any = None, **kwargs: Any) -> Any:
     """``torch.distributed.new_group`` bounded by the configured timeout (torch's default for a
-    new group is 30 minutes), so a silent peer in a subgroup surfaces as fast as in the world."""
-    kwargs.setdefault("timeout", timeout())
+    new group is 30 minutes), so a silent peer in a subgroup surfaces as fast as in the world.
+    Before :func:`parlay.init` (a process group of the caller's own) torch's default holds."""
+    if "timeout" not in kwargs and is_initialized():
+        kwargs["timeout"] = timeout()
     return dist.new_group(ranks, **kwargs)

@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order, fail,
-                              int_var, join_address, parse_address, rank_of, read_tf_config)
+from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order,
+                              digits_as_int, fail, int_var, join_address, parse_address, rank_of,
+                              read_tf_config)
 from parlay.discovery import detect
 
 if TYPE_CHECKING:
@@ -286,8 +287,7 @@ class TaskSpecDef(TaskSpec):
     def __init__(self, task_type: str = "master", index: int | str = 0, trial: Any = None,
                  ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
                  master: str | Sequence[str] | None = None, **more: Any) -> None:
-        # anything else than digits is checked (and refused, named) as TaskSpec's index
-        idx: Any = int(index) if isinstance(index, str) and index.strip().isdigit() else index
+        idx: Any = digits_as_int(index)
         super().__init__(task_type, idx, ps_hosts or (), worker_hosts or (), master=master,
                          trial=trial, **more)
 

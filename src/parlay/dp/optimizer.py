@@ -336,10 +336,7 @@ class DistributedOptimizer(WrappedOptimizer):
         if bool(self.__dict__["found_inf"]):
             return None  # the overflow skip, the same on every rank (reduced gradients)
         if scale is not None:  # the scaler left them scaled: unscale the reduced gradients
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.grad.div_(scale.to(p.grad.device))
+            self._unscale_grads(scale)
         return self._apply_update(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -54,6 +54,14 @@ class WrappedOptimizer(torch.optim.Optimizer):
         for name in ("param_groups", "state", "defaults"):
             self.__dict__.pop(f"_own_{name}", None)
 
+    def _unscale_grads(self, scale: torch.Tensor) -> None:
+        """Divide every gradient by ``scale``: what ``torch.amp.GradScaler`` leaves to an
+        optimizer that declares ``_step_supports_amp_scaling`` (its ``grad_scale``)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.div_(scale.to(p.grad.device))
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Not supported once wrapped (what is reduced or synced is planned at construction).
 

@@ -246,10 +246,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
             self._after_inner_step()
             return None
         if scale is not None:  # GradScaler left the gradients scaled
-            for g in self.param_groups:
-                for p in g["params"]:
-                    if p.grad is not None:
-                        p.grad.div_(scale.to(p.grad.device))
+            self._unscale_grads(scale)
         out = self.inner.step(closure) if closure is not None else self.inner.step()
         self._after_inner_step()
         return out

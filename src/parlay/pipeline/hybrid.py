@@ -179,11 +179,10 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
     # Each dimension's groups are built here, not by init_device_mesh: torch gives those its
     # 30-minute default timeout, and a stalled stage must surface within the configured one.
     grid, mine = torch.arange(world).reshape(shape), []
-    timeout = runtime.timeout() if runtime.is_initialized() else None
     with comm.comm_errors("new_group"):
         for d in range(2):
             for ranks in grid.movedim(d, -1).reshape(-1, shape[d]).tolist():
-                g = dist.new_group(ranks, timeout=timeout)
+                g = runtime.new_group(ranks)
                 mine += [g] if rank in ranks else []
         mesh = DeviceMesh.from_group(mine, device_type, mesh=grid, mesh_dim_names=names)
     dp_rank, pp_rank = (rank // pp, rank % pp) if where == "pp-local" else (rank % dp, rank // dp)
