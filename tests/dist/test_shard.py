@@ -25,15 +25,19 @@ TINY = 0.0002                 # bucket_cap_mb: several units per model
 
 
 class _Edge(nn.Module):
-    """An unused branch and a unit (``s``: 2 elements) smaller than the world."""
+    """An unused branch, a unit (``s``: 2 elements) smaller than the world, and a module
+    (``t``) whose weight is tied to the unused branch's (it belongs to that module's unit)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.a, self.unused = nn.Linear(5, 6), nn.Linear(6, 6)
         self.tiny, self.s, self.b = nn.Linear(6, 1), nn.Linear(1, 1), nn.Linear(1, 3)
+        self.t = nn.Linear(6, 6)
+        self.t.weight = self.unused.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.s(torch.tanh(self.tiny(torch.tanh(self.a(x)))))))
+        h = torch.tanh(self.t(torch.tanh(self.a(x))))
+        return self.b(torch.tanh(self.s(torch.tanh(self.tiny(h)))))
 
 
 def _model(kind: str = "mlp") -> nn.Module:

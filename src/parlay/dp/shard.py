@@ -380,7 +380,7 @@ class ShardedBuckets(GradientBuckets):
         for b, bucket in enumerate(self.plan.buckets):
             for i in bucket.members:
                 units.setdefault(id(self.params[i]), []).append(b)
-        for module, params in unit_params(model):
+        for module, params in unit_params(model, shared=True):
             mine = sorted({b for p in params for b in units.get(id(p), [])})
             if mine:
                 self._module_hooks += [

@@ -84,14 +84,19 @@ def plan_units(named: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Opt
     return BucketPlan(tuple(buckets), where)
 
 
-def unit_params(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+def unit_params(model: nn.Module, *, shared: bool = False
+                ) -> list[tuple[nn.Module, list[nn.Parameter]]]:
     """Each module with the parameters its forward gathers: its own, and for
-    ``nn.MultiheadAttention`` its ``out_proj``'s too (its forward reads them directly)."""
+    ``nn.MultiheadAttention`` its ``out_proj``'s too (its forward reads them directly).
+
+    A parameter held by several modules (a head tied to an embedding's weight) belongs to the
+    first one's unit; with ``shared`` it is also listed under every other module holding it,
+    as each of their forwards reads it."""
     seen: set[int] = set()
     out = []
     for module in model.modules():
         mine = [p for p in module.parameters(recurse=isinstance(module, nn.MultiheadAttention))
-                if id(p) not in seen]
+                if shared or id(p) not in seen]
         seen.update(map(id, mine))
         if mine:
             out.append((module, mine))
