@@ -235,7 +235,8 @@ def main() -> None:
                   else f"did not reach {args.target:.0%}") +
                   f" (accuracy {row['final_accuracy']:.4f}, {row['steps']} steps in "
                   f"{row['train_seconds']:.1f} s = {1000 * row['train_seconds'] / row['steps']:.1f}"
-                  f" ms/step, set-up {row['setup_seconds']:.1f} s, eval {row['eval_seconds']:.1f} s)",
+                  f" ms/step, set-up {row['setup_seconds']:.1f} s,"
+                  f" eval {row['eval_seconds']:.1f} s)",
                   flush=True)
     pairs = repeats
     ratios = []

@@ -60,7 +60,8 @@ if __name__ == '__main__':
     training_dataset = make_dataset(X_train, y_train)
     validation_dataset = make_dataset(X_val, y_val)
     trainer = parlay.Trainer(
-        build_training_func=build_train, training_dataset=training_dataset, optimizer=torch.optim.Adam,
+        build_training_func=build_train, training_dataset=training_dataset,
+        optimizer=torch.optim.Adam,
         optimizer_args={'lr': 0.001}, batch_size=500, prefetch=500 // 100,
         validation_dataset=validation_dataset, build_validation_func=build_validation,
         mode=args.mode, max_iteration=args.max_iteration,

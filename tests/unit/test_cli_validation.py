@@ -54,7 +54,8 @@ def test_good_run_reaches_the_launcher(launches):
 
 @pytest.mark.parametrize("args, message", [
     # (other tests of the same session may register more modes; they are listed too)
-    (["--mode", "bogus"], r"--mode must be one of allreduce, diloco, hybrid, ps(, [\w-]+)*, got 'bogus'"),
+    (["--mode", "bogus"],
+     r"--mode must be one of allreduce, diloco, hybrid, ps(, [\w-]+)*, got 'bogus'"),
     (["--compression", "zip"], r"zip"),
     (["--compression", "topk:lots"], r"topk"),
     (["--batch-size", "0"], r"--batch-size must be >= 1, got 0"),

@@ -9,7 +9,7 @@ import json
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

@@ -24,7 +24,8 @@ def test_taskspecdef_is_taskspec_and_device_fn_places_a_model():
     assert isinstance(dev, torch.device)
     model = nn.Linear(3, 2).to(spec.device_fn())
     assert next(model.parameters()).device.type == dev.type
-    ps = parlay.TaskSpecDef(task_type="ps", index=0, ps_hosts=["ps0:2222"], worker_hosts=["w0:2222"])
+    ps = parlay.TaskSpecDef(task_type="ps", index=0, ps_hosts=["ps0:2222"],
+                            worker_hosts=["w0:2222"])
     assert ps.device_fn() == torch.device("cpu"), "parameter servers hold their shards on the CPU"
 
 
