@@ -80,9 +80,20 @@ class Registry(Generic[T]):
         """The key ``name`` is stored under (after ``normalize``)."""
         return self._normalize(str(name).strip())
 
-    def register(self, name: str, entry: T) -> None:
-        """Register ``entry`` under ``name`` (a later registration of the name replaces it)."""
-        self._entries[self.key(name)] = entry
+    def register(self, name: str, entry: T, *, replace: bool = False) -> None:
+        """Register ``entry`` under ``name``.
+
+        Raises:
+            ConfigError: ``name`` holds another entry already (a built-in, say) and ``replace``
+                is false.
+        """
+        key = self.key(name)
+        held = self._entries.get(key, entry)
+        if held is not entry and not replace:
+            raise ConfigError(f"{self.kind} {name!r} is registered already ({held!r}). Hint: "
+                              "register yours under another name, or pass replace=True to "
+                              "replace it.")
+        self._entries[key] = entry
 
     def available(self) -> list[str]:
         """Every registered name, sorted."""
@@ -97,13 +108,16 @@ class Registry(Generic[T]):
         """The entry registered as ``name``.
 
         Args:
-            name: The name (without options).
+            name: The name (without options: ``lookup`` takes ``"name:options"``).
             shown: What the user typed, for the error (default ``name``).
 
         Raises:
             ConfigError: Unknown name: the message names the kind, the bad name, every valid
                 name and the closest one.
         """
+        if shown is None and ":" in str(name):
+            raise ConfigError(f"get() takes a bare {self.kind} name, got {name!r}. Hint: "
+                              f"lookup({name!r}) returns the entry and its options.")
         key = self.key(name)
         if key not in self._entries and self.load is not None:
             self.load(key)

@@ -226,7 +226,7 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     global _generation
     url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
            f"{cluster.master_port}?rank={cluster.rank}&world_size={cluster.world_size}")
-    store = _base_store(url, td)
+    store = _base_store(url, cluster, td)
     prefix = store_prefix(environ)
     _generation += 1
     try:
@@ -243,7 +243,7 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
         set_timeout(td)
 
 
-def _base_store(url: str, td: _dt.timedelta) -> dist.Store:
+def _base_store(url: str, cluster: ClusterEnv, td: _dt.timedelta) -> dist.Store:
     """The rendezvous store of ``url``, connected once per process and kept across re-inits.
 
     Without torchrun's agent store, rank 0's process hosts the store and drops it when its
@@ -252,6 +252,9 @@ def _base_store(url: str, td: _dt.timedelta) -> dist.Store:
     Keeping the connection makes a re-init reuse it: nothing to close, nothing to dial, and the
     fresh prefix of every init keeps the rendezvous apart from the previous ones. A kept store
     that no longer answers (its host went away) is replaced.
+
+    Rank 0's store does not wait for the other ranks to connect (torch's ``tcp://`` rendezvous
+    does, and its timeout says only how many came): the check-in then names the absent ones.
     """
     store = _stores.get(url)
     if store is not None:
@@ -261,7 +264,14 @@ def _base_store(url: str, td: _dt.timedelta) -> dist.Store:
             return store
         except (RuntimeError, TimeoutError, OSError):
             _stores.pop(url, None)
-    fresh: dist.Store = next(dist.rendezvous(url, timeout=td))[0]
+    fresh: dist.Store
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent hosts it
+        fresh = next(dist.rendezvous(url, timeout=td))[0]
+    else:
+        assert cluster.master_port is not None  # detect() refuses a world without one
+        fresh = dist.TCPStore(cluster.master_addr or "127.0.0.1", cluster.master_port,
+                              cluster.world_size, is_master=cluster.rank == 0, timeout=td,
+                              wait_for_workers=False, multi_tenant=True)
     fresh.set_timeout(td)
     _stores[url] = fresh
     return fresh

@@ -147,6 +147,22 @@ def test_rendezvous_with_an_absent_rank_fails_within_the_timeout_naming_it(monke
     del server
 
 
+def test_rank_zero_hosting_the_store_names_the_rank_that_never_came(monkeypatch):
+    # Without torchrun's agent (variables set by hand, SLURM, MPI), rank 0 hosts the store: it
+    # must not wait there for the clients (torch's rendezvous does, saying only "1/2 clients
+    # joined") but reach the check-in, which names the absent rank.
+    from parlay.testing import free_port
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    t0 = time.monotonic()
+    with pytest.raises(parlay.CommError, match=r"rank\(s\) \[1\] never arrived") as ei:
+        parlay.init(timeout=3, environ=env)
+    assert 2.5 <= time.monotonic() - t0 < 3 + 5
+    assert ei.value.op == "init" and ei.value.peer == 1
+
+
 def test_group_timeout_is_the_configured_one_not_the_mesh_budget():
     # The full mesh is built under a shorter budget (10 s floor); collectives must wait 12 s.
     out = run_world(_stall_then_allreduce, 2, 16.0, comm_timeout=12.0, timeout=80)

@@ -116,8 +116,15 @@ def test_a_private_registry_registers_normalizes_and_loads_lazily():
         assert reg.get("late") == "entry" and loaded == ["late"]
         entry, opts = reg.lookup("big_one:1,b=2")
         assert entry == "big" and opts == ["1", "b=2"]
-        reg.register("bigone", "replaced")                 # a later registration wins
+        reg.register("big_one", "big")                    # the same entry again: fine
+        with pytest.raises(ConfigError, match=r"^test widget 'bigone' is registered already "
+                           r"\('big'\)\. Hint: .*replace=True"):
+            reg.register("bigone", "other")                # another entry: refused
+        reg.register("bigone", "replaced", replace=True)
         assert reg.get("bigone") == "replaced"
+        with pytest.raises(ConfigError, match=r"get\(\) takes a bare test widget name, got "
+                           r"'bigone:1'\. Hint: lookup\('bigone:1'\)"):
+            reg.get("bigone:1")
         with pytest.raises(ConfigError, match=r"^unknown test widget 'bigon:1'; valid widgets: "
                            r"bigone, late\. Hint: did you mean 'bigone'\?$"):
             reg.lookup("bigon:1")

@@ -221,9 +221,10 @@ _REGISTRY: Registry[Callable[..., Compressor]] = Registry(
     "compression", valid="valid names", example="options after a colon, e.g. 'topk:0.01'")
 
 
-def register(name: str, factory: Callable[..., Compressor]) -> None:
-    """Register ``factory`` under ``name``; ``"name:a,b"`` strings call ``factory(a, b)``."""
-    _REGISTRY.register(name, factory)
+def register(name: str, factory: Callable[..., Compressor], *, replace: bool = False) -> None:
+    """Register ``factory`` under ``name``; ``"name:a,b"`` strings call ``factory(a, b)``.
+    A name taken already (a built-in's too) is refused unless ``replace``."""
+    _REGISTRY.register(name, factory, replace=replace)
 
 
 def available() -> list[str]:

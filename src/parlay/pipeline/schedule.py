@@ -272,9 +272,9 @@ _REGISTRY: Registry[ScheduleSpec] = Registry(
     normalize=lambda n: n.lower().replace("-", "").replace("_", ""))
 
 
-def register_schedule(spec: ScheduleSpec) -> None:
-    """Register a schedule under ``spec.name``."""
-    _REGISTRY.register(spec.name, spec)
+def register_schedule(spec: ScheduleSpec, *, replace: bool = False) -> None:
+    """Register a schedule under ``spec.name`` (a taken name is refused unless ``replace``)."""
+    _REGISTRY.register(spec.name, spec, replace=replace)
 
 
 def available_schedules() -> list[str]:

@@ -52,9 +52,11 @@ _REGISTRY: Registry[Callable[..., Consistency]] = Registry(
     "consistency", example="stale takes a bound: 'stale:2'")
 
 
-def register_consistency(name: str, factory: Callable[..., Consistency]) -> None:
-    """Register ``factory``; ``"name:a"`` specs call ``factory("a")``."""
-    _REGISTRY.register(name, factory)
+def register_consistency(name: str, factory: Callable[..., Consistency], *,
+                         replace: bool = False) -> None:
+    """Register ``factory``; ``"name:a"`` specs call ``factory("a")`` (a taken name is
+    refused unless ``replace``)."""
+    _REGISTRY.register(name, factory, replace=replace)
 
 
 def available_consistency() -> list[str]:

@@ -278,9 +278,11 @@ _REGISTRY: Registry[Callable[..., Strategy]] = Registry(
     "mode", valid="valid modes", normalize=str)
 
 
-def register_strategy(name: str, factory: Callable[..., Strategy]) -> None:
-    """Register a strategy factory under ``name``."""
-    _REGISTRY.register(name, factory)
+def register_strategy(name: str, factory: Callable[..., Strategy], *,
+                      replace: bool = False) -> None:
+    """Register a strategy factory under ``name`` (a taken name is refused unless
+    ``replace``)."""
+    _REGISTRY.register(name, factory, replace=replace)
 
 
 def available_strategies() -> list[str]:
