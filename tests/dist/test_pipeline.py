@@ -53,7 +53,9 @@ CONFIGS = {
         ("1f1b/balance", dict(schedule="1f1b", chunks=3, balance=[7, 2]), 12),
         # Balanced by profiled time (rank 0's profile, broadcast) and checked on a sample.
         ("1f1b/by-time", dict(schedule="1f1b", chunks=4, sample="micro-batch"), 12),
-        ("interleaved/v2", dict(schedule="interleaved", chunks=4), 12)],
+        ("interleaved/v2", dict(schedule="interleaved", chunks=4), 12),
+        # A target that is not one tensor (multi-task losses): split per micro-batch too.
+        ("1f1b/tuple-target", dict(schedule="1f1b", chunks=3), 12)],
     4: [("gpipe/m4", dict(schedule="gpipe", chunks=4), 12),
         ("1f1b/m4", dict(schedule="1f1b", chunks=4), 12),
         ("1f1b/m6", dict(schedule="1f1b", chunks=6), 12),
@@ -67,10 +69,15 @@ def _run_configs(world: int):
         x, y = _batch(n)
         if kw.get("sample") == "micro-batch":
             kw = {**kw, "sample": x[:3]}
-        pipe = Pipeline(_model(), nn.functional.mse_loss, stages=world, **kw)
+        loss_fn, target = nn.functional.mse_loss, y
+        if label.endswith("tuple-target"):  # the same loss, its target split in two
+            def loss_fn(o, t):
+                return (nn.functional.mse_loss(o, t[0]) + nn.functional.mse_loss(o, t[1]["b"])) / 2
+            target = (y, {"b": y.clone()})
+        pipe = Pipeline(_model(), loss_fn, stages=world, **kw)
         if "sample" in kw:
             assert pipe.partition.method == "time"
-        out = pipe.step(x, y, return_outputs=True)
+        out = pipe.step(x, target, return_outputs=True)
         grads = {k: p.grad.clone() for k, p in pipe.named_parameters()}
         fwd = pipe.forward(x)
         results.append((label, pipe.stage_ids, out.loss, out.output, fwd, grads, out.chunks,
@@ -259,6 +266,38 @@ def test_bad_pipeline_arguments_raise_documented_errors():
         assert "activation_dtype must be one of" in found["wire"]
         assert "cannot split a model of 9 layer(s) into 12 stages" in found["too_many"]
     assert "needs the target" in run_world(_errors, 2)[1]["target"]
+
+
+class _Boom(nn.Module):
+    armed = False
+
+    def forward(self, x):
+        if self.armed:
+            raise ValueError("boom in the last stage")
+        return x
+
+
+def _raising_stage():
+    pipe = Pipeline(nn.Sequential(nn.Linear(5, 3), _Boom()).double(), nn.functional.mse_loss,
+                    stages=2, chunks=2)
+    pipe.step(*_batch())
+    for m in pipe.modules:  # armed after a first step (the boundary check runs every layer)
+        for layer in m.modules():
+            if isinstance(layer, _Boom):
+                layer.armed = True
+    try:
+        pipe.step(*_batch())
+    except Exception as e:  # noqa: BLE001 - the test looks at what each stage got
+        return type(e).__name__, str(e), getattr(e, "peer", None)
+    return None
+
+
+def test_an_error_in_a_stage_is_raised_as_the_model_raised_it():
+    # torch wraps it in a RuntimeError whose first line is empty (parlay run printed
+    # "RuntimeError: "); the neighbour stage gets a CommError within the timeout, naming it
+    first, last = run_world(_raising_stage, 2, comm_timeout=3, timeout=60)
+    assert last == ("ValueError", "boom in the last stage", None)
+    assert first[0] == "CommError" and first[2] == 1, first
 
 
 def test_pipeline_needs_a_process_group():

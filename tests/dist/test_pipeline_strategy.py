@@ -215,12 +215,20 @@ def test_hybrid_mixed_precision_converges_and_skips_agree(precision, options):
 
 # -- BatchNorm's running statistics: shape probes must not move them ----------------------------
 
+class _T(nn.Module):
+    """A transposed view: stage 0 ends in one (not contiguous), stage 1 undoes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.t()
+
+
 def _batchnorm(mode: str, options: dict):
     import parlay
 
     def build():
         torch.manual_seed(0)
         return (nn.Sequential(nn.Linear(7, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16),
+                              _T(), _T(), nn.ReLU(), nn.Linear(16, 16), nn.BatchNorm1d(16),
                               nn.ReLU(), nn.Linear(16, 4)).double(), nn.CrossEntropyLoss())
 
     t = parlay.Trainer(build, _trainer_dataset(), optimizer=torch.optim.SGD,
@@ -233,9 +241,12 @@ def _batchnorm(mode: str, options: dict):
 
 def test_hybrid_keeps_batchnorm_statistics_as_the_unsplit_model_does():
     # One micro-batch a step (BatchNorm over the whole batch): the boundary check and torch's
-    # shape inference ran extra training forwards, moving the statistics (with garbage inputs)
+    # shape inference ran extra training forwards, moving the statistics (with garbage inputs).
+    # A BatchNorm inside stage 1 too (restoring its statistics after the shape inference must
+    # not bump their autograd version), and stage 0 ends in a non-contiguous view.
     ref_metrics, ref = run_world(_batchnorm, 1, "allreduce", {})[0]
-    for metrics, stats in run_world(_batchnorm, 2, "hybrid", {"pp": 2, "chunks": 1}):
+    for metrics, stats in run_world(_batchnorm, 2, "hybrid",
+                                    {"pp": 2, "chunks": 1, "balance": [5, 6]}):
         for k, v in stats.items():
             torch.testing.assert_close(v, ref[k], **TOL, msg=k)
         assert metrics.keys() == ref_metrics.keys()
@@ -243,11 +254,13 @@ def test_hybrid_keeps_batchnorm_statistics_as_the_unsplit_model_does():
             torch.testing.assert_close(metrics[k], ref_metrics[k], **TOL)
 
 
-def _tied():
+def _refused(kind):
     import parlay
 
     def build():
         torch.manual_seed(0)
+        if kind == "empty":
+            return nn.Sequential(nn.Linear(7, 4), nn.ReLU()).double(), nn.CrossEntropyLoss()
         first, last = nn.Linear(7, 7), nn.Linear(7, 7)
         last.weight = first.weight  # tied
         return (nn.Sequential(first, nn.ReLU(), nn.Linear(7, 7), nn.ReLU(), last,
@@ -255,16 +268,21 @@ def _tied():
 
     try:
         parlay.Trainer(build, _trainer_dataset(), batch_size=6, mode="hybrid", progress=False,
-                       strategy_options={"pp": 2, "balance": [3, 3]})
+                       strategy_options={"pp": 2, "balance": [1, 1] if kind == "empty"
+                                         else [3, 3]})
     except ConfigError as e:
         return str(e)
     return None
 
 
-def test_a_parameter_shared_across_stages_is_refused():
+def test_a_parameter_shared_across_stages_or_a_stage_without_parameters_is_refused():
     # each stage would train its own copy: the tie would break silently
-    for msg in run_world(_tied, 2):
+    for msg in run_world(_refused, 2, "tied"):
         assert msg is not None and "shared by stage 0 and stage 1" in msg and "Hint" in msg
+    # a stage of a ReLU only has nothing to step: refused on every rank, not only on its own
+    # (whose optimizer could not be built while the other stage waited out the timeout)
+    for msg in run_world(_refused, 2, "empty", timeout=40, comm_timeout=20):
+        assert msg is not None and msg.startswith("stage 1 (1: ReLU) holds no parameters"), msg
 
 
 class _Custom(nn.Module):

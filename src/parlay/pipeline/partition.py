@@ -218,9 +218,10 @@ def kept_state(module: nn.Module) -> Iterator[None]:
         try:
             yield
         finally:
-            with torch.no_grad():
-                for b, v in zip(module.buffers(), saved):
-                    b.copy_(v)
+            # through .data: no version bump, as autograd saved them in the graph torch's
+            # shape inference then runs backward through
+            for b, v in zip(module.buffers(), saved):
+                b.data.copy_(v)
 
 
 def check_boundaries(model: nn.Module, part: Partition, sample: Any) -> list[Any]:

@@ -276,6 +276,10 @@ class Pipeline:
         self.meter.reset()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
+        if self._loss is not None:
+            tensor = isinstance(target, torch.Tensor) or target is None
+            self._loss.targets = None if tensor else target
+            target = target if tensor else torch.arange(batch)
         if train:
             kwargs = {"target": target if self.is_last else None,
                       "losses": losses if self.is_last else None}
@@ -318,14 +322,14 @@ class Pipeline:
         if self.is_last and target is None:
             raise ConfigError("the last pipeline stage needs the target: call step(x, target) "
                               "on every rank of the pipeline with the same batch.")
-        with p2p_errors("pipeline step"):
+        with p2p_errors("pipeline step", self.mesh.pp_group):
             return self._run(x, target, train=True, return_outputs=return_outputs)
 
     @torch.no_grad()
     def forward(self, x: Any) -> Any:
         """Inference through the pipeline (no gradients): the output on the last stage, else
         ``None``. Every rank of the pipeline calls it with the same batch."""
-        with p2p_errors("pipeline forward"):
+        with p2p_errors("pipeline forward", self.mesh.pp_group):
             return self._run(x, None, train=False, return_outputs=True).output
 
     def distributed_optimizer(self, optimizer: torch.optim.Optimizer, *, compression: Any = None,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -135,6 +136,8 @@ class StageModule(nn.Module):
         if self.wire_dtype is not None and not self.last:
             self.out_dtypes = tensor_dtypes(out)
             out = _cast(out, self.wire_dtype)
+        if not self.last:  # a view (x.t(), a slice) is sent as one block
+            out = tree_map_only(torch.Tensor, torch.Tensor.contiguous, out)
         return out
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from parlay import comm
 from parlay.errors import ConfigError
@@ -64,8 +65,13 @@ class ScaledLoss:
                  autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
         self.fn, self.meter, self.scale = fn, meter, 1.0
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
+        #: A step's target that is not one tensor (a tuple, a dict): torch splits only tensors
+        #: into micro-batches, so the schedule gets sample indices and the loss looks them up.
+        self.targets: Any = None
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        if self.targets is not None:
+            target = tree_map_only(torch.Tensor, lambda t: t[target.to(t.device)], self.targets)
         amp = (torch.autocast(self.device_type, dtype=self.autocast_dtype)
                if self.autocast_dtype is not None else contextlib.nullcontext())
         with self.meter.timing(), amp:
@@ -95,17 +101,22 @@ def plan_chunks(batch: int, chunks: int) -> int:
 
 
 @contextlib.contextmanager
-def p2p_errors(op: str) -> Iterator[None]:
+def p2p_errors(op: str, group: Any = None) -> Iterator[None]:
     """Turn transport failures (a lost or silent neighbour) into ``CommError``; errors raised
-    by the model or the loss propagate unchanged."""
+    by the model or the loss propagate unchanged (torch's stage wraps them in a RuntimeError
+    whose message is a dump of its inputs: the model's own error is raised instead).
+    ``group``: the pipeline's ranks, of which the one that does not answer is named."""
     import torch.distributed as dist
 
     try:
         yield
     except RuntimeError as e:
         text = str(e).lower()
+        if e.__cause__ is not None and ("failed to run forward" in text
+                                        or "failed to run stage backward" in text):
+            raise e.__cause__ from None
         if isinstance(e, dist.DistError) or any(
                 w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection")):
-            with comm.comm_errors(op):
+            with comm.comm_errors(op, group=group):
                 raise
         raise

@@ -134,6 +134,15 @@ class HybridStrategy(StepTemplate):
         self._refuse_servers()
         self.pipe = Pipeline(model, loss_fn, stages=self.pp,
                              autocast_dtype=PRECISIONS[self.precision], **self.options)
+        part, layers = self.pipe.partition, dict(self.pipe.seq.named_children())
+        empty = [f"stage {s} ({', '.join(f'{n}: {type(layers[n]).__name__}' for n in names)})"
+                 for s, names in enumerate(map(part.stage_names, range(part.num_stages)))
+                 if not any(True for n in names for _ in layers[n].parameters())]
+        if empty:  # every rank knows the partition: refused on every rank alike
+            raise ConfigError(f"{'; '.join(empty)} holds no parameters, but every stage "
+                              "steps an optimizer. Hint: pass strategy_options={'balance': "
+                              "[...]} so every stage holds a layer with parameters, or fewer "
+                              "stages (pp).")
         opt = self._new_optimizer(optimizer_cls, self.pipe.parameters(), optimizer_args)
         self.optimizer = self.pipe.distributed_optimizer(
             opt, compression=self.compression, bucket_cap_mb=self.bucket_cap_mb, shard=self.shard)
