@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
-from parlay.snapshot.owner import hold_live
+from parlay.snapshot.owner import hold_live, release_live
 from parlay.testing import run_world
 
 pytestmark = pytest.mark.timeout(180)
@@ -42,6 +42,28 @@ def test_the_live_lock_is_one_per_run_id_and_rank_and_names_its_holder(tmp_path)
     os.close(hold_live(tmp_path, "job-x-0123456789ab", 1))   # another rank of the same job
     os.close(fd)
     os.close(hold_live(tmp_path, "job-x-0123456789ab", 0))   # the holder died: a restart
+
+
+_FORKS_AND_DIES = """
+import os, signal, sys, time
+from pathlib import Path
+from parlay.snapshot.owner import hold_live
+hold_live(Path(sys.argv[1]), "job-f-0123456789ab", 0)
+if os.fork() == 0:  # a DataLoader worker, say: outlives its parent for a while
+    time.sleep(10)
+    os._exit(0)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_forked_child_does_not_keep_a_killed_ranks_live_lock(tmp_path):
+    # The restart of a SIGKILLed rank was refused as "a live job" while its orphaned worker
+    # lived on with the inherited flock.
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", _FORKS_AND_DIES, str(tmp_path)], timeout=60)
+    release_live(hold_live(tmp_path, "job-f-0123456789ab", 0))
 
 
 def test_a_second_live_job_with_the_same_run_id_refuses_to_start(tmp_path):

@@ -3,12 +3,13 @@
 Two things the original TensorLayer trainer got wrong are fixed here:
 
 * Prefetching is real. With ``num_workers > 0`` the loader's workers keep ``prefetch`` batches
-  each in flight (``DataLoader(prefetch_factor=...)``, persistent across epochs). With
-  ``num_workers=0`` a background thread keeps ``prefetch`` batches ready, so loading overlaps
-  the training step even without worker processes. ``prefetch=None`` (the default) chooses:
-  2 batches, except for in-memory tensor datasets in this process, whose batch costs one
-  ``index_select`` -- there a thread only competes for the GIL and the cores, which measured
-  slower than loading inline (docs/benchmarks.md, "Design measurements"), so they load inline.
+  each in flight (``DataLoader(prefetch_factor=...)``, persistent across epochs); that is the
+  default (``prefetch=None``: 2). With ``num_workers=0`` loading is inline by default; an
+  explicit ``prefetch=k`` keeps ``k`` batches ready in a background thread of this process.
+  That thread runs the dataset's ``__getitem__`` while the step runs, so a dataset that draws
+  from torch's global RNG (random augmentation) races with dropout there and a run is not
+  reproducible, nor a resume bit-exact: worker processes have their own RNGs. (For in-memory
+  tensor datasets a batch is one ``index_select``; a thread measured slower there.)
 * In-memory tensor datasets (``TensorDataset`` and ``parlay.data.mnist``) are fetched one batch
   at a time with a single fancy index instead of ``batch_size`` ``__getitem__`` calls and a
   collate, which costs almost nothing next to the training step.
@@ -152,10 +153,10 @@ def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, 
         dataset: A map-style dataset. Tensor datasets are fetched a whole batch per index.
         sampler: Yields this rank's sample indices (e.g. :class:`ShardedSampler`).
         batch_size: Samples per batch on this rank.
-        num_workers: Worker processes (``0``: load in a background thread of this process).
-        prefetch: Batches kept ready: per worker (``prefetch_factor``) with workers, in total
-            with the thread; ``0`` disables the thread (loading happens inline); ``None``:
-            automatic (see the module docstring).
+        num_workers: Worker processes (``0``: load in this process).
+        prefetch: Batches kept ready: per worker (``prefetch_factor``) with workers, else in
+            total by a background thread (see the module docstring on its RNG); ``0``: inline;
+            ``None``: 2 with workers, else inline.
         pin_memory: Pin host memory (worth it when training on CUDA).
         drop_last: Drop this rank's last, shorter batch.
         collate_fn: Custom collate for non-tensor datasets.
@@ -168,7 +169,7 @@ def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, 
     """
     tensors = _tensor_view(dataset) if collate_fn is None else None
     if prefetch is None:
-        prefetch = 0 if (tensors is not None and num_workers == 0) else 2
+        prefetch = 0 if num_workers == 0 else 2
     for name, v, lo in (("batch_size", batch_size, 1), ("num_workers", num_workers, 0),
                         ("prefetch", prefetch, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:

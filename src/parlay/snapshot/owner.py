@@ -19,6 +19,7 @@ owner file and are never swept: relaunching the job with the same id resumes fro
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -36,8 +37,8 @@ try:
 except ImportError:  # pragma: no cover - not POSIX: no owner files, nothing swept
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "hold_live", "default_root",
-           "other_recipes"]
+__all__ = ["run_name", "RunOwner", "claim", "sweep", "hold", "hold_live", "release_live",
+           "default_root", "other_recipes"]
 
 log = logging.getLogger("parlay")
 
@@ -170,6 +171,32 @@ def live_path(root: Path, key: str, rank: int) -> Path:
     return root / f"{_run_of(key) or key}.rank{int(rank)}.live"
 
 
+#: Live-file locks this process holds (fd -> the file's device and inode). A forked child (a
+#: DataLoader worker) closes its copies: an flock belongs to the open file, so a worker orphaned
+#: by its rank's SIGKILL kept the rank's lock for seconds and the restart was refused as a
+#: second live job.
+_live_fds: dict[int, tuple[int, int]] = {}
+
+
+def _close_live_in_child() -> None:
+    for fd, file in _live_fds.items():
+        with contextlib.suppress(OSError):
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) == file:  # (not a number reused after a plain close)
+                os.close(fd)
+    _live_fds.clear()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_close_live_in_child)
+
+
+def release_live(fd: int) -> None:
+    """Drop a lock :func:`hold_live` returned."""
+    _live_fds.pop(fd, None)
+    os.close(fd)
+
+
 def hold_live(root: Path, key: str, rank: int) -> int:
     """An exclusive lock on this rank's live file of snapshot key ``key``'s run *id* (whatever
     its recipe): held while the rank keeps snapshots, dropped by the kernel when the process
@@ -198,6 +225,8 @@ def hold_live(root: Path, key: str, rank: int) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since "
                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    st = os.fstat(fd)
+    _live_fds[fd] = (st.st_dev, st.st_ino)
     return fd
 
 

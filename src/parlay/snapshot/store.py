@@ -50,7 +50,8 @@ from parlay.statefile import read_atomic
 from parlay.integrity import tensor_crc
 from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
-from parlay.snapshot.owner import default_root, hold, hold_live, live_path, other_recipes
+from parlay.snapshot.owner import (default_root, hold, hold_live, live_path, other_recipes,
+                                   release_live)
 
 __all__ = ["SnapshotStore", "default_root", "FORMAT_VERSION"]
 
@@ -353,7 +354,7 @@ class SnapshotStore:
         finally:
             self._maps.clear()
             if self._live_fd >= 0:
-                os.close(self._live_fd)
+                release_live(self._live_fd)
                 self._live_fd = -1
 
     def clear(self) -> None:
