@@ -77,6 +77,8 @@ def check_launch(ns: argparse.Namespace) -> None:
         raise _fail(f"--ps must be >= 0, got {ns.ps}.")
     _int_flag(ns, "--max-restarts", 0)
     _int_flag(ns, "--master-port", 0, 65535)
+    if str(ns.nnodes or "").isdigit() and int(ns.nnodes) >= 1:
+        _int_flag(ns, "--node-rank", 0, int(ns.nnodes) - 1)
     single = ns.nnodes is None or str(ns.nnodes) in ("1", "1:1")
     if ns.ps and single and ns.ps >= nproc:
         raise _fail(f"--ps {ns.ps} leaves no worker among {nproc} processes; use -n "
@@ -90,14 +92,17 @@ def check_launch(ns: argparse.Namespace) -> None:
             fix = max(ns.pp, -(-world // ns.pp) * ns.pp)
             raise _fail(f"--pp {ns.pp} needs a world size that is a multiple of {ns.pp} and at "
                         f"least {ns.pp} (stages x replicas), got {world}. Hint: -n {fix}.")
+    from parlay._validate import MAX_TIMEOUT_S
+
     raw = os.environ.get("PARLAY_TIMEOUT")
     if raw is not None:
         try:
-            ok = float(raw) > 0
+            ok = 0 < float(raw) <= MAX_TIMEOUT_S
         except ValueError:
             ok = False
         if not ok:
-            raise _fail(f"PARLAY_TIMEOUT must be a positive number of seconds, got {raw!r}. "
+            raise _fail(f"PARLAY_TIMEOUT must be a positive number of seconds up to "
+                        f"{MAX_TIMEOUT_S:g}, got {raw!r}. "
                         "Hint: export PARLAY_TIMEOUT=300")
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional  # noqa: F401  before any group: see init()'s atexit note
 
 from parlay import lifeline
+from parlay._validate import MAX_TIMEOUT_S
 from parlay.discovery import ClusterEnv, detect, run_id
 from parlay.errors import CommError, ConfigError
 
@@ -91,8 +92,9 @@ def _as_timedelta(timeout: float | _dt.timedelta | None) -> _dt.timedelta:
         seconds = float(timeout)
     else:
         raise ConfigError(f"timeout must be seconds or a timedelta, got {type(timeout).__name__}.")
-    if not seconds > 0:
-        raise ConfigError(f"timeout must be positive, got {seconds} s. Hint: e.g. timeout=300.")
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ConfigError(f"timeout must be positive and at most {MAX_TIMEOUT_S:g} s, got "
+                          f"{seconds} s. Hint: e.g. timeout=300.")
     return _dt.timedelta(seconds=seconds)
 
 

@@ -102,8 +102,9 @@ def test_single_process_without_launcher():
 
 
 def test_bad_timeout_is_config_error():
-    with pytest.raises(parlay.ConfigError, match="timeout must be positive"):
-        parlay.init(timeout=-1, environ={})
+    for bad in (-1, float("inf")):  # inf overflowed timedelta: a bare OverflowError
+        with pytest.raises(parlay.ConfigError, match="timeout must be positive and at most"):
+            parlay.init(timeout=bad, environ={})
 
 
 def _allgather_var():

@@ -31,6 +31,8 @@ def launches(monkeypatch):
      r"multiple of 3 .* got 4"),
     (["run", "-n", "2", "--max-restarts", "x", "t.py"], r"--max-restarts must be an integer"),
     (["run", "-n", "2", "--master-port", "70000", "t.py"], r"--master-port must be in 0\.\.65535"),
+    (["run", "-n", "1", "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "h:1", "t.py"],
+     r"--node-rank must be in 0\.\.1, got 5"),
 ])
 def test_run_rejects_bad_launch_options(launches, args, message):
     with pytest.raises(SystemExit, match=message):
@@ -38,9 +40,10 @@ def test_run_rejects_bad_launch_options(launches, args, message):
     assert launches == []
 
 
-def test_run_rejects_a_bad_parlay_timeout(launches, monkeypatch):
-    monkeypatch.setenv("PARLAY_TIMEOUT", "soon")
-    with pytest.raises(SystemExit, match=r"PARLAY_TIMEOUT must be a positive number .* 'soon'"):
+@pytest.mark.parametrize("value", ["soon", "inf", "1e20"])
+def test_run_rejects_a_bad_parlay_timeout(launches, monkeypatch, value):
+    monkeypatch.setenv("PARLAY_TIMEOUT", value)
+    with pytest.raises(SystemExit, match=rf"PARLAY_TIMEOUT must be a positive number .* '{value}'"):
         main(["run", "-n", "2", "t.py"])
     assert launches == []
 

@@ -120,6 +120,11 @@ def test_truncated_idx_file_is_reported(mnist_dir, tmp_path):
         f.write(data[:-100])
     with pytest.raises(ParlayError, match="truncated"):
         mnist(root, train=False, download=False, verify=False)
+    raw = bytearray((mnist_dir / name).read_bytes())   # a flipped byte in the deflate stream:
+    raw[32] ^= 0xFF                                    # zlib.error (it leaked, unwrapped)
+    (root / name).write_bytes(bytes(raw))
+    with pytest.raises(ParlayError, match="not a readable gzip file"):
+        mnist(root, train=False, download=False, verify=False)
 
 
 @pytest.mark.skipif(not os.environ.get("PARLAY_DATA_DIR"), reason="real MNIST not provided")

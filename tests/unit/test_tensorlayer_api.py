@@ -92,8 +92,9 @@ def test_load_mnist_dataset_has_tensorlayer_splits_and_shapes(tmp_path, monkeypa
     img = parlay.data.load_mnist_dataset(shape=(-1, 28, 28, 1))[4]
     assert img.shape == (10000, 28, 28, 1)
     np.testing.assert_array_equal(img.reshape(-1, 784), X_test)
-    with pytest.raises(ConfigError, match="784"):
-        parlay.data.load_mnist_dataset(shape=(-1, 100))
+    for shape in ((-1, 100), (-1, 28), (28, 28)):  # (-1, 28) made 1.67M rows of 28
+        with pytest.raises(ConfigError, match="784"):
+            parlay.data.load_mnist_dataset(shape=shape)
 
 
 def test_from_arrays_makes_a_trainer_dataset_in_one_call():

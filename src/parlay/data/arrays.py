@@ -31,7 +31,7 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
         raise ConfigError(f"shape must be a sequence of ints such as (-1, 784) or "
                           f"(-1, 28, 28, 1), got {shape!r}.") from None
     known = [d for d in dims if d != -1]
-    if dims.count(-1) > 1 or any(d < 1 for d in known) or 784 % max(1, int(np.prod(known))):
+    if dims.count(-1) != 1 or any(d < 1 for d in known) or int(np.prod(known)) != 784:
         raise ConfigError(f"shape {dims} cannot hold 28x28 images: use one -1 (the image "
                           "count) and dimensions multiplying to 784, e.g. (-1, 784), "
                           "(-1, 28, 28, 1) or (-1, 1, 28, 28).")

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -131,7 +132,7 @@ def _read_idx(path: Path, magic: int, ndim: int) -> np.ndarray:
     try:
         with gzip.open(path, "rb") as f:
             data = f.read()
-    except (OSError, EOFError) as e:
+    except (OSError, EOFError, zlib.error) as e:
         raise ParlayError(f"{path} is not a readable gzip file ({e}). Hint: delete it and "
                           "download it again.") from e
     header = 4 + 4 * ndim

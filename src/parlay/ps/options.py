@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from parlay._validate import MAX_TIMEOUT_S
 from parlay.errors import ConfigError
 from parlay.taskspec import TaskSpec
 
@@ -44,7 +45,8 @@ def check_session_args(task_spec: Any, model: Any, optimizer: Any, optimizer_arg
             checkpoint_every, bool) or checkpoint_every < 1):
         raise ConfigError(f"checkpoint_every must be None or an int >= 1, "
                           f"got {checkpoint_every!r}.")
-    if timeout is not None and not (isinstance(timeout, (int, float)) and 0 < timeout <= 1e7):
+    if timeout is not None and not (isinstance(timeout, (int, float))
+                                    and 0 < timeout <= MAX_TIMEOUT_S):
         raise ConfigError(f"timeout must be a number of seconds > 0 and at most 1e7, got "
                           f"{timeout!r}.")
     if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
