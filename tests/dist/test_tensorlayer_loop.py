@@ -51,7 +51,8 @@ def test_trainer_session_should_stop_drives_every_mode(mode, world, env):
 
 def test_tensorlayer_example_runs_under_parlay_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER"))}
-    env["PARLAY_DATA_DIR"] = str(tmp_path)           # empty: the bundled copy serves, offline
+    env.pop("PARLAY_DATA_DIR", None)                 # an empty cache: the bundled copy serves
+    env["XDG_CACHE_HOME"] = str(tmp_path)
     env["OMP_NUM_THREADS"] = "1"
     p = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "2",
                         "examples/tensorlayer_mnist.py", "--max-iteration", "6"],

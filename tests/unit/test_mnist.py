@@ -75,6 +75,12 @@ def test_root_defaults_to_parlay_data_dir_then_the_cache(mnist_dir, tmp_path, mo
     monkeypatch.setenv("PARLAY_DATA_DIR", str(mnist_dir))
     assert default_root() == mnist_dir
     assert mnist(download=False, verify=False).root == mnist_dir
+    # PARLAY_DATA_DIR without the files (mistyped): the cache serves, and a warning says so
+    shutil.copytree(mnist_dir, tmp_path / "cache" / "parlay" / "mnist")
+    monkeypatch.setenv("PARLAY_DATA_DIR", str(tmp_path / "typo"))
+    with pytest.warns(UserWarning, match=r"PARLAY_DATA_DIR=.*typo.* lacks .*: MNIST is read "
+                      r"from .*cache"):
+        assert mnist(download=False, verify=False).root == tmp_path / "cache/parlay/mnist"
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

@@ -73,7 +73,9 @@ def test_bundled_mnist_files_are_the_published_ones():
 
 def test_bundled_copy_is_used_when_data_dir_and_cache_are_empty(tmp_path, monkeypatch):
     monkeypatch.setenv("PARLAY_DATA_DIR", str(tmp_path / "empty"))
-    ds = mnist(train=False, download=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.warns(UserWarning, match="lacks"):
+        ds = mnist(train=False, download=False)
     assert ds.root == bundled_root() and len(ds) == 10000
     with pytest.raises(ConfigError, match="not found"):     # an explicit root stays explicit
         mnist(tmp_path / "empty", train=False, download=False)
@@ -82,7 +84,8 @@ def test_bundled_copy_is_used_when_data_dir_and_cache_are_empty(tmp_path, monkey
 
 
 def test_load_mnist_dataset_has_tensorlayer_splits_and_shapes(tmp_path, monkeypatch):
-    monkeypatch.setenv("PARLAY_DATA_DIR", str(tmp_path))    # empty: the bundled copy serves
+    monkeypatch.delenv("PARLAY_DATA_DIR", raising=False)    # an empty cache: the bundled copy
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     X_train, y_train, X_val, y_val, X_test, y_test = parlay.data.load_mnist_dataset(shape=(-1, 784))
     assert [len(a) for a in (X_train, y_train, X_val, y_val, X_test, y_test)] == \
         [50000, 50000, 10000, 10000, 10000, 10000]

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import urllib.error
 import urllib.request
+import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -75,8 +76,10 @@ class MNIST(TensorDataset):
 def default_root() -> Path:
     """``PARLAY_DATA_DIR`` if set, else ``$XDG_CACHE_HOME/parlay/mnist`` (``~/.cache/...``)."""
     env = os.environ.get("PARLAY_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
+    return Path(env).expanduser() if env else _cache_root()
+
+
+def _cache_root() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "parlay" / "mnist"
 
@@ -174,9 +177,16 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     sums: Mapping[str, str] = FILES if verify is True else ({} if verify is False else verify)
     names = _SPLITS[bool(train)]
     missing = [n for n in names if not (folder / n).is_file()]
-    shipped = bundled_root()
-    if missing and root is None and bundled and all((shipped / n).is_file() for n in names):
-        folder, missing = shipped, []
+    # Without root=: PARLAY_DATA_DIR, then the cache, then the bundled copy, then a download.
+    others = ([_cache_root()] if folder != _cache_root() else []) + \
+        ([bundled_root()] if bundled else [])
+    for other in others if missing and root is None else []:
+        if all((other / n).is_file() for n in names):
+            if folder != _cache_root():
+                warnings.warn(f"PARLAY_DATA_DIR={str(folder)!r} lacks {', '.join(missing)}: "
+                              f"MNIST is read from {other} instead.", stacklevel=2)
+            folder, missing = other, []
+            break
     failures: list[str] = []
     if missing and download:
         for n in missing:
