@@ -18,6 +18,7 @@ validators it shares with :mod:`parlay.taskspec` (:mod:`parlay._validate`).
 from __future__ import annotations
 
 import os
+import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -204,6 +205,17 @@ def _slurm_port(env: Mapping[str, str]) -> int:
     return 15000 + key % 10001
 
 
+def _tasks_on(node: int | None, counts: str | None) -> int | None:
+    """Node ``node``'s entry of SLURM's per-node task counts (``"2(x3),1"``), if readable."""
+    per_node: list[int] = []
+    for part in (counts or "").split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return None
+        per_node += [int(m[1])] * int(m[2] or 1)
+    return per_node[node] if node is not None and node < len(per_node) else None
+
+
 def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     # SLURM_NTASKS alone only describes an allocation (e.g. an salloc shell): srun sets PROCID.
     if "SLURM_PROCID" not in env:
@@ -214,8 +226,11 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     check_below("SLURM_PROCID", rank, "SLURM_NTASKS", world, "ranks count from 0")
     local_rank = need_var(env, "SLURM_LOCALID", keys)
     nnodes, node = int_var(env, "SLURM_NNODES", 1), int_var(env, "SLURM_NODEID")
-    # --ntasks-per-node sets a plain count; without it, assume tasks spread evenly over nodes.
-    local_world = int_var(env, "SLURM_NTASKS_PER_NODE", 1) or ceil_div(world, nnodes or 1)
+    # --ntasks-per-node sets a plain count; else this node's entry of the per-node list; else
+    # assume tasks spread evenly over nodes.
+    local_world = (int_var(env, "SLURM_NTASKS_PER_NODE", 1) or _tasks_on(node, env.get(
+        "SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE"))) or
+        ceil_div(world, nnodes or 1))
     local_rank, local_world = local_sizes(rank, world, local_rank, local_world, "SLURM")
     nnodes = nnodes or ceil_div(world, local_world)
     node = rank // local_world if node is None else node

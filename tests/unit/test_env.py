@@ -138,6 +138,17 @@ def test_slurm_minimal_and_without_tasks_per_node() -> None:
     assert (c.local_world_size, c.node_rank, c.num_nodes) == (4, 0, 1)
 
 
+def test_slurm_uneven_tasks_per_node_are_read_per_node() -> None:
+    # 3 tasks on 2 nodes (2 + 1): the even-spread guess gave the second node 2
+    env = {"SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_LOCALID": "0", "SLURM_NNODES": "2",
+           "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2,1", "SLURM_NODELIST": "n[1-2]"}
+    assert (detect(env).local_rank, detect(env).local_world_size) == (0, 1)
+    env.update(SLURM_PROCID="1", SLURM_LOCALID="1", SLURM_NODEID="0")
+    assert detect(env).local_world_size == 2
+    env.update(SLURM_NTASKS="7", SLURM_NNODES="3", SLURM_STEP_TASKS_PER_NODE="3(x2),1")
+    assert detect(env).local_world_size == 3  # the step's own list wins over the job's
+
+
 def test_salloc_shell_is_not_a_slurm_launch() -> None:
     assert detect({"SLURM_NTASKS": "8", "SLURM_JOB_ID": "7"}).source == "single"
 
