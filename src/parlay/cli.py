@@ -278,9 +278,10 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
                           "Hint: drop --pp, or add --mode hybrid.")
     if demo.mode == "hybrid" and not multi_node:
         given = pp or opts.get("pp") or pipeline_stages() or 2
-        if not isinstance(given, (int, float, str)):
-            raise ConfigError(f"--option pp must be a number of stages, got {given!r}.")
-        stages = int(given)
+        if isinstance(given, bool) or not isinstance(given, int) or given < 1:
+            raise ConfigError(f"--option pp must be a number of stages >= 1, got {given!r}. "
+                              "Hint: --option pp=2")
+        stages = given
         if nproc < stages or nproc % stages:
             fix = max(stages, -(-nproc // stages) * stages)
             raise ConfigError(f"--mode hybrid with {stages} pipeline stages needs -n to be a "
@@ -387,7 +388,11 @@ def _split_parse(parser: argparse.ArgumentParser,
         while i < len(args):
             a = args[i]
             if a in ("-m", "--module"):
+                if i + 1 == len(args):
+                    raise _fail("run: -m needs a module, e.g. parlay run -n 2 -m pkg.train")
                 return parser.parse_args(args[:i]), ["-m", *args[i + 1:]]
+            if a == "--":  # the conventional end of options: the script follows
+                return parser.parse_args(args[:i]), args[i + 1:]
             if a.startswith("-"):
                 i += 1 if "=" in a or a not in takes_value else 2
                 continue
@@ -400,6 +405,8 @@ def _split_parse(parser: argparse.ArgumentParser,
     if args and args[0] == "plan":
         cut = args.index("--") if "--" in args else len(args)
         return parser.parse_args(args[:cut]), args[cut + 1:]
+    if args and args[0] == "env":  # takes no arguments of its own beyond its flags
+        return parser.parse_args(args), []
     ns, rest = parser.parse_known_args(args)
     return ns, rest
 

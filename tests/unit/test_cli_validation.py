@@ -50,9 +50,19 @@ def test_run_rejects_a_bad_parlay_timeout(launches, monkeypatch, value):
 
 def test_good_run_reaches_the_launcher(launches):
     assert main(["run", "-n", "4", "--pp", "2", "--max-restarts", "1", "t.py", "--x"]) == 0
-    (argv,) = launches
-    assert argv[-2:] == ["t.py", "--x"]
+    assert main(["run", "-n", "2", "--", "t.py", "--y"]) == 0   # "--" ends parlay's options
+    argv, dashed = launches
+    assert argv[-2:] == ["t.py", "--x"] and dashed[-2:] == ["t.py", "--y"]
     assert argv[argv.index("--max-restarts") + 1] == "1"
+
+
+def test_run_m_without_a_module_and_env_with_an_unknown_flag_are_refused(launches, capsys):
+    with pytest.raises(SystemExit, match=r"-m needs a module"):
+        main(["run", "-n", "1", "-m"])
+    with pytest.raises(SystemExit):
+        main(["env", "--jsn"])
+    assert "unrecognized arguments: --jsn" in capsys.readouterr().err
+    assert launches == []
 
 
 @pytest.mark.parametrize("args, message", [
@@ -72,6 +82,8 @@ def test_good_run_reaches_the_launcher(launches):
     (["--mode", "hybrid", "-n", "4", "--option", "schedule=zigzag"], r"zigzag"),
     (["--mode", "ps", "--ps", "1", "-n", "3", "--option", "consistency=eventually"],
      r"eventually"),
+    (["--mode", "hybrid", "-n", "2", "--option", "pp=abc"],
+     r"--option pp must be a number of stages >= 1, got 'abc'"),
 ])
 def test_demo_rejects_bad_options_before_launch(launches, args, message):
     with pytest.raises(SystemExit, match=message):
