@@ -82,6 +82,15 @@ def mark_droppable(rank: int) -> bool:
     return True
 
 
+def mark_dropped(rank: int) -> None:
+    """A parameter server gave up on droppable worker ``rank`` (silent past the timeout):
+    ``parlay run`` stops it if it runs on the launcher's host (else it ends at its next
+    exchange with the servers, which answer it no more)."""
+    path = droppable_marker(rank)
+    if path is not None and path.exists():
+        path.with_name(f"{rank}.dropped").touch()
+
+
 # ---------------------------------------------------------------- loopback rendezvous
 def _loopback_store(port: int, timeout_s: float) -> Any:
     """A TCPStore server listening on 127.0.0.1 only (port 0: a free one)."""
@@ -230,6 +239,9 @@ def _capture_with_drops(pc: Any, policy: DropPolicy, ranks: dict[int, int],
     for local_rank in pc._running_local_ranks:  # noqa: SLF001 - torch's own bookkeeping
         handler = pc.subprocess_handlers[local_rank]
         exitcode = handler.proc.poll()
+        marker = droppable_marker(ranks[local_rank], policy.run_dir)
+        if exitcode is None and marker and marker.with_name(f"{marker.name}.dropped").exists():
+            handler.close()  # the servers gave up on it: a hung worker must not hold the job
         if exitcode is None:
             continue
         done_local_ranks.add(local_rank)

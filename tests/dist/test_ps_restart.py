@@ -196,7 +196,7 @@ def test_killed_worker_is_dropped_at_once_and_the_server_exits_cleanly(consisten
 
 
 DROP = '''
-    import os, signal, sys
+    import os, signal, sys, time
     import torch, torch.nn as nn
     import parlay
 
@@ -208,6 +208,8 @@ DROP = '''
         if sess.is_worker:
             for t in range(12):
                 if parlay.rank() == 2 and t == 5:
+                    if sys.argv[2] == "hang":
+                        time.sleep(600)
                     os.kill(os.getpid(), signal.SIGKILL)
                 sess.train_step((x, x.sum(1, keepdim=True)), nn.functional.mse_loss)
         else:
@@ -216,9 +218,11 @@ DROP = '''
 '''
 
 
-@pytest.mark.parametrize("consistency", ["async", "stale:2"])
-def test_killed_worker_is_dropped_under_parlay_run(tmp_path, consistency):
-    p = _parlay_run(tmp_path, DROP, consistency)
+@pytest.mark.parametrize("consistency, how", [("async", "kill"), ("stale:2", "kill"),
+                                              ("async", "hang")])
+def test_killed_worker_is_dropped_under_parlay_run(tmp_path, consistency, how):
+    # a hung worker the server dropped is stopped by the launcher: it held the job forever
+    p = _parlay_run(tmp_path, DROP, consistency, how, env={"PARLAY_TIMEOUT": "5"}, timeout=90)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rank 1 done: step 12, lost []" in p.stdout
     assert "rank 0 done: step 0, lost [2]" in p.stdout

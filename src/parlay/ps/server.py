@@ -27,6 +27,7 @@ import torch.nn as nn
 from parlay import comm
 from parlay.compress.base import Compressor
 from parlay.errors import CommError, ConfigError
+from parlay.launch import mark_dropped
 from parlay.ps.chunks import (ChunkedServing, chunk_bounds, chunk_bytes, chunk_numel, cut_pieces,
                               on_one_host)
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
@@ -352,6 +353,8 @@ class Server(ShardPersistence, ChunkedServing):
         c = self.core
         why = {Err.FAILED: "raised an error", Err.GONE: "died (its connection closed)"}.get(
             c.lost_kind.get(w, Err.LOST), f"lost after {self.timeout:g} s of silence")
+        if not self.policy.aggregate:
+            mark_dropped(self.worker_ranks[w])
         log.warning("ps%d: worker %d (rank %d) %s; %s", self.index, w, self.worker_ranks[w], why,
                     "sync training stops" if self.policy.aggregate
                     else f"continuing with {len(c.active())} workers")
