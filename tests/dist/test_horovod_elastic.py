@@ -261,3 +261,54 @@ def test_elastic_sampler_skips_recorded_samples():
     assert list(clone) == order[4:]
     s.set_epoch(1)
     assert list(s) != order and sorted(s) == list(range(10))
+
+
+def _batch(rank: int, epoch: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * epoch + 10 * rank + i)
+    return torch.randn(4, 3, generator=g), torch.randn(4, 1, generator=g)
+
+
+def _fails_between_backward_and_step():
+    import parlay.horovod as hvd
+
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=m.named_parameters())
+    state = hvd.elastic.TorchState(m, opt, epoch=0, batch=0)
+    fired = []
+
+    @hvd.elastic.run
+    def train(state):
+        for state.epoch in range(state.epoch, 2):
+            while state.batch < 4:
+                x, y = _batch(hvd.rank(), state.epoch, state.batch)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x), y).backward()
+                if (state.epoch, state.batch) == (0, 2) and not fired:
+                    fired.append(1)  # a collective fails after backward, before step
+                    hvd.allreduce(torch.zeros(1 + hvd.rank()), name="bad")
+                opt.step()
+                state.batch += 1
+                state.commit()
+            state.batch = 0
+
+    train(state)
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def test_a_step_that_fails_after_backward_is_retried_from_the_commit():
+    # The retry's backward raised "computed more than backward_passes_per_step times": the
+    # failed step's reduction state survived the restore.
+    torch.manual_seed(0)
+    m = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    for epoch in range(2):
+        for i in range(4):
+            opt.zero_grad()
+            x, y = zip(*(_batch(r, epoch, i) for r in range(2)))
+            torch.nn.functional.mse_loss(m(torch.cat(x)), torch.cat(y)).backward()
+            opt.step()
+    for got in run_world(_fails_between_backward_and_step, 2, comm_timeout=10):
+        for p, q in zip(got, m.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-6, atol=1e-6)

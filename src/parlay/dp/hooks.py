@@ -210,10 +210,12 @@ class GradientBuckets:
             advance = getattr(h, "advance", None)
             if advance is not None:
                 advance()
-        for b, h in enumerate(self._handles):
-            if h is not None:
-                self._hand_back(b, h.wait())
-        self.reset()
+        try:
+            for b, h in enumerate(self._handles):
+                if h is not None:
+                    self._hand_back(b, h.wait())
+        finally:  # a failed step too: a retry (Horovod elastic) starts a new one
+            self.reset()
 
     def _hand_back(self, b: int, out: torch.Tensor) -> None:
         buf = self.buffers[b]

@@ -463,6 +463,8 @@ class DistributedOptimizer(WrappedOptimizer):
                               f"shard={shard['level']!r}; load it into a DistributedOptimizer "
                               "with the same shard level and number of ranks.")
         self._opt.load_state_dict(sd)
+        if self._buckets is not None:  # a step interrupted before (an elastic restore) is over
+            self._buckets.reset()
         if comp:
             self.compression.load_state_dict(comp)
         for post in self._optimizer_load_state_dict_post_hooks.values():
