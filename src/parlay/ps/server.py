@@ -171,7 +171,7 @@ class Server(ShardPersistence, ChunkedServing):
         if from_memory and step is not None and self.memory is not None:
             version, clocks = self._load_memory(step)
         elif tagged and step is not None:
-            version, clocks = self._load(self.snapshot_path(step))
+            version, clocks = self._load(self.snapshot_path(step), tag=step)
         elif self.path and os.path.exists(self.path):
             version, clocks = self._load(self.path)
         # Later steps than the resumed one belong to a lost future. Without an agreed step

@@ -69,6 +69,7 @@ class ShardPersistence:
         """Shard, optimizer state, version and worker clocks."""
         return {"format": 1, "server": self.index, "plan": self.plan.rows(),
                 "flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
+                "optimizer_class": type(self.optimizer).__qualname__,
                 "version": self.core.version, "clocks": list(self.core.clocks),
                 "histogram": dict(self.core.histogram)}
 
@@ -94,7 +95,7 @@ class ShardPersistence:
             except FileNotFoundError:
                 pass
 
-    def _load(self, path: str) -> tuple[int, list[int]]:
+    def _load(self, path: str, tag: int | None = None) -> tuple[int, list[int]]:
         try:
             sd = torch.load(path, weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
@@ -103,6 +104,10 @@ class ShardPersistence:
                                   "the same step) to resume from the previous one.") from e
         sd = verify(sd, Path(path), "parameter-server checkpoint", "delete it (and the "
                     "workers' files of the same step) to resume from the previous one.")
+        if tag is not None and sd.get("tag") != tag:
+            raise CheckpointError(f"checkpoint {path!r} says step {sd.get('tag')}, its name says "
+                                  f"step {tag}: it was copied or renamed. Hint: delete it (and "
+                                  "the workers' files of that step) to resume the previous one.")
         return self._restore(sd, f"checkpoint {path!r}")
 
     def _restore(self, sd: dict[str, Any], what: str) -> tuple[int, list[int]]:
@@ -113,6 +118,11 @@ class ShardPersistence:
                 f"workers (expected {n} workers and the current ShardPlan). "
                 "Hint: resume with the same model, --ps count and worker count, or use a new "
                 "checkpoint_dir.")
+        mine = type(self.optimizer).__qualname__
+        if sd.get("optimizer_class", mine) != mine:  # (files before it was recorded: unchecked)
+            raise CheckpointError(f"{what} holds the state of a {sd['optimizer_class']} optimizer, "
+                                  f"this run steps {mine}. Hint: resume with the optimizer "
+                                  "that wrote it, or use a new checkpoint_dir.")
         self.flat.copy_(sd["flat"])
         try:
             self.optimizer.load_state_dict(sd["optimizer"])
