@@ -156,6 +156,11 @@ def test_other_runs_and_bad_input(tmp_path):
         (b.directory / f.name).write_bytes(f.read_bytes())
     with pytest.raises(CheckpointError, match="run 'run-b'"):
         b.load(1)
+    r1 = SnapshotStore("run-a", 1, root=tmp_path)          # rank 0's folder moved to rank 1's
+    for f in a.directory.iterdir():
+        (r1.directory / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(CheckpointError, match="written by rank 0, this is rank 1"):
+        r1.load(1)
     with pytest.raises(CheckpointError, match="no snapshot of step 9"):
         b.load(9)
     with pytest.raises(CheckpointError, match="has a device"):

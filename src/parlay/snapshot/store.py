@@ -229,7 +229,8 @@ class SnapshotStore:
                     dst.copy_(src)
                     crcs[i] = tensor_crc([dst])
         record = {"parlay_snapshot": FORMAT_VERSION, "key": self.key, "step": int(step),
-                  "slot": slot, "layout": lay, "skeleton": skeleton, "crcs": crcs}
+                  "slot": slot, "layout": lay, "skeleton": skeleton, "crcs": crcs,
+                  "rank": self.rank}
         if not later:
             self._commit(record)
             self.last_save_s = time.perf_counter() - t0
@@ -305,6 +306,10 @@ class SnapshotStore:
                 and meta.get("slot") == slots[0]):
             raise CheckpointError(f"{path} is not a format-{FORMAT_VERSION} snapshot of run "
                                   f"{self.key!r} at step {step}. Hint: delete it.")
+        if meta.get("rank", self.rank) != self.rank:
+            raise CheckpointError(f"snapshot {path} was written by rank {meta['rank']}, this is "
+                                  f"rank {self.rank} (its folder was moved); it is not used. "
+                                  f"{_INSTEAD}")
         data_path = self._data_path(slots[0])
         data = read_atomic(data_path, "snapshot", f"it is truncated or corrupt. {_INSTEAD}")
         tensors = data.get("tensors") if isinstance(data, dict) else None
