@@ -111,7 +111,7 @@ def _assert_bit_identical(got: list[dict], want: list[dict]) -> None:
             assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
 
 
-@pytest.mark.parametrize("kill_rank, kill_step", [(1, 4), (0, 7), (1, 11)])
+@pytest.mark.parametrize("kill_rank, kill_step", [(1, 4), (0, 7)])
 def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(tmp_path, reference,
                                                                   kill_rank, kill_step):
     p, states = _launch(tmp_path, "run", "allreduce", kill_rank, kill_step)

@@ -183,9 +183,9 @@ def _check(p, out: Path, reference, case: str, kill_rank: int, kill_step: int,
 
 # background: parameters and optimizer state copied while the next step waits for its
 # gradient reduction (deferred, the default) rather than before save() returns (inline).
+# One kill per mode (each rank and both copy modes covered once; the suite's time is bounded).
 @pytest.mark.parametrize("case, kill_rank, kill_step, background", [
-    ("allreduce", 1, 4, False), ("allreduce", 0, 9, True), ("topk", 0, 5, True),
-    ("topk", 1, 8, False), ("hybrid", 1, 4, True), ("hybrid", 0, 9, False)])
+    ("allreduce", 1, 4, False), ("topk", 0, 5, True), ("hybrid", 0, 9, False)])
 def test_sigkill_resumes_from_snapshot_bit_identical(tmp_path, reference, case, kill_rank,
                                                      kill_step, background):
     p, out = _launch(tmp_path, case, kill_rank, kill_step, background=background)
