@@ -351,8 +351,9 @@ class CheckpointManager:
                 f"{len(had)} training ranks: ranks {', '.join(map(str, had))}), or start afresh "
                 "with a new (or emptied) checkpoint_dir. Nothing was deleted.")
 
-    def load_latest(self) -> dict[str, Any] | None:
-        """The newest checkpoint every rank can read, or ``None`` when there is none.
+    def load_latest(self, newest: int | None = None) -> dict[str, Any] | None:
+        """The newest checkpoint every rank can read (of step ``newest`` or older, when
+        given), or ``None`` when there is none.
 
         Unreadable files are skipped with a warning on every rank (all ranks fall back to the
         same older step). With an ``identity``, the checkpoint must match it.
@@ -365,15 +366,16 @@ class CheckpointManager:
                 to fix it). Raised on every rank; nothing is deleted and the lock is released.
         """
         try:
-            return self._load_latest()
+            return self._load_latest(newest)
         except CheckpointError:
             self.close()
             raise
 
-    def _load_latest(self) -> dict[str, Any] | None:
+    def _load_latest(self, newest: int | None) -> dict[str, Any] | None:
         common, most = self._common_steps(self.steps())
         if not common and most:
             raise CheckpointError(self._layout_message())
+        common = [t for t in common if newest is None or t <= newest]
         state = self.first_usable(common, self.path)
         if state is not None:
             self._check_identity(state["step"], state)

@@ -85,7 +85,7 @@ def _trainer_ps_resumable(ckpt: str, max_iteration):
     t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
                        optimizer_args={"lr": LR, "momentum": 0.9}, batch_size=BATCH,
                        num_epochs=EPOCHS, max_iteration=max_iteration, warmup_epochs=0.5,
-                       progress=False, mode="ps", checkpoint_dir=ckpt)
+                       progress=False, mode="ps", checkpoint_dir=ckpt, checkpoint_every=1)
     while not t.should_stop():
         t.train_on_batch()
     t.save_checkpoint()  # after the end: the final checkpoint holds it (servers have left)
@@ -94,10 +94,15 @@ def _trainer_ps_resumable(ckpt: str, max_iteration):
 
 def test_trainer_ps_resume_restores_server_shards(tmp_path):
     # Stop mid-epoch, start again from the same checkpoint_dir: the servers must reload their
-    # shards (parameters and momentum), so the result equals the uninterrupted run.
+    # shards (parameters and momentum), so the result equals the uninterrupted run. The
+    # server's newest file is corrupt: every rank resumes the step before (the server failed
+    # on its own, and the workers' newer files were not the servers' step).
     env = {"PARLAY_NUM_PS": "1"}
     run_world(_trainer_ps_resumable, 3, str(tmp_path), 2, env=env)
-    assert (tmp_path / "ps").is_dir()
+    newest = tmp_path / "ps" / "ps-0.step-0000000002.pt"
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    newest.write_bytes(bytes(raw))
     out = run_world(_trainer_ps_resumable, 3, str(tmp_path), None, env=env)
     ref = _oracle(2)
     for params in out[1:]:

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -27,10 +27,11 @@ from parlay.compress.base import Compressor
 from parlay.errors import CheckpointError, CommError
 from parlay.launch import droppable_marker
 from parlay.launch import mark_droppable as _launch_mark_droppable
-from parlay.ps.shard_io import snapshot_steps
+from parlay.ps.shard_io import read_shard, snapshot_steps, step_path
 from parlay.snapshot import SnapshotStore, key_or_off
 
 __all__ = ["agree_resume", "Resume", "resume_session", "open_snapshots", "mark_droppable",
+           "verified_steps",
            "server_loss_is_fatal", "HELD_SLOTS", "save_worker_state", "load_worker_state"]
 
 log = logging.getLogger("parlay.ps")
@@ -114,6 +115,21 @@ def _disk_step(held: list[set[int]], workers: list[int], relaxed: bool) -> int |
     return None
 
 
+def verified_steps(steps: Iterable[int], read: Callable[[int], Any], rank: int) -> list[int]:
+    """The ``steps`` whose state ``read(step)`` loads and verifies (it raises
+    ``CheckpointError`` otherwise); a warning names each one left out. Ranks offer only these
+    to :func:`agree_resume`, so a corrupt newest state sends every rank to an older step."""
+    usable = []
+    for t in steps:
+        try:
+            read(t)
+            usable.append(t)
+        except CheckpointError as e:
+            log.warning("rank %d: step %d is not resumable here (%s); the ranks agree on an "
+                        "older one", rank, t, e)
+    return usable
+
+
 def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
     """Where a starting :class:`~parlay.ps.session.DistributedSession` resumes (agreed over
     its ``ps_group``), and the in-memory snapshot store its rank keeps from
@@ -123,8 +139,11 @@ def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
     s = session
     disk = ((snapshot_steps(s.checkpoint_dir, s.rank) if s.checkpoint_dir else [])
             if s.is_ps else s.resume_steps or [])
+    if s.is_ps and disk:
+        disk = verified_steps(disk, lambda t: read_shard(step_path(s.checkpoint_dir, s.rank, t),
+                                                         t), s.rank)
     store = open_snapshots(s) if s.consistency.aggregate and (s.is_ps or s.snapshots) else None
-    snaps = store.steps() if store is not None else []
+    snaps = verified_steps(store.steps(), store.load, s.rank) if store is not None else []
     r = agree_resume(disk, snaps, is_worker=not s.is_ps,
                      tagged=not s.is_ps and s.resume_steps is not None,
                      snapshots=not s.is_ps and store is not None,

@@ -29,7 +29,7 @@ from parlay.statefile import save_atomic, verify
 from parlay.errors import CheckpointError
 from parlay.snapshot import SnapshotStore, optimizer_tensors
 
-__all__ = ["ShardPersistence", "snapshot_steps", "SNAPSHOTS_KEPT"]
+__all__ = ["ShardPersistence", "snapshot_steps", "SNAPSHOTS_KEPT", "read_shard", "step_path"]
 
 log = logging.getLogger("parlay.ps")
 
@@ -46,6 +46,32 @@ def snapshot_steps(checkpoint_dir: str, index: int) -> list[int]:
         return []
     found = (_SNAPSHOT.match(n) for n in names)
     return sorted(int(m.group(2)) for m in found if m and int(m.group(1)) == index)
+
+
+def read_shard(path: str, tag: int | None = None) -> dict[str, Any]:
+    """A server's checkpoint file, verified (its CRC-32, and its step when ``tag`` is given).
+
+    Raises:
+        CheckpointError: Unreadable, corrupt, or of another step than its name says.
+    """
+    try:
+        sd = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
+        raise CheckpointError(f"could not read checkpoint {path!r}: {e}. Hint: the file is "
+                              "truncated or corrupt; delete it (and the workers' files of "
+                              "the same step) to resume from the previous one.") from e
+    sd = verify(sd, Path(path), "parameter-server checkpoint", "delete it (and the "
+                "workers' files of the same step) to resume from the previous one.")
+    if tag is not None and sd.get("tag") != tag:
+        raise CheckpointError(f"checkpoint {path!r} says step {sd.get('tag')}, its name says "
+                              f"step {tag}: it was copied or renamed. Hint: delete it (and "
+                              "the workers' files of that step) to resume the previous one.")
+    return dict(sd)
+
+
+def step_path(checkpoint_dir: str, index: int, tag: int) -> str:
+    """File of checkpoint ``tag`` (a worker step) of server ``index``."""
+    return os.path.join(checkpoint_dir, f"ps-{index}.step-{int(tag):010d}.pt")
 
 
 class ShardPersistence:
@@ -81,7 +107,7 @@ class ShardPersistence:
     def snapshot_path(self, tag: int) -> str:
         """File of checkpoint ``tag`` (a worker step) of this server."""
         assert self.dir is not None
-        return os.path.join(self.dir, f"ps-{self.index}.step-{int(tag):010d}.pt")
+        return step_path(self.dir, self.index, tag)
 
     def snapshot(self, tag: int) -> None:
         """Save checkpoint ``tag`` (every live worker waits at its step ``tag``) and keep the
@@ -96,19 +122,7 @@ class ShardPersistence:
                 pass
 
     def _load(self, path: str, tag: int | None = None) -> tuple[int, list[int]]:
-        try:
-            sd = torch.load(path, weights_only=True)
-        except Exception as e:  # noqa: BLE001 - any unreadable file is a CheckpointError
-            raise CheckpointError(f"could not read checkpoint {path!r}: {e}. Hint: the file is "
-                                  "truncated or corrupt; delete it (and the workers' files of "
-                                  "the same step) to resume from the previous one.") from e
-        sd = verify(sd, Path(path), "parameter-server checkpoint", "delete it (and the "
-                    "workers' files of the same step) to resume from the previous one.")
-        if tag is not None and sd.get("tag") != tag:
-            raise CheckpointError(f"checkpoint {path!r} says step {sd.get('tag')}, its name says "
-                                  f"step {tag}: it was copied or renamed. Hint: delete it (and "
-                                  "the workers' files of that step) to resume the previous one.")
-        return self._restore(sd, f"checkpoint {path!r}")
+        return self._restore(read_shard(path, tag), f"checkpoint {path!r}")
 
     def _restore(self, sd: dict[str, Any], what: str) -> tuple[int, list[int]]:
         n = len(self.worker_ranks)

@@ -251,6 +251,12 @@ class Strategy:
         (``None``: they resumed from disk or afresh)."""
         return None
 
+    @property
+    def newest_checkpoint(self) -> int | None:
+        """The newest disk checkpoint step the Trainer may resume (``None``: any), where
+        ranks outside the Trainer (parameter servers) agreed on one."""
+        return None
+
     def configure_snapshots(self, every: int) -> None:
         """With :attr:`agrees_snapshots_early`: the Trainer's ``snapshot_every``, on every
         rank before training."""

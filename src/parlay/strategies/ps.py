@@ -31,11 +31,12 @@ import torch
 import torch.nn as nn
 
 from parlay import comm, runtime
-from parlay.checkpoint import CheckpointManager
+from parlay.checkpoint import CheckpointManager, load
 from parlay.errors import CheckpointError, ConfigError
 from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.consistency import get_consistency
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES
+from parlay.ps.recovery import verified_steps
 from parlay.ps.session import DistributedSession
 from parlay.strategies.base import (EpochEnd, StepResult, Strategy, register_strategy,
                                     reject_unknown)
@@ -44,6 +45,12 @@ from parlay.strategies.template import autocast_context, batch_size_of, check_pr
 __all__ = ["ParameterServerStrategy"]
 
 log = logging.getLogger("parlay.ps")
+
+
+def _of_step(state: dict[str, Any], step: int) -> None:
+    """Raise unless a worker's checkpoint file holds ``step`` (a copied or renamed file)."""
+    if state.get("step") != step:
+        raise CheckpointError(f"the checkpoint named step {step} says step {state.get('step')}")
 
 
 class ParameterServerStrategy(Strategy):
@@ -187,7 +194,8 @@ class ParameterServerStrategy(Strategy):
             model = model.to(self._device)
             if self._ckpt_dir is not None:  # the Trainer's checkpoints of this worker
                 mgr = CheckpointManager(self._ckpt_dir, rank=runtime.rank())
-                resume = [t for t in mgr.steps() if mgr.path(t).stat().st_size > 0]
+                resume = verified_steps(mgr.steps(), lambda t: _of_step(load(mgr.path(t)), t),
+                                        runtime.rank())
         self.model, self._loss_fn = model, loss_fn
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
                                           resume_steps=resume, snapshots=self.supports_snapshots,
@@ -316,6 +324,15 @@ class ParameterServerStrategy(Strategy):
         loads exactly it), or ``None`` when they resumed from disk or afresh."""
         s = self.session
         return s.resumed_step if s is not None and s.resumed_from_snapshot else None
+
+    @property
+    def newest_checkpoint(self) -> int | None:
+        """The step servers and workers agreed on from the files each verified (a worker's
+        newer checkpoint is not resumed when a server's file of its step failed)."""
+        s = self.session
+        if s is None or not s.tagged or s.resumed_from_snapshot:
+            return None
+        return s.resumed_step  # (None: the workers' own check names what is missing)
 
     def configure_snapshots(self, every: int) -> None:
         """The Trainer's ``snapshot_every`` (every rank, before training): servers snapshot

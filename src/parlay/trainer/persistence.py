@@ -163,7 +163,7 @@ class Persistence:
                                  rank, getattr(getattr(s, "optimizer", None), "shard_rank", rank)) \
             if config.reshard else None
         if resumed is None:
-            resumed = ckpt.load_latest()
+            resumed = ckpt.load_latest(newest=s.newest_checkpoint)
         if resumed is not None:
             self.load_state_dict(resumed, where=str(ckpt.directory))
             if "dcp" in resumed and sharded:  # the shards, at this world (verified by ckpt)
