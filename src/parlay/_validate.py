@@ -33,9 +33,9 @@ PORT = re.compile(r"[0-9]{1,5}")
 RANGE = re.compile(r"([0-9]{1,18})(?:-([0-9]{1,18}))?")
 NODE = re.compile(r"(?:[^\[\],\s]+|\[[^\[\]]*\])+")  # one hostlist name: text and [groups]
 
-
 #: The longest timeout parlay takes, seconds (~115 days): beyond it timedelta overflows.
 MAX_TIMEOUT_S = 1e7
+
 
 def show(value: object) -> str:
     """``repr(value)`` cut to 80 characters, for messages (never raises on deep nesting)."""
