@@ -53,12 +53,13 @@ _KEY = "parlay_checkpoint"
 _NAME = re.compile(r"^ckpt-(\d{10})\.rank(\d+)\.pt$")
 
 
-def load(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a checkpoint written by :class:`CheckpointManager` (``weights_only=True``).
+def load(path: str | os.PathLike[str], step: int | None = None) -> dict[str, Any]:
+    """Read a checkpoint written by :class:`CheckpointManager` (``weights_only=True``); with
+    ``step``, the one its name says it is.
 
     Raises:
-        CheckpointError: Missing, truncated, corrupt, not a parlay checkpoint, or holding
-            objects that ``weights_only`` loading refuses.
+        CheckpointError: Missing, truncated, corrupt, not a parlay checkpoint, holding
+            objects that ``weights_only`` loading refuses, or of another step than ``step``.
     """
     path = Path(path)
     if not path.is_file():
@@ -80,6 +81,8 @@ def load(path: str | os.PathLike[str]) -> dict[str, Any]:
             isinstance(k, str) and _is_plain(v) for k, v in identity.items())):
         raise CheckpointError(f"{path} is corrupt: its identity record is not a mapping of plain "
                               "values. Hint: delete it and the previous checkpoint is used.")
+    if step is not None and obj.get("step") != step:
+        raise CheckpointError(f"it says step {obj.get('step')}, its name says {step}")
     return obj
 
 
@@ -308,11 +311,8 @@ class CheckpointManager:
             state: dict[str, Any] | None = None
             problem = ""
             try:
-                state = load(path(step))
-                if state.get("step") != step:
-                    problem = f"it says step {state.get('step')}, its name says {step}"
-                    state = None
-                elif "dcp" in state:
+                state = load(path(step), step)
+                if "dcp" in state:
                     names, (me, size) = sorted(state["dcp"]), self.dcp_share or (
                         (comm.group_rank(self.group), self._world()) if self._world() > 1
                         else (0, 1))

@@ -88,7 +88,12 @@ def mark_dropped(rank: int) -> None:
     exchange with the servers, which answer it no more)."""
     path = droppable_marker(rank)
     if path is not None and path.exists():
-        path.with_name(f"{rank}.dropped").touch()
+        _dropped(path).touch()
+
+
+def _dropped(marker: Path) -> Path:
+    """The file that says the servers dropped the worker of droppable ``marker``."""
+    return marker.with_name(f"{marker.name}.dropped")
 
 
 # ---------------------------------------------------------------- loopback rendezvous
@@ -240,7 +245,7 @@ def _capture_with_drops(pc: Any, policy: DropPolicy, ranks: dict[int, int],
         handler = pc.subprocess_handlers[local_rank]
         exitcode = handler.proc.poll()
         marker = droppable_marker(ranks[local_rank], policy.run_dir)
-        if exitcode is None and marker and marker.with_name(f"{marker.name}.dropped").exists():
+        if exitcode is None and marker and _dropped(marker).exists():
             handler.close()  # the servers gave up on it: a hung worker must not hold the job
         if exitcode is None:
             continue

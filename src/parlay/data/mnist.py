@@ -178,11 +178,11 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     names = _SPLITS[bool(train)]
     missing = [n for n in names if not (folder / n).is_file()]
     # Without root=: PARLAY_DATA_DIR, then the cache, then the bundled copy, then a download.
-    others = ([_cache_root()] if folder != _cache_root() else []) + \
-        ([bundled_root()] if bundled else [])
+    cache = _cache_root()
+    others = ([cache] if folder != cache else []) + ([bundled_root()] if bundled else [])
     for other in others if missing and root is None else []:
         if all((other / n).is_file() for n in names):
-            if folder != _cache_root():
+            if folder != cache:
                 warnings.warn(f"PARLAY_DATA_DIR={str(folder)!r} lacks {', '.join(missing)}: "
                               f"MNIST is read from {other} instead.", stacklevel=2)
             folder, missing = other, []

@@ -341,7 +341,7 @@ class Server(ShardPersistence, ChunkedServing):
             for r in replies:
                 self._send(r)
             for w in c.lost[n_lost:]:
-                self._log_lost(w)
+                self._on_lost(w)
             n_lost = len(c.lost)
             every = self.checkpoint_every
             if self.path and every and c.version // every > saved // every:
@@ -349,7 +349,8 @@ class Server(ShardPersistence, ChunkedServing):
                 self.save()
         self._finish(threads)
 
-    def _log_lost(self, w: int) -> None:
+    def _on_lost(self, w: int) -> None:
+        """Log worker ``w``'s loss; where the others go on, tell ``parlay run`` it is dropped."""
         c = self.core
         why = {Err.FAILED: "raised an error", Err.GONE: "died (its connection closed)"}.get(
             c.lost_kind.get(w, Err.LOST), f"lost after {self.timeout:g} s of silence")

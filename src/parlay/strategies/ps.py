@@ -47,12 +47,6 @@ __all__ = ["ParameterServerStrategy"]
 log = logging.getLogger("parlay.ps")
 
 
-def _of_step(state: dict[str, Any], step: int) -> None:
-    """Raise unless a worker's checkpoint file holds ``step`` (a copied or renamed file)."""
-    if state.get("step") != step:
-        raise CheckpointError(f"the checkpoint named step {step} says step {state.get('step')}")
-
-
 class ParameterServerStrategy(Strategy):
     """Train with parameter servers (ranks ``0..K-1`` under ``parlay run --ps K``).
 
@@ -194,7 +188,7 @@ class ParameterServerStrategy(Strategy):
             model = model.to(self._device)
             if self._ckpt_dir is not None:  # the Trainer's checkpoints of this worker
                 mgr = CheckpointManager(self._ckpt_dir, rank=runtime.rank())
-                resume = verified_steps(mgr.steps(), lambda t: _of_step(load(mgr.path(t)), t),
+                resume = verified_steps(mgr.steps(), lambda t: load(mgr.path(t), t),
                                         runtime.rank())
         self.model, self._loss_fn = model, loss_fn
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
