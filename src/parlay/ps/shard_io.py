@@ -74,6 +74,17 @@ def step_path(checkpoint_dir: str, index: int, tag: int) -> str:
     return os.path.join(checkpoint_dir, f"ps-{index}.step-{int(tag):010d}.pt")
 
 
+def _settings(optimizer: torch.optim.Optimizer, base_lrs: list[Any]) -> dict[str, str]:
+    """The optimizer's settings a shard file must have been written with, per parameter group
+    (its base learning rates, not the scaled ones, and every other hyperparameter)."""
+    out: dict[str, str] = {}
+    for i, (group, lr) in enumerate(zip(optimizer.param_groups, base_lrs)):
+        for k, v in {**group, "lr": lr}.items():
+            if k not in ("params", "initial_lr"):
+                out[k if i == 0 else f"group {i} {k}"] = repr(v)
+    return out
+
+
 class ShardPersistence:
     """Disk checkpoints and in-memory snapshots of a server's shard (a mixin of Server)."""
 
@@ -81,6 +92,7 @@ class ShardPersistence:
     plan: Any
     flat: torch.Tensor
     optimizer: torch.optim.Optimizer
+    base_lrs: list[Any]
     core: Any
     worker_ranks: list[int]
     dir: str | None
@@ -96,6 +108,7 @@ class ShardPersistence:
         return {"format": 1, "server": self.index, "plan": self.plan.rows(),
                 "flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
                 "optimizer_class": type(self.optimizer).__qualname__,
+                "settings": _settings(self.optimizer, self.base_lrs),
                 "version": self.core.version, "clocks": list(self.core.clocks),
                 "histogram": dict(self.core.histogram)}
 
@@ -137,6 +150,14 @@ class ShardPersistence:
             raise CheckpointError(f"{what} holds the state of a {sd['optimizer_class']} optimizer, "
                                   f"this run steps {mine}. Hint: resume with the optimizer "
                                   "that wrote it, or use a new checkpoint_dir.")
+        then, now = sd.get("settings"), _settings(self.optimizer, self.base_lrs)
+        if then is not None and then != now:  # (files before they were recorded: unchecked)
+            diff = "; ".join(f"{k}: {then.get(k)} then, {now.get(k)} now"
+                             for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
+            raise CheckpointError(f"{what} was written with other optimizer settings ({diff}); "
+                                  "loading it would silently replace this run's. Hint: resume "
+                                  "with the optimizer_args that wrote it, or use a new "
+                                  "checkpoint_dir.")
         self.flat.copy_(sd["flat"])
         try:
             self.optimizer.load_state_dict(sd["optimizer"])
