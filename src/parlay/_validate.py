@@ -278,11 +278,17 @@ def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]]:
         raise fail("TF_CONFIG['cluster']", "an object of host lists", show(cluster), hint)
     if not isinstance(task, dict):
         raise fail("TF_CONFIG['task']", "an object with 'type' and 'index'", show(task), hint)
+    if "master" in cluster:  # TF1's (Cloud ML Engine's) name for the chief, as TensorLayer read it
+        if "chief" in cluster:
+            raise fail("TF_CONFIG['cluster']", "one of 'master' (TF1) or 'chief'", "both",
+                       "name the chief once")
+        cluster = {("chief" if job == "master" else job): h for job, h in cluster.items()}
+        if task.get("type") == "master":
+            task = {**task, "type": "chief"}
     for job, hosts in cluster.items():
         if job not in TASK_TYPES:
             raise fail("TF_CONFIG['cluster']", "jobs among " + ", ".join(TASK_TYPES),
-                       f"job {show(job)}",
-                       "TF1's 'master' is called 'chief'" if job == "master" else hint)
+                       f"job {show(job)}", hint)
         if not isinstance(hosts, list):
             raise fail(f"TF_CONFIG['cluster'][{job!r}]", "a list of 'host:port' strings",
                        show(hosts), hint)

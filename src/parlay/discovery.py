@@ -17,11 +17,13 @@ validators it shares with :mod:`parlay.taskspec` (:mod:`parlay._validate`).
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_index, ceil_div,
                               check_below, check_host, cluster_order, expand_nodelist, fail,
@@ -30,7 +32,7 @@ from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_inde
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "ClusterEnv", "detect", "expand_nodelist",
-           "pipeline_stages", "run_id"]
+           "pipeline_stages", "run_id", "read_task", "tf_config_text"]
 
 
 @dataclass(frozen=True)
@@ -264,11 +266,57 @@ def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
                       node_rank=rank // local_world, num_nodes=ceil_div(world, local_world))
 
 
-def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
+#: TensorLayer's cluster variables, read as TF_CONFIG's jobs (``JOB_NAME`` and ``TASK_INDEX``:
+#: this task's).
+TENSORLAYER_VARS = {"ps": "PS_HOSTS", "worker": "WORKER_HOSTS", "master": "MASTER_HOST"}
+
+
+def tf_config_text(env: Mapping[str, str]) -> str:
+    """``TF_CONFIG``; when it is blank and TensorLayer's ``JOB_NAME`` is set, the same document
+    made from ``JOB_NAME``, ``TASK_INDEX``, ``PS_HOSTS``, ``WORKER_HOSTS`` and ``MASTER_HOST``
+    (comma-separated ``host:port`` lists); else ``""``.
+
+    Raises:
+        ConfigError: ``JOB_NAME=master`` without ``MASTER_HOST``.
+    """
     text = env.get("TF_CONFIG", "")
+    if text.strip() or "JOB_NAME" not in env:
+        return text
+    cluster = {job: [h.strip() for h in env.get(var, "").split(",") if h.strip()]
+               for job, var in TENSORLAYER_VARS.items()}
+    if env["JOB_NAME"] == "master" and not cluster["master"]:
+        raise ConfigError("JOB_NAME=master needs MASTER_HOST, the master's host:port (TensorLayer "
+                          "runs the master as a training task before the workers). Hint: set "
+                          "MASTER_HOST, or launch the task as JOB_NAME=worker.")
+    return json.dumps({"cluster": {job: h for job, h in cluster.items() if h},
+                       "task": {"type": env["JOB_NAME"], "index": env.get("TASK_INDEX") or 0}})
+
+
+def read_task(env: Mapping[str, str]) -> tuple[str, int, dict[str, tuple[str, ...]], Any] | None:
+    """This task as :func:`tf_config_text` gives it: ``(task_type, index, hosts, trial)``
+    (as :func:`~parlay._validate.read_tf_config` checks them); ``None`` without either source.
+
+    Raises:
+        ConfigError: What :func:`~parlay._validate.read_tf_config` refuses, naming the source.
+    """
+    text = tf_config_text(env)
     if not text.strip():
         return None
-    task_type, index, hosts = read_tf_config(text)
+    try:
+        task_type, index, hosts = read_tf_config(text)
+    except ConfigError as e:
+        if env.get("TF_CONFIG", "").strip():
+            raise
+        names = ", ".join(["JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values()])
+        raise ConfigError(f"TensorLayer's variables ({names}), read as {e}") from None
+    return task_type, index, hosts, json.loads(text)["task"].get("trial")
+
+
+def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
+    found = read_task(env)
+    if found is None:
+        return None
+    task_type, index, hosts, _ = found
     rank = rank_of(task_type, index, hosts)
     if rank is None:
         raise ConfigError("TF_CONFIG describes an evaluator: expected a ps, chief or worker task. "

@@ -20,9 +20,9 @@ from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order,
-                              digits_as_int, fail, int_var, join_address, parse_address, rank_of,
+                              digits_as_int, fail, join_address, parse_address, rank_of,
                               read_tf_config)
-from parlay.discovery import detect
+from parlay.discovery import detect, read_task
 
 if TYPE_CHECKING:
     import torch
@@ -81,8 +81,12 @@ class TaskSpec:
                 raise fail("master", "either master= (TensorLayer) or chief_hosts=",
                            "both", "pass the chief's host once")
             object.__setattr__(self, "chief_hosts", master)
-            if self.task_type == "master":
-                object.__setattr__(self, "task_type", "chief")
+        if self.task_type == "master":  # TensorLayer's (TF1's) chief
+            if not self.chief_hosts:
+                raise fail("master", "the master's host:port with task_type='master'", "none",
+                           "pass master='host:port' (TensorLayer's MASTER_HOST), or make the "
+                           "task a worker")
+            object.__setattr__(self, "task_type", "chief")
         index, hosts = check_task(self.task_type, self.index,
                                   {job: getattr(self, f"{job}_hosts") for job in TASK_TYPES})
         object.__setattr__(self, "index", index)
@@ -226,8 +230,13 @@ class TaskSpec:
         Raises:
             ConfigError: Invalid JSON, a wrong structure or an invalid cluster.
         """
-        task_type, index, hosts = read_tf_config(text)
-        return cls(task_type, index, **{f"{job}_hosts": h for job, h in hosts.items()})
+        task = read_task({"TF_CONFIG": text}) or read_tf_config(text)  # (blank: raises)
+        return cls._of(task)
+
+    @classmethod
+    def _of(cls, task: tuple[Any, ...]) -> TaskSpec:
+        task_type, index, hosts, trial = task
+        return cls(task_type, index, trial=trial, **{f"{j}_hosts": h for j, h in hosts.items()})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TaskSpec:
@@ -252,9 +261,9 @@ class TaskSpec:
                 large for distinct made-up ports, or ``TF_CONFIG`` disagreeing with the launcher.
         """
         env = os.environ if environ is None else environ
-        text = env.get("TF_CONFIG", "")
-        if text.strip():
-            spec = cls.from_tf_config(text)
+        task = read_task(env)
+        if task is not None:
+            spec = cls._of(task)
             if spec.rank is not None:
                 found = detect(env)
                 if (found.rank, found.world_size) != (spec.rank, spec.world_size):
@@ -282,12 +291,15 @@ class TaskSpec:
 class TaskSpecDef(TaskSpec):
     """TensorLayer's ``tl.distributed.TaskSpecDef``: a :class:`TaskSpec` taking TensorLayer's
     positional order ``(task_type, index, trial, ps_hosts, worker_hosts, master)`` and an index
-    given as text (``"1"``, as read from an environment variable), as TensorLayer does."""
+    given as text (``"1"``, as read from an environment variable), as TensorLayer does.
+    ``TaskSpecDef()`` is TensorLayer's default, one local master task."""
 
     def __init__(self, task_type: str = "master", index: int | str = 0, trial: Any = None,
                  ps_hosts: Sequence[str] = (), worker_hosts: Sequence[str] = (),
                  master: str | Sequence[str] | None = None, **more: Any) -> None:
         idx: Any = digits_as_int(index)
+        if task_type == "master" and not (ps_hosts or worker_hosts or master or more):
+            master = f"localhost:{DEFAULT_MASTER_PORT}"  # TensorLayer's single local task
         super().__init__(task_type, idx, ps_hosts or (), worker_hosts or (), master=master,
                          trial=trial, **more)
 
@@ -296,10 +308,4 @@ def create_task_spec_def(environ: Mapping[str, str] | None = None) -> TaskSpec:
     """TensorLayer's ``create_task_spec_def()``: this process's task, from ``TF_CONFIG``,
     TensorLayer's ``JOB_NAME``/``TASK_INDEX``/``PS_HOSTS``/``WORKER_HOSTS``/``MASTER_HOST``, or
     the launcher's environment (torchrun, SLURM, MPI); else as :meth:`TaskSpec.from_env`."""
-    env = os.environ if environ is None else environ
-    if "JOB_NAME" in env and not env.get("TF_CONFIG", "").strip():
-        job = env["JOB_NAME"]
-        return TaskSpec("chief" if job == "master" else job, int_var(env, "TASK_INDEX") or 0,
-                        ps_hosts=env.get("PS_HOSTS", ""), worker_hosts=env.get("WORKER_HOSTS", ""),
-                        master=env.get("MASTER_HOST", ""))
     return TaskSpec.from_env(environ)

@@ -271,7 +271,8 @@ def test_torchelastic_wins_silently() -> None:
     ({"TF_CONFIG": '{"task": {"type": "worker"}}'}, "cluster"),
     ({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}}'}, "task"),
     ({"TF_CONFIG": '{"cluster": {"worker": "a:1"}, "task": {"type": "worker"}}'}, "a list"),
-    ({"TF_CONFIG": '{"cluster": {"master": ["a:1"]}, "task": {"type": "worker"}}'}, "chief"),
+    ({"TF_CONFIG": '{"cluster": {"master": ["a:1"], "chief": ["b:1"]}, "task": {"type": '
+                   '"chief"}}'}, "'master' \\(TF1\\) or 'chief'"),
     ({"TF_CONFIG": tf_config("worker", 3)}, "TF_CONFIG: index"),
     ({"TF_CONFIG": "[" * 100000}, "TF_CONFIG: expected a JSON object"),
 ])

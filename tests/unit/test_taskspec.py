@@ -61,7 +61,7 @@ def test_taskspec_accepts_addresses(host: str) -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(task_type="trainer"), "task_type: expected one of ps, chief, worker, evaluator"),
-    (dict(task_type="master"), "'master' is called 'chief'"),
+    (dict(task_type="master"), "master's host:port with task_type='master'"),
     (dict(task_type=None), "task_type"),
     (dict(index=-1), "index: expected 0 <= index < len\\(worker_hosts\\)"),
     (dict(index=3), "index: expected 0 <= index < len\\(worker_hosts\\) \\(3\\), got 3"),

@@ -52,6 +52,31 @@ def test_create_task_spec_def_reads_tensorlayer_s_job_variables():
         parlay.create_task_spec_def({**env, "TASK_INDEX": "one"})
 
 
+def test_tensorlayer_s_variables_place_the_task_in_the_world_as_tf_config_does():
+    # parlay.init() and TaskSpec.from_env() ignored them: each task became its own 1-rank job
+    env = {"JOB_NAME": "worker", "TASK_INDEX": "1", "PS_HOSTS": "p:1",
+           "WORKER_HOSTS": "w:1,w:2", "MASTER_HOST": "m:1"}
+    found = parlay.discovery.detect(env)
+    assert (found.rank, found.world_size, found.num_ps, found.master_addr) == (3, 4, 1, "p")
+    assert parlay.TaskSpec.from_env(env) == parlay.create_task_spec_def(env)
+    with pytest.raises(ConfigError, match="JOB_NAME=master needs MASTER_HOST"):
+        parlay.discovery.detect({**env, "JOB_NAME": "master", "MASTER_HOST": ""})
+    with pytest.raises(ConfigError, match="TensorLayer's variables.*len\\(worker_hosts\\)"):
+        parlay.TaskSpec.from_env({**env, "TASK_INDEX": "2"})
+
+
+def test_tensorlayer_s_master_in_tf_config_and_taskspecdef():
+    cfg = ('{"cluster": {"master": ["m:1"], "worker": ["w:1"]}, '
+           '"task": {"type": "master", "index": 0, "trial": "7"}}')
+    spec = parlay.TaskSpec.from_tf_config(cfg)  # Cloud ML Engine's format was refused
+    assert (spec.task_type, spec.rank, spec.trial, spec.is_master()) == ("chief", 0, "7", True)
+    assert parlay.discovery.detect({"TF_CONFIG": cfg}).world_size == 2
+    local = parlay.TaskSpecDef()  # TensorLayer's default: one local master (was refused)
+    assert (local.is_master(), local.rank, local.world_size) == (True, 0, 1)
+    with pytest.raises(ConfigError, match="master='host:port'.*MASTER_HOST"):
+        parlay.TaskSpecDef("master", 0, None, "p:1", "w:1")
+
+
 def test_local_index_counts_training_tasks_on_the_same_host():
     hosts = ["a:1", "a:2", "b:1", "a:3"]
     got = [parlay.TaskSpec("worker", i, ps_hosts=["a:9"], worker_hosts=hosts).local_index()
