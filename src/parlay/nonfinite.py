@@ -83,12 +83,14 @@ class NonFiniteGuard:
         self.policy = check_policy(policy)
         self.skipped = 0
 
-    def snapshot(self, compressor: Any) -> dict[str, Any] | None:
-        """Under ``"skip"``, a copy of ``compressor``'s state (error-feedback residuals,
-        PowerSGD's Q) taken before the step, so a skipped step leaves it as it was."""
-        if self.policy != "skip" or compressor is None:
+    def snapshot(self, compressor: Any, *, skips: bool = False) -> dict[str, Any] | None:
+        """Under ``"skip"`` (or when the step ``skips`` otherwise: an fp16 loss scale's
+        overflow), a copy of ``compressor``'s state (error-feedback residuals, PowerSGD's Q,
+        fp16 scales; ``{}`` when it holds none yet) taken before the step, so a skipped step
+        leaves it as it was."""
+        if not (skips or self.policy == "skip") or compressor is None:
             return None
-        return compressor.state_dict() or None
+        return compressor.state_dict()
 
     @staticmethod
     def mark(loss: torch.Tensor) -> torch.Tensor:

@@ -269,3 +269,13 @@ def test_facade_and_horovod_namespace():
         comp.ErrorFeedback(PowerSGD(2))
     ef = comp.ErrorFeedback(TopK(0.1))
     assert ef.inner.memory is None and ef.memory is not None and not ef.summable
+
+
+def test_fp16_keeps_its_scale_when_the_gradients_themselves_are_not_finite():
+    # A loss-scale overflow (inf gradients) divided the scale by 256 each time and nothing
+    # restored it: after a few such steps it sat at 2**-24 and small sums went to exactly 0.
+    c = FP16(init_scale=4.0)
+    bad = torch.tensor([float("inf"), 1.0, 2.0])
+    for _ in range(4):
+        simulate([c], [bad])
+    assert c.retries == 4 and c.scale("bucket0") == 4.0

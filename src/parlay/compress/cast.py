@@ -144,7 +144,11 @@ class FP16(_Cast):
             return None
         red = reduced[0]
         if ctx.fallback:
-            self._update(ctx.key, red.abs().max().item() if red.numel() else 0.0, 1.0)
+            amax = red.abs().max().item() if red.numel() else 0.0
+            if math.isfinite(amax):
+                self._update(ctx.key, amax, 1.0)
+            elif self.dynamic:  # the gradients themselves were not finite (a loss-scale
+                self._scale[ctx.key] = ctx.scale  # overflow): not the scale's fault, keep it
             ctx.source = None
             return None
         amax = red.abs().max().float().item() if red.numel() else 0.0

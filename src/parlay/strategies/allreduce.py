@@ -199,19 +199,18 @@ class AllreduceStrategy(WholeModelStrategy):
 
     def train_step(self, x: Any, y: Any) -> StepResult:
         model, opt, loss, y = self._forward(x, y)
-        saved = None
+        saved = self._saved_compression()
         if self.scaler is not None:
             self.scaler.scale_loss(loss).backward()
         else:
-            saved = self.guard.snapshot(opt.compression)
             self.guard.mark(loss).backward()
 
         def nonfinite() -> bool:
             named = opt.named_local_gradients()
-            return self._skip_nonfinite(float(loss.detach().float().item()), named, saved,
+            return self._skip_nonfinite(float(loss.detach().float().item()), named,
                                         self.process_group, marked=not self.shard)
 
-        skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_)
+        skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_, saved)
         return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
                           skipped=skipped)
 

@@ -154,22 +154,21 @@ class HybridStrategy(StepTemplate):
         pipe, opt = self._ready(), self.optimizer
         pipe.train(True)
         opt.zero_grad(set_to_none=True)
-        saved = None
+        saved = self._saved_compression()
         if self.scaler is not None:
             pipe.loss_scale = self.scaler.scale    # the pipeline scales its own backward
-        else:
-            saved = self.guard.snapshot(opt.compression)
         out = pipe.step(self._to(x), self._to(y))
 
         def nonfinite() -> bool:
             # Over every stage of every replica (the world): stages hold different gradients.
             named = opt.named_local_gradients()
             loss = float(out.loss.detach().float().item()) if out.loss is not None else None
-            return self._skip_nonfinite(loss, named, saved)
+            return self._skip_nonfinite(loss, named)
 
         skipped = self._update(
             opt.local_gradients, nonfinite,
-            lambda norm: pipe.clip_grad_norm_(norm, opt.local_gradients() if self.shard else None))
+            lambda norm: pipe.clip_grad_norm_(norm, opt.local_gradients() if self.shard else None),
+            saved)
         b = self._bytes
         for k in ("fwd_bytes", "bwd_bytes", "fwd_dense_bytes", "bwd_dense_bytes"):
             b[k] += getattr(out, k)

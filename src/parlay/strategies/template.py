@@ -246,15 +246,21 @@ class StepTemplate(Strategy):
         for g, base in zip(self.optimizer.param_groups, self._base_lrs):
             g["lr"] = base * factor
 
+    def _saved_compression(self) -> dict[str, Any] | None:
+        """The compressor's state before a step that may be skipped (see :meth:`_update`)."""
+        return self.guard.snapshot(self.optimizer.compression, skips=self.scaler is not None)
+
     def _update(self, grads: Callable[[], list[torch.Tensor]], nonfinite: Callable[[], bool],
-                clip: Callable[[float], Any]) -> bool:
+                clip: Callable[[float], Any], saved: dict[str, Any] | None) -> bool:
         """After backward: average, decide (agreed) whether to skip, unscale, clip and step.
 
         Args:
             grads: This rank's gradients once averaged (what the loss scaler checks).
             nonfinite: Without a loss scaler: the non-finite guard's agreed decision (True:
-                skip; it undoes what the step changed).
+                skip; it drops the gradients).
             clip: Clips the global gradient norm to its argument.
+            saved: :meth:`_saved_compression`, put back when the step is skipped (the
+                residuals took in its overflow or NaNs, which would poison every later step).
 
         Returns:
             True when the step was skipped, on every rank alike.
@@ -262,6 +268,8 @@ class StepTemplate(Strategy):
         opt = self.optimizer
         opt.synchronize()  # average over replicas first: every rank then checks the same values
         skipped = self.scaler.unscale_(grads()) if self.scaler is not None else nonfinite()
+        if skipped and saved is not None:
+            opt.compression.load_state_dict(saved)
         if not skipped:
             if self.grad_clip is not None:
                 clip(float(self.grad_clip))
@@ -272,14 +280,11 @@ class StepTemplate(Strategy):
         return skipped
 
     def _skip_nonfinite(self, loss: float | None, named: list[tuple[str, torch.Tensor]],
-                        saved: dict[str, Any] | None, group: Any = None,
-                        marked: bool = False) -> bool:
-        """Agree over ``group`` whether the step went non-finite; raise, or undo it
-        (compression residuals back to ``saved``, gradients dropped)."""
+                        group: Any = None, marked: bool = False) -> bool:
+        """Agree over ``group`` whether the step went non-finite; raise, or drop its
+        gradients (:meth:`_update` puts the compressor's state back)."""
         if not self.guard.must_skip(loss, named, group, marked=marked):
             return False
-        if saved is not None:  # the residuals took in this step's NaNs: put them back
-            self.optimizer.compression.load_state_dict(saved)
         self.optimizer.zero_grad(set_to_none=True)
         return True
 
