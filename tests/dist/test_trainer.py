@@ -352,3 +352,49 @@ def test_ranks_that_start_apart_are_refused_on_every_rank(what, words):
     # they used to step out of turn until gloo aborted on a mismatched collective
     a, b = run_world(_apart, 2, what, comm_timeout=20)
     assert a is not None and b is not None and words in a and words in b, (a, b)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(5, 7).double(), nn.Linear(7, 3).double(), \
+            nn.Linear(7, 2).double()
+
+    def forward(self, x):
+        h = torch.tanh(self.body(x))
+        return self.a(h), self.b(h)
+
+
+def _two_losses(out, y):
+    return nn.functional.mse_loss(out[0], y[0]) + nn.functional.mse_loss(out[1], y[1])
+
+
+def _accumulated(k: int) -> tuple[list[float], int, float]:
+    g = torch.Generator().manual_seed(0)
+    x, y1, y2 = (torch.randn(30, d, generator=g, dtype=torch.float64) for d in (5, 3, 2))
+
+    class Tasks(torch.utils.data.Dataset):  # two targets per sample (multi-task)
+        def __len__(self):
+            return 30
+
+        def __getitem__(self, i):
+            return x[i], (y1[i], y2[i])
+
+    torch.manual_seed(0)
+    t = parlay.Trainer(lambda: (_TwoHeads(), _two_losses), Tasks(), torch.optim.SGD,
+                       {"lr": 0.1}, 4, strategy_options={"backward_passes_per_step": k},
+                       progress=False, snapshot_every=0, scaling_learning_rate=False,
+                       num_epochs=1)
+    loss, position = t.train_on_batch(), t.sampler.position
+    t.train_to_end()
+    return ([p.detach().sum().item() for p in t.model.parameters()], position, loss)
+
+
+def test_backward_passes_per_step_runs_each_batch_as_micro_batches():
+    # It divided the one pass by k: plain SGD at lr/k. Now k micro-batches (3 of 4 samples: 2,
+    # 1, 1; the last batch of 3: 1, 1, 1) equal the whole batch; a tuple target's samples are
+    # counted by its tensors' rows (they were counted as 2, the number of tasks).
+    whole, accumulated = run_world(_accumulated, 2, 1), run_world(_accumulated, 2, 3)
+    for (w1, pos1, loss1), (w3, pos3, loss3) in zip(whole, accumulated):
+        assert pos1 == pos3 == 4 and loss3 == pytest.approx(loss1, rel=1e-6)
+        assert w3 == pytest.approx(w1, rel=1e-12, abs=1e-13)

@@ -22,7 +22,8 @@ from parlay.dp.functions import broadcast_parameters
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
-from parlay.strategies.template import StepTemplate, autocast_context, batch_size_of, to_device
+from parlay.strategies.template import (StepTemplate, autocast_context, batch_size_of,
+                                        micro_batches, to_device)
 
 __all__ = ["AllreduceStrategy"]
 
@@ -80,13 +81,16 @@ class WholeModelStrategy(StepTemplate):
             raise ConfigError(f"{type(self).__name__}.setup(...) must run before training.")
         return self.model, self.optimizer, self._loss_fn
 
-    def _forward(self, x: Any, y: Any) -> tuple[nn.Module, Any, torch.Tensor, Any]:
-        """A training step's start: gradients cleared, the loss of this rank's batch
-        (autocast as ``precision`` says); ``(model, optimizer, loss, targets on device)``."""
+    def _forward(self, x: Any, y: Any, zero: bool = True) -> tuple[nn.Module, Any, torch.Tensor,
+                                                                   Any]:
+        """A training step's start: gradients cleared (unless ``zero`` is False), the loss of
+        this rank's batch (autocast as ``precision`` says); ``(model, optimizer, loss, targets
+        on device)``."""
         model, opt, loss_fn = self._ready()
         model.train()
         x, y = to_device(x, self._device), to_device(y, self._device)
-        opt.zero_grad(set_to_none=True)
+        if zero:
+            opt.zero_grad(set_to_none=True)
         with autocast_context(self.precision, self._device):
             return model, opt, loss_fn(model(x), y), y
 
@@ -150,7 +154,9 @@ class AllreduceStrategy(WholeModelStrategy):
         precision: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a dynamic
             loss scale, :class:`~parlay.strategies.template.LossScaler`).
         grad_clip: Clip the global gradient norm to this value after averaging (None: off).
-        backward_passes_per_step: Passed to :class:`DistributedOptimizer`.
+        backward_passes_per_step: Each step runs this rank's batch as this many micro-batches
+            whose gradients are accumulated before one reduction (less activation memory; the
+            same step up to rounding, as the passes are weighted by their sizes).
         bucket_cap_mb: Passed to :class:`DistributedOptimizer`.
         hierarchical: Passed to :class:`DistributedOptimizer`: ``True`` reduces inside each
             host first (``"auto"``: when the ranks span hosts with several ranks each).
@@ -198,21 +204,30 @@ class AllreduceStrategy(WholeModelStrategy):
             hierarchical=self.hierarchical, shard=self.shard, model=model)
 
     def train_step(self, x: Any, y: Any) -> StepResult:
-        model, opt, loss, y = self._forward(x, y)
+        k, n = self.backward_passes_per_step, batch_size_of(y)
+        parts = [(x, y)] if k == 1 else list(zip(micro_batches(x, n, k), micro_batches(y, n, k)))
         saved = self._saved_compression()
-        if self.scaler is not None:
-            self.scaler.scale_loss(loss).backward()
-        else:
-            self.guard.mark(loss).backward()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        for xi, yi in parts:
+            m = batch_size_of(yi)
+            if not m:  # a batch of fewer than k samples: fewer passes (reduced at the step)
+                continue
+            model, opt, part_loss, _ = self._forward(xi, yi, zero=False)
+            weight = k * m / n  # the optimizer averages the k passes: weigh each by its size
+            part = part_loss * weight if weight != 1 else part_loss
+            if self.scaler is not None:
+                self.scaler.scale_loss(part).backward()
+            else:
+                self.guard.mark(part).backward()
+            loss += float(part_loss.detach().float().item()) * m / n
 
         def nonfinite() -> bool:
             named = opt.named_local_gradients()
-            return self._skip_nonfinite(float(loss.detach().float().item()), named,
-                                        self.process_group, marked=not self.shard)
+            return self._skip_nonfinite(loss, named, self.process_group, marked=not self.shard)
 
         skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_, saved)
-        return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
-                          skipped=skipped)
+        return StepResult(loss=loss, samples=n, skipped=skipped)
 
     @property
     def has_replicas(self) -> bool:

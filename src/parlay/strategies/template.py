@@ -24,13 +24,14 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from parlay import comm, runtime
+from parlay import _tree, comm, runtime
 from parlay.errors import ConfigError
 from parlay.nonfinite import NonFiniteGuard, all_finite
 from parlay.strategies.base import Strategy
 
 __all__ = ["PRECISIONS", "check_precision", "autocast_context", "check_grad_clip",
-           "build_optimizer", "to_device", "batch_size_of", "LossScaler", "StepTemplate"]
+           "build_optimizer", "to_device", "batch_size_of", "micro_batches", "LossScaler",
+           "StepTemplate"]
 
 #: precision name -> autocast dtype (None: no autocast).
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
@@ -97,19 +98,25 @@ def build_optimizer(optimizer_cls: type[torch.optim.Optimizer], params: Iterable
 
 
 def to_device(t: Any, device: torch.device) -> Any:
-    """``t`` (a tensor, or lists, tuples and dicts of them) on ``device``."""
-    if isinstance(t, torch.Tensor):
-        return t.to(device, non_blocking=True)
-    if isinstance(t, (list, tuple)):
-        return type(t)(to_device(v, device) for v in t)
-    if isinstance(t, dict):
-        return {k: to_device(v, device) for k, v in t.items()}
-    return t
+    """``t`` (a tensor, or a tree of them) on ``device``."""
+    return _tree.to_device(t, device, non_blocking=True)
 
 
 def batch_size_of(y: Any) -> int:
-    """Samples in a batch of targets (1 for a target without a length)."""
-    return len(y) if hasattr(y, "__len__") else 1
+    """Samples in a batch of targets: the rows of its first tensor that has any (a tuple or
+    dict of targets has one per task: its own length is not the batch's), else its length,
+    else 1."""
+    rows = [len(t) for t in _tree.tensors_in(y) if t.dim()]
+    return rows[0] if rows else len(y) if hasattr(y, "__len__") else 1
+
+
+def micro_batches(batch: Any, n: int, k: int) -> list[Any]:
+    """``batch`` (a tensor or a tree of them, ``n`` samples) cut along dim 0 into ``k`` parts
+    of nearly equal size; tensors without ``n`` rows go whole into every part."""
+    def part(i: int) -> Any:
+        return _tree.map_tensors(lambda t: t.tensor_split(k)[i] if t.dim() and len(t) == n else t,
+                           batch)
+    return [part(i) for i in range(k)]
 
 
 class LossScaler:

@@ -14,6 +14,7 @@ from parlay.data.loader import build_loader
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import ConfigError
 from parlay.strategies import Strategy
+from parlay.strategies.template import batch_size_of
 
 __all__ = ["Evaluation", "reduce_metrics"]
 
@@ -83,7 +84,7 @@ class Evaluation:
                 if out is None or not s.reports_loss:
                     continue
                 y = y.to(out.device) if isinstance(y, torch.Tensor) else y
-                k = len(y)
+                k = batch_size_of(y)
                 got = self.metric_fn(out, y)
                 if not isinstance(got, dict):
                     raise ConfigError("the validation function must return {name: batch mean} "

@@ -26,6 +26,7 @@ from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, choose_printer, default_metrics
 from parlay.nonfinite import NonFiniteGuard, with_step
 from parlay.strategies import StepResult, Strategy, get_strategy
+from parlay.strategies.template import batch_size_of
 from parlay.trainer.config import TrainerConfig, TrainerState, check_positive
 from parlay.trainer.evaluation import Evaluation
 from parlay.trainer.persistence import Persistence
@@ -240,7 +241,7 @@ class Trainer:
             raise
         if res.skipped:
             self._note_skip()
-        self._advance(len(y), res.loss, factor)
+        self._advance(batch_size_of(y), res.loss, factor)
         return res.loss
 
     def _advance(self, n: int, loss: float | None, factor: float) -> None:
