@@ -376,7 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns, rest = _split_parse(parser, args)
     handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench,
                "plan": _cmd_plan}[ns.cmd]
-    return handler(ns, rest)
+    try:
+        return handler(ns, rest)
+    except BrokenPipeError:  # the reader left (`parlay plan ... | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _split_parse(parser: argparse.ArgumentParser,

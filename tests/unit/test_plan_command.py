@@ -146,6 +146,9 @@ def test_plan_json_is_ranked(capsys) -> None:
     ({"--compute-ms": "1e30"}, ["--compute-ms must be from 0 to one hour", "--compute-ms 120"]),
     ({"--overlap": "2"}, ["--overlap must be a number from 0 to 1", "--overlap 1"]),
     ({"--burst": "1e20"}, ["--burst must be from 1 byte to 1 TB", "125k"]),
+    ({"--burst": "125 parsecs"}, ["--burst: unknown unit", "KiB"]),
+    ({"--modes": "hierarchical", "--gpus-per-node": "1"}, [  # the reason was empty
+        "no combination of --modes hierarchical", "several ranks each", "Hint"]),
     ({"--top": "-1"}, ["--top must be an integer >= 0", "Hint: --top 0"]),
     ({"--compressors": "zip"}, ["unknown compression 'zip'", "topk:0.01"]),
     ({"--compressors": ","}, ["--compressors each need at least one name", "Hint"]),
@@ -202,3 +205,26 @@ def test_plan_never_answers_zero_samples_per_s_in_range(extra: list, capsys) -> 
     for p in doc["predictions"]:  # each rate shown with its significant digits, never "0"
         shown = format_count(p["samples_per_s"])
         assert float(shown.replace(",", "")) > 0 and f"  {shown}  " in table, shown
+
+
+def test_plan_reads_compute_ms_and_burst_in_every_spelling(capsys) -> None:
+    # --compute-ms 1.2e2 was read as 120 *seconds*; --burst 125KiB was refused
+    for ms in ("120", "1.2e2", "0.12s"):
+        assert main([*ISSUE, "--compute-ms", ms, "--burst", "125KiB", "--no-calibrate"]) == 0
+        assert "compute 120 ms per step" in capsys.readouterr().out, ms
+
+
+def test_plan_json_stays_json_when_the_step_takes_no_time(capsys) -> None:
+    argv = ["plan", "--model-params", "25e6", "--batch", "64", "--bandwidth", "10gbit",
+            "--compute-ms", "0", "--no-calibrate", "--json"]
+    assert main(argv) == 0  # one process: a step of 0 s printed samples/s as Infinity
+    doc = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(c))
+    assert all(p["samples_per_s"] is None for p in doc["predictions"] if not p["step_s"])
+
+
+def test_plan_into_a_closed_pipe_exits_quietly() -> None:
+    # `parlay plan ... | head` printed a BrokenPipeError traceback (the reader here has left
+    # before the plan is printed)
+    proc = subprocess.run(f"{sys.executable} -m parlay {' '.join(ISSUE)} --no-calibrate | true",
+                          shell=True, capture_output=True, text=True, timeout=60)
+    assert "Traceback" not in proc.stderr, proc.stderr

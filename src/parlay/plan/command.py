@@ -171,7 +171,7 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
         most = int(LIMITS["ranks"])
         raise ConfigError(f"--nodes {nodes} x --gpus-per-node {local} is {world:,} ranks, more "
                           f"than {most:,}. Hint: --nodes {most // local} or fewer.")
-    burst = _within(parse_count(ns.burst, "--burst"), 1, LIMITS["burst_bytes"], "--burst",
+    burst = _within(parse_size(ns.burst, "--burst"), 1, LIMITS["burst_bytes"], "--burst",
                     ns.burst, "from 1 byte to 1 TB, e.g. --burst 125k") if ns.burst else 0.0
     if burst and ns.bandwidth is None:
         raise ConfigError("--burst shapes a network link: give its rate too. Hint: "
@@ -199,6 +199,15 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
                      "are far smaller, so compressors may do better there than shown")
     workload = _workload(ns, world, calib, notes)
     return workload, cluster, notes
+
+
+def _ms(text: Any) -> str:
+    """``--compute-ms``: a bare number (``120``, ``1.2e2``) is milliseconds."""
+    try:
+        float(str(text))
+    except ValueError:
+        return str(text)  # with its own unit, e.g. 0.12s
+    return f"{text}ms"
 
 
 def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) -> Workload:
@@ -240,9 +249,9 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
     if batch is None:
         raise ConfigError("give --batch (samples per rank per step), e.g. --batch 64.")
     if ns.compute_ms is not None:
-        per_step = _within(parse_duration(f"{ns.compute_ms}ms" if str(ns.compute_ms).replace(
-            ".", "", 1).isdigit() else ns.compute_ms, "--compute-ms"), 0, LIMITS["compute_s"],
-            "--compute-ms", ns.compute_ms, "from 0 to one hour per step, e.g. --compute-ms 120")
+        per_step = _within(parse_duration(_ms(ns.compute_ms), "--compute-ms"), 0,
+                           LIMITS["compute_s"], "--compute-ms", ns.compute_ms,
+                           "from 0 to one hour per step, e.g. --compute-ms 120")
     else:
         flops = calib.flops if calib is not None else 20e9
         per_step = 6 * params * batch / flops
@@ -417,10 +426,8 @@ def _rank(w: Workload, c: ClusterSpec, modes: list[str], comps: list[str], costs
           opts: dict[str, Any]) -> list[Prediction]:
     from parlay.plan.advise import predict
 
-    if not opts:
-        return rank_configs(w, c, modes, comps, costs)
-    out = []
-    for mode in modes:
+    out = [] if opts else rank_configs(w, c, modes, comps, costs)
+    for mode in modes if opts else ():
         mine = {k: v for k, v in opts.items() if k in mode_takes(mode)}
         variants = mode_variants(mode, w, c, mine)
         if mine and variants:  # the user's own options cannot run: say why
@@ -432,14 +439,20 @@ def _rank(w: Workload, c: ClusterSpec, modes: list[str], comps: list[str], costs
                 except ConfigError:
                     pass
     if not out:
-        raise ConfigError("no mode x compressor combination can run on this cluster.")
+        raise ConfigError(
+            f"no combination of --modes {','.join(modes)} and --compressors {','.join(comps)} "
+            f"can run on {c.nodes} host(s) x {c.ranks_per_node} rank(s): hierarchical needs "
+            "several hosts with several ranks each and takes no top-k; parameter servers take "
+            "neither PowerSGD nor int8; hybrid's stages must divide the ranks. Hint: add "
+            "allreduce to --modes.")
     return by_accuracy(out)
 
 
 def _doc(p: Prediction) -> dict[str, Any]:
     finite = math.isfinite(p.to_accuracy_s)
     return {"mode": p.mode, "compressor": p.compressor, "options": p.options,
-            "step_s": p.step_s, "samples_per_s": p.samples_per_s, "terms": p.terms,
+            "step_s": p.step_s, "terms": p.terms,  # (a step of 0 s: samples/s null, not inf)
+            "samples_per_s": p.samples_per_s if math.isfinite(p.samples_per_s) else None,
             "dominant": p.dominant, "label": p.label, "utilisation": p.utilisation,
             "factor": p.factor if finite else None,
             "to_accuracy_s": p.to_accuracy_s if finite else None}
