@@ -93,6 +93,9 @@ def test_loss_scaler_unscales_only_finite_steps() -> None:
     assert s.unscale_(bad) and bad[0].tolist() == [1.0, 1.0]   # left alone: the step is skipped
     with pytest.raises(ConfigError, match="loss_scale must be a positive finite number"):
         LossScaler(0.0)
+    from parlay.strategies.allreduce import AllreduceStrategy  # accepted, and did nothing
+    with pytest.raises(ConfigError, match=r"precision 'fp32' scales no loss.*precision='fp16'"):
+        AllreduceStrategy(loss_scale=1024.0)
 
 
 def test_checks_speak_to_the_user() -> None:

@@ -151,3 +151,18 @@ def test_taskspecdef_takes_tensorlayer_s_master_and_trial_and_spares_an_evaluato
         parlay.TaskSpecDef("worker", 0, worker_hosts="w:1").use_last_worker_as_evaluator()
     with pytest.raises(ConfigError, match="either master="):
         parlay.TaskSpecDef("worker", 0, worker_hosts="w:1", chief_hosts="c:1", master="m:1")
+
+
+def test_trainer_takes_tensorlayer_s_defaults_and_explains_its_build_functions():
+    from parlay.trainer.config import TrainerConfig
+
+    data = torch.utils.data.TensorDataset(torch.zeros(4, 2), torch.zeros(4))
+    cfg = TrainerConfig(lambda: (nn.Linear(2, 1), nn.MSELoss()), data, torch.optim.SGD,
+                        {"lr": 0.1}, 2, max_iteration=float("inf"))  # TensorLayer's default
+    assert cfg.max_iteration is None
+    for kw in ({"build_training_func": lambda x, y_: None},  # a raw TypeError at start-up
+               {"build_validation_func": lambda x, y_: None}):
+        args = {"build_training_func": lambda: (nn.Linear(2, 1), nn.MSELoss()), **kw}
+        with pytest.raises(ConfigError, match=r"no arguments.*needs x, y_.*TensorLayer's"):
+            TrainerConfig(training_dataset=data, optimizer=torch.optim.SGD,
+                          optimizer_args={"lr": 0.1}, batch_size=2, **args)

@@ -233,6 +233,10 @@ class StepTemplate(Strategy):
                  scaler_group: Any = None, scaler_agree: bool = True) -> None:
         self.precision = check_precision(precision)
         self.grad_clip = check_grad_clip(grad_clip)
+        if loss_scale is not None and precision != "fp16":
+            raise ConfigError(f"loss_scale is the fp16 loss scale's start; precision "
+                              f"{precision!r} scales no loss. Hint: precision='fp16', or drop "
+                              "loss_scale.")
         self.scaler: LossScaler | None = (
             LossScaler(loss_scale, group=scaler_group, agree=scaler_agree)
             if precision == "fp16" else None)

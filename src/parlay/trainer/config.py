@@ -38,6 +38,16 @@ def check_positive(name: str, value: Any, allow_none: bool = True, kind: type = 
                           f"{' or None' if allow_none else ''}, got {value!r}.")
 
 
+def _required_args(fn: Any) -> list[str]:
+    """The parameters ``fn`` cannot be called without (none when it cannot be inspected)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
     """Everything a :class:`~parlay.trainer.Trainer` is told, checked once.
@@ -59,7 +69,10 @@ class TrainerConfig:
         mode: A registered strategy: ``"allreduce"``, ``"ps"`` or ``"hybrid"``.
         strategy_options: Extra keyword options for the mode (e.g. ``{"consistency": "async"}``).
         num_epochs: Stop after this many epochs (with neither limit: one epoch).
-        max_iteration: Stop after this many optimizer steps in total.
+        max_iteration: Stop after this many steps of each replica (``None`` or ``inf``: no
+            limit). In the synchronous modes these are the optimizer's steps; with ``async`` or
+            ``stale`` parameter servers each worker takes this many, so the servers apply up
+            to workers x max_iteration updates.
         scaling_learning_rate: Multiply the learning rate by the number of replicas (Goyal
             et al. 2017, "Accurate, Large Minibatch SGD"), reached by a linear warm-up.
         warmup_epochs: Length of that warm-up, in epochs (may be fractional; 0: none).
@@ -172,6 +185,15 @@ class TrainerConfig:
             object.__setattr__(self, "training_dataset", data)
         if not callable(self.build_training_func):
             raise ConfigError("build_training_func must be a function returning (model, loss_fn).")
+        for name, returns in (("build_training_func", "(model, loss_fn)"),
+                              ("build_validation_func", "fn(output, target) -> {name: mean}")):
+            needs = _required_args(getattr(self, name))
+            if needs:  # TensorLayer's took the batch tensors (x, y_) and built a graph on them
+                raise ConfigError(f"{name} is called with no arguments and returns {returns}; "
+                                  f"this one needs {', '.join(needs)}. Hint: build the model "
+                                  "inside it without the batch (TensorLayer's took x and y_).")
+        if self.max_iteration == math.inf:  # TensorLayer's default: no limit
+            object.__setattr__(self, "max_iteration", None)
         opt = self.optimizer
         if not (isinstance(opt, type) and issubclass(opt, torch.optim.Optimizer)):
             raise ConfigError(f"optimizer must be a torch.optim.Optimizer class (e.g. "
