@@ -187,3 +187,31 @@ def test_one_compressor_object_given_to_two_optimizers_keeps_their_state_apart()
     shared, own = run_world(_two_optimizers, WORLD, True), run_world(_two_optimizers, WORLD, False)
     for s, o in zip(shared, own):
         assert all(torch.equal(x, y) for x, y in zip(s, o))
+
+
+def _load_into_another_compressor() -> list[str]:
+    m = nn.Linear(20, 5)
+    a = parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                    named_parameters=m.named_parameters(), compression="topk:0.1")
+    m(torch.randn(4, 20)).sum().backward()
+    a.step()
+    sd = a.state_dict()
+    a.remove_hooks()
+    errors = []
+    for spec in ("fp16", "none", "topk:0.1"):
+        b = parlay.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                        named_parameters=m.named_parameters(), compression=spec)
+        try:
+            b.load_state_dict(sd)
+        except parlay.ConfigError as e:
+            errors.append(str(e))
+        b.remove_hooks()
+    return errors
+
+
+def test_another_compressors_state_is_refused_not_dropped():
+    # the top-k residual loaded into fp16 (or none) was dropped without a word
+    for errors in run_world(_load_into_another_compressor, 2):
+        assert len(errors) == 2, errors
+        assert all("compression state of TopK(ratio=0.1)" in e for e in errors)
+        assert "compresses with FP16()" in errors[0]

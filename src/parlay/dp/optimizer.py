@@ -441,6 +441,7 @@ class DistributedOptimizer(WrappedOptimizer):
         comp = self.compression.state_dict()
         if comp:
             sd["parlay_compression"] = comp
+            sd["parlay_compressor"] = repr(self.compression)
         if self.shard_engine is not None:
             sd["parlay_shard"] = self.shard_engine.layout()
         for post in self._optimizer_state_dict_post_hooks.values():
@@ -455,6 +456,11 @@ class DistributedOptimizer(WrappedOptimizer):
             out = pre(self, sd)
             sd = sd if out is None else dict(out)
         comp = sd.pop("parlay_compression", None)
+        wrote, mine = sd.pop("parlay_compressor", None), repr(self.compression)
+        if comp and wrote is not None and wrote != mine:  # its residuals would be dropped
+            raise ConfigError(f"this optimizer state holds the compression state of {wrote}; "
+                              f"this optimizer compresses with {mine}, which cannot take it. "
+                              "Hint: load it with the compression that wrote it.")
         shard = sd.pop("parlay_shard", None)
         if self.shard_engine is not None:
             self.shard_engine.load_layout(shard)
