@@ -53,7 +53,9 @@ def test_profile_model_reads_size_batch_and_layers() -> None:
     prof = profile_model(model, (torch.randn(16, 20), torch.randint(0, 10, (16,))),
                          nn.functional.cross_entropy)
     assert prof.params == sum(p.numel() for p in model.parameters())
-    assert prof.batch == 16 and prof.layers == 5 and prof.compute_s_per_sample > 0
+    # the ReLUs hold no parameters: a stage of one alone is refused by the Trainer, so they
+    # were counted as layers and plan recommended stages the Trainer refuses
+    assert prof.batch == 16 and prof.layers == 3 and prof.compute_s_per_sample > 0
     assert prof.activation_numel == 32  # median of 64, 64, 32, 32, 10
     assert prof.workload().shapes == tuple(tuple(p.shape) for p in model.parameters())
 

@@ -158,3 +158,12 @@ def test_diloco_at_one_inner_step_is_never_advised() -> None:
     assert rows[0].mode == "diloco"  # a hair ahead of powersgd data parallel, by the model
     a = diloco_advice(rows, w, c)
     assert a is not None and not a["advised"], a["why"]
+
+
+def test_diloco_fragments_beyond_the_models_tensors_are_refused_as_the_optimizer_does() -> None:
+    w = Workload(1e6, 64, 1e-3, shapes=((100, 100), (100,)) * 3)
+    c = ClusterSpec(4, 1, Link(10e6))
+    assert predict(w, c, "diloco", sync_every=60, fragments=6).step_s > 0
+    with pytest.raises(ConfigError, match="fragments=10 needs at least as many parameter "
+                                          "tensors; the model has 6"):
+        predict(w, c, "diloco", sync_every=100, fragments=10)  # advised, then refused

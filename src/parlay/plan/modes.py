@@ -362,6 +362,10 @@ def diloco_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     h = diloco_h(w, c, compressor, costs, fragments, overlap) if sync_every is None \
         else int(sync_every)
     _diloco_check(h, int(fragments), int(overlap))
+    if w.shapes is not None and fragments > len(w.shapes):  # as DiLoCoOptimizer refuses it
+        raise ConfigError(f"diloco fragments={fragments} needs at least as many parameter "
+                          f"tensors; the model has {len(w.shapes)}. Hint: --diloco-fragments "
+                          f"{len(w.shapes)} or fewer.")
     terms = {"compute": w.compute_s}
     if c.world <= 1:
         return terms

@@ -105,8 +105,8 @@ class _Recorder:
 def _layers(top: Any) -> int:
     import torch.nn as nn
 
-    if isinstance(top, nn.Sequential):
-        return len(top)
+    if isinstance(top, nn.Sequential):  # stages are cut between children; each needs
+        return sum(1 for m in top if any(True for _ in m.parameters()))  # parameters
     return sum(1 for m in top.modules() if any(True for _ in m.parameters(recurse=False)))
 
 
