@@ -82,6 +82,16 @@ def test_plan_script_profiles_the_users_own_training_script(tmp_path, capsys) ->
     doc = json.loads(capsys.readouterr().out)
     assert any("1,994 parameters, batch 8" in n for n in doc["notes"])
     assert doc["predictions"] and doc["recommendation"]["step_s"] > 0
+    # the shapes profiled here, the step a GPU takes: --compute-ms was silently ignored
+    argv = ["plan", "--script", str(script), "--nodes", "2", "--bandwidth", "1gbit",
+            "--no-calibrate", "--compute-ms", "500", "--modes", "allreduce"]
+    assert main(argv) == 0 and "compute 500 ms per step" in capsys.readouterr().out
+    assert main([*argv, "--model-params", "7e9"]) == 2
+    assert "--script counts the model's parameters itself" in capsys.readouterr().err
+    assert main(["plan", "--script", "/no/such/train.py", "--bandwidth", "1gbit",
+                 "--no-calibrate"]) == 2
+    err = capsys.readouterr().err
+    assert "--script: no file" in err and "Hint" in err
 
 
 def test_plan_script_that_never_steps_is_explained(tmp_path, capsys) -> None:
@@ -161,7 +171,6 @@ def test_plan_json_is_ranked(capsys) -> None:
     ({"--stages": "1e9"}, ["--stages", "at most 1,024"]),
     ({"--chunks": "1e9"}, ["--chunks", "at most 4,096"]),
     ({"--batch": "1", "--chunks": "16"}, ["16 micro-batches", "Hint: --chunks"]),
-    ({"--script": "/no/such/train.py"}, ["--script: no file", "Hint"]),
 ])
 def test_plan_refuses_impossible_inputs(change: dict, words: list, capsys) -> None:
     argv = list(ISSUE) + ["--no-calibrate"]

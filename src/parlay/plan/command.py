@@ -201,13 +201,15 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
     return workload, cluster, notes
 
 
-def _ms(text: Any) -> str:
-    """``--compute-ms``: a bare number (``120``, ``1.2e2``) is milliseconds."""
+def _compute_s(text: Any) -> float:
+    """``--compute-ms`` in seconds: a bare number (``120``, ``1.2e2``) is milliseconds."""
     try:
         float(str(text))
+        spelled = f"{text}ms"
     except ValueError:
-        return str(text)  # with its own unit, e.g. 0.12s
-    return f"{text}ms"
+        spelled = str(text)  # with its own unit, e.g. 0.12s
+    return _within(parse_duration(spelled, "--compute-ms"), 0, LIMITS["compute_s"],
+                   "--compute-ms", text, "from 0 to one hour per step, e.g. --compute-ms 120")
 
 
 def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) -> Workload:
@@ -234,12 +236,17 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
     if ns.script:
         from parlay.plan.profile import profile_script
 
+        if ns.model_params is not None:
+            raise ConfigError("--script counts the model's parameters itself: drop "
+                              "--model-params (or --script to price a model you describe).")
         prof = profile_script(ns.script, ns.script_args)
         notes.append(f"profiled {ns.script}: {prof.params:,} parameters, batch {prof.batch}, "
                      f"{format_seconds(prof.compute_s_per_sample * prof.batch)} per step "
                      f"(median of {prof.steps})")
         w = prof.workload(batch)
-        return Workload(w.params, w.batch, w.compute_s_per_sample, layers or w.layers,
+        per_sample = w.compute_s_per_sample if ns.compute_ms is None else \
+            _compute_s(ns.compute_ms) / w.batch  # e.g. shapes profiled here, a GPU's step
+        return Workload(w.params, w.batch, per_sample, layers or w.layers,
                         act or w.activation_numel, w.shapes)
     if ns.model_params is None:
         raise ConfigError("give --model-params (e.g. 25e6) or --script train.py.")
@@ -249,9 +256,7 @@ def _workload(ns: argparse.Namespace, world: int, calib: Any, notes: list[str]) 
     if batch is None:
         raise ConfigError("give --batch (samples per rank per step), e.g. --batch 64.")
     if ns.compute_ms is not None:
-        per_step = _within(parse_duration(_ms(ns.compute_ms), "--compute-ms"), 0,
-                           LIMITS["compute_s"], "--compute-ms", ns.compute_ms,
-                           "from 0 to one hour per step, e.g. --compute-ms 120")
+        per_step = _compute_s(ns.compute_ms)
     else:
         flops = calib.flops if calib is not None else 20e9
         per_step = 6 * params * batch / flops
