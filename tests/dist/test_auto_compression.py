@@ -2,6 +2,8 @@
 across switches, dense on loopback for a small model, and its spec parsing and errors."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn as nn
@@ -143,7 +145,15 @@ def _noisy_fp32_probe() -> dict:
 
 def _all() -> dict:
     # rank 1 alone would take fp16, but the MAX over ranks makes dense the faster
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("parlay.compress")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     kept = _trial([{"none": 0.5, "fp16": 1.0}, {"none": 0.7, "fp16": 0.6}])
+    logger.removeHandler(handler)
+    kept["logged"] = lines
     # fp16 measures 20% faster on the slowest rank: it replaces the decision
     replaced = _trial([{"none": 1.0, "fp16": 0.5}, {"none": 0.9, "fp16": 0.8}])
     # saved while the trial runs fp16: the resumed one finishes the trial and keeps dense
@@ -175,6 +185,9 @@ def test_trial_keeps_the_fastest_measured_and_ranks_agree(per_rank):
     assert steps == [(1, "none"), (4, "fp16"), (6, "none")], steps
     assert a["reasons"][-1] == "trial: none 700.00ms, fp16 1000.00ms", a["reasons"][-1]
     assert a["trialing"] is None  # one trial, then the choice stands
+    # the first decision and the trial's verdict were not logged when nothing changed
+    assert any(" starts with none (predicted" in line for line in a["logged"]), a["logged"]
+    assert any("the trial keeps none (trial: none 700.00ms" in line for line in a["logged"])
     torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=0)
     a, b = per_rank[0]["trial_replaced"], per_rank[1]["trial_replaced"]
     assert a["history"] == b["history"] and a["trialing"] is None

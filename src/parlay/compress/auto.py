@@ -330,8 +330,8 @@ class AutoCompressor(Compressor):
             self._carry[key] = owed if prev is None else prev + owed
         self.choices[key] = new
         self.history.append((self._step, key, old, new, reason))
-        if old is not None:
-            log.info("auto compression: %s %s -> %s (%s)", key, old, new, reason)
+        log.info("auto compression: %s %s %s (%s)", key, f"{old} ->" if old else "starts with",
+                 new, reason)
 
     def _decide(self, key: str, flat: torch.Tensor) -> None:
         if self._fit is None:  # once: every bucket's size known so far sizes the probe
@@ -398,6 +398,8 @@ class AutoCompressor(Compressor):
                                     for a, t in zip(trial.options, agreed))
         for k, s in trial.options[won].items():
             self._switch(k, s, why)
+        log.info("auto compression: the trial keeps %s (%s)",
+                 "+".join(sorted(set(trial.options[won].values()))), why)
         self.trialing = None
 
     # ------------------------------------------------------------------ the protocol
