@@ -114,8 +114,8 @@ def micro_batches(batch: Any, n: int, k: int) -> list[Any]:
     """``batch`` (a tensor or a tree of them, ``n`` samples) cut along dim 0 into ``k`` parts
     of nearly equal size; tensors without ``n`` rows go whole into every part."""
     def part(i: int) -> Any:
-        return _tree.map_tensors(lambda t: t.tensor_split(k)[i] if t.dim() and len(t) == n else t,
-                           batch)
+        return _tree.map_tensors(
+            lambda t: t.tensor_split(k)[i] if t.dim() and len(t) == n else t, batch)
     return [part(i) for i in range(k)]
 
 
