@@ -279,3 +279,16 @@ def test_fp16_keeps_its_scale_when_the_gradients_themselves_are_not_finite():
     for _ in range(4):
         simulate([c], [bad])
     assert c.retries == 4 and c.scale("bucket0") == 4.0
+
+
+def test_an_overflowed_step_leaves_the_residual_owed_before_it():
+    # DistributedOptimizer with torch's GradScaler recipe: the overflow's inf went into the
+    # top-k residual and every later step overflowed again (12 of 12 skipped, against 7)
+    c = TopK(0.25)
+    simulate([c], [torch.tensor([4.0, 3.0, 2.0, 1.0])])
+    owed = c.state_dict()["residual"]["bucket0"].clone()
+    simulate([c], [torch.tensor([float("inf"), -float("inf"), 1.0, 1.0])])  # more than k
+    assert torch.equal(c.state_dict()["residual"]["bucket0"], owed)
+    fresh = TopK(0.25)
+    simulate([fresh], [torch.tensor([float("nan"), float("nan"), 1.0, 1.0])])
+    assert torch.equal(fresh.state_dict()["residual"]["bucket0"], torch.zeros(4))

@@ -157,6 +157,14 @@ class Residuals:
         sees that buffer change).
         """
         old = self.residual.get(key)
+        # A step whose gradients overflowed (an fp16 loss scale then skips it) leaves owed what
+        # was owed before it: its inf would otherwise stay in the residual and overflow every
+        # later step. A select on the device, so no host synchronisation.
+        bad = ~torch.isfinite(residual).all()
+        if old is None:
+            residual.masked_fill_(bad, 0.0)
+        else:
+            torch.where(bad, old, residual, out=residual)
         self.residual[key] = residual
         if old is not None and old is not residual:
             self._spare[key] = old
