@@ -58,7 +58,7 @@ def test_parlay_env_on_each_host_names_rank_local_rank_and_node():
         assert got == [(2 * host + lr, lr, host, 4, 2, 2) for lr in (0, 1)], out
 
 
-@pytest.mark.parametrize("hierarchical", ["false", "true"])
+@pytest.mark.parametrize("hierarchical", [pytest.param("false", marks=pytest.mark.slow), "true"])
 def test_allreduce_across_hosts_equals_one_process(tmp_path, hierarchical):
     with Cluster(hosts=2, rate="1gbit") as c:
         launch(c, ["tests/dist/multinode_train.py", "--mode", "allreduce", "--out", str(tmp_path),

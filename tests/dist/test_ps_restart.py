@@ -123,7 +123,7 @@ RESTART = '''
 '''
 
 
-@pytest.mark.parametrize("kill_version", [3, 6])
+@pytest.mark.parametrize("kill_version", [3, pytest.param(6, marks=pytest.mark.slow)])
 def test_killed_server_resumes_from_consistent_state(tmp_path, kill_version):
     from tests.dist.test_ps_trainer import TOL, _oracle
 
@@ -218,7 +218,8 @@ DROP = '''
 '''
 
 
-@pytest.mark.parametrize("consistency, how", [("async", "kill"), ("stale:2", "kill"),
+@pytest.mark.parametrize("consistency, how", [("async", "kill"),
+                                              pytest.param("stale:2", "kill", marks=pytest.mark.slow),
                                               ("async", "hang")])
 def test_killed_worker_is_dropped_under_parlay_run(tmp_path, consistency, how):
     # a hung worker the server dropped is stopped by the launcher: it held the job forever
@@ -388,7 +389,7 @@ CKPT_DROP = PS_CKPT_TRAINER + '''
 '''
 
 
-@pytest.mark.parametrize("consistency", ["async", "stale:1"])
+@pytest.mark.parametrize("consistency", ["async", pytest.param("stale:1", marks=pytest.mark.slow)])
 def test_survivors_keep_checkpointing_after_a_worker_is_lost(tmp_path, consistency):
     ckpt = tmp_path / "ckpt"
     p = _parlay_run(tmp_path, CKPT_DROP, str(ckpt), consistency)

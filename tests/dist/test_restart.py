@@ -111,7 +111,7 @@ def _assert_bit_identical(got: list[dict], want: list[dict]) -> None:
             assert torch.equal(a[k], b[k]), f"{k} differs from the uninterrupted run"
 
 
-@pytest.mark.parametrize("kill_rank, kill_step", [(1, 4), (0, 7)])
+@pytest.mark.parametrize("kill_rank, kill_step", [(1, 4), pytest.param(0, 7, marks=pytest.mark.slow)])
 def test_sigkill_mid_epoch_restarts_and_matches_uninterrupted_run(tmp_path, reference,
                                                                   kill_rank, kill_step):
     p, states = _launch(tmp_path, "run", "allreduce", kill_rank, kill_step)
@@ -131,9 +131,11 @@ def test_hybrid_pipeline_restart_matches_uninterrupted_run(tmp_path, reference):
     _assert_bit_identical(states, reference("hybrid"))
 
 
-@pytest.mark.parametrize("shard, kill_rank, kill_step", [("optimizer", 1, 4),
-                                                         ("gradients", 0, 7),
-                                                         ("parameters", 1, 5)])
+# The default run kills and resumes the deepest level; the others are slow variants (their
+# checkpoints' content is checked by test_shard_trainer's reshard test, every level).
+@pytest.mark.parametrize("shard, kill_rank, kill_step", [
+    pytest.param("optimizer", 1, 4, marks=pytest.mark.slow),
+    pytest.param("gradients", 0, 7, marks=pytest.mark.slow), ("parameters", 1, 5)])
 def test_sharded_restart_matches_uninterrupted_run(tmp_path, reference, shard, kill_rank,
                                                    kill_step):
     # Each rank resumes its own shard (a checkpoint or its in-memory snapshot): bit for bit.
