@@ -394,12 +394,11 @@ class AutoCompressor(Compressor):
         agreed = agreed_max([self._time("trial", str(i), t)
                              for i, t in enumerate(trial.medians)], self._group)
         won = 1 if agreed[1] < (1 - TRIAL_GAIN) * agreed[0] else 0  # noise keeps the decision
-        why = "trial: " + ", ".join(f"{'+'.join(sorted(set(a.values())))} {t * 1e3:.2f}ms"
-                                    for a, t in zip(trial.options, agreed))
+        names = ["+".join(sorted(set(a.values()))) for a in trial.options]
+        why = "trial: " + ", ".join(f"{n} {t * 1e3:.2f}ms" for n, t in zip(names, agreed))
         for k, s in trial.options[won].items():
             self._switch(k, s, why)
-        log.info("auto compression: the trial keeps %s (%s)",
-                 "+".join(sorted(set(trial.options[won].values()))), why)
+        log.info("auto compression: the trial keeps %s (%s)", names[won], why)
         self.trialing = None
 
     # ------------------------------------------------------------------ the protocol
