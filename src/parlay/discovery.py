@@ -274,13 +274,17 @@ TENSORLAYER_VARS = {"ps": "PS_HOSTS", "worker": "WORKER_HOSTS", "master": "MASTE
 def tf_config_text(env: Mapping[str, str]) -> str:
     """``TF_CONFIG``; when it is blank and TensorLayer's ``JOB_NAME`` is set, the same document
     made from ``JOB_NAME``, ``TASK_INDEX``, ``PS_HOSTS``, ``WORKER_HOSTS`` and ``MASTER_HOST``
-    (comma-separated ``host:port`` lists); else ``""``.
+    (comma-separated ``host:port`` lists; ``JOB_NAME`` must be a task type and one of the lists
+    set); else ``""``.
 
     Raises:
         ConfigError: ``JOB_NAME=master`` without ``MASTER_HOST``.
     """
     text = env.get("TF_CONFIG", "")
-    if text.strip() or "JOB_NAME" not in env:
+    # JOB_NAME alone is no cluster (Jenkins sets it to the build's name): TensorLayer's needs a
+    # task type and a host list.
+    if text.strip() or env.get("JOB_NAME") not in ("ps", "worker", "master", "chief") \
+            or not any(env.get(var, "").strip() for var in TENSORLAYER_VARS.values()):
         return text
     cluster = {job: [h.strip() for h in env.get(var, "").split(",") if h.strip()]
                for job, var in TENSORLAYER_VARS.items()}

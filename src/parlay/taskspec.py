@@ -242,13 +242,15 @@ class TaskSpec:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TaskSpec:
         """Describe this process as a task, from ``TF_CONFIG`` or the launcher's environment.
 
-        A non-blank ``TF_CONFIG`` is authoritative (its rank must agree with any launcher
-        variables also present). Otherwise :func:`detect` runs and ranks below ``num_ps``
-        (``PARLAY_NUM_PS``, set by ``parlay run --ps K``) become ps with index = rank, the
-        others workers with index = rank - K. Those host lists are informational: rank ``r`` is
-        given ``f"{master_addr}:{master_port + r}"`` (master port default
-        :data:`DEFAULT_MASTER_PORT`, master host default ``localhost``, ports past 65535 wrap to
-        1024 and up). With no environment at all this is worker 0 of ``("localhost:29500",)``.
+        A non-blank ``TF_CONFIG`` (or TensorLayer's ``JOB_NAME``, ``TASK_INDEX`` and host lists,
+        read as one: :func:`~parlay.discovery.tf_config_text`) is authoritative (its rank must
+        agree with any launcher variables also present). Otherwise :func:`detect` runs and
+        ranks below ``num_ps`` (``PARLAY_NUM_PS``, set by ``parlay run --ps K``) become ps with
+        index = rank, the others workers with index = rank - K. Those host lists are
+        informational: rank ``r`` is given ``f"{master_addr}:{master_port + r}"`` (master
+        port default :data:`DEFAULT_MASTER_PORT`, master host default ``localhost``, ports past
+        65535 wrap to 1024 and up). With no environment at all this is worker 0 of
+        ``("localhost:29500",)``.
 
         Args:
             environ: Environment mapping; ``None`` reads ``os.environ``.

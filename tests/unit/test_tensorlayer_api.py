@@ -61,6 +61,9 @@ def test_tensorlayer_s_variables_place_the_task_in_the_world_as_tf_config_does()
     assert parlay.TaskSpec.from_env(env) == parlay.create_task_spec_def(env)
     with pytest.raises(ConfigError, match="JOB_NAME=master needs MASTER_HOST"):
         parlay.discovery.detect({**env, "JOB_NAME": "master", "MASTER_HOST": ""})
+    # Jenkins sets JOB_NAME to the build's name: no cluster, a single process as before
+    assert parlay.discovery.detect({"JOB_NAME": "parlay-nightly"}).world_size == 1
+    assert parlay.discovery.detect({"JOB_NAME": "worker"}).world_size == 1
     with pytest.raises(ConfigError, match="TensorLayer's variables.*len\\(worker_hosts\\)"):
         parlay.TaskSpec.from_env({**env, "TASK_INDEX": "2"})
 
