@@ -159,6 +159,9 @@ def test_plan_json_is_ranked(capsys) -> None:
     ({"--overlap": "2"}, ["--overlap must be a number from 0 to 1", "--overlap 1"]),
     ({"--burst": "1e20"}, ["--burst must be from 1 byte to 1 TB", "125k"]),
     ({"--burst": "125 parsecs"}, ["--burst: unknown unit", "KiB"]),
+    ({"--modes": "allreduce", "--stages": "4", "--chunks": "8"}, [  # both were ignored
+        "--stages, --chunks price mode hybrid, which --modes allreduce leaves out"]),
+    ({"--modes": "allreduce,hybrid", "--servers": "2"}, ["--servers prices mode ps"]),
     ({"--modes": "hierarchical", "--gpus-per-node": "1"}, [  # the reason was empty
         "no combination of --modes hierarchical", "several ranks each", "Hint"]),
     ({"--top": "-1"}, ["--top must be an integer >= 0", "Hint: --top 0"]),

@@ -331,10 +331,15 @@ def _plan(ns: argparse.Namespace) -> int:
     calib = _calibration(ns)
     workload, cluster, notes = build_inputs(ns, calib)
     opts = _mode_options(ns, workload, cluster)
-    if "diloco" not in modes and {"sync_every", "fragments", "overlap"} & set(opts):
-        raise ConfigError("--diloco-h, --diloco-fragments and --diloco-overlap price mode "
-                          f"diloco, which --modes {ns.modes} leaves out. Hint: add diloco to "
-                          "--modes.")
+    for mode, flags in (("diloco", {"sync_every": "--diloco-h", "fragments": "--diloco-fragments",
+                                    "overlap": "--diloco-overlap"}),
+                        ("hybrid", {"stages": "--stages", "chunks": "--chunks"}),
+                        ("ps", {"servers": "--servers"})):
+        given = [flag for key, flag in flags.items() if key in opts]
+        if given and mode not in modes:  # (they were ignored, but for diloco's)
+            raise ConfigError(f"{', '.join(given)} price{'s' if len(given) == 1 else ''} mode "
+                              f"{mode}, which --modes {ns.modes} leaves out. Hint: add {mode} "
+                              "to --modes.")
     costs = calib.costs if calib is not None else Costs()
     if ns.script and calib is not None and workload.shapes:
         from parlay.plan.calibrate import retime_codecs
