@@ -283,7 +283,7 @@ def tf_config_text(env: Mapping[str, str]) -> str:
     text = env.get("TF_CONFIG", "")
     # JOB_NAME alone is no cluster (Jenkins sets it to the build's name): TensorLayer's needs a
     # task type and a host list.
-    if text.strip() or env.get("JOB_NAME") not in ("ps", "worker", "master", "chief") \
+    if text.strip() or env.get("JOB_NAME") not in (*TASK_TYPES, "master") \
             or not any(env.get(var, "").strip() for var in TENSORLAYER_VARS.values()):
         return text
     cluster = {job: [h.strip() for h in env.get(var, "").split(",") if h.strip()]

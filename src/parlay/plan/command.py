@@ -331,12 +331,9 @@ def _plan(ns: argparse.Namespace) -> int:
     calib = _calibration(ns)
     workload, cluster, notes = build_inputs(ns, calib)
     opts = _mode_options(ns, workload, cluster)
-    for mode, flags in (("diloco", {"sync_every": "--diloco-h", "fragments": "--diloco-fragments",
-                                    "overlap": "--diloco-overlap"}),
-                        ("hybrid", {"stages": "--stages", "chunks": "--chunks"}),
-                        ("ps", {"servers": "--servers"})):
-        given = [flag for key, flag in flags.items() if key in opts]
-        if given and mode not in modes:  # (they were ignored, but for diloco's)
+    for mode in ALL_MODES:  # (they were ignored, but for diloco's)
+        given = [_FLAGS[key] for key in opts if key in mode_takes(mode)]
+        if given and mode not in modes:
             raise ConfigError(f"{', '.join(given)} price{'s' if len(given) == 1 else ''} mode "
                               f"{mode}, which --modes {ns.modes} leaves out. Hint: add {mode} "
                               "to --modes.")
@@ -407,6 +404,12 @@ def _shard_table(levels: list[ShardLevel], memory: float | None, world: int, k: 
     if memory is not None:
         lines.append(recommend_shard(levels, memory, world))
     return "\n".join(lines)
+
+
+#: The option each mode flag sets (:func:`_mode_options`) -> the flag.
+_FLAGS = {"stages": "--stages", "chunks": "--chunks", "servers": "--servers",
+          "sync_every": "--diloco-h", "fragments": "--diloco-fragments",
+          "overlap": "--diloco-overlap"}
 
 
 def _mode_options(ns: argparse.Namespace, w: Workload, c: ClusterSpec) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from parlay.runinfo import recipe_difference
 from parlay.statefile import save_atomic, verify
 from parlay.errors import CheckpointError
 from parlay.snapshot import SnapshotStore, optimizer_tensors
@@ -150,10 +151,9 @@ class ShardPersistence:
             raise CheckpointError(f"{what} holds the state of a {sd['optimizer_class']} optimizer, "
                                   f"this run steps {mine}. Hint: resume with the optimizer "
                                   "that wrote it, or use a new checkpoint_dir.")
-        then, now = sd.get("settings"), _settings(self.optimizer, self.base_lrs)
-        if then is not None and then != now:  # (files before they were recorded: unchecked)
-            diff = "; ".join(f"{k}: {then.get(k)} then, {now.get(k)} now"
-                             for k in sorted(set(then) | set(now)) if then.get(k) != now.get(k))
+        # (files before the settings were recorded: unchecked)
+        diff = recipe_difference(sd.get("settings"), _settings(self.optimizer, self.base_lrs))
+        if diff:
             raise CheckpointError(f"{what} was written with other optimizer settings ({diff}); "
                                   "loading it would silently replace this run's. Hint: resume "
                                   "with the optimizer_args that wrote it, or use a new "
