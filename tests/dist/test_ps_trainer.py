@@ -110,6 +110,23 @@ def test_trainer_ps_resume_restores_server_shards(tmp_path):
             torch.testing.assert_close(p, q, **TOL)
 
 
+def test_a_fresh_run_keeps_its_own_server_files_beside_an_older_run_s(tmp_path):
+    # A finished run left the servers' files of steps 4-6 in ps/; the workers' files were
+    # deleted ("start afresh"). The new run's servers wrote steps 1 and 2 and pruned them at
+    # once (the older run's later steps counted as newer), so its restart found no step the
+    # servers and workers both held, and could not resume.
+    env = {"PARLAY_NUM_PS": "1"}
+    run_world(_trainer_ps_resumable, 3, str(tmp_path), None, env=env)
+    for f in tmp_path.glob("ckpt-*"):
+        f.unlink()
+    run_world(_trainer_ps_resumable, 3, str(tmp_path), 2, env=env)
+    out = run_world(_trainer_ps_resumable, 3, str(tmp_path), None, env=env)
+    ref = _oracle(2)
+    for params in out[1:]:
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+
+
 def test_resuming_with_another_server_count_is_refused_on_every_rank_at_once(tmp_path):
     # Worker files are named by global rank, which moves with --ps: the refusal says so, and
     # the servers hear the workers' error at once instead of waiting out their timeout.

@@ -125,11 +125,14 @@ class ShardPersistence:
 
     def snapshot(self, tag: int) -> None:
         """Save checkpoint ``tag`` (every live worker waits at its step ``tag``) and keep the
-        newest :data:`SNAPSHOTS_KEPT`. No-op without a checkpoint directory."""
+        newest :data:`SNAPSHOTS_KEPT` up to it. Later steps (an earlier run's, in a folder
+        whose workers' files were deleted) never count as newer: they would prune this run's.
+        No-op without a checkpoint directory."""
         if not self.dir:
             return
         save_atomic({**self.state_dict(), "tag": int(tag)}, self.snapshot_path(tag))
-        for old in snapshot_steps(self.dir, self.index)[:-SNAPSHOTS_KEPT]:
+        older = [t for t in snapshot_steps(self.dir, self.index) if t <= tag]
+        for old in older[:-SNAPSHOTS_KEPT]:
             try:
                 os.remove(self.snapshot_path(old))
             except FileNotFoundError:
