@@ -137,6 +137,8 @@ def test_plan_json_is_ranked(capsys) -> None:
     assert [p["step_s"] for p in rest] == sorted(p["step_s"] for p in rest)
     assert doc["recommendation"]["mode"] in ("allreduce", "hierarchical", "ps", "hybrid")
     assert doc["recommendation"]["factor"] >= 1.0
+    assert main([*ISSUE, "--no-calibrate", "--json", "--top", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["predictions"] == doc["predictions"][:2]
 
 
 @pytest.mark.parametrize("change, words", [

@@ -101,7 +101,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                    "is merged, tau (default 0)")
     o.add_argument("--async", dest="include_async", action="store_true",
                    help="also recommend asynchronous parameter servers (stale gradients)")
-    o.add_argument("--top", default="0", help="print only the N fastest (default all)")
+    o.add_argument("--top", default="0",
+                   help="print (or put in --json) only the N fastest (default all)")
     o.add_argument("--json", action="store_true", help="print JSON instead of a table")
     z = p.add_argument_group("sharded data parallel (DistributedOptimizer(shard=...))")
     z.add_argument("--memory-per-rank", help="memory a rank has for parameters, gradients and "
@@ -363,7 +364,7 @@ def _plan(ns: argparse.Namespace) -> int:
     if ns.json:
         best = next(p for p in sync or ranked if math.isfinite(p.to_accuracy_s))
         print(json.dumps({"recommendation": _doc(best), "why": why, "excluded": left_out,
-                          "notes": notes, "predictions": [_doc(p) for p in ranked],
+                          "notes": notes, "predictions": [_doc(p) for p in ranked[: top or None]],
                           "diloco": dl,
                           "shard": shard_doc(levels, k, memory, cluster.world)}))
         return status
