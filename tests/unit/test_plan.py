@@ -109,6 +109,11 @@ def test_hierarchical_moves_one_model_over_the_host_link_instead_of_one_and_a_ha
     flat = predict(w, c, "allreduce", costs=FREE)
     hier = predict(w, c, "hierarchical", costs=FREE)
     assert flat.terms["comm"] / hier.terms["comm-inter"] == pytest.approx(1.5, rel=0.01)
+    # inside each host two allreduces of the whole model (sum, then share the shards)
+    bus = Link(1e9, 0.0, efficiency=1.0)
+    c = ClusterSpec(2, 4, Link(100e6), overlap=0.0, intra=bus)
+    hier = predict(w, c, "hierarchical", costs=FREE)
+    assert hier.terms["comm-intra"] == pytest.approx(2 * allreduce_s(BIG_PARAMS * 4, 4, bus))
 
 
 def test_ps_sync_pushes_then_pulls_and_async_overlaps_workers() -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from parlay.errors import ConfigError
 from parlay.compress import NoneCompressor
 from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, Workload,
-                               compressor_of, link_bytes, rounds_s)
+                               allreduce_s, compressor_of, link_bytes, rounds_s)
 from parlay.plan.pipesim import pipeline_s
 
 __all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "diloco_terms",
@@ -121,8 +121,9 @@ def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
 
 def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
                        bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> dict[str, float]:
-    """Reduce-scatter inside each host, allreduce across hosts (one ring per local rank, the
-    rings sharing the host link), allgather inside the host (:mod:`parlay.dp.hierarchical`).
+    """Allreduce inside each host, allreduce of one shard per local rank across hosts (the
+    rings sharing the host link), allreduce inside the host again to share the shards
+    (:mod:`parlay.dp.hierarchical`).
 
     Raises:
         ConfigError: A compressor that is not summable (top-k allgathers instead).
@@ -136,11 +137,8 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
     nb = _buckets(w, bucket_bytes)
     rounds = comp.wire_rounds(int(w.params), w.shapes, w.bytes_per_element)
     payload = sum(r.nbytes for r in rounds)
-    # local reduce-scatter and allgather: (l-1)/l of the payload each way over the host's bus
-    intra = 0.0
-    if loc > 1:
-        intra = 2 * ((loc - 1) * (costs.alpha_s * nb + c.local.latency_s)
-                     + (loc - 1) / loc * payload * c.local.beta)
+    # steps 1 and 3 are each an allreduce of the whole payload among the host's ranks
+    intra = 2 * allreduce_s(payload, loc, c.local, costs.alpha_s * nb)
     # l parallel rings of payload/l each: together 2(n-1)/n of the payload on the host link
     inter = (rounds_s(rounds, n, c.inter, costs, messages=nb, rested_s=w.compute_s)
              if n > 1 else 0.0)
