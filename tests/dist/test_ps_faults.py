@@ -104,7 +104,8 @@ def test_restart_resumes_from_the_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ps")
     first = run_world(_checkpointed, 3, ckpt, 2, env=PS1)
     assert [r[2] for r in first] == [2, 2, 2]
-    assert sorted(os.listdir(ckpt)) == ["ps-0.pt", "worker-0.pt", "worker-1.pt"]  # no temp files
+    assert sorted(os.listdir(ckpt)) == ["ps-0.step-0000000002.pt", "worker-0.pt",
+                                        "worker-1.pt"]  # no temp files
     second = run_world(_checkpointed, 3, ckpt, STEPS, env=PS1)
     assert [r[1] for r in second[1:]] == [2, 2]  # workers resumed at step 2
     ref = _reference("adam", 2)  # STEPS uninterrupted steps, single process
@@ -112,9 +113,27 @@ def test_restart_resumes_from_the_checkpoint(tmp_path):
         assert version == STEPS
         for p, q in zip(params, ref):
             torch.testing.assert_close(p, q, **TOL)
-    sd = torch.load(os.path.join(ckpt, "ps-0.pt"), weights_only=True)
+    sd = torch.load(os.path.join(ckpt, f"ps-0.step-{STEPS:010d}.pt"), weights_only=True)
     assert sd["version"] == STEPS and sd["clocks"] == [STEPS, STEPS]
     assert not glob.glob(os.path.join(ckpt, "*.tmp*"))
+
+
+def test_servers_one_update_apart_resume_the_newest_version_both_hold(tmp_path):
+    # A worker killed between its pushes to two servers leaves one server an update ahead,
+    # and its final checkpoint with it. The restart resumed each server's own newest file,
+    # and the workers refused the servers' different clocks on every relaunch.
+    from tests.dist.test_ps import STEPS, TOL, _reference
+
+    ckpt, ps2 = str(tmp_path / "ps"), {"PARLAY_NUM_PS": "2"}
+    run_world(_checkpointed, 4, ckpt, 2, env=ps2)
+    run_world(_checkpointed, 4, ckpt, 3, env=ps2)
+    os.remove(os.path.join(ckpt, "ps-1.step-0000000003.pt"))  # server 1 never applied 3
+    out = run_world(_checkpointed, 4, ckpt, STEPS, env=ps2)
+    assert [r[1] for r in out[2:]] == [2, 2]  # both workers resumed at version 2
+    assert [r[2] for r in out] == [STEPS] * 4
+    for params, _, _ in out[2:]:  # (a server's model holds only its own shard's values)
+        for p, q in zip(params, _reference("adam", 2)):
+            torch.testing.assert_close(p, q, **TOL)
 
 
 def _mismatched_model():

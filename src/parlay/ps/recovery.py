@@ -68,10 +68,11 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
 
     The in-memory snapshot step every rank holds wins when it is newer than the disk step;
     a rank never mixes the two. On disk, ``sync`` (``relaxed=False``) takes the newest step
-    every rank holds. ``async``/``stale`` (``relaxed=True``) take the newest step ``T`` that
-    every server holds and that every worker holding a file of step ``T`` or later holds:
-    workers lost before ``T`` (dropped while the others went on; they hold only older files,
-    or none) sit out, since their state at ``T`` was never saved.
+    every rank holds (with no tagged worker: every server, whose step files are versions).
+    ``async``/``stale`` (``relaxed=True``) take the newest step ``T`` that every server holds
+    and that every worker holding a file of step ``T`` or later holds: workers lost before
+    ``T`` (dropped while the others went on; they hold only older files, or none) sit out,
+    since their state at ``T`` was never saved.
 
     Args:
         disk: Checkpoint steps this rank holds on disk.
@@ -94,7 +95,11 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
     workers = [k for k, r in enumerate(rows) if r[2]]
     held = [{t for t in r[_FLAGS: _FLAGS + HELD_SLOTS] if t >= 0} for r in rows]
     mem = [{t for t in r[_FLAGS + HELD_SLOTS:] if t >= 0} for r in rows]
-    on_disk = _disk_step(held, workers, relaxed) if any_tagged else None
+    if any_tagged:
+        on_disk = _disk_step(held, workers, relaxed)
+    else:  # sync servers' own step files (their versions); async/stale have no common one
+        servers = [held[k] for k in range(len(rows)) if k not in workers]
+        on_disk = None if relaxed else max(set.intersection(*servers), default=None)
     in_mem = max(set.intersection(*mem), default=None) if any_snap else None
     if in_mem is not None and (on_disk is None or in_mem > on_disk):
         return Resume(any_tagged, in_mem, True, any_snap, workers)

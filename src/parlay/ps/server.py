@@ -84,11 +84,12 @@ class Server(ShardPersistence, ChunkedServing):
         worker_ranks: Global ranks of the workers, by worker index.
         group: The gloo group of all ranks that carries PS traffic.
         timeout: Seconds a worker may stay silent before it is declared lost.
-        checkpoint_dir: Where ``ps-<index>.pt`` is written (``None``: no checkpoints).
+        checkpoint_dir: Where checkpoints are written (``None``: none; see
+            :class:`~parlay.ps.shard_io.ShardPersistence`).
         checkpoint_every: Save every this many versions (and at the end).
         tagged: Checkpoints are taken when the workers ask (:meth:`snapshot`, files
             ``ps-<index>.step-<tag>.pt``) instead of every ``checkpoint_every`` versions.
-        resume_step: With ``tagged`` or ``memory``, the step to resume (agreed by every rank).
+        resume_step: The step (``sync``: version) to resume, agreed by every rank.
         memory: In-memory snapshots of this server (``sync`` only: see
             :mod:`parlay.ps.shard_io`), taken right after every update; ``None``: none.
         from_memory: ``resume_step`` is read from ``memory`` rather than from disk.
@@ -170,13 +171,13 @@ class Server(ShardPersistence, ChunkedServing):
         version, clocks = 0, None
         if from_memory and step is not None and self.memory is not None:
             version, clocks = self._load_memory(step)
-        elif tagged and step is not None:
+        elif step is not None and (tagged or self.policy.aggregate):
             version, clocks = self._load(self.snapshot_path(step), tag=step)
-        elif self.path and os.path.exists(self.path):
+        elif self.path and os.path.exists(self.path):  # async/stale (or sync before step files)
             version, clocks = self._load(self.path)
         # Later steps than the resumed one belong to a lost future. Without an agreed step
         # (a fresh start, or a relaunch about to be refused) nothing is removed.
-        if tagged and self.dir and step is not None:
+        if self.dir and step is not None and (tagged or self.policy.aggregate):
             for t in snapshot_steps(self.dir, self.index):
                 if t > step:
                     os.remove(self.snapshot_path(t))

@@ -59,8 +59,10 @@ class DistributedSession:
         compression: Gradient compression of pushes: a name (``"fp16"``, ``"topk:0.01"``) or a
             :class:`~parlay.compress.Compressor`. Its decode context must depend only on the
             bucket's size, dtype and key (true of parlay's built-in compressors).
-        checkpoint_dir: Servers write ``ps-<k>.pt`` here every ``checkpoint_every`` updates
-            and at the end, workers ``worker-<i>.pt`` (residuals) at the end; a new session
+        checkpoint_dir: Servers checkpoint here every ``checkpoint_every`` updates and at
+            the end (``sync``: ``ps-<k>.step-<version>.pt``, the newest three, and a new
+            session resumes the newest version every server holds; ``async``/``stale``:
+            ``ps-<k>.pt``), workers ``worker-<i>.pt`` (residuals) at the end; a new session
             with the same directory resumes. See also ``resume_steps``.
         max_steps: Stop when the parameters have been updated this many times (the global
             step, as TF's ``StopAtStepHook``): one update per round of all workers in ``sync``,
@@ -126,7 +128,7 @@ class DistributedSession:
         self.ps_group: Any = None
         self.dp_group: Any = None
         self.resume_steps = None if resume_steps is None else [int(t) for t in resume_steps]
-        self.resumed_step: int | None = None  # agreed at start (None: fresh or untagged)
+        self.resumed_step: int | None = None  # agreed at start (None: fresh, or not sync)
         self.tagged = False  # servers checkpoint when the workers ask
         self.snapshots = bool(snapshots) and self.consistency.aggregate
         #: This rank's in-memory snapshot store (``sync`` with snapshotting workers), or None.

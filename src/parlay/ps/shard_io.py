@@ -3,8 +3,10 @@
 :class:`ShardPersistence` is a mixin of :class:`~parlay.ps.server.Server` (it uses the server's
 ``flat`` shard, ``optimizer``, ``core``, ``plan``, ``index`` and ``worker_ranks``):
 
-* disk: ``ps-<k>.pt`` every ``checkpoint_every`` updates, or, when the workers keep their own
-  checkpoints (a Trainer), ``ps-<k>.step-<t>.pt`` when every live worker asks for step ``t``;
+* disk: every ``checkpoint_every`` updates (``sync``: ``ps-<k>.step-<version>.pt``, resumed at
+  the newest version every server holds; ``async``/``stale``: ``ps-<k>.pt``), or, when the
+  workers keep their own checkpoints (a Trainer), ``ps-<k>.step-<t>.pt`` when every live
+  worker asks for step ``t``;
 * memory (``sync`` only): an in-memory snapshot (:class:`~parlay.snapshot.SnapshotStore`) of
   the shard, optimizer state, version and worker clocks right after each update, so a restart
   resumes at most one step back, from the step every server and worker holds. In ``sync`` the
@@ -91,6 +93,7 @@ class ShardPersistence:
 
     index: int
     plan: Any
+    policy: Any
     flat: torch.Tensor
     optimizer: torch.optim.Optimizer
     base_lrs: list[Any]
@@ -114,8 +117,13 @@ class ShardPersistence:
                 "histogram": dict(self.core.histogram)}
 
     def save(self) -> None:
-        """Write ``ps-<index>.pt`` atomically (no-op without a checkpoint directory)."""
-        if self.path:
+        """Checkpoint the shard (no-op without a checkpoint directory). ``sync``: as the step
+        file of its version (every server writes the same versions, so a restart resumes the
+        newest one all hold, also when a crash left one server an update ahead); ``async`` /
+        ``stale`` (no version is common to all servers): ``ps-<index>.pt``, atomically."""
+        if self.path and self.policy.aggregate:
+            self.snapshot(self.core.version)
+        elif self.path:
             save_atomic(self.state_dict(), self.path)
 
     def snapshot_path(self, tag: int) -> str:
