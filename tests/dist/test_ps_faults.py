@@ -82,13 +82,14 @@ def test_async_and_stale_survivors_keep_training(consistency, caplog):
     assert out[1]["step"] == out[2]["step"] == steps
 
 
-def _checkpointed(ckpt: str, stop: int):
+def _checkpointed(ckpt: str, stop: int, consistency: str = "sync"):
     from tests.dist.test_ps import OPTS, PER_WORKER, _data, _model
 
     model = _model()
     cls, args = OPTS["adam"]
     with DistributedSession(model=model, optimizer=cls, optimizer_args=args,
-                            consistency="sync", checkpoint_dir=ckpt, checkpoint_every=2) as sess:
+                            consistency=consistency, checkpoint_dir=ckpt,
+                            checkpoint_every=2) as sess:
         x, y = _data(sess.num_workers)
         first = sess.step
         while not sess.should_stop() and sess.step < stop:
@@ -134,6 +135,20 @@ def test_servers_one_update_apart_resume_the_newest_version_both_hold(tmp_path):
     for params, _, _ in out[2:]:  # (a server's model holds only its own shard's values)
         for p, q in zip(params, _reference("adam", 2)):
             torch.testing.assert_close(p, q, **TOL)
+
+
+def test_async_servers_a_step_apart_on_a_worker_resume_its_older_step(tmp_path):
+    # async keeps one ps-<k>.pt per server: restoring server 1's older file is what a worker
+    # lost between its pushes to the two servers leaves. Every relaunch failed on "the
+    # parameter servers disagree on worker 0's step ([2, 3])".
+    ckpt, ps2 = str(tmp_path / "ps"), {"PARLAY_NUM_PS": "2"}
+    run_world(_checkpointed, 4, ckpt, 2, "async", env=ps2)
+    older = (tmp_path / "ps" / "ps-1.pt").read_bytes()
+    run_world(_checkpointed, 4, ckpt, 3, "async", env=ps2)
+    (tmp_path / "ps" / "ps-1.pt").write_bytes(older)
+    out = run_world(_checkpointed, 4, ckpt, 4, "async", env=ps2)
+    assert [r[1] for r in out[2:]] == [2, 2]  # both resume the step every server holds
+    assert all(torch.isfinite(p).all() for r in out for p in r[0])
 
 
 def _mismatched_model():

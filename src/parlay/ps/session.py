@@ -229,7 +229,8 @@ class DistributedSession:
             if callable(bind):  # "auto" decides at the first push, agreed over the workers
                 bind(self.dp_group, collective=False)
             self.worker = Worker(c.rank - c.num_ps, c.rank, self.plan, self.model, self.compressor,
-                                 servers, self.ps_group, self.timeout, len(workers))
+                                 servers, self.ps_group, self.timeout, len(workers),
+                                 exact=self.consistency.aggregate)
             # a non-finite loss or gradient raises before it reaches the servers (the Trainer
             # puts its own policy's check here)
             self.worker.before_push = NonFiniteGuard("raise").check_local

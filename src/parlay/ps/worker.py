@@ -49,11 +49,15 @@ class Worker:
         group: The gloo group of all ranks that carries PS traffic.
         timeout: The servers' lost-worker timeout (for error messages).
         num_workers: Number of workers (an epoch end's reply holds a count for each).
+        exact: ``sync``: the servers must agree on this worker's step. ``async``/``stale``: a
+            worker lost between its pushes to two servers left them a step apart; it resumes
+            the older step, and later counts each server's clock from that offset.
     """
 
     def __init__(self, index: int, rank: int, plan: ShardPlan, model: nn.Module,
                  compressor: Compressor, server_ranks: list[int], group: Any,
-                 timeout: float, num_workers: int = 1) -> None:
+                 timeout: float, num_workers: int = 1, exact: bool = True) -> None:
+        self.exact, self.skew = exact, [0] * len(server_ranks)
         self.index, self.rank, self.plan, self.model = index, rank, plan, model
         self.compressor, self.server_ranks = compressor, server_ranks
         self.group, self.timeout = group, timeout
@@ -187,7 +191,7 @@ class Worker:
                 for p, start, length, off in self.slices[s]:
                     p.view(-1)[start: start + length].copy_(flat[off: off + length])
                 self.versions[s] = m.version
-        clocks = {m.step for m in replies}
+        clocks = {m.step - k for m, k in zip(replies, self.skew)}
         if len(clocks) != 1:
             raise CheckpointError(f"the parameter servers disagree on worker {self.index}'s step "
                                   f"({sorted(clocks)}): they resumed from checkpoints of "
@@ -201,6 +205,12 @@ class Worker:
             numel = self.plan.numel(s)
             self.bounds[s] = chunk_bounds(numel, m.extra) if m.extra > 0 else None
             self.pulled[s] = torch.empty(numel, dtype=self.dtype) if m.extra > 0 else None
+        first = min(m.step for m in replies)
+        if not self.exact and any(m.step != first for m in replies):
+            self.skew = [m.step - first for m in replies]
+            log.warning("worker %d (rank %d): the parameter servers hold steps %s of it (it was "
+                        "lost between its pushes); it resumes at step %d", self.index, self.rank,
+                        [m.step for m in replies], first)
         self._load(replies)
 
     def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float:
