@@ -116,6 +116,21 @@ def test_hierarchical_moves_one_model_over_the_host_link_instead_of_one_and_a_ha
     assert hier.terms["comm-intra"] == pytest.approx(2 * allreduce_s(BIG_PARAMS * 4, 4, bus))
 
 
+@pytest.mark.parametrize("mode,opts", [("allreduce", {}), ("hybrid", {"stages": 2})])
+def test_powersgd_is_priced_on_the_layers_shapes_not_one_square(mode, opts) -> None:
+    # Its factors are (rows + cols) x rank per matrix: one square of all parameters gave
+    # sqrt(layers) times fewer bytes than the model's layers (hybrid: always one square).
+    c = ClusterSpec(4, 1, Link(100e6), overlap=0.0)
+    sq = (1024, 1024)
+    by_layers = predict(_w(params=8 * 1024 * 1024, layers=8), c, mode, "powersgd:4",
+                        costs=FREE, **opts)
+    by_shapes = predict(_w(params=8 * 1024 * 1024, shapes=(sq,) * 8), c, mode, "powersgd:4",
+                        costs=FREE, **opts)
+    unknown = predict(_w(params=8 * 1024 * 1024), c, mode, "powersgd:4", costs=FREE, **opts)
+    assert by_layers.terms["comm"] == pytest.approx(by_shapes.terms["comm"])
+    assert by_layers.terms["comm"] > 1.9 * unknown.terms["comm"]
+
+
 def test_ps_sync_pushes_then_pulls_and_async_overlaps_workers() -> None:
     w = _w(params=5.8e6, batch=8, per_sample=1e-3)
     c = ClusterSpec(4, 1, Link(100e6), overlap=0.0)

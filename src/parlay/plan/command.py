@@ -70,7 +70,9 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--batch", help="samples per rank (GPU) per step, e.g. 64")
     g.add_argument("--global-batch", help="samples per step over all ranks (instead of --batch)")
     g.add_argument("--compute-ms", help="forward+backward time of one rank's batch, ms")
-    g.add_argument("--layers", help="layers a pipeline can split between (limits --stages)")
+    g.add_argument("--layers", help="layers a pipeline can split between (limits --stages); "
+                   "PowerSGD is priced on that many square layers (without it or --script: "
+                   "on one)")
     g.add_argument("--activation-numel", help="elements per sample between pipeline stages")
     g.add_argument("--script", help="profile this training script for a few steps (single "
                                     "process); its arguments go after --")

@@ -160,6 +160,29 @@ class Workload:
         return self.compute_s_per_sample * self.batch
 
     @property
+    def layout(self) -> tuple[tuple[int, ...], ...] | None:
+        """Shapes shape-aware compressors (PowerSGD) are priced on: ``shapes``, else ``layers``
+        square matrices of ``params / layers`` elements; ``None`` when neither is known."""
+        if self.shapes is not None or self.layers is None:
+            return self.shapes
+        side = max(1, math.isqrt(int(self.params / self.layers)))
+        return ((side, side),) * self.layers
+
+    def stage_layout(self, stages: int) -> tuple[tuple[int, ...], ...] | None:
+        """The largest of ``stages`` runs of :attr:`layout`, cut as parlay balances pipeline
+        stages (by parameters)."""
+        if not self.layout:
+            return None
+        total, acc = sum(math.prod(s) for s in self.layout), 0
+        runs: list[list[tuple[int, ...]]] = [[]]
+        for s in self.layout:
+            if runs[-1] and len(runs) < stages and acc >= total * len(runs) / stages:
+                runs.append([])
+            runs[-1].append(s)
+            acc += math.prod(s)
+        return tuple(max(runs, key=lambda r: sum(math.prod(s) for s in r)))
+
+    @property
     def act_numel(self) -> float:
         """Elements per sample at a stage boundary (given or estimated)."""
         if self.activation_numel is not None:

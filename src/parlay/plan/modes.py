@@ -111,7 +111,7 @@ def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     n = c.world
     link = c.inter if c.nodes > 1 else c.local
     nb = _buckets(w, bucket_bytes)
-    rounds = comp.wire_rounds(int(w.params), w.shapes, w.bytes_per_element)
+    rounds = comp.wire_rounds(int(w.params), w.layout, w.bytes_per_element)
     comm = rounds_s(rounds, n, link, costs, messages=nb, rested_s=w.compute_s)
     terms = _split_compute(w, comp.codec_s(w.params, n, costs) if n > 1 else 0.0,
                            costs if n > 1 else None)
@@ -135,7 +135,7 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
                           "or powersgd.")
     n, loc = c.nodes, c.ranks_per_node
     nb = _buckets(w, bucket_bytes)
-    rounds = comp.wire_rounds(int(w.params), w.shapes, w.bytes_per_element)
+    rounds = comp.wire_rounds(int(w.params), w.layout, w.bytes_per_element)
     payload = sum(r.nbytes for r in rounds)
     # steps 1 and 3 are each an allreduce of the whole payload among the host's ranks
     intra = 2 * allreduce_s(payload, loc, c.local, costs.alpha_s * nb)
@@ -317,13 +317,13 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         transfer = float(transfer_s)
     terms, slot = _pipeline_terms(w.compute_s, p, m, transfer, schedule, layer_costs, shaper)
     if replicas > 1:
-        stage = Workload(w.params / p, w.batch, w.compute_s_per_sample, shapes=None,
-                         bytes_per_element=w.bytes_per_element)
+        stage = Workload(w.params / p, w.batch, w.compute_s_per_sample,
+                         shapes=w.stage_layout(p), bytes_per_element=w.bytes_per_element)
         spans = c.nodes > 1 and (not pp_local or replicas > loc // p)
         link = c.inter if spans else c.local
         rings = p if pp_local else loc  # rings sharing one host link
         nb = _buckets(stage, bucket_bytes)
-        rounds = comp.wire_rounds(int(stage.params), None, w.bytes_per_element)
+        rounds = comp.wire_rounds(int(stage.params), stage.shapes, w.bytes_per_element)
         comm = rounds_s(rounds, replicas, link, costs, nb, rested_s=terms["compute"])
         comm *= rings if spans else 1
         terms["codec"] = comp.codec_s(stage.params, replicas, costs)

@@ -120,12 +120,12 @@ def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none"
     backward, forward = w.compute_s * (1 - FORWARD_SHARE), w.compute_s * FORWARD_SHARE
 
     def ring_s(spec: str, msgs: int) -> float:  # one allreduce of the gradients, priced
-        return rounds_s(compressor_of(spec).wire_rounds(int(w.params), w.shapes,
+        return rounds_s(compressor_of(spec).wire_rounds(int(w.params), w.layout,
                                                         w.bytes_per_element),
                         n, link, costs, messages=msgs, rested_s=w.compute_s)
 
     ddp = allreduce_terms(w, c, compressor, costs)
-    rs_b, ag_b = link_bytes(comp, w.params, n, w.shapes) / 2, link_bytes("none", w.params, n) / 2
+    rs_b, ag_b = link_bytes(comp, w.params, n, w.layout) / 2, link_bytes("none", w.params, n) / 2
     rs_s, ag_s = ring_s(compressor, buckets) / 2, ring_s("none", buckets) / 2
     p = g = s
     mem = {"none": p + g + k * p, "optimizer": p + g + (g + k * p) / n,  # + its gradient chunk
