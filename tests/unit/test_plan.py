@@ -131,6 +131,14 @@ def test_powersgd_is_priced_on_the_layers_shapes_not_one_square(mode, opts) -> N
     assert by_layers.terms["comm"] > 1.9 * unknown.terms["comm"]
 
 
+def test_hybrid_shows_the_micro_batches_it_is_priced_at() -> None:
+    c = ClusterSpec(1, 2, Link(1e9))
+    assert predict(_w(batch=32), c, "hybrid", costs=FREE).label == "hybrid(2 stages, 8 chunks)"
+    assert predict(_w(batch=1), c, "hybrid", costs=FREE).label == "hybrid(2 stages, 2 chunks)"
+    assert predict(_w(batch=32), c, "hybrid", costs=FREE, chunks=3).label == \
+        "hybrid(2 stages, 3 chunks)"
+
+
 def test_ps_sync_pushes_then_pulls_and_async_overlaps_workers() -> None:
     w = _w(params=5.8e6, batch=8, per_sample=1e-3)
     c = ClusterSpec(4, 1, Link(100e6), overlap=0.0)

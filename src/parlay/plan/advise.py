@@ -19,8 +19,9 @@ from typing import Any
 
 from parlay.errors import ConfigError
 from parlay.plan.model import ClusterSpec, Costs, Workload, compressor_of
-from parlay.plan.modes import (DILOCO_TARGET, allreduce_terms, diloco_h, diloco_link_bytes,
-                               diloco_terms, hierarchical_terms, hybrid_terms, ps_terms)
+from parlay.plan.modes import (DILOCO_TARGET, allreduce_terms, default_chunks, diloco_h,
+                               diloco_link_bytes, diloco_terms, hierarchical_terms, hybrid_terms,
+                               ps_terms)
 from parlay.plan.units import format_bytes, format_count
 
 __all__ = ["Prediction", "MODES", "ALL_MODES", "COMPRESSORS", "predict", "rank_configs",
@@ -122,6 +123,14 @@ def _hybrid_variants(w: Workload, c: ClusterSpec) -> list[dict[str, Any]]:
             and (w.layers is None or p <= w.layers)]
 
 
+def _hybrid_resolve(w: Workload, c: ClusterSpec, comp: str, costs: Costs,
+                    opts: dict[str, Any]) -> dict[str, Any]:
+    """hybrid's options with the micro-batches it is priced at (shown in its label)."""
+    if opts.get("chunks") is None:
+        opts = {**opts, "chunks": default_chunks(w, opts.get("stages", 2))}
+    return opts
+
+
 def _diloco_resolve(w: Workload, c: ClusterSpec, comp: str, costs: Costs,
                     opts: dict[str, Any]) -> dict[str, Any]:
     """diloco's options with ``sync_every`` picked (:func:`diloco_h`) when not given."""
@@ -141,7 +150,8 @@ _MODES: dict[str, _Mode] = {
                 lambda o: o.get("consistency", "sync") == "sync"),
     "hybrid": _Mode(hybrid_terms, lambda o, c: {k: o[k] for k in ("stages", "chunks",
                                                                   "schedule") if k in o}
-                    | {"stages": o.get("stages", 2)}, _hybrid_variants, ("stages", "chunks")),
+                    | {"stages": o.get("stages", 2)}, _hybrid_variants, ("stages", "chunks"),
+                    resolve=_hybrid_resolve),
     "diloco": _Mode(diloco_terms, lambda o, c: {"sync_every": o["sync_every"]}
                     | {k: o[k] for k in ("fragments", "overlap") if o.get(k)
                        and (k, o[k]) != ("fragments", 1)},

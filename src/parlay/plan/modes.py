@@ -23,8 +23,8 @@ from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, W
 from parlay.plan.pipesim import pipeline_s
 
 __all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "diloco_terms",
-           "diloco_h", "diloco_link_bytes", "exposed", "bottleneck_share", "stage_shares",
-           "DILOCO_H", "DILOCO_TARGET"]
+           "default_chunks", "diloco_h", "diloco_link_bytes", "exposed", "bottleneck_share",
+           "stage_shares", "DILOCO_H", "DILOCO_TARGET"]
 
 FORWARD_SHARE = 1.0 / 3.0   # forward ~ 1/3 of forward + backward (backward ~ 2x forward)
 COPY_PASSES = 2  # gradient into the bucket (or push buffer), then averaged (or pulled back)
@@ -263,6 +263,12 @@ def _pipeline_terms(compute_s: float, p: int, m: int, transfer: float, schedule:
                                - free)}, slot
 
 
+def default_chunks(w: Workload, stages: int) -> int:
+    """Micro-batches per step priced when none are given: the Trainer's 4 per stage, at most
+    one sample each (a replica's batch is ``batch x stages``)."""
+    return min(w.batch * stages, 4 * stages)
+
+
 def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, stages: int = 2,
                  chunks: int | None = None, schedule: str = "1f1b",
                  bucket_bytes: float = DEFAULT_BUCKET_BYTES,
@@ -297,11 +303,11 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         raise ConfigError(f"the cost model covers schedules gpipe and 1f1b, got {schedule!r}.")
     replicas = world // p
     per_replica = w.batch * p            # the same global batch, over fewer replicas
-    m = int(chunks or min(per_replica, 4 * p))
+    m = int(chunks or default_chunks(w, p))
     if m < 1 or m > per_replica:
         raise ConfigError(f"{m} micro-batches need at least {m} samples per pipeline, got "
                           f"{per_replica} (batch {w.batch} x {p} stages). Hint: --chunks "
-                          f"{min(per_replica, 4 * p)}.")
+                          f"{default_chunks(w, p)}.")
     comp = compressor_of(compressor)
     loc = c.ranks_per_node
     pp_local = loc % p == 0 or c.nodes == 1
