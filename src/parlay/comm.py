@@ -64,7 +64,7 @@ def _silent_members(group: Any) -> list[int] | None:
     """
     try:
         store = dist.distributed_c10d._get_default_store()  # noqa: SLF001 - c10d's own store
-        members = dist.get_process_group_ranks(group or dist.GroupMember.WORLD)
+        members = _members(group)
         me = dist.get_rank()
     except (RuntimeError, ValueError, AttributeError):
         return None
@@ -85,6 +85,14 @@ def _silent_members(group: Any) -> list[int] | None:
         return None
 
 
+def _members(group: Any) -> list[int]:
+    """Global ranks of ``group``: a torch group (``None``: the world) or a list of ranks (a
+    group of backends outside torch's registry, as Horovod's process sets build)."""
+    if isinstance(group, list):
+        return group
+    return list(dist.get_process_group_ranks(group or dist.GroupMember.WORLD))
+
+
 def _group_timeout_s() -> float:
     from parlay import runtime  # runtime imports comm's users; import lazily
 
@@ -97,18 +105,25 @@ def _who(group: Any, peer: int | None, err: BaseException) -> tuple[str, int | N
         return f"rank {peer} was lost or did not answer", peer
     if group is not _UNKNOWN:
         try:
-            members = dist.get_process_group_ranks(group or dist.GroupMember.WORLD)
+            members = _members(group)
         except (RuntimeError, ValueError):
             members = []
         others = [r for r in members if r != _my_rank()]
+        # In a subgroup, a member that failed first in another group (where a rank was lost)
+        # is alive but silent here too: it is named, hedged, and not taken as the lost one.
+        whole = bool(members) and len(members) == dist.get_world_size()
+        elsewhere = "" if whole else ", or it failed first in another group"
         if len(others) == 1:
-            return f"rank {others[0]} (its only peer) was lost or did not answer", others[0]
+            if whole:
+                return f"rank {others[0]} (its only peer) was lost or did not answer", others[0]
+            return (f"rank {others[0]}, its only peer in this group, did not answer (lost, "
+                    f"stalled{elsewhere})", None)
         silent = _silent_members(group) if others else None
         if silent:
             names = ", ".join(map(str, silent))
             return (f"rank{'s' if len(silent) > 1 else ''} {names} did not answer a liveness "
-                    "check (lost, stalled, or already past this collective)",
-                    silent[0] if len(silent) == 1 else None)
+                    f"check (lost, stalled, not yet at or already past this collective"
+                    f"{elsewhere})", silent[0] if len(silent) == 1 and whole else None)
     m = _PEER_RE.search(str(err))
     if m:
         return f"peer rank {m.group(1)} was lost or the operation failed", int(m.group(1))
@@ -145,8 +160,9 @@ def comm_errors(op: str, *, group: Any = _UNKNOWN, peer: int | None = None) -> I
 
     Args:
         op: Name of the operation, for the message.
-        group: For a collective, its group (``None``: the world): on failure the members that
-            did not answer are found through the store and named.
+        group: For a collective, its group (``None``: the world; or its members' global
+            ranks): on failure the members that did not answer are found through the store
+            and named.
         peer: For point-to-point, the global rank on the other end; named on failure.
     """
     try:

@@ -370,3 +370,24 @@ def test_ranks_waiting_for_different_names_fail_after_the_timeout_and_recover():
     assert "allreduce.a stalled" in outs[0][0] and "allreduce.b" in outs[0][0]
     assert "allreduce.b stalled" in outs[1][0] and "ranks [0] did not" in outs[1][0]
     assert outs[0][1] == outs[1][1] == 2.0
+
+
+def _peer_dies_mid_allreduce():
+    import parlay.horovod as hvd
+
+    hvd.allreduce(torch.ones(1), name="warm")  # the engine is connected on every rank
+    if hvd.rank() == 2:
+        os._exit(3)
+    try:
+        hvd.synchronize(hvd.allreduce_async(torch.ones(4), name="t"))
+    except hvd.HorovodInternalError as e:
+        return str(e), e.peer
+    return "no error", None
+
+
+def test_a_rank_lost_mid_operation_is_named():
+    # the negotiation's allgather said only "a peer was lost or the operation failed"
+    out = run_world(_peer_dies_mid_allreduce, 3, comm_timeout=5, timeout=60,
+                    return_exceptions=True)
+    for msg, peer in out[:2]:
+        assert "rank 2 did not answer" in msg and peer == 2, msg

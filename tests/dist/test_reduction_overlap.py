@@ -90,15 +90,18 @@ def _lose_rank_three():
     try:
         red.reduce_async(torch.ones(64), get_compressor("none"), key="bucket0").wait()
     except parlay.CommError as e:
-        return "CommError", time.monotonic() - t0, str(e)
-    return "no error", 0.0, ""
+        return "CommError", time.monotonic() - t0, str(e), e.peer
+    return "no error", 0.0, "", None
 
 
 def test_rank_lost_during_hierarchical_reduction_is_a_comm_error_everywhere():
     out = run_world(_lose_rank_three, 4, comm_timeout=5.0, timeout=90, local_world_size=2,
                     return_exceptions=True)
     for rank in (0, 1, 2):
-        kind, elapsed, msg = out[rank]
+        kind, elapsed, msg, peer = out[rank]
         assert kind == "CommError", (rank, msg)
         assert elapsed < 5.0 + 15.0, (rank, elapsed)
+        # a live rank is never taken for the lost one: in the two-rank local groups the
+        # peer that failed first in the cross-host group answers no more than a lost one
+        assert peer in (None, 3) and "only peer) was lost" not in msg, (rank, msg)
     assert isinstance(out[3], WorldError)

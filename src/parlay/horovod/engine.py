@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from parlay import comm, runtime
 from parlay.horovod import execute, timeline
+from parlay.errors import CommError
 from parlay.horovod.basics import HorovodInternalError
 from parlay.horovod.groups import Group
 from parlay.reduce_ops import ReduceOp
@@ -285,7 +286,7 @@ class Engine:
         self._inflight = None
         with timeline.cycle():
             try:
-                with comm.comm_errors("horovod negotiation"):
+                with comm.comm_errors("horovod negotiation", group=self.group.global_ranks):
                     work.wait()
                 rows = out.view(self.size, self._slot).tolist()
                 lens = [row[0] for row in rows]
@@ -294,6 +295,9 @@ class Engine:
                     self._slot = 1 << max(lens).bit_length()
                 else:
                     msgs = [row[1: 1 + n] for row, n in zip(rows, lens)]
+            except CommError as e:  # it names the silent members
+                raise HorovodInternalError(str(e), op="negotiation", rank=e.rank,
+                                           peer=e.peer) from e
             except Exception as e:
                 raise HorovodInternalError(f"Horovod negotiation on rank {dist.get_rank()} "
                                            f"failed: {e}", op="negotiation") from e

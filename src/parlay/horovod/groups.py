@@ -74,7 +74,7 @@ class Group:
         return self._control
 
     def _run(self, what: str, t: torch.Tensor, call: Callable[[Any], Any]) -> None:
-        with comm.comm_errors(what):
+        with comm.comm_errors(what, group=self.global_ranks):
             call(self._backend(t.device.type)).wait()
 
     def all_reduce(self, t: torch.Tensor, op: int) -> None:
