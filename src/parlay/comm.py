@@ -144,8 +144,11 @@ def _as_comm_error(op: str, err: BaseException, *, group: Any = _UNKNOWN,
     if "timed out" in lowered or "timeout" in lowered:
         why = f"{who}, within the collective timeout" if named else \
             "a peer did not answer within the collective timeout"
-        hint = ("Hint: a rank is stalled or died; check the other ranks' logs, or raise "
-                "the timeout with parlay.init(timeout=...) / PARLAY_TIMEOUT.")
+        hint = ("Hint: a rank is stalled or died, or is waiting in another collective (every "
+                "rank must make the same calls: save_checkpoint() or validate() on one rank "
+                "only, or one rank taking an extra step, leaves the others waiting); check the "
+                "other ranks' logs, or raise the timeout with parlay.init(timeout=...) / "
+                "PARLAY_TIMEOUT.")
     else:
         why = who
         hint = ("Hint: check the log of the rank named for the first error." if named
