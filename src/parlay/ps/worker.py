@@ -206,7 +206,7 @@ class Worker:
             self.bounds[s] = chunk_bounds(numel, m.extra) if m.extra > 0 else None
             self.pulled[s] = torch.empty(numel, dtype=self.dtype) if m.extra > 0 else None
         first = min(m.step for m in replies)
-        if not self.exact and any(m.step != first for m in replies):
+        if not self.exact and max(m.step for m in replies) == first + 1:  # (more: other runs)
             self.skew = [m.step - first for m in replies]
             log.warning("worker %d (rank %d): the parameter servers hold steps %s of it (it was "
                         "lost between its pushes); it resumes at step %d", self.index, self.rank,
