@@ -148,9 +148,9 @@ _MODES: dict[str, _Mode] = {
                                         "servers": o.get("servers") or c.nodes},
                 lambda w, c: [{"consistency": "sync"}, {"consistency": "async"}], ("servers",),
                 lambda o: o.get("consistency", "sync") == "sync"),
-    "hybrid": _Mode(hybrid_terms, lambda o, c: {k: o[k] for k in ("stages", "chunks",
-                                                                  "schedule") if k in o}
-                    | {"stages": o.get("stages", 2)}, _hybrid_variants, ("stages", "chunks"),
+    "hybrid": _Mode(hybrid_terms, lambda o, c: {"stages": o.get("stages", 2)}
+                    | {k: o[k] for k in ("chunks", "schedule") if k in o},
+                    _hybrid_variants, ("stages", "chunks"),
                     resolve=_hybrid_resolve),
     "diloco": _Mode(diloco_terms, lambda o, c: {"sync_every": o["sync_every"]}
                     | {k: o[k] for k in ("fragments", "overlap") if o.get(k)

@@ -369,11 +369,11 @@ class Server(ShardPersistence, ChunkedServing):
         self._sends.clear()
         self._drain_chunk_sends(c.lost)
         # Workers told of a failure leave, which ends their receivers; wait a little for that.
-        # A silent (stalled) worker's receiver never ends: its wait would only delay the error.
+        # (Also for a silent worker's: its launcher may stop it meanwhile, which ends its
+        # receive. A receive still blocked when the process group is destroyed aborts it.)
         end = time.monotonic() + min(5.0, self.timeout)
-        for w, t in enumerate(threads):
-            if c.lost_kind.get(w) != Err.LOST:
-                t.join(timeout=max(0.0, end - time.monotonic()))
+        for t in threads:
+            t.join(timeout=max(0.0, end - time.monotonic()))
         if self.torn:  # a sync round broke after some of its chunks were applied
             log.warning("ps%d: not saving a checkpoint: the last update was cut short mid-way "
                         "(the previous checkpoint stays the newest)", self.index)
