@@ -137,6 +137,20 @@ def test_servers_one_update_apart_resume_the_newest_version_both_hold(tmp_path):
             torch.testing.assert_close(p, q, **TOL)
 
 
+def test_servers_with_no_version_in_common_refuse_to_resume_and_keep_their_files(tmp_path):
+    # it started afresh at step 0 in silence and, once past them, pruned server 0's good files
+    ckpt, ps2 = str(tmp_path / "ps"), {"PARLAY_NUM_PS": "2"}
+    run_world(_checkpointed, 4, ckpt, 3, env=ps2)
+    for f in (tmp_path / "ps").glob("ps-1.step-*"):
+        f.unlink()
+    kept = sorted(os.listdir(ckpt))
+    out = run_world(_checkpointed, 4, ckpt, 4, env=ps2, return_exceptions=True)
+    for e in out:
+        assert isinstance(e, parlay.CheckpointError), e
+        assert "no checkpoint version in common" in str(e) and "[[2, 3], []]" in str(e)
+    assert sorted(os.listdir(ckpt)) == kept
+
+
 def test_async_servers_a_step_apart_on_a_worker_resume_its_older_step(tmp_path):
     # async keeps one ps-<k>.pt per server: restoring server 1's older file is what a worker
     # lost between its pushes to the two servers leaves. Every relaunch failed on "the

@@ -100,6 +100,13 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
     else:  # sync servers' own step files (their versions); async/stale have no common one
         servers = [held[k] for k in range(len(rows)) if k not in workers]
         on_disk = None if relaxed else max(set.intersection(*servers), default=None)
+        if on_disk is None and any(servers) and not relaxed:  # not a fresh start: refuse it
+            raise CheckpointError(
+                "the parameter servers hold no checkpoint version in common (usable steps by "
+                f"server: {[sorted(h) for h in servers]}; see the warnings for files left "
+                "out), so the run cannot resume; nothing was deleted. Fix: restore the missing "
+                "ps-<k>.step-*.pt files, or start afresh with a new (or emptied) "
+                "checkpoint_dir.")
     in_mem = max(set.intersection(*mem), default=None) if any_snap else None
     if in_mem is not None and (on_disk is None or in_mem > on_disk):
         return Resume(any_tagged, in_mem, True, any_snap, workers)
@@ -130,8 +137,8 @@ def verified_steps(steps: Iterable[int], read: Callable[[int], Any], rank: int) 
             read(t)
             usable.append(t)
         except CheckpointError as e:
-            log.warning("rank %d: step %d is not resumable here (%s); the ranks agree on an "
-                        "older one", rank, t, e)
+            log.warning("rank %d: step %d is not resumable here (%s); the ranks agree on "
+                        "another, if one is usable on every rank", rank, t, e)
     return usable
 
 
