@@ -114,9 +114,13 @@ def test_restart_resumes_from_the_checkpoint(tmp_path):
         assert version == STEPS
         for p, q in zip(params, ref):
             torch.testing.assert_close(p, q, **TOL)
+    # a save killed mid-way leaves its temporary file; the server's next start removes it
+    open(os.path.join(ckpt, ".ps-0.step-0000000009.pt.tmp4242"), "wb").close()
+    run_world(_checkpointed, 3, ckpt, STEPS, env=PS1)
+    assert not glob.glob(os.path.join(ckpt, ".*.tmp*"))  # (a "*" skips dotfiles)
     sd = torch.load(os.path.join(ckpt, f"ps-0.step-{STEPS:010d}.pt"), weights_only=True)
     assert sd["version"] == STEPS and sd["clocks"] == [STEPS, STEPS]
-    assert not glob.glob(os.path.join(ckpt, "*.tmp*"))
+    assert not glob.glob(os.path.join(ckpt, ".*.tmp*"))  # (a "*" skips dotfiles)
 
 
 def test_servers_one_update_apart_resume_the_newest_version_both_hold(tmp_path):

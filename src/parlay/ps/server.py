@@ -13,6 +13,7 @@ every connection of the group, so the receive itself never times out).
 from __future__ import annotations
 
 import datetime as _dt
+import glob
 import logging
 import os
 import queue
@@ -111,6 +112,9 @@ class Server(ShardPersistence, ChunkedServing):
         self.memory = memory if policy.aggregate else None
         self.path = (os.path.join(checkpoint_dir, f"ps-{index}.pt")
                      if checkpoint_dir and not tagged else None)
+        if checkpoint_dir:  # a save this server's previous run was killed in left these
+            for stale in glob.glob(os.path.join(glob.escape(checkpoint_dir), f".ps-{index}.*tmp*")):
+                os.remove(stale)
         self.pieces = plan.pieces(index)
         self.model = model
         named = dict(model.named_parameters())
