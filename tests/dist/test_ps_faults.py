@@ -155,6 +155,41 @@ def test_servers_with_no_version_in_common_refuse_to_resume_and_keep_their_files
     assert sorted(os.listdir(ckpt)) == kept
 
 
+def _compressed(ckpt: str, fail_at: int | None):
+    from tests.dist.test_ps import OPTS, PER_WORKER, STEPS, _data, _model
+
+    model = _model()
+    cls, args = OPTS["adam"]
+    with DistributedSession(model=model, optimizer=cls, optimizer_args=args,
+                            compression="topk:0.5", checkpoint_dir=ckpt,
+                            checkpoint_every=2) as sess:
+        x, y = _data(sess.num_workers)
+        first = sess.step
+        while not sess.should_stop() and sess.step < STEPS:
+            t, w = sess.step, sess.worker_index
+            if t == fail_at:
+                raise RuntimeError("killed")
+            sl = slice(w * PER_WORKER, (w + 1) * PER_WORKER)
+            sess.train_step((x[t][sl], y[t][sl]), _mse)
+    return [p.detach().clone() for p in model.parameters()], first
+
+
+def test_a_compressed_sync_session_resumes_the_version_its_residuals_were_saved_at(tmp_path):
+    # The workers' residuals were written only at a clean close: a relaunch after a failure
+    # resumed the servers' newest version with residuals of another step (or none), silently
+    # not the uninterrupted run. They go with the servers' checkpoints now, and every rank
+    # resumes a version both hold (2 here, not the servers' final 3).
+    from tests.dist.test_ps import TOL, _reference
+
+    ckpt = str(tmp_path / "ps")
+    run_world(_compressed, 3, ckpt, 3, env=PS1, return_exceptions=True)
+    out = run_world(_compressed, 3, ckpt, None, env=PS1)
+    assert [o[1] for o in out[1:]] == [2, 2]
+    for params, _ in out[1:]:
+        for p, q in zip(params, _reference("adam", 2, compression="topk:0.5")):
+            torch.testing.assert_close(p, q, **TOL)
+
+
 def test_async_servers_a_step_apart_on_a_worker_resume_its_older_step(tmp_path):
     # async keeps one ps-<k>.pt per server: restoring server 1's older file is what a worker
     # lost between its pushes to the two servers leaves. Every relaunch failed on "the

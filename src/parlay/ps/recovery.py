@@ -99,7 +99,10 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
         on_disk = _disk_step(held, workers, relaxed)
     else:  # sync servers' own step files (their versions); async/stale have no common one
         servers = [held[k] for k in range(len(rows)) if k not in workers]
-        on_disk = None if relaxed else max(set.intersection(*servers), default=None)
+        common = set.intersection(*servers)
+        # workers offer the step of their compression residuals: one that has them is exact
+        exact = common.intersection(*(held[w] for w in workers if held[w]))
+        on_disk = None if relaxed else max(exact or common, default=None)
         if on_disk is None and any(servers) and not relaxed:  # not a fresh start: refuse it
             raise CheckpointError(
                 "the parameter servers hold no checkpoint version in common (usable steps by "
@@ -150,7 +153,7 @@ def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
     of a lost future) and dropped on servers when no worker snapshots."""
     s = session
     disk = ((snapshot_steps(s.checkpoint_dir, s.rank) if s.checkpoint_dir else [])
-            if s.is_ps else s.resume_steps or [])
+            if s.is_ps else s.resume_steps or _residuals_step(s._worker_path()))
     if s.is_ps and disk:
         disk = verified_steps(disk, lambda t: read_shard(step_path(s.checkpoint_dir, s.rank, t),
                                                          t), s.rank)
@@ -217,14 +220,29 @@ def server_loss_is_fatal(rank: int, num_servers: int) -> Iterator[None]:
         raise
 
 
-def save_worker_state(path: str | None, compressor: Compressor) -> None:
-    """Write a worker's compression residuals to ``path`` (no-op for ``None``)."""
+def save_worker_state(path: str | None, compressor: Compressor, step: int) -> None:
+    """Write a worker's compression residuals as of its ``step`` to ``path`` (no-op for
+    ``None``)."""
     if path:
-        save_atomic({"compressor": compressor.state_dict()}, path)
+        save_atomic({"compressor": compressor.state_dict(), "step": int(step)}, path)
 
 
-def load_worker_state(path: str | None, compressor: Compressor) -> None:
-    """Restore a worker's compression residuals from ``path`` when it exists.
+def _residuals_step(path: str | None) -> list[int]:
+    """The step of the compression residuals a plain session's worker file holds ([] when
+    there are none: no file, no residuals, or unreadable, which loading then reports)."""
+    if not path or not os.path.exists(path):
+        return []
+    try:
+        sd = verify(torch.load(path, weights_only=True), Path(path), "worker checkpoint", "")
+    except Exception:  # noqa: BLE001 - unusable: nothing to offer (loading it reports why)
+        return []
+    return [int(sd["step"])] if sd.get("compressor") and "step" in sd else []
+
+
+def load_worker_state(path: str | None, compressor: Compressor, step: int | None) -> None:
+    """Restore a worker's compression residuals from ``path`` when it exists. With ``step``
+    (``sync``: the version every server resumes), residuals of another step are left out
+    with a warning: they belong to another state of the model (not bit-exact).
 
     Raises:
         CheckpointError: The file is unreadable.
@@ -237,4 +255,8 @@ def load_worker_state(path: str | None, compressor: Compressor) -> None:
                                   "delete it to start the worker's residuals at zero.") from e
         sd = verify(sd, Path(path), "worker checkpoint",
                     "delete it to start the worker's residuals at zero.")
+        if step is not None and sd.get("step", step) != step and sd.get("compressor"):
+            log.warning("%s holds the residuals of step %s, the servers resume step %d: they "
+                        "start at zero (not bit-exact)", path, sd["step"], step)
+            return
         compressor.load_state_dict(sd.get("compressor", {}))

@@ -224,7 +224,8 @@ class DistributedSession:
                                  resume_step=self.resumed_step, memory=self.snapshot_store,
                                  from_memory=self.resumed_from_snapshot)
         else:
-            load_worker_state(self._worker_path(), self.compressor)
+            load_worker_state(self._worker_path(), self.compressor,
+                              (self.resumed_step or 0) if self.consistency.aggregate else None)
             bind = getattr(self.compressor, "bind", None)
             if callable(bind):  # "auto" decides at the first push, agreed over the workers
                 bind(self.dp_group, collective=False)
@@ -263,7 +264,7 @@ class DistributedSession:
             if self.worker is not None:
                 if exc is None:
                     self.worker.finish()
-                    save_worker_state(self._worker_path(), self.compressor)
+                    save_worker_state(self._worker_path(), self.compressor, self.worker.step)
                 else:
                     self.worker.fail()
             elif self.server is not None and exc is None:
@@ -317,7 +318,12 @@ class DistributedSession:
             raise ConfigError(f"train_step() after max_steps={self.max_steps} updates: training "
                               "is over. Hint: loop `while not sess.should_stop(): ...`.")
         with server_loss_is_fatal(self.rank, self.num_servers):
-            return self.worker.train_step(batch, loss_fn)
+            loss = self.worker.train_step(batch, loss_fn)
+        every = self.checkpoint_every
+        if self.consistency.aggregate and every and self.worker.step % every == 0:
+            # the servers save this version now: the residuals go with it
+            save_worker_state(self._worker_path(), self.compressor, self.worker.step)
+        return loss
 
     def serve(self) -> None:
         """Servers: serve until every worker finished (returns at once on workers and when
