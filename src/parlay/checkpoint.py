@@ -40,7 +40,8 @@ from parlay.integrity import file_crcs
 from parlay.nonfinite import first_nonfinite_entry
 from parlay.rngstate import rng_state, set_rng_state  # re-exported: checkpoints hold them
 from parlay.runinfo import DirLock, describe_mismatch
-from parlay.statefile import CRC_KEY, read_atomic, save_atomic, verify, write_atomic
+from parlay.statefile import (CRC_KEY, read_atomic, remove_temporaries, save_atomic, verify,
+                              write_atomic)
 
 __all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "load",
            "CheckpointManager", "FORMAT_VERSION", "CRC_KEY", "rng_state", "set_rng_state"]
@@ -148,8 +149,7 @@ class CheckpointManager:
         self._lock = DirLock(self.directory)
         if lock:
             self._take_lock()
-        for stale in self.directory.glob(f".ckpt-*.rank{self.rank}.pt.tmp*"):
-            stale.unlink(missing_ok=True)  # left by a crash in the middle of a save
+        remove_temporaries(self.directory, f"ckpt-*.rank{self.rank}.pt")
 
     def _take_lock(self) -> None:
         chief = not torch.distributed.is_initialized() or comm.group_rank(self.group) == 0

@@ -24,7 +24,8 @@ import torch
 from parlay.errors import CheckpointError
 from parlay.integrity import state_crc
 
-__all__ = ["save_atomic", "write_atomic", "read_atomic", "verify", "CRC_KEY"]
+__all__ = ["save_atomic", "write_atomic", "remove_temporaries", "read_atomic", "verify",
+           "CRC_KEY"]
 
 log = logging.getLogger("parlay")
 
@@ -67,6 +68,14 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], object], what: str, hin
         cause = (f"no space left on device (the file system of {path.parent} is full)"
                  if _no_space(e) else str(e))
         raise CheckpointError(f"could not write {what} {path}: {cause}. Hint: {hint}") from e
+
+
+def remove_temporaries(directory: str | os.PathLike[str], names: str) -> None:
+    """Remove the temporary files :func:`write_atomic` left in ``directory`` for the files
+    matching the glob ``names`` (a process killed while writing); their owner calls this when
+    it opens the folder again."""
+    for stale in Path(directory).glob(f".{names}.tmp*"):
+        stale.unlink(missing_ok=True)
 
 
 def _no_space(e: BaseException | None) -> bool:

@@ -171,11 +171,12 @@ class Workload:
     def stage_layout(self, stages: int) -> tuple[tuple[int, ...], ...] | None:
         """The largest of ``stages`` runs of :attr:`layout`, cut as parlay balances pipeline
         stages (by parameters)."""
-        if not self.layout:
+        layout = self.layout
+        if not layout:
             return None
-        total, acc = sum(math.prod(s) for s in self.layout), 0
+        total, acc = sum(math.prod(s) for s in layout), 0
         runs: list[list[tuple[int, ...]]] = [[]]
-        for s in self.layout:
+        for s in layout:
             if runs[-1] and len(runs) < stages and acc >= total * len(runs) / stages:
                 runs.append([])
             runs[-1].append(s)

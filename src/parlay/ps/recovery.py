@@ -97,13 +97,15 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
     mem = [{t for t in r[_FLAGS + HELD_SLOTS:] if t >= 0} for r in rows]
     if any_tagged:
         on_disk = _disk_step(held, workers, relaxed)
-    else:  # sync servers' own step files (their versions); async/stale have no common one
+    elif relaxed:  # async/stale servers keep no versions in common
+        on_disk = None
+    else:  # sync servers' own step files (their versions)
         servers = [held[k] for k in range(len(rows)) if k not in workers]
         common = set.intersection(*servers)
         # workers offer the step of their compression residuals: one that has them is exact
         exact = common.intersection(*(held[w] for w in workers if held[w]))
-        on_disk = None if relaxed else max(exact or common, default=None)
-        if on_disk is None and any(servers) and not relaxed:  # not a fresh start: refuse it
+        on_disk = max(exact or common, default=None)
+        if on_disk is None and any(servers):  # not a fresh start: refuse it
             raise CheckpointError(
                 "the parameter servers hold no checkpoint version in common (usable steps by "
                 f"server: {[sorted(h) for h in servers]}; see the warnings for files left "

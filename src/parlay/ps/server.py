@@ -13,7 +13,6 @@ every connection of the group, so the receive itself never times out).
 from __future__ import annotations
 
 import datetime as _dt
-import glob
 import logging
 import os
 import queue
@@ -34,6 +33,7 @@ from parlay.ps.chunks import (ChunkedServing, chunk_bounds, chunk_bytes, chunk_n
 from parlay.ps.consistency import LOST, Consistency, Reply, ServerCore
 from parlay.ps.plan import ShardPlan
 from parlay.ps.shard_io import SNAPSHOTS_KEPT, ShardPersistence, snapshot_steps
+from parlay.statefile import remove_temporaries
 from parlay.ps.wire import (
     TAG_PUSH,
     TAG_REPLY,
@@ -112,9 +112,8 @@ class Server(ShardPersistence, ChunkedServing):
         self.memory = memory if policy.aggregate else None
         self.path = (os.path.join(checkpoint_dir, f"ps-{index}.pt")
                      if checkpoint_dir and not tagged else None)
-        if checkpoint_dir:  # a save this server's previous run was killed in left these
-            for stale in glob.glob(os.path.join(glob.escape(checkpoint_dir), f".ps-{index}.*tmp*")):
-                os.remove(stale)
+        if checkpoint_dir:
+            remove_temporaries(checkpoint_dir, f"ps-{index}.*")
         self.pieces = plan.pieces(index)
         self.model = model
         named = dict(model.named_parameters())
@@ -173,15 +172,16 @@ class Server(ShardPersistence, ChunkedServing):
                 ) -> tuple[int, list[int] | None]:
         """Load the agreed ``step`` (or ``ps-<k>.pt``); returns (version, worker clocks)."""
         version, clocks = 0, None
+        stepped = tagged or self.policy.aggregate  # step files (sync: of versions)
         if from_memory and step is not None and self.memory is not None:
             version, clocks = self._load_memory(step)
-        elif step is not None and (tagged or self.policy.aggregate):
+        elif step is not None and stepped:
             version, clocks = self._load(self.snapshot_path(step), tag=step)
         elif self.path and os.path.exists(self.path):  # async/stale (or sync before step files)
             version, clocks = self._load(self.path)
         # Later steps than the resumed one belong to a lost future. Without an agreed step
         # (a fresh start, or a relaunch about to be refused) nothing is removed.
-        if self.dir and step is not None and (tagged or self.policy.aggregate):
+        if self.dir and step is not None and stepped:
             for t in snapshot_steps(self.dir, self.index):
                 if t > step:
                     os.remove(self.snapshot_path(t))

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from parlay.errors import CheckpointError, ConfigError
-from parlay.statefile import read_atomic
+from parlay.statefile import read_atomic, remove_temporaries
 from parlay.integrity import tensor_crc
 from parlay.snapshot.codec import decode, encode, layout, map_shared, write_atomic
 from parlay.snapshot.deferred import DeferredCopy, settle_before_optimizer_steps
@@ -114,8 +114,7 @@ class SnapshotStore:
                             "or relaunch with the configuration that wrote them.", self.rank, old)
         self._make_folder()
         self._owner_fd = hold(self.root, key)  # a sweep leaves this run alone while it is held
-        for stale in self.directory.glob(".*.tmp*"):
-            stale.unlink(missing_ok=True)  # left by a process killed while writing
+        remove_temporaries(self.directory, "*")
         for step, slot in self._committed():
             if slot >= keep:  # written with a larger keep: its slot is never rotated again
                 self._meta_path(step, slot).unlink(missing_ok=True)
