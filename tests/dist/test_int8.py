@@ -11,7 +11,7 @@ import torch.nn as nn
 import parlay
 from parlay import comm
 from parlay.compress import CommStats, Int8, get_compressor, reduce_async
-from parlay.compress.base import local_round_trip
+from parlay.compress.reduce import local_round_trip
 from parlay.errors import ConfigError
 from parlay.local.diloco import DiLoCoOptimizer
 from parlay.testing import run_world

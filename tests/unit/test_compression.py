@@ -13,7 +13,7 @@ import torch
 import parlay
 from parlay.compress import (BF16, FP16, ErrorFeedback, PowerSGD, RandomK, TopK, available,
                              get_compressor)
-from parlay.compress.base import local_round_trip
+from parlay.compress.reduce import local_round_trip
 from parlay.compress.feedback import warmup_density
 from parlay.compress.sparse import exact_topk, random_indices
 from parlay.errors import ConfigError

@@ -5,7 +5,8 @@ Importing this package registers every built-in compressor: ``none``, ``fp16``, 
 the user-facing facade and :mod:`parlay.compress.base` for the API contract other modes rely on).
 """
 from parlay.compress.base import (CommStats, Compressor, NoneCompressor, Round, available,
-                                  get_compressor, reduce_async, register)
+                                  get_compressor, register)
+from parlay.compress.reduce import reduce_async
 from parlay.compress.cast import BF16, FP16
 from parlay.compress.feedback import ErrorFeedback, Residuals
 from parlay.compress.namespace import Compression

@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from parlay import comm
-from parlay.compress.base import Compressor, Round, get_compressor, local_round_trip, register
+from parlay.compress.base import Compressor, Round, get_compressor, register
+from parlay.compress.reduce import local_round_trip
 from parlay.compress.feedback import parse_options
 from parlay.errors import ConfigError
 

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from parlay import comm, runtime
-from parlay.compress.base import (AllOf, CommStats, Compressor, _nbytes, further_rounds,
-                                  has_rounds)
+from parlay.compress.base import CommStats, Compressor
+from parlay.compress.reduce import AllOf, further_rounds, has_rounds, payload_bytes
 from parlay.errors import CommError, ConfigError
 
 __all__ = ["Topology", "HierarchicalReducer", "make_reducer", "host_topology", "host_groups"]
@@ -247,7 +247,7 @@ class HierarchicalReducer:
         """
         payload, ctx = compressor.compress(flat, key)
         if stats is not None:
-            stats.add(flat.numel() * flat.element_size(), _nbytes(payload))
+            stats.add(flat.numel() * flat.element_size(), payload_bytes(payload))
         # Further rounds (PowerSGD's Q, fp16's overflow retry) run inside wait() and use the
         # same groups from this thread, so the helper only serves compressors without them.
         eager = not has_rounds(compressor)

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 import torch
 
 from parlay import comm
-from parlay.compress.base import CommStats, Compressor, reduce_async
+from parlay.compress.base import CommStats, Compressor
+from parlay.compress.reduce import reduce_async
 from parlay.dp.buckets import Bucket, BucketPlan
 from parlay.errors import ConfigError
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay._validate import check_int
-from parlay.compress.base import (CommStats, Compressor, RoundsHandle, own_compressor,
-                                  reduce_async)
+from parlay.compress.base import CommStats, Compressor, own_compressor
+from parlay.compress.reduce import RoundsHandle, reduce_async
 from parlay.dp import checks
 from parlay.dp.hierarchical import make_reducer
 from parlay.dp.wrapped import WrappedOptimizer

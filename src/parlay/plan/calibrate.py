@@ -164,7 +164,8 @@ def codec_timer(spec: str, shapes: Sequence[Sequence[int]], world: int = 2,
 
     import torch
 
-    from parlay.compress.base import get_compressor, local_round_trip
+    from parlay.compress.base import get_compressor
+    from parlay.compress.reduce import local_round_trip
 
     g = grad if grad is not None else torch.randn(sum(math.prod(s) for s in shapes))
     comp = get_compressor(spec)

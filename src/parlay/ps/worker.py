@@ -23,7 +23,8 @@ import torch.nn as nn
 
 from parlay import comm
 from parlay._tree import to_device
-from parlay.compress.base import Compressor, further_rounds
+from parlay.compress.base import Compressor
+from parlay.compress.reduce import further_rounds
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.chunks import chunk_bounds
 from parlay.ps.plan import ShardPlan
