@@ -155,7 +155,7 @@ def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
     of a lost future) and dropped on servers when no worker snapshots."""
     s = session
     disk = ((snapshot_steps(s.checkpoint_dir, s.rank) if s.checkpoint_dir else [])
-            if s.is_ps else s.resume_steps or _residuals_step(s._worker_path()))
+            if s.is_ps else s.resume_steps or _residuals_step(s.residuals_path))
     if s.is_ps and disk:
         disk = verified_steps(disk, lambda t: read_shard(step_path(s.checkpoint_dir, s.rank, t),
                                                          t), s.rank)

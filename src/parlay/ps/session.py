@@ -224,7 +224,7 @@ class DistributedSession:
                                  resume_step=self.resumed_step, memory=self.snapshot_store,
                                  from_memory=self.resumed_from_snapshot)
         else:
-            load_worker_state(self._worker_path(), self.compressor,
+            load_worker_state(self.residuals_path, self.compressor,
                               (self.resumed_step or 0) if self.consistency.aggregate else None)
             bind = getattr(self.compressor, "bind", None)
             if callable(bind):  # "auto" decides at the first push, agreed over the workers
@@ -264,7 +264,7 @@ class DistributedSession:
             if self.worker is not None:
                 if exc is None:
                     self.worker.finish()
-                    save_worker_state(self._worker_path(), self.compressor, self.worker.step)
+                    save_worker_state(self.residuals_path, self.compressor, self.worker.step)
                 else:
                     self.worker.fail()
             elif self.server is not None and exc is None:
@@ -322,7 +322,7 @@ class DistributedSession:
         every = self.checkpoint_every
         if self.consistency.aggregate and every and self.worker.step % every == 0:
             # the servers save this version now: the residuals go with it
-            save_worker_state(self._worker_path(), self.compressor, self.worker.step)
+            save_worker_state(self.residuals_path, self.compressor, self.worker.step)
         return loss
 
     def serve(self) -> None:
@@ -424,7 +424,11 @@ class DistributedSession:
                               "`with parlay.DistributedSession(...) as sess:` or call start().")
 
     # -- worker-side state (compressor residuals) ---------------------------------------------
-    def _worker_path(self) -> str | None:
-        if not self.checkpoint_dir or self.tagged:  # tagged: the caller keeps worker state
+    @property
+    def residuals_path(self) -> str | None:
+        """The file a worker keeps its compression residuals in across restarts (``None`` on a
+        server, without ``checkpoint_dir``, or when the caller keeps worker state:
+        ``resume_steps``)."""
+        if not self.checkpoint_dir or self.tagged or self.is_ps:
             return None
         return os.path.join(self.checkpoint_dir, f"worker-{self.rank - self.num_servers}.pt")
