@@ -294,6 +294,12 @@ def test_spec_parsing_and_errors():
                                                          "topk:0.01", "topk:0.01,compact=1"]
     b = get_compressor("auto:candidates=none+topk:0.05+bf16,margin=0.3,trial=2")
     assert b.specs == ["none", "topk:0.05", "bf16"] and b.margin == 0.3 and b.trial == 2
+    # a candidate's own options follow it after commas; auto's own options may come after
+    c = get_compressor("auto:candidates=none+topk:0.01,compact=1+fp16,trial=0")
+    assert c.specs == ["none", "topk:0.01,compact=1", "fp16"] and c.trial == 0
+    assert get_compressor("auto:candidates=" + "+".join(a.specs)).specs == a.specs
+    with pytest.raises(ConfigError, match="'topk'.*unknown option 'compakt'"):
+        get_compressor("auto:candidates=none+topk:0.01,compakt=1")
     assert isinstance(parlay.Compression.auto(), AutoCompressor)
     for bad in ("auto:candidates=ef", "auto:candidates=none+auto", "auto:trial=-1",
                 "auto:bogus=1", "auto:candidates=fp16+fp16", "auto:margin=1.5"):

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 import parlay
 from parlay import comm, runtime
-from parlay.compress.auto import agreed_max
+from parlay.compress.measure import agreed_max
 from parlay.dp.functions import broadcast_optimizer_state
 from parlay.metrics import Meter, reduce_meters
 from parlay.testing import run_world
