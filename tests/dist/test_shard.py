@@ -108,9 +108,10 @@ def _full(opt) -> list[torch.Tensor]:
 def _train(level: str, opt: str = "sgd", *, kind: str = "mlp", how: str = "plain",
            spread: bool = False, sum_op: bool = False, clip: float | None = None,
            compression: str | None = None):
-    """One rank's training; ``how``: "plain" (one pass of both micro-batches), "passes"
-    (backward_passes_per_step), "no_sync" (the first micro-batch inside no_sync()),
-    "no_sync_all" (every one inside: step() reduces)."""
+    """One rank's training; ``how``: "plain" (one pass of both micro-batches), "inner_zero"
+    (the same, zeroing through the wrapped optimizer), "passes" (backward_passes_per_step),
+    "no_sync" (the first micro-batch inside no_sync()), "no_sync_all" (every one inside:
+    step() reduces)."""
     r, world = parlay.rank(), parlay.size()
     model = _model(kind)
     o = parlay.DistributedOptimizer(
@@ -121,9 +122,9 @@ def _train(level: str, opt: str = "sgd", *, kind: str = "mlp", how: str = "plain
     x, y = _data(world)
     norms = []
     for s in range(STEPS):
-        o.zero_grad()
+        (o.optimizer if how == "inner_zero" else o).zero_grad()
         losses = [_scale(r, spread) * F.mse_loss(model(x[s, m, r]), y[s, m, r])
-                  for m in range(MICRO)] if how == "plain" else None
+                  for m in range(MICRO)] if how in ("plain", "inner_zero") else None
         if losses is not None:
             (sum(losses) / MICRO).backward()
         for m in range(MICRO if losses is None else 0):
@@ -182,6 +183,7 @@ def _modes():
         for how in ("passes", "no_sync", "no_sync_all"):
             out[level, how] = _full(_train(level, "adam", how=how)[1])
         out[level, "spread"] = _full(_train(level, spread=True)[1])
+        out[level, "inner_zero"] = _full(_train(level, "adam", how="inner_zero")[1])
         out[level, "sum"] = _full(_train(level, sum_op=True)[1])
         _, o, norms = _train(level, "sgd_groups", how="no_sync", clip=0.05)
         out[level, "clip"] = _full(o), norms
@@ -198,7 +200,7 @@ def test_averages_accumulation_and_clipping_equal_single_process():
     for out in run_world(_modes, world):
         for level in LEVELS:
             for key, ref in (("passes", adam), ("no_sync", adam), ("no_sync_all", adam),
-                             ("spread", spread),
+                             ("inner_zero", adam), ("spread", spread),
                              ("sum", summed)):
                 _same(out[level, key], ref, (level, key))
             params, got = out[level, "clip"]

@@ -2,6 +2,8 @@
 resume bit for bit, clear errors."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -308,3 +310,40 @@ def test_hybrid_sharded_checkpoints_are_dcp_per_stage_and_resume_bit_for_bit(tmp
     for r in range(4):
         assert first[r][0][:6] + second[r][0] == full[r][0]
         assert all(torch.equal(a, b) for a, b in zip(full[r][1], second[r][1]))
+
+
+def _build_frozen(value):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 2)).double()
+    m[2].requires_grad_(False)
+    with torch.no_grad():  # a frozen layer a rebuild does not reproduce (an EMA, a teacher)
+        m[2].weight.fill_(value)
+    return m, nn.CrossEntropyLoss()
+
+
+def _frozen_adagrad(shard, ckpt, max_iteration, value):
+    t = parlay.Trainer(functools.partial(_build_frozen, value), _dataset(),
+                       optimizer=torch.optim.Adagrad, optimizer_args={"lr": 0.05},
+                       batch_size=BATCH, shard=shard, max_iteration=max_iteration,
+                       checkpoint_dir=ckpt, checkpoint_every=3, progress=False)
+    losses = []
+    while not t.should_stop():
+        losses.append(t.train_on_batch())
+    opt = t.strategy.optimizer
+    return (losses, t.strategy.model[2].weight.detach().clone(),
+            [s.detach().clone() for g in opt.param_groups for s in g["params"]])
+
+
+@pytest.mark.parametrize("shard", ["optimizer", "parameters"])
+def test_sharded_resume_keeps_frozen_parameters_and_adagrad_state(tmp_path, shard):
+    # Adagrad's state is all tensors (in the DCP shards), which left its entries in the rank's
+    # file empty, and Adagrad's load reads "step" from any entry; frozen parameters are in no
+    # chunk, so they belong in the rank's file
+    full = run_world(_frozen_adagrad, 2, shard, None, TOTAL, 0.25)
+    first = run_world(_frozen_adagrad, 2, shard, str(tmp_path), CUT, 0.25)
+    second = run_world(_frozen_adagrad, 2, shard, str(tmp_path), TOTAL, -1.0)
+    for r in range(2):
+        assert first[r][0] + second[r][0] == full[r][0]
+        assert torch.equal(second[r][1], full[r][1])  # the checkpoint's value, not the build's
+        assert all(torch.equal(a, b) for a, b in zip(full[r][2], second[r][2]))

@@ -220,8 +220,10 @@ class ShardedBuckets(GradientBuckets):
         return 2.0 ** min(40, max(-24, 14 - math.ceil(math.log2(top))))
 
     def _hand_back(self, b: int, out: torch.Tensor) -> None:
-        grad = self.shards[b].grad
-        assert grad is not None
+        shard = self.shards[b]
+        if shard.grad is None:  # the wrapped optimizer's own zero_grad() freed it
+            shard.grad = torch.empty_like(shard)
+        grad = shard.grad
         grad.copy_(out)
         if self.postscale != 1.0:
             grad.mul_(self.postscale)

@@ -116,8 +116,8 @@ class WholeModelStrategy(StepTemplate):
     def state_dict(self) -> dict[str, Any]:
         model, opt, _ = self._ready()
         sd = model.state_dict()
-        if self.shard:  # the parameters are in the optimizer state's chunks
-            sd = {k: v for k, v in sd.items() if k not in self._param_names}
+        if self.shard:  # the trainable parameters are in the optimizer state's chunks
+            sd = {k: v for k, v in sd.items() if k not in self._chunked_names}
         return self._scaler_state({"model": sd, "optimizer": opt.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -136,9 +136,11 @@ class WholeModelStrategy(StepTemplate):
         return self.shard == "parameters"
 
     @property
-    def _param_names(self) -> set[str]:
+    def _chunked_names(self) -> set[str]:
+        """The parameters a sharded optimizer's chunks hold: the trainable ones (frozen ones
+        stay in the rank's file with the buffers)."""
         model, _, _ = self._ready()
-        return {n for n, _ in model.named_parameters()}
+        return {n for n, p in model.named_parameters() if p.requires_grad}
 
     def comm_stats(self) -> dict[str, float]:
         """Bytes per step before and after compression."""

@@ -197,8 +197,8 @@ class HybridStrategy(StepTemplate):
     def state_dict(self) -> dict[str, Any]:
         pipe = self._ready()
         model = pipe.state_dict()
-        if self.shard:  # the parameters are in the optimizer state's chunks
-            names = {n for n, _ in pipe.named_parameters()}
+        if self.shard:  # the trainable parameters are in the optimizer state's chunks
+            names = {n for n, p in pipe.named_parameters() if p.requires_grad}
             model = {k: v for k, v in model.items() if k not in names}
         return self._scaler_state({"model": model,
                                    "optimizer": self.optimizer.state_dict(),

@@ -201,8 +201,13 @@ class Persistence:
                                   f"{state.get('mode')!r}, this Trainer runs mode {self.mode!r}. "
                                   "Hint: use a fresh checkpoint_dir for a different mode.")
         self.sampler.load_state_dict(state["sampler"])
+        strategy = state["strategy"]
+        if "dcp" in state:  # the chunks' tensors come from DCP after this: drop the entries
+            opt = strategy["optimizer"]  # left empty (Adagrad reads any entry's "step")
+            strategy = {**strategy, "optimizer": {
+                **opt, "state": {k: e for k, e in opt["state"].items() if e}}}
         try:
-            self.strategy.load_state_dict(state["strategy"])
+            self.strategy.load_state_dict(strategy)
         except (RuntimeError, KeyError, ValueError) as e:  # torch's shape errors, ConfigError
             first = " ".join(str(e).split())[:300]  # torch's first line alone says little
             raise CheckpointError(f"the checkpoint does not fit this model ({type(e).__name__}: "
