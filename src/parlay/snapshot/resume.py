@@ -135,9 +135,9 @@ def _agree_apart(store: SnapshotStore, group: Any,
     after as many collectives as every other rank's (:func:`parlay.comm.issued`). No
     collective lies between such states, so each rank goes on from its own, exactly."""
     mine: dict[int, tuple[int, dict[str, Any]]] = {}
-    for step in sorted((s for s in store.steps() if s > after), reverse=True):
+    for step, slot in sorted((r for r in store.records() if r[0] > after), reverse=True):
         try:
-            state = store.load(step)
+            state = store.load(step, slot)
         except CheckpointError as e:
             log.warning("rank %d: %s", store.rank, e)
             continue

@@ -193,15 +193,18 @@ class SnapshotStore:
         return views
 
     def save(self, step: int, state: dict[str, Any], *,
-             defer: frozenset[int] | set[int] = frozenset()) -> None:
+             defer: frozenset[int] | set[int] = frozenset(), replace: bool = True) -> None:
         """Snapshot ``state`` as of ``step``.
 
         Copies every tensor into a free slot's shared-memory file (the slot of the oldest kept
         snapshot is reused once ``keep`` are held; its record is deleted first) and renames the
-        commit record into place. CPU tensors whose ``data_ptr()`` is in ``defer`` (those that
-        change only in an optimizer step) are copied, and the record committed, while this
-        thread waits for communication, at the latest when the next optimizer step in the
-        process begins (or :meth:`wait`); everything else is copied before this returns.
+        commit record into place. An earlier record of ``step`` is deleted too, unless
+        ``replace`` is False: ranks that resume apart snapshot a step again after meeting the
+        others, and keep the first until every rank holds its second (:meth:`supersede`).
+        CPU tensors whose ``data_ptr()`` is in ``defer`` (those that change only in an
+        optimizer step) are copied, and the record committed, while this thread waits for
+        communication, at the latest when the next optimizer step in the process begins (or
+        :meth:`wait`); everything else is copied before this returns.
 
         Raises:
             CheckpointError: This or the previous snapshot could not be written (the other
@@ -214,7 +217,7 @@ class SnapshotStore:
         skeleton = encode(state, tensors)
         lay = self._layout_of(tensors)
         slot = self._slot_for_next()
-        for old in [h for h in self._held if h[1] == slot or h[0] == step]:
+        for old in [h for h in self._held if h[1] == slot or (replace and h[0] == step)]:
             self._meta_path(*old).unlink(missing_ok=True)
             self._held.remove(old)
         views = self._mapped(slot, tensors, lay)
@@ -278,15 +281,28 @@ class SnapshotStore:
             raise error
 
     # ------------------------------------------------------------------ reading
-    def load(self, step: int) -> dict[str, Any]:
-        """The state saved for ``step``.
+    def supersede(self, step: int) -> None:
+        """Delete the records of ``step`` but the newest (see :meth:`save`'s ``replace``)."""
+        self._settle()
+        for old in [h for h in self._held if h[0] == step][:-1]:
+            self._meta_path(*old).unlink(missing_ok=True)
+            self._held.remove(old)
+
+    def records(self) -> list[tuple[int, int]]:
+        """``(step, slot)`` of every committed snapshot on this rank: a step held twice
+        (:meth:`save`'s ``replace``) is there twice."""
+        self._settle()
+        return self._committed()
+
+    def load(self, step: int, slot: int | None = None) -> dict[str, Any]:
+        """The state saved for ``step`` (the record in ``slot``, if given).
 
         Raises:
             CheckpointError: No committed snapshot of ``step``, or it is corrupt, or it
                 belongs to another run or format.
         """
         self._settle()
-        slots = [slot for s, slot in self._committed() if s == step]
+        slots = [v for s, v in self._committed() if s == step and slot in (None, v)]
         if not slots:
             raise CheckpointError(f"no snapshot of step {step} in {self.directory} (it holds "
                                   f"{self.steps()}).")

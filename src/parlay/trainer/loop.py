@@ -296,6 +296,7 @@ class Trainer:
         """End training: the final checkpoint, the strategy's end (diloco's final sync), then
         ``then()`` (the final validation: on the weights training ends with), then close."""
         self._stopped = True
+        self.persistence.begin_step()
         self.persistence.finish()
         self.strategy.finish()
         out = then()

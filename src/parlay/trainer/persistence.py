@@ -252,9 +252,10 @@ class Persistence:
         self._snapshot(step, due=True)
 
     def begin_step(self) -> None:
-        """A training step starts (the Trainer calls it). Ranks that resume apart and met
-        since the last step (an evaluation, say) first snapshot the step they are at again,
-        so that its snapshot stands after that meeting too."""
+        """A training step starts, or training ends (the Trainer calls it). Ranks that resume
+        apart and met since the last step (an evaluation, say) first snapshot the step they
+        are at again, so that its snapshot stands after that meeting too. (At the end: a rank
+        that resumed at the last step meets there the others' first step.)"""
         self._snapshot(self.state.step, due=False)
 
     def _snapshot(self, step: int, due: bool) -> None:
@@ -265,9 +266,9 @@ class Persistence:
         stand after it."""
         met = self._apart and comm.issued() != self._issued
         if self.store is not None and self.every and step % self.every == 0 and (due or met):
-            try:
+            try:  # a rank lost before its own snapshot after the meeting needs the one before
                 self.store.save(step, self.state_dict(snapshot=True),
-                                defer=optimizer_tensors(self.strategy))
+                                defer=optimizer_tensors(self.strategy), replace=not met)
                 if met:
                     self.store.wait()
             except CheckpointError as e:
@@ -276,6 +277,8 @@ class Persistence:
             n = comm.issued()
             comm.barrier(self.strategy.train_group)
             comm.set_issued(n)
+            if self.store is not None:
+                self.store.supersede(step)
         self._issued = comm.issued()
 
     def _check_replicas(self, step: int) -> None:
