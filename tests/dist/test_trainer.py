@@ -338,16 +338,22 @@ def test_learning_rate_warmup_and_scaling_schedule():
 
 def _apart(what: str):
     rank = parlay.rank()
+    kw = {"mode": ("allreduce", "diloco")[rank]} if what == "mode" else \
+        {what: (3, 4)[rank]} if what in ("max_iteration", "log_step_size") else {}
     try:
         parlay.Trainer(_build, _dataset(N - 4 * rank if what == "data" else N), torch.optim.SGD,
-                       {"lr": 0.1}, 4 * (1 + rank) if what == "batch" else 4, progress=False)
+                       {"lr": 0.1}, 4 * (1 + rank) if what == "batch" else 4, progress=False,
+                       **kw)
     except ConfigError as e:
         return str(e)
     return None
 
 
 @pytest.mark.parametrize("what, words", [("data", "dataset_size on rank(s) 1 differs"),
-                                         ("batch", "batch_size on rank(s) 1 differs")])
+                                         ("batch", "batch_size on rank(s) 1 differs"),
+                                         ("mode", "mode on rank(s) 1 differs"),
+                                         ("max_iteration", "max_iteration on rank(s) 1 differs"),
+                                         ("log_step_size", "log_step_size on rank(s) 1")])
 def test_ranks_that_start_apart_are_refused_on_every_rank(what, words):
     # they used to step out of turn until gloo aborted on a mismatched collective
     a, b = run_world(_apart, 2, what, comm_timeout=20)

@@ -25,11 +25,12 @@ from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, choose_printer, default_metrics
 from parlay.nonfinite import NonFiniteGuard, with_step
+from parlay.runinfo import stable_repr
 from parlay.strategies import StepResult, Strategy, get_strategy
 from parlay.strategies.template import batch_size_of
 from parlay.trainer.config import TrainerConfig, TrainerState, check_positive
 from parlay.trainer.evaluation import Evaluation
-from parlay.trainer.persistence import Persistence
+from parlay.trainer.persistence import Persistence, check_same_settings
 
 __all__ = ["Trainer", "TrainerSession"]
 
@@ -57,6 +58,10 @@ class Trainer:
         self.config = cfg = TrainerConfig(*args, **kwargs)
         if not runtime.is_initialized():
             runtime.init()
+        # before the strategy's set-up, whose collectives differ by mode: a mismatch aborts
+        check_same_settings({k: stable_repr(v) for k, v in {
+            "mode": cfg.mode, "strategy_options": cfg.strategy_options or {},
+            "shard": cfg.shard}.items()}, None)
         self.mode, self.batch_size, self.lr_schedule = cfg.mode, cfg.batch_size, cfg.lr_schedule
         self.num_epochs = cfg.num_epochs if (cfg.num_epochs or cfg.max_iteration) else 1
         self.max_iteration = cfg.max_iteration

@@ -39,7 +39,7 @@ from parlay.trainer.config import AUTO, TrainerConfig, TrainerState
 from parlay.trainer.replicas import ReplicaCheck
 from parlay.trainer.reshard import load_resharded
 
-__all__ = ["Persistence", "choose_interval", "BUDGET", "PROBE_STEPS"]
+__all__ = ["Persistence", "choose_interval", "check_same_settings", "BUDGET", "PROBE_STEPS"]
 
 log = logging.getLogger("parlay")
 
@@ -73,7 +73,7 @@ def recipe(config: TrainerConfig, sampler: ShardedSampler) -> dict[str, str]:
     return {k: stable_repr(v) for k, v in fields.items()}
 
 
-def _check_same_recipe(settings: dict[str, str], group: Any) -> None:
+def check_same_settings(settings: dict[str, str], group: Any) -> None:
     """Every training rank must start with the same settings (one allgather of their hashes):
     ranks apart on the dataset or the batch size would step out of turn and meet in
     mismatched collectives, which gloo answers with an abort.
@@ -117,9 +117,14 @@ class Persistence:
         self.strategy, self.sampler, self.state = strategy, sampler, state
         self.mode, self.batch_size = config.mode, config.batch_size
         self.recipe = recipe(config, sampler)
-        if strategy.consumes_data:
-            _check_same_recipe({**self.recipe, "batch_size": str(config.batch_size)},
-                               strategy.train_group)
+        if strategy.consumes_data:  # and what decides when the ranks meet
+            c = config
+            check_same_settings({**self.recipe, **{k: stable_repr(v) for k, v in {
+                "batch_size": c.batch_size, "num_epochs": c.num_epochs,
+                "max_iteration": c.max_iteration, "log_step_size": c.log_step_size,
+                "checkpoint_every": c.checkpoint_every, "snapshot_every": c.snapshot_every,
+                "replica_check": c.replica_check,
+                "checkpoints": c.checkpoint_dir is not None}.items()}}, strategy.train_group)
         self.checkpoint_every = config.checkpoint_every
         self._report = report
         self.last_checkpoint_step = -1
