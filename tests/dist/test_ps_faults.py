@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -241,3 +242,23 @@ def test_workers_name_a_killed_server():
     for e in out[1:]:
         assert isinstance(e, CommError) and "parameter server 0 (rank 0) did not answer" in str(e)
         assert e.peer == 0
+
+
+def _start_without(missing: int):
+    if parlay.rank() == missing:
+        raise ValueError("boom before the session")
+    t0 = time.monotonic()
+    try:
+        DistributedSession(model=nn.Linear(4, 1), optimizer=torch.optim.SGD,
+                           optimizer_args={"lr": 0.05}).start()
+    except CommError as e:
+        return time.monotonic() - t0, e.peer
+    return None
+
+
+def test_a_rank_lost_before_the_start_is_named_within_one_timeout():
+    # the ps group waits 2 x timeout + 5 s for replies; its forming must not wait that long
+    out = run_world(_start_without, 3, 1, env=PS1, comm_timeout=TIMEOUT, return_exceptions=True)
+    for r in (0, 2):
+        assert out[r] is not None and out[r][1] == 1, out
+        assert out[r][0] < 2 * TIMEOUT + 1, out  # about TIMEOUT, was 2 x TIMEOUT + 5

@@ -197,8 +197,10 @@ class DistributedSession:
         self.plan = ShardPlan.from_module(self.model, c.num_ps, **self._plan_args)
         world = list(range(c.world_size))
         workers = world[c.num_ps:]
-        # Replies may wait out a lost peer's full timeout at the server first.
+        # Replies may wait out a lost peer's full timeout at the server first; a rank lost
+        # before the start is found by a barrier within one timeout, not while that group forms.
         with comm.comm_errors("DistributedSession start"):
+            comm.barrier()
             self.ps_group = runtime.new_group(world, backend="gloo",
                                            timeout=_dt.timedelta(seconds=2 * self.timeout + 5))
             self.dp_group = runtime.new_group(workers)
