@@ -242,7 +242,8 @@ def _errors():
                     "schedule": dict(stages=2, schedule="zero-bubble"),
                     "virtual": dict(stages=2, schedule="1f1b", virtual_stages=2),
                     "wire": dict(stages=2, activation_dtype="int8"),
-                    "too_many": dict(stages=2, schedule="interleaved", virtual_stages=6)}.items():
+                    "too_many": dict(stages=2, schedule="interleaved", virtual_stages=6),
+                    "by": dict(stages=2, by="tme")}.items():
         try:
             Pipeline(_model(), nn.functional.mse_loss, **kw)
         except ConfigError as e:
@@ -265,6 +266,7 @@ def test_bad_pipeline_arguments_raise_documented_errors():
         assert "virtual_stages=2 needs schedule='interleaved'" in found["virtual"]
         assert "activation_dtype must be one of" in found["wire"]
         assert "cannot split a model of 9 layer(s) into 12 stages" in found["too_many"]
+        assert "by must be one of ('auto', 'time', 'params'), got 'tme'" in found["by"]
     assert "needs the target" in run_world(_errors, 2)[1]["target"]
 
 

@@ -175,9 +175,11 @@ class Pipeline:
         """The partition of ``self.seq`` into stages, agreed by every rank when timed."""
         explicit = balance is not None or split_points is not None
         by_time = not explicit and (by == "time" or (by == "auto" and sample is not None))
+        known = by in ("auto", "time", "params")  # else partition() refuses it by name
         part = partition(self.seq, self.num_stages, balance=balance,
                          split_points=split_points if not self.traced else None,
-                         sample=sample if by_time else None, by="time" if by_time else "params")
+                         sample=sample if by_time else None,
+                         by="time" if by_time else "params" if known else by)
         if part.method == "time" and dist.get_world_size() > 1:
             # Profiles differ between ranks; everyone must cut the model the same way. Only
             # numbers travel (tensors, never a pickle): the layer names are the same model's.
