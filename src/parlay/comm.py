@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parlay.errors import CommError
+from parlay.errors import CommError, ConfigError
 from parlay.idle import idle_until as _idle_until
 from parlay.reduce_ops import REDUCE_OPS, ReduceOp, c10d_op, reduce_op
 
@@ -229,7 +229,15 @@ class Handle:
 
 
 def group_size(group: Any = None) -> int:
-    """Size of ``group`` (default: the world)."""
+    """Size of ``group`` (default: the world).
+
+    Raises:
+        ConfigError: ``group`` is not a process group.
+    """
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ConfigError(f"expected a torch.distributed process group (or None: every rank), "
+                          f"got {type(group).__name__} {group!r}. Hint: "
+                          "torch.distributed.new_group(ranks).")
     return dist.get_world_size(group)
 
 

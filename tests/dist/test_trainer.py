@@ -173,6 +173,14 @@ def _validate_run(n_val: int):
     t2 = parlay.Trainer(build, val, batch_size=2, validation_dataset=val, progress=False,
                         build_validation_func=build_metric)
     custom = t2.validate()
+    t3 = parlay.Trainer(build, val, batch_size=2, validation_dataset=val, progress=False,
+                        build_validation_func=lambda: lambda out, y: {"logits": out.mean(0)})
+    try:
+        t3.validate()
+    except ConfigError as e:  # one number per metric, not a vector: on every rank
+        assert "'logits' must be one number (the batch mean), got shape (3,)" in str(e)
+    else:
+        raise AssertionError("a vector metric was accepted")
     return default, custom
 
 

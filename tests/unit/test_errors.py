@@ -20,3 +20,33 @@ def test_errors_pickle_with_their_fields(error: ParlayError, fields: dict[str, o
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error) and isinstance(back, ParlayError)
     assert {k: getattr(back, k) for k in fields} == fields
+
+
+def test_wrong_types_get_a_config_error_naming_the_argument() -> None:
+    import torch
+    import torch.nn as nn
+
+    import parlay
+    import parlay.horovod as hvd
+    from parlay import comm
+    from parlay.data import from_arrays, mnist
+    from parlay.ps import DistributedSession
+
+    model = nn.Linear(2, 1)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = [
+        (lambda: parlay.DistributedOptimizer(sgd, bucket_cap_mb="25"), "bucket_cap_mb"),
+        (lambda: comm.group_size("world"), "process group"),
+        (lambda: parlay.broadcast_optimizer_state(model), "takes a torch.optim.Optimizer"),
+        (lambda: hvd.allreduce([1.0, 2.0]), "allreduce expects torch tensors"),
+        (lambda: hvd.allgather(3.0), "allgather expects torch tensors"),
+        (lambda: hvd.broadcast(None, 0), "broadcast expects torch tensors"),
+        (lambda: DistributedSession(model=model, optimizer=torch.optim.SGD,
+                                    optimizer_args={"lr": 0.1}, resume_steps=["a"]),
+         "resume_steps must be an int"),
+        (lambda: from_arrays([[1.0]], None), "needs inputs and targets"),
+        (lambda: mnist(train="test"), "train must be True"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ConfigError, match=words):
+            call()

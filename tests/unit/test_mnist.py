@@ -81,6 +81,16 @@ def test_root_defaults_to_parlay_data_dir_then_the_cache(mnist_dir, tmp_path, mo
     with pytest.warns(UserWarning, match=r"PARLAY_DATA_DIR=.*typo.* lacks .*: MNIST is read "
                       r"from .*cache"):
         assert mnist(download=False, verify=False).root == tmp_path / "cache/parlay/mnist"
+    # the demo's --data DIR is read as PARLAY_DATA_DIR is, as the README says
+    import parlay
+    from parlay.demos.mnist import load_data
+
+    monkeypatch.setattr(parlay, "size", lambda: 1)  # one process: no launcher needed
+    monkeypatch.setenv("PARLAY_DATA_DIR", "")
+    with pytest.warns(UserWarning, match=r"PARLAY_DATA_DIR=.*typo2.* lacks"), \
+            pytest.raises(ConfigError, match=r"cache/parlay/mnist/train-images.*expected MD5"):
+        load_data(str(tmp_path / "typo2"))  # (the cache holds fake files: verified, refused)
+    assert not (tmp_path / "typo2").exists()
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

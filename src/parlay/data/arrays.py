@@ -88,6 +88,8 @@ def from_arrays(inputs: Any, targets: Any, *,
     Raises:
         ConfigError: The two arrays differ in length or are empty.
     """
+    if inputs is None or targets is None:
+        raise ConfigError("from_arrays needs inputs and targets (arrays or tensors), got None.")
     x = torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
     y = torch.as_tensor(np.asarray(targets) if not isinstance(targets, torch.Tensor) else targets)
     if x.ndim == 0 or y.ndim == 0 or len(x) != len(y) or len(x) == 0:

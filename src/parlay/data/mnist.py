@@ -175,7 +175,10 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     """
     folder = Path(root).expanduser() if root is not None else default_root()
     sums: Mapping[str, str] = FILES if verify is True else ({} if verify is False else verify)
-    names = _SPLITS[bool(train)]
+    if not isinstance(train, bool):
+        raise ConfigError(f"train must be True (the 60,000 training images) or False (the "
+                          f"10,000 test images), got {train!r}.")
+    names = _SPLITS[train]
     missing = [n for n in names if not (folder / n).is_file()]
     # Without root=: PARLAY_DATA_DIR, then the cache, then the bundled copy, then a download.
     cache = _cache_root()

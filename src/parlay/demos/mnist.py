@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -87,11 +88,15 @@ def _options(pairs: list[str]) -> dict[str, object]:
 
 
 def load_data(root: str | None) -> tuple[Dataset[Any], Dataset[Any]]:
-    """Train and test splits; the chief downloads first so ranks never race on the cache."""
+    """Train and test splits; the chief downloads first so ranks never race on the cache.
+    ``root`` (``--data``) is read as ``PARLAY_DATA_DIR`` is: that folder first, then the
+    cache, the bundled copy and a download into the cache."""
+    if root is not None:
+        os.environ["PARLAY_DATA_DIR"] = root
     if parlay.size() > 1 and not parlay.is_chief():
         comm.barrier()
     try:
-        train, test = mnist(root, train=True), mnist(root, train=False)
+        train, test = mnist(train=True), mnist(train=False)
     finally:
         if parlay.size() > 1 and parlay.is_chief():
             comm.barrier()

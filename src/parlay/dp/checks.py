@@ -48,7 +48,8 @@ def check_arguments(optimizer: Any, op: Any, passes: Any, bucket_cap_mb: Any,
                           "e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
     rop = _check_op(op)
     check_passes(passes)
-    if not bucket_cap_mb > 0:
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
+            or not bucket_cap_mb > 0:
         raise ConfigError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
     if not predivide > 0:
         raise ConfigError(f"gradient_predivide_factor must be positive, got {predivide!r}.")

@@ -177,6 +177,10 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
         ConfigError: ``optimizer`` is sharded (``shard=``), on every rank: each rank holds its
             own chunks, so there is no state to copy.
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError(f"broadcast_optimizer_state takes a torch.optim.Optimizer, got "
+                          f"{type(optimizer).__name__}. Hint: broadcast a model's weights with "
+                          "broadcast_parameters(model.state_dict()).")
     if getattr(optimizer, "shard_engine", None) is not None:
         raise ConfigError("broadcast_optimizer_state: a DistributedOptimizer(shard=...) holds "
                           "only this rank's chunks of the state, so there is nothing to copy. "

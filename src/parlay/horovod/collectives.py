@@ -124,7 +124,7 @@ def resolve_op(average: bool | None, op: Any, default: ReduceOp = ReduceOp.Avera
     return reduce_op(op)  # hvd.Average, ..., their numbers, or parlay's names ("sum", "avg")
 
 
-def _check_tensors(kind: str, tensors: Sequence[torch.Tensor]) -> None:
+def check_tensors(kind: str, tensors: Sequence[torch.Tensor]) -> None:
     if not tensors:
         raise ConfigError(f"{kind} needs at least one tensor.")
     for t in tensors:
@@ -144,7 +144,7 @@ def submit(kind: str, tensors: Sequence[torch.Tensor], name: str | None,
            root: int = -1, prescale: float = 1.0, postscale: float = 1.0,
            splits: tuple[int, ...] | None = None, finish: Any = None) -> Handle:
     """Build the request for one operation and hand it to its engine (or run it inline)."""
-    _check_tensors(kind, tensors)
+    check_tensors(kind, tensors)
     runner = target(process_set, process_group)
     key = f"{kind}.{name}" if name is not None else runner.auto_name(kind)
     meta = Meta(kind, tuple(str(t.dtype) for t in tensors), tuple(tuple(t.shape) for t in tensors),

@@ -106,6 +106,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Raises:
         HorovodInternalError: Ranks disagree on shape, dtype or op, or a peer was lost.
     """
+    c.check_tensors("allreduce", [tensor])
     rop = c.resolve_op(average, op)
     comp = horovod_compressor(compression)
     sent, ctx = comp.compress(tensor) if comp is not None else (tensor, None)
@@ -130,6 +131,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = 
     Raises:
         HorovodInternalError: Ranks disagree on dtype or trailing shape, or a peer was lost.
     """
+    c.check_tensors("allgather", [tensor])
     return c.AllgatherFn.apply(tensor, name, process_set, process_group)
 
 
@@ -149,5 +151,6 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     Raises:
         HorovodInternalError: Ranks disagree on shape, dtype or root, or a peer was lost.
     """
+    c.check_tensors("broadcast", [tensor])
     return c.BroadcastFn.apply(tensor, global_root(root_rank, process_group), name,
                                process_set, process_group)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm, runtime
+from parlay._validate import check_int
 from parlay.compress.base import Compressor, get_compressor
 from parlay.discovery import detect
 from parlay.errors import ConfigError
@@ -127,7 +128,8 @@ class DistributedSession:
         self.worker: Worker | None = None
         self.ps_group: Any = None
         self.dp_group: Any = None
-        self.resume_steps = None if resume_steps is None else [int(t) for t in resume_steps]
+        self.resume_steps = None if resume_steps is None else [
+            check_int("resume_steps", t, 0) for t in resume_steps]
         self.resumed_step: int | None = None  # agreed at start (None: fresh, or not sync)
         self.tagged = False  # servers checkpoint when the workers ask
         self.snapshots = bool(snapshots) and self.consistency.aggregate

@@ -90,7 +90,11 @@ class Evaluation:
                     raise ConfigError("the validation function must return {name: batch mean} "
                                       f"(e.g. {{'accuracy': acc}}), got {type(got).__name__}.")
                 for name, v in got.items():
-                    sums[name] = sums.get(name, 0.0) + float(torch.as_tensor(v).double()) * k
+                    t = torch.as_tensor(v)
+                    if t.numel() != 1:
+                        raise ConfigError(f"the validation function's {name!r} must be one "
+                                          f"number (the batch mean), got shape {tuple(t.shape)}.")
+                    sums[name] = sums.get(name, 0.0) + float(t.double()) * k
                 count += k
             if most > len(loader):
                 like = x if x is not None else _tree.map_tensors(lambda t: t[None], ds[0][0])
