@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -100,12 +100,14 @@ class MetricsLogger:
         progress: Show a tqdm bar (on the printer, when stderr is a terminal; otherwise the
             printer prints a line at each log step).
         stream: Where summaries go (default ``sys.stdout``).
+        epoch_so_far: What :attr:`epoch_so_far` was when the state resumed was saved.
     """
 
     def __init__(self, *, printer: bool, reduces: bool, group: Any = None,
                  total_samples: int | None = None, initial_samples: int = 0,
                  jsonl_path: str | os.PathLike[str] | None = None, progress: bool = True,
-                 stream: TextIO | None = None) -> None:
+                 stream: TextIO | None = None,
+                 epoch_so_far: Sequence[float] | None = None) -> None:
         self.reduces = reduces
         self.group = group
         self.stream = stream or sys.stdout
@@ -113,6 +115,9 @@ class MetricsLogger:
         self.epoch = Meter()    # since the start of the epoch
         self._t0 = self._t_log = self._t_epoch = time.perf_counter()
         self._samples_log = self._samples_epoch = 0
+        if epoch_so_far is not None:  # a resumed epoch's summary counts its earlier steps
+            total, weight, samples = epoch_so_far
+            self.epoch.sum, self.epoch.count, self._samples_epoch = total, weight, int(samples)
         self._file: TextIO | None = None
         self._bar: Any = None
         self._path = jsonl_path
@@ -135,6 +140,12 @@ class MetricsLogger:
             self._file.close()
             self._file = None
         self.printer = printer
+
+    @property
+    def epoch_so_far(self) -> list[float]:
+        """This rank's loss sum, its weight and the samples counted in the epoch so far: what
+        a resume gives back (``epoch_so_far=``) so that the epoch's summary covers it whole."""
+        return [self.epoch.sum, self.epoch.count, self._samples_epoch]
 
     # ------------------------------------------------------------------ sinks
     def write(self, event: str, **fields: Any) -> None:

@@ -99,3 +99,29 @@ def test_truncated_checkpoint_raises_and_previous_one_is_used(tmp_path):
         assert any("step 6 is not usable" in m for m in messages)
         for p, q in zip(params, want):
             assert torch.equal(p, q)
+
+
+def _logged(ckpt_dir, max_iteration, metrics_path):
+    t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 1e-2}, batch_size=BATCH,
+                       max_iteration=max_iteration, checkpoint_dir=ckpt_dir,
+                       checkpoint_every=5, metrics_path=metrics_path, progress=False)
+    while not t.should_stop():
+        t.train_on_batch()
+
+
+def _epoch_lines(path):
+    import json
+
+    recs = [json.loads(line) for line in open(path)]
+    return [(r["epoch"], r["step"], r["samples"], round(r["loss"], 12))
+            for r in recs if r["event"] == "epoch"]
+
+
+def test_the_summary_of_an_epoch_spanning_a_resume_covers_it_whole(tmp_path):
+    # the cut (step 8) is two steps into epoch 1: its summary must count steps 7-12, not 9-12
+    run_world(_logged, 2, None, TOTAL, str(tmp_path / "full.jsonl"))
+    run_world(_logged, 2, str(tmp_path / "ck"), CUT, str(tmp_path / "cut.jsonl"))
+    run_world(_logged, 2, str(tmp_path / "ck"), TOTAL, str(tmp_path / "cut.jsonl"))
+    full = _epoch_lines(tmp_path / "full.jsonl")
+    assert [e[:3] for e in full] == [(0, 6, 44), (1, 12, 44)]
+    assert _epoch_lines(tmp_path / "cut.jsonl") == full

@@ -147,11 +147,14 @@ class Trainer:
         path = cfg.metrics_path
         if path is None and cfg.checkpoint_dir is not None:
             path = f"{cfg.checkpoint_dir}/metrics.jsonl"
-        return MetricsLogger(printer=choose_printer(s.consumes_data, s.reports_loss,
-                                                    s.train_group),
-                             reduces=s.reports_loss and s.consumes_data, group=s.dp_group,
-                             total_samples=total, initial_samples=self.state.samples_seen,
-                             jsonl_path=path, progress=cfg.progress)
+        metrics = MetricsLogger(printer=choose_printer(s.consumes_data, s.reports_loss,
+                                                       s.train_group),
+                                reduces=s.reports_loss and s.consumes_data, group=s.dp_group,
+                                total_samples=total, initial_samples=self.state.samples_seen,
+                                jsonl_path=path, progress=cfg.progress,
+                                epoch_so_far=self.persistence.resumed_metrics)
+        self.persistence.epoch_so_far = lambda: metrics.epoch_so_far
+        return metrics
 
     def _say(self, msg: str) -> None:
         """Log a line and show it on the printing rank."""

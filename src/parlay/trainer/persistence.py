@@ -115,6 +115,10 @@ class Persistence:
     def __init__(self, config: TrainerConfig, strategy: Strategy, sampler: ShardedSampler,
                  state: TrainerState, model: nn.Module, report: Callable[[str], None]) -> None:
         self.strategy, self.sampler, self.state = strategy, sampler, state
+        #: The epoch's metrics so far, saved with the state (the Trainer sets it), and as
+        #: resumed (None: none resumed).
+        self.epoch_so_far: Callable[[], list[float]] = lambda: [0.0, 0.0, 0]
+        self.resumed_metrics: list[float] | None = None
         self.mode, self.batch_size = config.mode, config.batch_size
         self.recipe = recipe(config, sampler)
         if strategy.consumes_data:  # and what decides when the ranks meet
@@ -193,7 +197,7 @@ class Persistence:
         strategy = s.snapshot_state_dict() if snapshot else s.state_dict()
         return {"trainer": asdict(self.state), "mode": self.mode, "strategy": strategy,
                 "sampler": self.sampler.state_dict(), "rng": rng_state(), "recipe": self.recipe,
-                "collectives": comm.issued()}
+                "collectives": comm.issued(), "metrics": self.epoch_so_far()}
 
     def load_state_dict(self, state: dict[str, Any], where: str = "snapshot") -> None:
         """Continue from ``state``.
@@ -219,6 +223,7 @@ class Persistence:
                                   f"{first}). Hint: build the same model (and mode, pp, balance) "
                                   "as the run that wrote it, or use a fresh checkpoint_dir.") from e
         vars(self.state).update(asdict(TrainerState(**state["trainer"])))
+        self.resumed_metrics = state.get("metrics")  # (older states have none)
         set_rng_state(state["rng"])
         comm.set_issued(state.get("collectives", comm.issued()))
 

@@ -80,6 +80,7 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
     trainer.update(batch_in_epoch=batches, schedule_shift=trainer["epoch"] * per_epoch
                    + batches - trainer["step"])
     state.update(trainer=trainer, sampler=sampler, rng=rng_state())
+    state.pop("metrics", None)  # one rank's share of the epoch's loss: not this rank's now
     ckpt.continue_run(str(saved.get("run_id", "")) or None)
     warnings.warn(f"resharded checkpoint step {step} written by {old} rank(s) onto {world}: "
                   "parameters and optimizer state are re-split exactly; the data order, the RNG "
