@@ -57,6 +57,8 @@ def _train(consistency: str, metrics: str, epochs: int, ckpt: str | None = None,
         per_epoch[epoch] += seen
         seen.clear()
     return {"seen": dict(per_epoch), "step": t.state.step,
+            # the schedule ends at its last step (its total counts the new steps per epoch)
+            "schedule_end": (t.state.step + t.state.schedule_shift, t.total_steps),
             "warnings": [w for w in warnings if "no longer train" in w]}
 
 
@@ -84,6 +86,7 @@ def test_survivors_take_over_a_lost_workers_share_from_the_next_epoch(tmp_path, 
     assert all(len(s["seen"][0]) == N // 3 for s in survivors)
     _check_later_epochs(survivors, range(1, 3))
     assert [s["step"] for s in survivors] == [4 + 6 + 6] * 2
+    assert [s["schedule_end"] for s in survivors] == [(3 * 6, 3 * 6)] * 2
     # The summaries count what was trained: the survivors' samples, not the dataset's size.
     trained = {e: sum(len(s["seen"][e]) for s in survivors) for e in range(3)}
     assert _summaries(metrics) == trained == {0: 2 * N // 3, 1: N, 2: N}

@@ -275,6 +275,8 @@ class Trainer:
             if end is not None:
                 smp.reshard(end.shards, end.shard)
                 self.steps_per_epoch = math.ceil(len(smp) / self.batch_size)
+                # the schedule and epoch fractions go on as if every epoch had had these steps
+                st.schedule_shift = st.epoch * self.steps_per_epoch - st.step
             smp.set_epoch(st.epoch)
             self._close_iter()
         self.persistence.after_step(epoch_done)
