@@ -164,6 +164,24 @@ def test_trainer_hybrid_equals_trainer_allreduce_with_the_same_replicas():
         torch.testing.assert_close(state[k], ref_state[k], **TOL, msg=k)
 
 
+def _sampled(options: dict):
+    import parlay
+
+    torch.manual_seed(100 + parlay.rank())  # each rank draws its own example input
+    return _trainer("hybrid", {**options, "sample": torch.randn(3, 7, dtype=torch.float64)})
+
+
+def test_ranks_may_time_the_stages_on_example_inputs_of_their_own():
+    # sample= is an example input: its values differ per rank here, which the start check
+    # (same settings on every rank) must not refuse; the split is agreed, training is the same
+    options = {"pp": 2, "chunks": 4, "by": "time"}
+    timed = run_world(_sampled, 2, options)
+    plain = run_world(_trainer, 2, "hybrid", {"pp": 2, "chunks": 4})
+    for (m, _, _), (ref, _, _) in zip(timed, plain):
+        for k in ref:
+            torch.testing.assert_close(m[k], ref[k], **TOL)
+
+
 # -- mixed precision through the Trainer ---------------------------------------------------------
 
 def _blobs(n: int = 192):

@@ -30,7 +30,7 @@ from parlay.strategies import StepResult, Strategy, get_strategy
 from parlay.strategies.template import batch_size_of
 from parlay.trainer.config import TrainerConfig, TrainerState, check_positive
 from parlay.trainer.evaluation import Evaluation
-from parlay.trainer.persistence import Persistence, check_same_settings
+from parlay.trainer.persistence import Persistence, check_same_settings, shaped
 
 __all__ = ["Trainer", "TrainerSession"]
 
@@ -60,7 +60,7 @@ class Trainer:
             runtime.init()
         # before the strategy's set-up, whose collectives differ by mode: a mismatch aborts
         check_same_settings({k: stable_repr(v) for k, v in {
-            "mode": cfg.mode, "strategy_options": cfg.strategy_options or {},
+            "mode": cfg.mode, "strategy_options": shaped(cfg.strategy_options),
             "shard": cfg.shard}.items()}, None)
         self.mode, self.batch_size, self.lr_schedule = cfg.mode, cfg.batch_size, cfg.lr_schedule
         self.num_epochs = cfg.num_epochs if (cfg.num_epochs or cfg.max_iteration) else 1

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from parlay import comm, runtime
+from parlay import _tree, comm, runtime
 from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.sampler import ShardedSampler
 from parlay.dp.shard_dcp import load_dcp, save_dcp
@@ -39,7 +39,8 @@ from parlay.trainer.config import AUTO, TrainerConfig, TrainerState
 from parlay.trainer.replicas import ReplicaCheck
 from parlay.trainer.reshard import load_resharded
 
-__all__ = ["Persistence", "choose_interval", "check_same_settings", "BUDGET", "PROBE_STEPS"]
+__all__ = ["Persistence", "choose_interval", "check_same_settings", "shaped", "BUDGET",
+           "PROBE_STEPS"]
 
 log = logging.getLogger("parlay")
 
@@ -71,6 +72,15 @@ def recipe(config: TrainerConfig, sampler: ShardedSampler) -> dict[str, str]:
               "strategy_options": c.strategy_options or {}, "dataset_size": sampler.n,
               "seed": sampler.seed, "shuffle": sampler.shuffle, "drop_last": sampler.drop_last}
     return {k: stable_repr(v) for k, v in fields.items()}
+
+
+def shaped(options: dict[str, Any] | None) -> dict[str, Any]:
+    """``strategy_options`` as the ranks must agree on them: hybrid's ``sample`` (an example
+    input to trace and time the model with) by its shapes, as each rank may draw its own."""
+    o = dict(options or {})
+    if "sample" in o:
+        o["sample"] = _tree.map_tensors(lambda t: f"tensor{tuple(t.shape)}", o["sample"])
+    return o
 
 
 def check_same_settings(settings: dict[str, str], group: Any) -> None:
@@ -127,7 +137,7 @@ class Persistence:
                 "batch_size": c.batch_size, "num_epochs": c.num_epochs,
                 "max_iteration": c.max_iteration, "log_step_size": c.log_step_size,
                 "checkpoint_every": c.checkpoint_every, "snapshot_every": c.snapshot_every,
-                "replica_check": c.replica_check,
+                "replica_check": c.replica_check, "strategy_options": shaped(c.strategy_options),
                 "checkpoints": c.checkpoint_dir is not None}.items()}}, strategy.train_group)
         self.checkpoint_every = config.checkpoint_every
         self._report = report
