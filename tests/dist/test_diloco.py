@@ -332,30 +332,24 @@ def _stop_at(steps, max_iteration, validate_at=None):
     return start, params
 
 
-def test_a_replica_resumed_at_the_last_step_meets_the_other_at_the_final_sync(tmp_path):
-    # One replica resumes at the last step (12), the other a step behind: the first goes
-    # straight to the final sync, the second takes its step; they must meet, not deadlock.
-    env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "end"}
-    run_world(_stop_at, 2, {0: 12, 1: 11}, 20, env=env, timeout=90)
-    second = run_world(_stop_at, 2, {0: 12, 1: 12}, 12, env=env, timeout=90)
-    env["PARLAY_RUN_ID"] = "whole"
-    full = run_world(_stop_at, 2, {0: 12, 1: 12}, 12, env=env, timeout=90)
-    assert [start for start, _ in second] == [12, 11]
-    for (_, a), (_, b) in zip(second, full):
-        assert all(torch.equal(p, q) for p, q in zip(a, b))
-
-
-def test_a_replica_lost_after_a_validation_costs_at_most_one_step(tmp_path):
-    # Rank 0 stops right after validating at step 5; rank 1 snapshots step 5 again after
-    # that meeting and waits for rank 0 in vain. Both still hold a common state of step 5 (before
-    # the validation): the restart resumes there, not from the beginning.
-    env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "val",
+@pytest.mark.parametrize("first, lost, starts", [
+    # one replica resumes at the last step (12), the other a step behind: the first goes
+    # straight to the final sync, the second takes its step; they must meet, not deadlock
+    (({0: 12, 1: 11}, 20), False, [12, 11]),
+    # rank 0 stops right after validating at step 5; rank 1 snapshots step 5 again after that
+    # meeting and waits for rank 0 in vain. Both still hold a state of step 5 from before the
+    # validation: the restart resumes there, not from the beginning
+    (({0: 5, 1: 6}, 12, 5), True, [5, 5]),
+])
+def test_replicas_stopped_around_a_meeting_resume_at_most_a_step_back(tmp_path, first, lost,
+                                                                       starts):
+    env = {"PARLAY_SNAPSHOT_DIR": str(tmp_path / "shm"), "PARLAY_RUN_ID": "cut",
            "PARLAY_TIMEOUT": "10"}
-    with pytest.raises(Exception):
-        run_world(_stop_at, 2, {0: 5, 1: 6}, 12, 5, env=env, timeout=90)
+    with pytest.raises(Exception) if lost else contextlib.nullcontext():
+        run_world(_stop_at, 2, *first, env=env, timeout=90)
     second = run_world(_stop_at, 2, {0: 12, 1: 12}, 12, env=env, timeout=90)
     env["PARLAY_RUN_ID"] = "whole"
     full = run_world(_stop_at, 2, {0: 12, 1: 12}, 12, env=env, timeout=90)
-    assert [start for start, _ in second] == [5, 5]
+    assert [start for start, _ in second] == starts
     for (_, a), (_, b) in zip(second, full):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
