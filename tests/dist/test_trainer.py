@@ -368,6 +368,24 @@ def test_ranks_that_start_apart_are_refused_on_every_rank(what, words):
     assert a is not None and b is not None and words in a and words in b, (a, b)
 
 
+def _on_groups():
+    import torch.distributed as dist
+
+    pair, alone = dist.new_group([0, 1]), dist.new_group([2])
+    mine = pair if parlay.rank() < 2 else alone
+    t = parlay.Trainer(_build, _dataset(), torch.optim.SGD, {"lr": 0.1}, 4, max_iteration=3,
+                       progress=False, strategy_options={
+                           "process_group": mine, "bucket_cap_mb": 25 if parlay.rank() < 2 else 5})
+    while not t.should_stop():
+        t.train_on_batch()
+    return t.state.step
+
+
+def test_trainers_on_their_own_process_groups_compare_settings_within_them():
+    # ranks 0-1 train together, rank 2 alone with another bucket size: not "ranks apart"
+    assert run_world(_on_groups, 3) == [3, 3, 3]
+
+
 class _TwoHeads(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -59,9 +59,10 @@ class Trainer:
         if not runtime.is_initialized():
             runtime.init()
         # before the strategy's set-up, whose collectives differ by mode: a mismatch aborts
+        # (over the ranks that train together: the world, or a process_group option's)
         check_same_settings({k: stable_repr(v) for k, v in {
             "mode": cfg.mode, "strategy_options": shaped(cfg.strategy_options),
-            "shard": cfg.shard}.items()}, None)
+            "shard": cfg.shard}.items()}, (cfg.strategy_options or {}).get("process_group"))
         self.mode, self.batch_size, self.lr_schedule = cfg.mode, cfg.batch_size, cfg.lr_schedule
         self.num_epochs = cfg.num_epochs if (cfg.num_epochs or cfg.max_iteration) else 1
         self.max_iteration = cfg.max_iteration
