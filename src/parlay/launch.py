@@ -224,12 +224,13 @@ def _recorded(failure: Any) -> tuple[str, str]:
 
 
 def _how(failure: Any, stopped: bool) -> str:
-    """Exit code or signal, and the exception; a rank the launcher stopped while it was
-    exiting after an exception gets the exception alone (the signal was the launcher's)."""
+    """Exit code or signal, and the exception; a rank the launcher's signal ended while it was
+    exiting after an exception gets the exception alone (the signal was the launcher's, the
+    exit code, had it ended first, its own)."""
     how = (f"killed by {failure.signal_name()}" if failure.exitcode < 0
            else f"exit code {failure.exitcode}")
     message = _recorded(failure)[0].strip().splitlines()[:1]
-    return ": ".join(([] if stopped and message else [how]) + message)
+    return ": ".join(([] if stopped and message and failure.exitcode < 0 else [how]) + message)
 
 
 def _traceback(rank: int, failure: Any) -> list[str]:

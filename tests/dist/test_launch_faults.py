@@ -69,8 +69,8 @@ def test_one_line_per_restart_and_the_failed_ranks_traceback_once(tmp_path):
                        timeout=130)
     assert p.returncode == 1, p.stderr[-3000:]
     lines = _parlay_lines(p.stderr)
-    # "exit code 1: " is absent when the launcher stopped rank 1 while it was exiting (rank 0's
-    # CommError can end first): the signal was the launcher's, the exception rank 1's.
+    # "exit code 1: " is absent when the launcher's signal ended rank 1 while it was exiting
+    # (rank 0's CommError can end first): the signal was the launcher's, the exception rank 1's.
     expected = [r"rank 1 failed \((exit code 1: )?ValueError: boom on attempt 0\); "
                 r"restart attempt 1 of 2 starting",
                 r"rank 1 failed \(killed by SIGKILL\); restart attempt 2 of 2 starting",

@@ -117,3 +117,20 @@ def test_good_demo_reaches_the_launcher(launches, args):
     (argv,) = launches
     i = argv.index("-m")
     assert argv[i + 1] == "parlay.demos.mnist"
+
+
+def test_a_failed_rank_is_told_by_its_own_exit_code_unless_the_launcher_signal_ended_it():
+    from types import SimpleNamespace
+
+    from parlay.launch import _how
+
+    def failure(code):
+        return SimpleNamespace(exitcode=code, signal_name=lambda: "SIGTERM", error_file_data={
+            "message": {"message": "ValueError: boom", "extraInfo": {"py_callstack": ""}}})
+
+    assert _how(failure(1), stopped=False) == "exit code 1: ValueError: boom"
+    # the launcher closed it after it had exited by itself: its own exit code stands
+    assert _how(failure(1), stopped=True) == "exit code 1: ValueError: boom"
+    # the launcher's SIGTERM ended it while it was exiting: the exception alone
+    assert _how(failure(-15), stopped=True) == "ValueError: boom"
+    assert _how(failure(-15), stopped=False) == "killed by SIGTERM: ValueError: boom"
