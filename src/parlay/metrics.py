@@ -57,9 +57,13 @@ def reduce_meters(meters: list[Meter], group: Any = None) -> list[float]:
 
 
 def default_metrics(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., dict[str, torch.Tensor]]:
-    """Validation metrics: ``loss`` (the training loss), plus ``accuracy`` for class scores."""
-    def fn(output: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Validation metrics: ``loss`` (the training loss), plus ``accuracy`` for class scores
+    (a 2-D output tensor and a 1-D integer target tensor; other outputs and targets, tuples or
+    dicts say, get the loss alone)."""
+    def fn(output: Any, target: Any) -> dict[str, torch.Tensor]:
         out = {"loss": loss_fn(output, target)}
+        if not (isinstance(output, torch.Tensor) and isinstance(target, torch.Tensor)):
+            return out
         if output.dim() == 2 and target.dim() == 1 and not target.is_floating_point():
             out["accuracy"] = (output.argmax(1) == target).double().mean()
         return out

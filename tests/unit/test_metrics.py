@@ -48,3 +48,18 @@ def test_printer_writes_summaries_and_jsonl(tmp_path):
     assert [r["event"] for r in records] == ["train", "epoch", "validation"]
     assert records[0]["loss"] == 3.0 and records[0]["lr_factor"] == 1.5
     assert records[2]["accuracy"] == 0.5
+
+
+def test_default_metrics_give_the_loss_of_structured_outputs_and_targets():
+    import torch
+
+    from parlay.metrics import default_metrics
+
+    def loss(out, y):  # a model with two heads, a target per head
+        return torch.nn.functional.mse_loss(out[0], y["a"]) + out[1].sum() * 0
+    fn = default_metrics(loss)
+    got = fn((torch.ones(3, 2), torch.zeros(3)), {"a": torch.zeros(3, 2)})
+    assert list(got) == ["loss"] and float(got["loss"]) == 1.0
+    got = default_metrics(torch.nn.functional.cross_entropy)(  # class scores: and accuracy
+        torch.tensor([[2.0, 0.0], [0.0, 2.0]]), torch.tensor([0, 0]))
+    assert float(got["accuracy"]) == 0.5
