@@ -103,7 +103,7 @@ class NonFiniteGuard:
         return loss * factor
 
     def must_skip(self, loss: float | None, named_grads: Sequence[tuple[str, torch.Tensor]],
-                  group: Any = None, *, marked: bool = False) -> bool:
+                  group: Any = None, *, marked: bool = False, grads: bool = True) -> bool:
         """Decide, identically on every rank of ``group``, whether this step is non-finite.
 
         Every rank of ``group`` must call it at the same point of every step. ``named_grads``
@@ -111,7 +111,9 @@ class NonFiniteGuard:
         computes none, e.g. an early pipeline stage). With ``marked`` (backward ran on
         :meth:`mark`'s loss and the gradients were averaged over ``group``), a finite step
         costs no communication; otherwise one allreduce of two integers agrees on it. A
-        non-finite step costs one allreduce more, to find the rank.
+        non-finite step costs one allreduce more, to find the rank. ``grads=False`` decides
+        on the losses alone (after an fp16 loss-scale overflow, whose gradients are not finite
+        anyway; ``named_grads`` then only name the parameter).
 
         Returns:
             True when the step must be skipped (policy ``"skip"``); False when all is finite.
@@ -120,7 +122,7 @@ class NonFiniteGuard:
             NonFiniteError: Policy ``"raise"`` and the step is non-finite (on every rank).
         """
         local_bad = loss is not None and not math.isfinite(loss)
-        grads_bad = not all_finite([g for _, g in named_grads])
+        grads_bad = grads and not all_finite([g for _, g in named_grads])
         dist = torch.distributed.is_initialized() and comm.group_size(group) > 1
         if marked and not grads_bad:
             return False

@@ -60,14 +60,19 @@ def _train(t):
     return None
 
 
-def _raise_run(ckpt):
-    t = _trainer(ckpt, "raise")
+FP16 = {"precision": "fp16", "strategy_options": {"loss_scale": 1024.0}}
+
+
+def _raise_run(ckpt, precision):
+    t = _trainer(ckpt, "raise", **(FP16 if precision == "fp16" else {}))
     err = _train(t)
     return err, t.state.step, [p.detach().clone() for p in t.model.parameters()]
 
 
-def test_raise_stops_every_rank_before_the_update(tmp_path):
-    out = run_world(_raise_run, 2, str(tmp_path))
+# fp16: a NaN loss is bad data, not a loss-scale overflow (which fp16 skips under any policy)
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_raise_stops_every_rank_before_the_update(tmp_path, precision):
+    out = run_world(_raise_run, 2, str(tmp_path), precision)
     saved = load(tmp_path / f"ckpt-{BAD_STEP - 1:010d}.rank0.pt")["strategy"]["model"]
     for err, step, params in out:
         assert isinstance(err, NonFiniteError), "both ranks raise, not only the NaN one"
@@ -83,14 +88,16 @@ def test_raise_stops_every_rank_before_the_update(tmp_path):
                      for r in range(2)], "the last good checkpoints are kept, none added"
 
 
-def _skip_run(ckpt, compression):
-    t = _trainer(ckpt, "skip", compression=compression)
+def _skip_run(ckpt, compression, precision="fp32"):
+    t = _trainer(ckpt, "skip", compression=compression, **(FP16 if precision == "fp16" else {}))
     init = [p.detach().clone() for p in t.model.parameters()]
     skipped = []
     while not t.should_stop():
         t.train_on_batch()
         skipped.append(t.last_step.skipped)
     residuals = t.strategy.optimizer.compression.state_dict()
+    if precision == "fp16":  # the NaN was the data's, not an overflow: the scale stays
+        assert t.strategy.scaler.scale == 1024.0
     return init, [p.detach().clone() for p in t.model.parameters()], skipped, t.skipped_steps, \
         residuals
 
@@ -117,18 +124,19 @@ def _by_hand(init):
     return [p.detach() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("compression", [None, "topk:0.5"])
-def test_skip_drops_the_step_on_every_rank(tmp_path, compression):
+@pytest.mark.parametrize("compression, precision", [(None, "fp32"), ("topk:0.5", "fp32"),
+                                                    (None, "fp16")])
+def test_skip_drops_the_step_on_every_rank(tmp_path, compression, precision):
     if compression is not None and compression.split(":")[0] not in parlay.compress.available():
         pytest.skip(f"compressor {compression} not registered")
-    out = run_world(_skip_run, 2, str(tmp_path), compression)
+    out = run_world(_skip_run, 2, str(tmp_path), compression, precision)
     (init, final0, skipped, count, res), (_, final1, _, count1, _) = out
     assert skipped == [s == BAD_STEP for s in range(1, STEPS + 1)]
     assert count == count1 == 1
     for p, q in zip(final0, final1):
         assert torch.isfinite(p).all() and torch.equal(p, q), "replicas stay identical"
     assert all(torch.isfinite(v).all() for v in _tensors(res)), "residuals were not polluted"
-    if compression is None:
+    if compression is None and precision == "fp32":
         for p, q in zip(final0, _by_hand(init)):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
     events = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -148,11 +156,13 @@ def _tensors(obj):
             yield from _tensors(v)
 
 
-def _hybrid(nonfinite):
+def _hybrid(nonfinite, precision="fp32"):
     t = parlay.Trainer(_build_seq, _dataset(world=1, shuffle=False), optimizer=torch.optim.SGD,
                        optimizer_args={"lr": LR}, batch_size=BATCH, max_iteration=STEPS,
-                       mode="hybrid", strategy_options={"pp": 2, "chunks": 2}, shuffle=False,
-                       progress=False, nonfinite=nonfinite)
+                       mode="hybrid", shuffle=False, progress=False, nonfinite=nonfinite,
+                       precision=precision, strategy_options={
+                           "pp": 2, "chunks": 2,
+                           **({"loss_scale": 1024.0} if precision == "fp16" else {})})
     err = None
     try:
         while not t.should_stop():
@@ -168,14 +178,15 @@ def _build_seq():
                           nn.Linear(8, 2)), nn.CrossEntropyLoss())
 
 
-def test_hybrid_raises_or_skips_on_every_stage():
-    out = run_world(_hybrid, 2, "raise")
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_hybrid_raises_or_skips_on_every_stage(precision):
+    out = run_world(_hybrid, 2, "raise", precision)
     for err, finite, step, _ in out:
         assert isinstance(err, NonFiniteError) and finite and step == BAD_STEP - 1
         # One replica of two stages: the loss is computed (and goes NaN) on the last stage.
         assert err.step == BAD_STEP and err.rank == 1
     assert out[0][0].parameter == "0.weight"
-    for err, finite, step, skipped in run_world(_hybrid, 2, "skip"):
+    for err, finite, step, skipped in run_world(_hybrid, 2, "skip", precision):
         assert err is None and finite and (step, skipped) == (STEPS, 1)
 
 

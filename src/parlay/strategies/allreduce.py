@@ -224,9 +224,10 @@ class AllreduceStrategy(WholeModelStrategy):
                 self.guard.mark(part).backward()
             loss += float(part_loss.detach().float().item()) * m / n
 
-        def nonfinite() -> bool:
+        def nonfinite(grads: bool) -> bool:
             named = opt.named_local_gradients()
-            return self._skip_nonfinite(loss, named, self.process_group, marked=not self.shard)
+            return self._skip_nonfinite(loss, named, self.process_group, marked=not self.shard,
+                                        grads=grads)
 
         skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_, saved)
         return StepResult(loss=loss, samples=n, skipped=skipped)

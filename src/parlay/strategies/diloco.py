@@ -110,11 +110,12 @@ class DiLoCoStrategy(WholeModelStrategy):
             named = inner.named_local_gradients()
         else:
             named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        if self.scaler is not None:
+        value = float(loss.detach().float().item())
+        if self.scaler is not None:  # an overflow; a loss not finite is bad data (the policy's)
             skipped = self.scaler.unscale_([g for _, g in named])
+            bad_data = skipped and self.guard.must_skip(value, named, self._alone, grads=False)
         else:
-            skipped = self.guard.must_skip(float(loss.detach().float().item()), named,
-                                           self._alone)
+            skipped = bad_data = self.guard.must_skip(value, named, self._alone)
         if skipped:
             opt.zero_grad(set_to_none=True)
             opt.step_without_update()
@@ -125,10 +126,9 @@ class DiLoCoStrategy(WholeModelStrategy):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.grad_clip))
             with inner.skip_synchronize() if inner is not None else contextlib.nullcontext():
                 opt.step()
-        if self.scaler is not None:
+        if self.scaler is not None and not bad_data:
             self.scaler.update(skipped)
-        return StepResult(loss=float(loss.detach().float().item()), samples=batch_size_of(y),
-                          skipped=skipped)
+        return StepResult(loss=value, samples=batch_size_of(y), skipped=skipped)
 
     def _eval_weights(self) -> contextlib.AbstractContextManager[Any]:
         _, opt, _ = self._ready()

@@ -159,11 +159,11 @@ class HybridStrategy(StepTemplate):
             pipe.loss_scale = self.scaler.scale    # the pipeline scales its own backward
         out = pipe.step(self._to(x), self._to(y))
 
-        def nonfinite() -> bool:
+        def nonfinite(grads: bool) -> bool:
             # Over every stage of every replica (the world): stages hold different gradients.
             named = opt.named_local_gradients()
             loss = float(out.loss.detach().float().item()) if out.loss is not None else None
-            return self._skip_nonfinite(loss, named)
+            return self._skip_nonfinite(loss, named, grads=grads)
 
         skipped = self._update(
             opt.local_gradients, nonfinite,

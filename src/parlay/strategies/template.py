@@ -261,14 +261,17 @@ class StepTemplate(Strategy):
         """The compressor's state before a step that may be skipped (see :meth:`_update`)."""
         return self.guard.snapshot(self.optimizer.compression, skips=self.scaler is not None)
 
-    def _update(self, grads: Callable[[], list[torch.Tensor]], nonfinite: Callable[[], bool],
-                clip: Callable[[float], Any], saved: dict[str, Any] | None) -> bool:
+    def _update(self, grads: Callable[[], list[torch.Tensor]],
+                nonfinite: Callable[[bool], bool], clip: Callable[[float], Any],
+                saved: dict[str, Any] | None) -> bool:
         """After backward: average, decide (agreed) whether to skip, unscale, clip and step.
 
         Args:
             grads: This rank's gradients once averaged (what the loss scaler checks).
-            nonfinite: Without a loss scaler: the non-finite guard's agreed decision (True:
-                skip; it drops the gradients).
+            nonfinite: The non-finite guard's agreed decision (True: skip; it drops the
+                gradients), on the losses and gradients, or (its argument False) on the losses
+                alone: after an fp16 overflow, a loss that was not finite is bad data, not
+                the scale's doing, so the policy decides (raise, or skip keeping the scale).
             clip: Clips the global gradient norm to its argument.
             saved: :meth:`_saved_compression`, put back when the step is skipped (the
                 residuals took in its overflow or NaNs, which would poison every later step).
@@ -278,7 +281,8 @@ class StepTemplate(Strategy):
         """
         opt = self.optimizer
         opt.synchronize()  # average over replicas first: every rank then checks the same values
-        skipped = self.scaler.unscale_(grads()) if self.scaler is not None else nonfinite()
+        skipped = self.scaler.unscale_(grads()) if self.scaler is not None else nonfinite(True)
+        bad_data = skipped and self.scaler is not None and nonfinite(False)
         if skipped and saved is not None:
             opt.compression.load_state_dict(saved)
         if not skipped:
@@ -286,15 +290,15 @@ class StepTemplate(Strategy):
                 clip(float(self.grad_clip))
             with opt.skip_synchronize():
                 opt.step()
-        if self.scaler is not None:
+        if self.scaler is not None and not bad_data:
             self.scaler.update(skipped)
         return skipped
 
     def _skip_nonfinite(self, loss: float | None, named: list[tuple[str, torch.Tensor]],
-                        group: Any = None, marked: bool = False) -> bool:
-        """Agree over ``group`` whether the step went non-finite; raise, or drop its
-        gradients (:meth:`_update` puts the compressor's state back)."""
-        if not self.guard.must_skip(loss, named, group, marked=marked):
+                        group: Any = None, marked: bool = False, grads: bool = True) -> bool:
+        """Agree over ``group`` whether the step went non-finite (``grads=False``: its loss);
+        raise, or drop its gradients (:meth:`_update` puts the compressor's state back)."""
+        if not self.guard.must_skip(loss, named, group, marked=marked and grads, grads=grads):
             return False
         self.optimizer.zero_grad(set_to_none=True)
         return True
