@@ -55,3 +55,50 @@ def test_an_overflow_skipped_by_the_loss_scale_leaves_the_compressor_as_it_was(c
     assert plain[0] > 0  # the recipe overflows at the start
     for skipped, scale, finite in run_world(_fp16_trainer, 2, compression):
         assert (skipped, scale, finite) == (plain[0], plain[1], True)
+
+
+D, B, STEPS, BIG_STEP, LR = 8, 4, 6, 3, 0.125
+
+
+def _owed_data():
+    from parlay.data.sampler import ShardedSampler
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(-4, 5, (2 * B * STEPS, D), generator=g).float() / 4  # exact in fp16
+    # one sample whose fp16 gradient overflows at the scale 1024: a true overflow
+    x[ShardedSampler(len(x), 2, 1, seed=0).epoch_indices()[(BIG_STEP - 1) * B], 0] = 1000.0
+    return x
+
+
+def _owed_run():
+    x = _owed_data()
+
+    def build():
+        m = torch.nn.Linear(D, 1, bias=False)
+        torch.nn.init.zeros_(m.weight)
+        return m, lambda out, y: out.float().mean()
+    t = parlay.Trainer(build, [(v, torch.zeros(1)) for v in x], torch.optim.SGD, {"lr": LR}, B,
+                       max_iteration=STEPS, scaling_learning_rate=False, progress=False,
+                       precision="fp16", compression="topk:0.25",
+                       strategy_options={"loss_scale": 1024.0})
+    while not t.should_stop():
+        t.train_on_batch()
+    owed = t.strategy.optimizer.compression.state_dict()["residual"]
+    return (t.model.weight.detach().double().flatten(), t.strategy.scaler.scale,
+            sum(v.double() for v in owed.values()), t.skipped_steps)
+
+
+def test_error_feedback_owes_in_the_loss_scale_of_the_moment():
+    # sent + kept == produced across a loss-scale change: the residual, kept in units of the
+    # scaled gradients, is rescaled with the scale (it was restored at the old one)
+    from parlay.data.sampler import ShardedSampler
+
+    x = _owed_data().double()
+    shards = [ShardedSampler(len(x), 2, r, seed=0).epoch_indices() for r in range(2)]
+    produced = sum(x[[i for s in shards for i in s[(k - 1) * B:k * B]]].mean(0)
+                   for k in range(1, STEPS + 1) if k != BIG_STEP)
+    out = run_world(_owed_run, 2)
+    w, scale, _, skipped = out[0]
+    assert (scale, skipped) == (512.0, 1)
+    owed = sum(o[2] for o in out) / 2 / scale  # the ranks' residuals, averaged, unscaled
+    torch.testing.assert_close(-w / LR + owed, produced, rtol=0, atol=1e-6)

@@ -344,6 +344,12 @@ class AutoCompressor(Compressor):
                  if p is not None]
         return sum(parts[1:], parts[0].clone()) if parts else None
 
+    def rescale_owed(self, factor: float) -> None:
+        for c in self.cands.values():
+            c.rescale_owed(factor)
+        for t in self._carry.values():
+            t.mul_(factor)
+
     def state_dict(self) -> dict[str, Any]:
         t = self.trialing  # a trial under way goes on after a resume, from what it measured
         trial = vars(t).copy() if isinstance(t, _Trial) else t

@@ -183,6 +183,14 @@ class Compressor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
 
+    def rescale_owed(self, factor: float) -> None:
+        """Multiply what error feedback owes by ``factor``: the gradients it is in units of were
+        rescaled (an fp16 loss scale changed). Default: this compressor's ``memory``
+        (:class:`~parlay.compress.feedback.Residuals`), where it keeps one."""
+        memory = getattr(self, "memory", None)
+        if memory is not None:
+            memory.scale_(factor)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -178,6 +178,13 @@ class Residuals:
         self.velocity.pop(key, None)
         return self.residual.pop(key, None)
 
+    def scale_(self, factor: float) -> None:
+        """Multiply what is owed (and the velocity) by ``factor``: the gradients they are in
+        units of were rescaled (an fp16 loss scale changed)."""
+        for store in (self.residual, self.velocity):
+            for t in store.values():
+                t.mul_(factor)
+
     def clear(self, key: str) -> None:
         """Forget the residual of ``key`` (everything owed was sent)."""
         r = self.residual.get(key)

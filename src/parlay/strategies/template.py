@@ -291,7 +291,11 @@ class StepTemplate(Strategy):
             with opt.skip_synchronize():
                 opt.step()
         if self.scaler is not None and not bad_data:
+            before = self.scaler.scale
             self.scaler.update(skipped)
+            rescale = getattr(opt.compression, "rescale_owed", None)
+            if self.scaler.scale != before and rescale is not None:  # owed in scaled units
+                rescale(self.scaler.scale / before)
         return skipped
 
     def _skip_nonfinite(self, loss: float | None, named: list[tuple[str, torch.Tensor]],
