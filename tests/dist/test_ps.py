@@ -225,3 +225,16 @@ def test_a_session_by_hand_refuses_nonfinite_pushes_and_steps_past_max_steps():
     assert all(kind == "ConfigError" and "max_steps=2" in msg for kind, msg in out[1:])
     out = run_world(_by_hand_limits, 3, "nan", env=PS1, return_exceptions=True)
     assert out[2][0] == "NonFiniteError"  # before its NaN reached the servers
+
+
+def test_max_steps_counts_the_newest_version_any_server_reported():
+    # servers apply pushes in different orders, so a worker's replies report versions of
+    # different moments: the smallest lags, and stopping on it let pushes land past the bound
+    from types import SimpleNamespace
+
+    sess = DistributedSession(model=nn.Linear(2, 1), optimizer=torch.optim.SGD,
+                              optimizer_args={"lr": 0.1}, consistency="async", max_steps=10)
+    sess.worker = SimpleNamespace(versions=[9, 10])
+    assert sess.at_max_steps()
+    sess.worker = SimpleNamespace(versions=[9, 9])
+    assert not sess.at_max_steps()

@@ -191,14 +191,16 @@ def test_a_compressed_sync_session_resumes_the_version_its_residuals_were_saved_
             torch.testing.assert_close(p, q, **TOL)
 
 
-def test_async_servers_a_step_apart_on_a_worker_resume_its_older_step(tmp_path):
-    # async keeps one ps-<k>.pt per server: restoring server 1's older file is what a worker
-    # lost between its pushes to the two servers leaves. Every relaunch failed on "the
-    # parameter servers disagree on worker 0's step ([2, 3])".
+@pytest.mark.parametrize("newer", [3, 4])
+def test_async_servers_apart_on_a_worker_resume_its_older_step(tmp_path, newer):
+    # async keeps one ps-<k>.pt per server, each written when that server checkpoints (every
+    # checkpoint_every of its own updates, and at its end): server 1's older file is what a
+    # worker lost between its pushes leaves (a step apart), or a server lost (several). Every
+    # relaunch failed on "the parameter servers disagree on worker 0's step ([2, 3])".
     ckpt, ps2 = str(tmp_path / "ps"), {"PARLAY_NUM_PS": "2"}
     run_world(_checkpointed, 4, ckpt, 2, "async", env=ps2)
     older = (tmp_path / "ps" / "ps-1.pt").read_bytes()
-    run_world(_checkpointed, 4, ckpt, 3, "async", env=ps2)
+    run_world(_checkpointed, 4, ckpt, newer, "async", env=ps2)
     (tmp_path / "ps" / "ps-1.pt").write_bytes(older)
     out = run_world(_checkpointed, 4, ckpt, 4, "async", env=ps2)
     assert [r[1] for r in out[2:]] == [2, 2]  # both resume the step every server holds

@@ -68,7 +68,7 @@ class DistributedSession:
         max_steps: Stop when the parameters have been updated this many times (the global
             step, as TF's ``StopAtStepHook``): one update per round of all workers in ``sync``,
             one per applied push otherwise (in ``async`` up to ``workers - 1`` pushes already
-            in flight may still land).
+            in flight may still land on each server).
         placement: ``"balanced"`` (by bytes) or ``"round_robin"`` (see :class:`ShardPlan`).
         split_bytes: Tensors above this size are split across servers (``None``: never).
         timeout: Seconds a worker may be silent before servers declare it lost (default: the
@@ -298,9 +298,12 @@ class DistributedSession:
         return self._closed or self.sits_out or self.at_max_steps()
 
     def at_max_steps(self) -> bool:
-        """A worker: whether the ``max_steps`` updates it last saw were all applied."""
+        """A worker: whether a server it last heard from had applied ``max_steps`` updates
+        (each push reaches every server, so the newest count any of them reported; their
+        smallest lags when servers apply pushes in different orders, and a worker would push
+        past the bound)."""
         return bool(self.worker is not None and self.max_steps is not None
-                    and self.worker.global_step >= self.max_steps)
+                    and max(self.worker.versions) >= self.max_steps)
 
     def train_step(self, batch: Any, loss_fn: Callable[..., torch.Tensor]) -> float | None:
         """One step on a worker: push this batch's gradients, pull the released parameters.

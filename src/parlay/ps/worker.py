@@ -207,10 +207,13 @@ class Worker:
             self.bounds[s] = chunk_bounds(numel, m.extra) if m.extra > 0 else None
             self.pulled[s] = torch.empty(numel, dtype=self.dtype) if m.extra > 0 else None
         first = min(m.step for m in replies)
-        if not self.exact and max(m.step for m in replies) == first + 1:  # (more: other runs)
+        if not self.exact and max(m.step for m in replies) > first:
+            # async/stale servers checkpoint apart (and a worker may be lost between pushes):
+            # the worker goes on from its oldest step, each server counting from its own
             self.skew = [m.step - first for m in replies]
-            log.warning("worker %d (rank %d): the parameter servers hold steps %s of it (it was "
-                        "lost between its pushes); it resumes at step %d", self.index, self.rank,
+            log.warning("worker %d (rank %d): the parameter servers hold steps %s of it (they "
+                        "checkpointed at different times, or it was lost between its pushes); "
+                        "it resumes at step %d", self.index, self.rank,
                         [m.step for m in replies], first)
         self._load(replies)
 
