@@ -23,7 +23,7 @@ from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
 from parlay.strategies.template import (StepTemplate, autocast_context, batch_size_of,
-                                        micro_batches, to_device)
+                                        micro_batches, replicated_part, to_device)
 
 __all__ = ["AllreduceStrategy"]
 
@@ -117,7 +117,7 @@ class WholeModelStrategy(StepTemplate):
         model, opt, _ = self._ready()
         sd = model.state_dict()
         if self.shard:  # the trainable parameters are in the optimizer state's chunks
-            sd = {k: v for k, v in sd.items() if k not in self._chunked_names}
+            sd = replicated_part(sd, model.named_parameters())
         return self._scaler_state({"model": sd, "optimizer": opt.state_dict()})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -134,13 +134,6 @@ class WholeModelStrategy(StepTemplate):
     @property
     def eval_in_lockstep(self) -> bool:
         return self.shard == "parameters"
-
-    @property
-    def _chunked_names(self) -> set[str]:
-        """The parameters a sharded optimizer's chunks hold: the trainable ones (frozen ones
-        stay in the rank's file with the buffers)."""
-        model, _, _ = self._ready()
-        return {n for n, p in model.named_parameters() if p.requires_grad}
 
     def comm_stats(self) -> dict[str, float]:
         """Bytes per step before and after compression."""

@@ -20,7 +20,8 @@ from parlay import runtime
 from parlay.errors import ConfigError
 from parlay.pipeline.pipe import Pipeline
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
-from parlay.strategies.template import PRECISIONS, StepTemplate, batch_size_of, to_device
+from parlay.strategies.template import (PRECISIONS, StepTemplate, batch_size_of,
+                                        replicated_part, to_device)
 
 __all__ = ["HybridStrategy"]
 
@@ -198,8 +199,7 @@ class HybridStrategy(StepTemplate):
         pipe = self._ready()
         model = pipe.state_dict()
         if self.shard:  # the trainable parameters are in the optimizer state's chunks
-            names = {n for n, p in pipe.named_parameters() if p.requires_grad}
-            model = {k: v for k, v in model.items() if k not in names}
+            model = replicated_part(model, pipe.named_parameters())
         return self._scaler_state({"model": model,
                                    "optimizer": self.optimizer.state_dict(),
                                    "stages": list(pipe.stage_ids),

@@ -30,8 +30,8 @@ from parlay.nonfinite import NonFiniteGuard, all_finite
 from parlay.strategies.base import Strategy
 
 __all__ = ["PRECISIONS", "check_precision", "autocast_context", "check_grad_clip",
-           "build_optimizer", "to_device", "batch_size_of", "micro_batches", "LossScaler",
-           "StepTemplate"]
+           "build_optimizer", "to_device", "batch_size_of", "micro_batches", "replicated_part",
+           "LossScaler", "StepTemplate"]
 
 #: precision name -> autocast dtype (None: no autocast).
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
@@ -100,6 +100,14 @@ def build_optimizer(optimizer_cls: type[torch.optim.Optimizer], params: Iterable
 def to_device(t: Any, device: torch.device) -> Any:
     """``t`` (a tensor, or a tree of them) on ``device``."""
     return _tree.to_device(t, device, non_blocking=True)
+
+
+def replicated_part(state: dict[str, Any],
+                    named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """A model's ``state`` without what a sharded optimizer's chunks hold, its trainable
+    parameters: what each rank's file keeps in a sharded run (frozen parameters, buffers)."""
+    chunked = {n for n, p in named_parameters if p.requires_grad}
+    return {k: v for k, v in state.items() if k not in chunked}
 
 
 def batch_size_of(y: Any) -> int:
