@@ -207,7 +207,7 @@ class Worker:
             self.bounds[s] = chunk_bounds(numel, m.extra) if m.extra > 0 else None
             self.pulled[s] = torch.empty(numel, dtype=self.dtype) if m.extra > 0 else None
         first = min(m.step for m in replies)
-        if not self.exact and max(m.step for m in replies) > first:
+        if not self.exact and any(m.step != first for m in replies):
             # async/stale servers checkpoint apart (and a worker may be lost between pushes):
             # the worker goes on from its oldest step, each server counting from its own
             self.skew = [m.step - first for m in replies]
