@@ -195,6 +195,12 @@ def _misuse() -> dict:
         for _ in range(2):
             m(torch.randn(2, 4)).sum().backward()
             opt.step()
+    def other_compressors_state():
+        opt = DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=1, compression="topk:0.5")
+        m(torch.randn(2, 4)).sum().backward()
+        opt.step()  # a round: topk keeps what it did not send
+        DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=1).load_state_dict(
+            opt.state_dict())
     errors = _errors(
         lambda: DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=2 + rank),
         lambda: DiLoCoOptimizer(sgd(), m.named_parameters(), sync_every=4, overlap=rank),
@@ -203,7 +209,14 @@ def _misuse() -> dict:
         lambda: DiLoCoOptimizer(sgd(), m.named_parameters()).add_param_group(
             {"params": [nn.Parameter(torch.ones(2))]}),
         lambda: DiLoCoOptimizer(sgd(), m.parameters()),
-        unfrozen_later)
+        unfrozen_later,
+        lambda: DiLoCoOptimizer(sgd(), m.named_parameters(),
+                                outer_optimizer_args={"lr": 0.7 + 0.3 * rank}),
+        lambda: DiLoCoOptimizer(sgd(), m.named_parameters(),
+                                outer_optimizer=(torch.optim.SGD, torch.optim.Adam)[rank],
+                                outer_optimizer_args={"lr": 0.5}),
+        lambda: DiLoCoOptimizer(sgd(), m.named_parameters(), compression=("fp16", None)[rank]),
+        other_compressors_state)
     # An overflow on one replica: GradScaler still counts its skipped inner step, so the
     # replicas stay in step (they sync the same rounds and end equal).
     torch.manual_seed(0)
@@ -226,7 +239,12 @@ def _misuse() -> dict:
 def test_misuse_is_refused_on_every_rank_and_a_gradscaler_overflow_keeps_the_rounds():
     a, b = run_world(_misuse, 2, comm_timeout=20)
     assert a["errors"][:3] == b["errors"][:3]
-    schedule, overlap, models, group, unnamed, unfrozen = a["errors"]
+    schedule, overlap, models, group, unnamed, unfrozen, lr, cls, comp, state = a["errors"]
+    assert a["errors"][6:] == b["errors"][6:]
+    assert "'lr': 0.7" in lr and "'lr': 1.0" in lr and "different settings" in lr
+    assert "torch.optim.adam.Adam" in cls
+    assert "compression=" in comp and "FP16()" in comp
+    assert "holds the compression state of TopK(ratio=0.5)" in state
     assert "disagree on the schedule (sync_every 2..3" in schedule
     assert "overlap 0..1" in overlap
     assert "ranks hold different models" in models

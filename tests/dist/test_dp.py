@@ -164,6 +164,42 @@ def test_parameter_mismatch_raises_config_error_on_every_rank():
         assert "'0.weight'" in str(e) and "rank 1" in str(e)
 
 
+def _settings_apart_and_unfrozen() -> list[str]:
+    rank = parlay.rank()
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1))
+    out = []
+    for kwargs in ({"compression": ("topk:0.1", "topk:0.5")[rank]},
+                   {"compression": ("fp16", "fp16:1024")[rank]},
+                   {"compression": "fp16", "gradient_predivide_factor": 1.0 + rank}):
+        try:
+            parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(), **kwargs)
+            out.append("")
+        except parlay.ConfigError as e:
+            out.append(str(e))
+    model[0].requires_grad_(False)  # frozen when wrapped, trainable at the step
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters())
+    model[0].requires_grad_(True)
+    model(torch.randn(2, 3)).sum().backward()
+    try:
+        opt.step()
+        out.append("")
+    except parlay.ConfigError as e:
+        out.append(str(e))
+    return out
+
+
+def test_settings_apart_and_a_layer_unfrozen_after_wrapping_are_refused_on_every_rank():
+    a, b = run_world(_settings_apart_and_unfrozen, 2, comm_timeout=20)
+    assert a == b
+    topk, fp16, predivide, unfrozen = a
+    assert "different settings" in topk and "ratio=0.5" in topk
+    assert "different settings" in fp16 and "init_scale=1024" in fp16
+    assert "gradient_predivide_factor=2.0" in predivide
+    assert "2 parameter(s) frozen when the DistributedOptimizer was built" in unfrozen
+
+
 def _broadcast():
     torch.manual_seed(parlay.rank())  # different init on every rank
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))

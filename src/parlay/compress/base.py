@@ -284,6 +284,20 @@ def own_compressor(spec: str | Compressor | None, owner: Any) -> Compressor:
     return comp
 
 
+def check_state_writer(compressor: Compressor, state: Any, wrote: str | None) -> None:
+    """Refuse compression ``state`` written by another compressor (``wrote``: the writer's
+    ``repr``, ``None`` where not recorded) before an optimizer loads it: ``compressor`` would
+    drop or misread its residuals.
+
+    Raises:
+        ConfigError: ``state`` is not empty and another compressor wrote it.
+    """
+    if state and wrote is not None and wrote != repr(compressor):
+        raise ConfigError(f"this optimizer state holds the compression state of {wrote}; this "
+                          f"optimizer compresses with {compressor!r}, which cannot take it. "
+                          "Hint: load it with the compression that wrote it.")
+
+
 @dataclass
 class CommStats:
     """Bytes a component put on the wire: before (dense) and after compression."""

@@ -4,6 +4,7 @@ crosses the network)."""
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,7 +15,8 @@ from parlay import comm
 from parlay.errors import ConfigError
 from parlay.reduce_ops import ReduceOp, reduce_op
 
-__all__ = ["check_arguments", "check_passes", "named_parameters", "check_consistency"]
+__all__ = ["check_arguments", "check_passes", "named_parameters", "check_consistency",
+           "check_still_frozen"]
 
 
 def _check_op(op: Any) -> ReduceOp:
@@ -35,6 +37,10 @@ def check_passes(passes: Any) -> int:
     return passes
 
 
+def _finite_positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
+
+
 def check_arguments(optimizer: Any, op: Any, passes: Any, bucket_cap_mb: Any,
                     predivide: Any) -> ReduceOp:
     """Check ``DistributedOptimizer``'s arguments; returns ``op`` as a :class:`ReduceOp`.
@@ -48,11 +54,11 @@ def check_arguments(optimizer: Any, op: Any, passes: Any, bucket_cap_mb: Any,
                           "e.g. torch.optim.SGD(model.parameters(), lr=0.1).")
     rop = _check_op(op)
     check_passes(passes)
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) \
-            or not bucket_cap_mb > 0:
-        raise ConfigError(f"bucket_cap_mb must be positive, got {bucket_cap_mb!r}.")
-    if not predivide > 0:
-        raise ConfigError(f"gradient_predivide_factor must be positive, got {predivide!r}.")
+    if not _finite_positive(bucket_cap_mb):
+        raise ConfigError(f"bucket_cap_mb must be a finite number > 0, got {bucket_cap_mb!r}.")
+    if not (_finite_positive(predivide) and math.isfinite(1.0 / predivide)):
+        raise ConfigError(f"gradient_predivide_factor must be a finite number > 0 (the "
+                          f"gradients are divided by it before the sum), got {predivide!r}.")
     if rop == ReduceOp.Sum and predivide != 1.0:
         raise ConfigError("gradient_predivide_factor only applies to op=Average.")
     if not dist.is_initialized():
@@ -92,6 +98,23 @@ def named_parameters(optimizer: torch.optim.Optimizer,
             "not named in it. Hint: pass model.named_parameters() of the model whose "
             "parameters the optimizer holds.")
     return [(by_id[id(p)], p) for p in params]
+
+
+def check_still_frozen(frozen: list[torch.Tensor]) -> None:
+    """``frozen``: the parameters frozen when the optimizer was wrapped, which are never
+    reduced; one made trainable since is refused (at each ``synchronize()``) rather than left
+    to drift apart on each rank.
+
+    Raises:
+        ConfigError: Some became trainable.
+    """
+    thawed = sum(p.requires_grad for p in frozen)
+    if thawed:
+        raise ConfigError(
+            f"{thawed} parameter(s) frozen when the DistributedOptimizer was built became "
+            "trainable; their gradients would never be averaged, so the ranks' weights would "
+            "drift apart. Hint: make them trainable before wrapping, or wrap the optimizer "
+            "anew after unfreezing.")
 
 
 def _hash(entry: Any) -> int:

@@ -16,7 +16,8 @@ from typing import Any
 import torch
 
 from parlay import comm
-from parlay.compress.base import CommStats, Compressor, NoneCompressor, own_compressor
+from parlay.compress.base import (CommStats, Compressor, NoneCompressor, check_state_writer,
+                                  own_compressor)
 from parlay.dp.buckets import BucketPlan, ParamInfo
 from parlay.dp.hierarchical import HierarchicalReducer, host_topology, make_reducer
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
@@ -27,6 +28,7 @@ from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
 from parlay.dp.wrapped import WrappedOptimizer
 from parlay.errors import ConfigError
+from parlay.runinfo import stable_repr
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer"]
 
@@ -121,11 +123,15 @@ class DistributedOptimizer(WrappedOptimizer):
         self._world = comm.group_size(process_group)
         self._named = [(n, p) for n, p in checks.named_parameters(optimizer, named_parameters)
                        if p.requires_grad]
+        self._frozen = [p for g in optimizer.param_groups for p in g["params"]
+                        if not p.requires_grad]
         if check_consistency and self._world > 1:
             checks.check_consistency(self._named, process_group, {
                 "shard": self.shard, "bucket_cap_mb": bucket_cap_mb, "op": int(op),
                 "backward_passes_per_step": backward_passes_per_step,
-                "hierarchical": hierarchical, "compression": type(self.compression).__name__})
+                "hierarchical": hierarchical, "compression": stable_repr(self.compression),
+                "gradient_predivide_factor": self.gradient_predivide_factor,
+                "average_aggregated_gradients": self.average_aggregated_gradients})
         self._model = model
         if self.shard == "parameters" and model is None:
             raise ConfigError("shard='parameters' gathers each module's parameters just before "
@@ -235,6 +241,7 @@ class DistributedOptimizer(WrappedOptimizer):
         Raises:
             CommError: A peer was lost or timed out.
         """
+        checks.check_still_frozen(self._frozen)
         if self._buckets is not None:
             self._buckets.finish()
             self._steps += 1
@@ -433,10 +440,9 @@ class DistributedOptimizer(WrappedOptimizer):
             d["cross_host_bytes_per_step"] = self._reducer.cross_bytes / steps
         return d
 
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state, plus compression state (e.g. residuals)."""
-        for pre in self._optimizer_state_dict_pre_hooks.values():
-            pre(self)
+    def _state(self) -> dict[str, Any]:
+        """The wrapped optimizer's state, plus compression state (e.g. residuals) and, with
+        ``shard=``, the layout of this rank's chunks."""
         sd = self._opt.state_dict()
         comp = self.compression.state_dict()
         if comp:
@@ -444,23 +450,11 @@ class DistributedOptimizer(WrappedOptimizer):
             sd["parlay_compressor"] = repr(self.compression)
         if self.shard_engine is not None:
             sd["parlay_shard"] = self.shard_engine.layout()
-        for post in self._optimizer_state_dict_post_hooks.values():
-            out = post(self, sd)
-            sd = sd if out is None else out
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (the wrapped optimizer's part and residuals)."""
-        sd = dict(state_dict)
-        for pre in self._optimizer_load_state_dict_pre_hooks.values():
-            out = pre(self, sd)
-            sd = sd if out is None else dict(out)
+    def _load_state(self, sd: dict[str, Any]) -> None:
         comp = sd.pop("parlay_compression", None)
-        wrote, mine = sd.pop("parlay_compressor", None), repr(self.compression)
-        if comp and wrote is not None and wrote != mine:  # its residuals would be dropped
-            raise ConfigError(f"this optimizer state holds the compression state of {wrote}; "
-                              f"this optimizer compresses with {mine}, which cannot take it. "
-                              "Hint: load it with the compression that wrote it.")
+        check_state_writer(self.compression, comp, sd.pop("parlay_compressor", None))
         shard = sd.pop("parlay_shard", None)
         if self.shard_engine is not None:
             self.shard_engine.load_layout(shard)
@@ -473,8 +467,6 @@ class DistributedOptimizer(WrappedOptimizer):
             self._buckets.reset()
         if comp:
             self.compression.load_state_dict(comp)
-        for post in self._optimizer_load_state_dict_post_hooks.values():
-            post(self)
 
     def remove_hooks(self) -> None:
         """Detach the gradient hooks (the wrapper stops communicating during backward)."""

@@ -54,6 +54,37 @@ class WrappedOptimizer(torch.optim.Optimizer):
         for name in ("param_groups", "state", "defaults"):
             self.__dict__.pop(f"_own_{name}", None)
 
+    def state_dict(self) -> dict[str, Any]:
+        """:meth:`_state`, with torch's state-dict hooks registered on the wrapper run around
+        it."""
+        for pre in self._optimizer_state_dict_pre_hooks.values():
+            pre(self)
+        sd = self._state()
+        for post in self._optimizer_state_dict_post_hooks.values():
+            out = post(self, sd)
+            sd = sd if out is None else out
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """:meth:`_load_state` of what :meth:`state_dict` returned, with torch's load hooks
+        registered on the wrapper run around it."""
+        sd = dict(state_dict)
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            out = pre(self, sd)
+            sd = sd if out is None else dict(out)
+        self._load_state(sd)
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+    def _state(self) -> dict[str, Any]:
+        """What :meth:`state_dict` returns: the wrapped optimizer's state (extended by
+        subclasses)."""
+        return self._opt.state_dict()
+
+    def _load_state(self, sd: dict[str, Any]) -> None:
+        """Load :meth:`_state`'s output (a copy, the caller's dict left as it was)."""
+        self._opt.load_state_dict(sd)
+
     def _unscale_grads(self, scale: torch.Tensor) -> None:
         """Divide every gradient by ``scale``: what ``torch.amp.GradScaler`` leaves to an
         optimizer that declares ``_step_supports_amp_scaling`` (its ``grad_scale``)."""

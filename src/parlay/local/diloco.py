@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from parlay import comm
 from parlay._validate import check_int
-from parlay.compress.base import CommStats, Compressor, own_compressor
+from parlay.compress.base import CommStats, Compressor, check_state_writer, own_compressor
 from parlay.compress.reduce import RoundsHandle, reduce_async
 from parlay.dp import checks
 from parlay.dp.hierarchical import make_reducer
 from parlay.dp.wrapped import WrappedOptimizer
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.nonfinite import all_finite
+from parlay.runinfo import stable_repr
 
 __all__ = ["DiLoCoOptimizer", "OUTER_DEFAULTS"]
 
@@ -73,9 +74,10 @@ class Fragment:
 def _outer_args(cls: Any, args: Any) -> dict[str, Any]:
     """The outer optimizer's arguments, checked (it is built once per fragment)."""
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) \
-            or issubclass(cls, torch.optim.LBFGS):
+            or issubclass(cls, (torch.optim.LBFGS, torch.optim.SparseAdam)):
         raise ConfigError(f"outer_optimizer must be a torch.optim.Optimizer class stepped "
-                          f"without a closure (e.g. torch.optim.SGD), got {cls!r}.")
+                          f"without a closure on dense gradients (e.g. torch.optim.SGD), got "
+                          f"{cls!r}.")
     if args is not None and not isinstance(args, dict):
         raise ConfigError(f"outer_optimizer_args must be a dict of keyword arguments, got "
                           f"{args!r}. Hint: {{'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}.")
@@ -154,6 +156,10 @@ class DiLoCoOptimizer(WrappedOptimizer):
                  outer_optimizer_args: dict[str, Any] | None = None, compression: Any = None,
                  process_group: Any = None, on_nonfinite: str = "raise",
                  hierarchical: bool | str = False, broadcast: bool = True) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"DiLoCoOptimizer wraps a built torch.optim.Optimizer (the inner "
+                              f"one), got {optimizer!r}. Hint: DiLoCoOptimizer(torch.optim."
+                              "AdamW(model.parameters(), lr=1e-3), model.named_parameters()).")
         super().__init__(optimizer)  # LR schedulers act on the inner one's param_groups
         self.inner = optimizer
         self.sync_every = check_int("sync_every", sync_every, 1)
@@ -181,8 +187,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
         else:  # every given tensor (frozen ones too) starts from rank 0's; each is checked
             named = list(named_parameters)
             checks.named_parameters(optimizer, named)
+        outer_args = _outer_args(outer_optimizer, outer_optimizer_args)
         if self.world > 1:
-            self._agree_on_schedule(n_frag, named if self._engine is None else [])
+            self._agree_on_schedule(n_frag, named if self._engine is None else [], {
+                "outer_optimizer": outer_optimizer, "outer_optimizer_args": outer_args,
+                "compression": self.compression, "hierarchical": hierarchical,
+                "on_nonfinite": on_nonfinite})
         if self.world > 1 and broadcast:
             for _, p in named:
                 comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
@@ -191,7 +201,6 @@ class DiLoCoOptimizer(WrappedOptimizer):
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
             raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
-        outer_args = _outer_args(outer_optimizer, outer_optimizer_args)
         self.fragments: list[Fragment] = []
         for f, idx in enumerate(_split(named, n_frag)):
             outer = [torch.nn.Parameter(named[i][1].detach().clone()) for i in idx]
@@ -208,9 +217,12 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self.stats = CommStats()
         self._synced = {id(p) for frag in self.fragments for p in frag.params}
 
-    def _agree_on_schedule(self, n_frag: int, named: list[tuple[str, torch.Tensor]]) -> None:
+    def _agree_on_schedule(self, n_frag: int, named: list[tuple[str, torch.Tensor]],
+                           settings: dict[str, Any]) -> None:
         """Every replica must sync the same fragments at the same steps (else different rounds
-        would be averaged, or mismatched collectives abort): one MIN-allreduce at start."""
+        would be averaged, or mismatched collectives abort): one MIN-allreduce at start. Then
+        the same parameters and ``settings`` (the outer step and the wire), which would
+        otherwise leave the replicas' shared weights apart or abort the exchange."""
         mine = [self.sync_every, n_frag, self.overlap]
         t = torch.tensor(mine + [-v for v in mine], device=comm.group_device(self.group))
         lo = comm.allreduce(t, "min", group=self.group).tolist()
@@ -220,8 +232,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
             raise ConfigError(f"DiLoCo replicas disagree on the schedule ({spans} over the "
                               "replicas). Hint: give every rank the same sync_every, "
                               "fragments and overlap.")
-        if named:
-            checks.check_consistency(named, self.group)
+        checks.check_consistency(named, self.group,
+                                 {k: stable_repr(v) for k, v in settings.items()})
 
     # ----------------------------------------------------------------- the optimizer face
     #: ``torch.amp.GradScaler.step`` then calls :meth:`step` on an overflow too (setting
@@ -378,9 +390,9 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self._written()
 
     # ----------------------------------------------------------------- state
-    def state_dict(self) -> dict[str, Any]:
-        """Inner and outer state, the round position and any exchange under way (waited for:
-        every rank must call it at the same step)."""
+    def _state(self) -> dict[str, Any]:
+        """:meth:`state_dict`: inner and outer state, the round position and any exchange
+        under way (waited for: every rank must call it at the same step)."""
         flights = []
         for frag in self.fragments:
             f = frag.flight
@@ -389,14 +401,17 @@ class DiLoCoOptimizer(WrappedOptimizer):
         return {"inner": self.inner.state_dict(), "steps": self.steps,
                 "outer": [[o.detach().clone() for o in frag.outer] for frag in self.fragments],
                 "outer_optimizers": [frag.optimizer.state_dict() for frag in self.fragments],
-                "flights": flights, "compression": self.compression.state_dict()}
+                "flights": flights, "compression": self.compression.state_dict(),
+                "compressor": repr(self.compression)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`.
+    def _load_state(self, state: dict[str, Any]) -> None:
+        """:meth:`load_state_dict`: restore :meth:`state_dict`.
 
         Raises:
-            ConfigError: It was written with another number of fragments.
+            ConfigError: It was written with another number of fragments, or another
+                compressor (whose error-feedback state this one would drop).
         """
+        check_state_writer(self.compression, state.get("compression"), state.get("compressor"))
         if len(state["outer"]) != len(self.fragments):
             raise ConfigError(f"this DiLoCo state has {len(state['outer'])} fragment(s), the "
                               f"optimizer {len(self.fragments)}; resume with the same fragments.")
