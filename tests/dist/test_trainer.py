@@ -430,3 +430,35 @@ def test_backward_passes_per_step_runs_each_batch_as_micro_batches():
     for (w1, pos1, loss1), (w3, pos3, loss3) in zip(whole, accumulated):
         assert pos1 == pos3 == 4 and loss3 == pytest.approx(loss1, rel=1e-6)
         assert w3 == pytest.approx(w1, rel=1e-12, abs=1e-13)
+
+
+def _batchnorm_run():
+    g = torch.Generator().manual_seed(7 + parlay.rank())  # each rank its own data
+    ds = TensorDataset(torch.randn(24, 4, generator=g, dtype=torch.float64),
+                       torch.randint(0, 3, (24,), generator=g))
+
+    def build():
+        return (nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double(),
+                nn.CrossEntropyLoss())
+
+    v = torch.Generator().manual_seed(99)
+    val = TensorDataset(torch.randn(10, 4, generator=v, dtype=torch.float64),
+                        torch.randint(0, 3, (10,), generator=v))
+    t = parlay.Trainer(build, ds, batch_size=4, num_epochs=1, validation_dataset=val,
+                       progress=False)
+    t.train_to_end()
+    state = {k: v.clone() for k, v in t.model.state_dict().items()}
+    return state, t.validate(), val.tensors
+
+
+def test_batchnorm_statistics_follow_rank_0_so_every_rank_holds_and_scores_one_model():
+    (s0, m0, (x, y)), (s1, m1, _) = run_world(_batchnorm_run, 2)
+    assert s0.keys() == s1.keys() and all(torch.equal(s0[k], s1[k]) for k in s0)
+    assert m0 == m1
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)).double()
+    model.load_state_dict(s0)
+    model.eval()
+    # validate() shards the set over the ranks: the same model scores every shard
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(model(x), y).item()
+    assert m0["loss"] == pytest.approx(loss, rel=1e-10)

@@ -90,14 +90,18 @@ def _same_everywhere(text: str, group: Any) -> bool:
 
 
 def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
-                        process_group: Any = None) -> None:
+                        process_group: Any = None, *, check: bool = True) -> None:
     """Broadcast tensors in place from group rank ``root_rank``, one message per dtype/device.
+
+    Args:
+        check: First check that every rank holds the same tensors (one more collective; off
+            where the caller checked once already).
 
     Raises:
         ConfigError: On every rank, when the ranks hold different tensors (count, shapes or
             dtypes): a broadcast into other shapes would scramble them.
     """
-    if not _same_everywhere(repr([(t.dtype, tuple(t.shape)) for t in tensors]), process_group):
+    if check and not _same_everywhere(repr([(t.dtype, tuple(t.shape)) for t in tensors]), process_group):
         raise ConfigError("the ranks broadcast different tensors (their number, shapes or "
                           "dtypes differ), so the values cannot be copied. Hint: build the same "
                           "model (and optimizer) on every rank before broadcasting.")

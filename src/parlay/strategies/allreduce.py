@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from parlay import comm, runtime
-from parlay.dp.functions import broadcast_parameters
+from parlay.dp.functions import broadcast_parameters, coalesced_broadcast
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
@@ -191,6 +191,9 @@ class AllreduceStrategy(WholeModelStrategy):
         # The optimizer was just built from the same arguments on every rank and holds no state
         # yet, so there is nothing of it to broadcast (broadcast_optimizer_state would also
         # send a pickled skeleton, which the training path never unpickles).
+        # Buffers (BatchNorm's running statistics) follow rank 0's after every step, as under
+        # DDP's broadcast_buffers: every rank then evaluates, checks and saves the same model.
+        self._buffers = [b for b in model.buffers()] if self.dp_size > 1 else []
         opt = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         self.optimizer = DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), compression=self.compression,
@@ -223,6 +226,8 @@ class AllreduceStrategy(WholeModelStrategy):
                                         grads=grads)
 
         skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_, saved)
+        if self._buffers:  # the same on every rank at setup (_place broadcast them, checked)
+            coalesced_broadcast(self._buffers, 0, self.process_group, check=False)
         return StepResult(loss=loss, samples=n, skipped=skipped)
 
     @property
