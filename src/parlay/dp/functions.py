@@ -101,8 +101,8 @@ def coalesced_broadcast(tensors: list[torch.Tensor], root_rank: int = 0,
         ConfigError: On every rank, when the ranks hold different tensors (count, shapes or
             dtypes): a broadcast into other shapes would scramble them.
     """
-    layout = repr([(t.dtype, tuple(t.shape)) for t in tensors])
-    if check and not _same_everywhere(layout, process_group):
+    if check and not _same_everywhere(repr([(t.dtype, tuple(t.shape)) for t in tensors]),
+                                      process_group):
         raise ConfigError("the ranks broadcast different tensors (their number, shapes or "
                           "dtypes differ), so the values cannot be copied. Hint: build the same "
                           "model (and optimizer) on every rank before broadcasting.")
