@@ -190,7 +190,7 @@ class Trainer:
     def lr_factor(self, step: int | None = None) -> float:
         """Learning-rate multiplier for ``step`` (default: the next one): linear warm-up from
         1 to the replica count over ``warmup_steps`` (Goyal et al. 2017), then constant or a
-        cosine decay to 0 at the last step (``lr_schedule``)."""
+        cosine decay towards 0, reached just after the last step (``lr_schedule``)."""
         t = (self.state.step if step is None else step) + self.state.schedule_shift
         if self.warmup_steps > 0 and t < self.warmup_steps:
             return 1.0 + (self.lr_scale - 1.0) * t / self.warmup_steps

@@ -71,7 +71,9 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
     state["strategy"] = {**state["strategy"], "optimizer": opt}
     trainer, sampler = dict(state["trainer"]), dict(state["sampler"])
     batch = int(state["identity"]["batch_size"])
-    batches = trainer["batch_in_epoch"] * old // world  # the same samples consumed, re-sharded
+    # The samples consumed, re-sharded: rounded down to whole steps of the new world, so up to
+    # one step's samples less one are trained again (rather than skipped).
+    batches = trainer["batch_in_epoch"] * old // world
     sampler.update(world=world, num_replicas=world, rank=rank, position=batches * batch)
     per_epoch = ceil_div(len(ShardedSampler(sampler["n"], world, rank, shuffle=sampler["shuffle"],
                                             drop_last=sampler["drop_last"],
