@@ -127,3 +127,20 @@ def test_other_architecture_without_identity_is_a_checkpoint_error(two_rank_dir)
     for e in run_world(_train, 2, str(two_rank_dir), 8, 4, _build_wide):
         assert isinstance(e, CheckpointError) and "does not fit this model" in str(e)
         assert "size mismatch" in str(e) and "same model" in str(e)
+
+
+def _hybrid_with_sample(ckpt, steps, seed):
+    torch.manual_seed(seed)  # the example input is drawn anew by each run
+    options = {"pp": 2, "by": "params", "sample": torch.randn(4, 5)}
+    t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 1e-2}, batch_size=4,
+                       max_iteration=steps, checkpoint_dir=ckpt, checkpoint_every=2,
+                       progress=False, mode="hybrid", strategy_options=options)
+    start = t.state.step
+    while not t.should_stop():
+        t.train_on_batch()
+    return start, t.state.step
+
+
+def test_hybrid_resumes_with_an_example_input_drawn_anew(tmp_path):
+    assert run_world(_hybrid_with_sample, 2, str(tmp_path), 4, 1) == [(0, 4)] * 2
+    assert run_world(_hybrid_with_sample, 2, str(tmp_path), 6, 2) == [(4, 6)] * 2

@@ -62,14 +62,15 @@ def choose_interval(copy_s: float, step_s: float, budget: float = BUDGET) -> int
 def recipe(config: TrainerConfig, sampler: ShardedSampler) -> dict[str, str]:
     """The settings a checkpoint or snapshot must have been written with to be continued by
     this run, as stable strings (part of the run's identity). Not the length of training:
-    raising ``num_epochs`` and resuming is how a run is extended."""
+    raising ``num_epochs`` and resuming is how a run is extended; nor the values of hybrid's
+    example input (``sample``, by its shapes), which a restart may draw anew."""
     c = config
     fields = {"optimizer": c.optimizer, "optimizer_args": c.optimizer_args or {},
               "lr_schedule": c.lr_schedule, "warmup_epochs": c.warmup_epochs,
               "scaling_learning_rate": c.scaling_learning_rate, "precision": c.precision,
               "compression": c.compression, "grad_clip": c.grad_clip, "nonfinite": c.nonfinite,
-              "shard": c.shard,
-              "strategy_options": c.strategy_options or {}, "dataset_size": sampler.n,
+              "shard": c.shard, "strategy_options": shaped(c.strategy_options),
+              "dataset_size": sampler.n,
               "seed": sampler.seed, "shuffle": sampler.shuffle, "drop_last": sampler.drop_last}
     return {k: stable_repr(v) for k, v in fields.items()}
 
@@ -137,7 +138,7 @@ class Persistence:
                 "batch_size": c.batch_size, "num_epochs": c.num_epochs,
                 "max_iteration": c.max_iteration, "log_step_size": c.log_step_size,
                 "checkpoint_every": c.checkpoint_every, "snapshot_every": c.snapshot_every,
-                "replica_check": c.replica_check, "strategy_options": shaped(c.strategy_options),
+                "replica_check": c.replica_check,
                 "checkpoints": c.checkpoint_dir is not None}.items()}}, strategy.train_group)
         self.checkpoint_every = config.checkpoint_every
         self._report = report
