@@ -290,3 +290,19 @@ def test_an_exchange_saved_in_flight_resumes_at_another_world_size_as_an_average
         opt.step()
     after = torch.cat([o.detach().reshape(-1) for o in opt.fragments[0].outer])
     torch.testing.assert_close(before - after, saved["avg"], rtol=1e-6, atol=1e-7)
+
+
+def test_torch_state_dict_hooks_registered_on_the_wrapper_fire():
+    m = nn.Linear(3, 2)
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                          sync_every=2)
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "mine": 1})
+    opt.register_load_state_dict_pre_hook(
+        lambda o, sd: {k: v for k, v in sd.items() if k != "mine"})
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("loaded"))
+    sd = opt.state_dict()
+    assert sd["mine"] == 1 and seen == ["pre"]
+    opt.load_state_dict(sd)
+    assert seen == ["pre", "loaded"]
