@@ -115,6 +115,65 @@ def test_outputs_loss_and_gradients_equal_the_unpartitioned_model(world):
             assert chunks == 1 and sched == "gpipe"
 
 
+def _shared_model(block: bool) -> nn.Sequential:
+    """One module at positions 1 and 3: an activation, or (``block``) a Linear whose weights
+    the two positions share."""
+    torch.manual_seed(0)
+    again = nn.Linear(6, 6) if block else nn.Tanh()
+    return nn.Sequential(nn.Linear(5, 6), again, nn.Tanh() if block else nn.Linear(6, 6), again,
+                         nn.Linear(6, 3)).double()
+
+
+def _shared_modules():
+    pipe = Pipeline(_shared_model(False), nn.functional.mse_loss, stages=2, chunks=2)
+    out = pipe.step(*_batch())
+    grads = {k: p.grad.clone() for k, p in pipe.named_parameters()}
+    try:
+        Pipeline(_shared_model(True), nn.functional.mse_loss, stages=2, balance=[2, 3])
+    except ConfigError as e:
+        return out.loss, grads, pipe.partition.balance, str(e)
+    return None
+
+
+def test_a_module_used_twice_is_a_layer_at_both_positions():
+    # named_children() lists a module once: the second Tanh was dropped from the pipeline
+    ranks = run_world(_shared_modules, 2, comm_timeout=10, timeout=60)
+    _, ref_loss, ref_grads = _reference(_shared_model(False), *_batch())
+    torch.testing.assert_close(ranks[1][0], ref_loss, **TOL)
+    grads = {**ranks[0][1], **ranks[1][1]}
+    assert sorted(grads) == sorted(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
+    assert ranks[0][2] == (2, 3)  # the Tanh runs in both stages (positions 1 and 3)
+    # a shared block with parameters in two stages: each would train its own copy
+    for *_, msg in ranks:
+        assert "parameter 1.weight is shared by stage 0 and stage 1 (3.weight)" in msg, msg
+
+
+def _apart(case: str):
+    rank = parlay.rank()
+    kw = {"balance": dict(stages=2, balance=[2, 7] if rank == 0 else [4, 5]),
+          "chunks": dict(stages=2, chunks=2 if rank == 0 else 4),
+          "stages": dict(stages=1 if rank == 0 else 2)}[case]
+    try:
+        Pipeline(_model(), nn.functional.mse_loss, **kw)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("case, rank0, rank1", [
+    ("balance", "balance=(2, 7)", "balance=(4, 5)"), ("chunks", "chunks=2", "chunks=4"),
+    ("stages", "stages=1", "stages=2")])
+def test_pipeline_options_apart_between_ranks_are_refused_on_every_rank(case, rank0, rank1):
+    # balance apart trained layers owned by no rank; chunks apart failed in torch on one rank
+    # and timed out on the other; stages apart built mismatched mesh groups
+    msgs = run_world(_apart, 2, case, comm_timeout=5, timeout=60)
+    assert msgs[0] is not None and msgs[1] == msgs[0], msgs  # the same error on every rank
+    assert msgs[0].startswith("the ranks build their Pipeline with different settings: "), msgs
+    assert f"{rank0} on rank 0 but {rank1} on rank 1" in msgs[0] and "Hint" in msgs[0]
+
+
 # -- hybrid dp x pp ----------------------------------------------------------------------------
 
 STEPS, PER_REPLICA = 4, 8
@@ -232,6 +291,40 @@ def test_activation_dtype_and_bytes_between_stages(dtype, size):
         torch.testing.assert_close(grads[name], ref_grads[name], **tol)
     if dtype is not None:  # the cast is real: results differ from the float64 oracle
         assert not torch.equal(last[1], ref_loss)
+
+
+class _Emit(nn.Module):  # an (int64 mask, float32 activation) boundary
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 6)
+
+    def forward(self, x):
+        return (x[:, 0] > 0).long(), torch.tanh(self.lin(x))
+
+
+class _Use(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, xs):
+        mask, h = xs
+        return self.lin(h) * (1 + mask.unsqueeze(1).float())
+
+
+def _mixed_boundary():
+    torch.manual_seed(0)
+    pipe = Pipeline(nn.Sequential(_Emit(), _Use()), nn.functional.mse_loss, stages=2, chunks=2,
+                    activation_dtype="bf16")
+    x, y = (t.float() for t in _batch(8))
+    out = pipe.step(x, y)
+    return out.bwd_bytes, out.bwd_dense_bytes
+
+
+def test_gradient_dense_bytes_count_the_float_input_of_a_tuple_boundary():
+    # only the float32 element gets a gradient back; it was counted at the int64 mask's size
+    _, (wire, dense) = run_world(_mixed_boundary, 2)
+    assert (wire, dense) == (8 * 6 * 2, 8 * 6 * 4)
 
 
 # -- errors on real ranks ----------------------------------------------------------------------

@@ -164,6 +164,36 @@ def test_trainer_hybrid_equals_trainer_allreduce_with_the_same_replicas():
         torch.testing.assert_close(state[k], ref_state[k], **TOL, msg=k)
 
 
+def _summed(mode: str, options: dict):
+    import parlay
+
+    def build():
+        model, _ = build_training_func()
+        return model, nn.CrossEntropyLoss(reduction="sum")
+
+    t = parlay.Trainer(build, _trainer_dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.01}, batch_size=6, max_iteration=3, mode=mode,
+                       progress=False, shuffle=False, strategy_options=options)
+    losses = [t.train_on_batch() for _ in range(3)]
+    state = t.strategy.pipe.state_dict() if mode == "hybrid" else t.model.state_dict()
+    return losses, {k: v.clone() for k, v in state.items()}
+
+
+def test_trainer_hybrid_with_a_sum_loss_equals_trainer_allreduce():
+    # loss_reduction="sum": micro-batch losses add up; they were scaled by 1/chunks, dividing
+    # the reported loss and every gradient by 3
+    ref_losses, ref_state = run_world(_summed, 1, "allreduce", {})[0]
+    state = {}
+    for rank, (losses, sd) in enumerate(run_world(
+            _summed, 2, "hybrid", {"pp": 2, "chunks": 3, "loss_reduction": "sum"})):
+        if rank == 1:  # allreduce reports its loss through float32
+            torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=0)
+        state.update(sd)
+    assert sorted(state) == sorted(ref_state)
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], **TOL, msg=k)
+
+
 def _sampled(options: dict):
     import parlay
 

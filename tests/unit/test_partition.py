@@ -89,6 +89,16 @@ def test_balance_by_time_follows_the_slow_layer():
     assert max(part.stage_costs()) == pytest.approx(brute_force(list(part.costs), 2), rel=1e-6)
 
 
+def test_balancing_by_time_leaves_batchnorm_statistics_as_they_were():
+    # profiling runs every layer in training mode: it moved running_mean/var and counted
+    # num_batches_tracked before the first step
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3))
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    partition(model, 2, sample=torch.randn(4, 5) * 3 + 2, by="time")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, fresh[k], rtol=0, atol=0, msg=k)
+
+
 def test_build_shares_modules_and_keeps_names():
     model = mlp()
     part = partition(model, balance=[3, 2])

@@ -133,18 +133,24 @@ def _text(text: str, src: int, group: Any, size: int = 512) -> str:
 
 
 def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any,
-                      settings: dict[str, Any] | None = None) -> None:
+                      settings: dict[str, Any] | None = None,
+                      what: str = "wrap their optimizer with") -> None:
     """Check that every rank of ``group`` holds the same trainable parameters and ``settings``
     (those that shape the collectives, e.g. the shard level and bucket size): a collective.
 
     One allreduce of hashes when the ranks agree; on a mismatch a few more find the first
     difference, and every rank raises the same error describing it.
 
+    Args:
+        what: How the error says the ranks got the settings ("the ranks {what} different
+            settings: ...").
+
     Raises:
-        ConfigError: The ranks disagree on a setting, or on names, shapes, dtypes or the
-            number of parameters.
+        ConfigError: The ranks disagree on a setting (each one apart is named), or on names,
+            shapes, dtypes or the number of parameters.
     """
-    said = ", ".join(f"{k}={v!r}" for k, v in sorted((settings or {}).items()))
+    fields = [f"{k}={v!r}" for k, v in sorted((settings or {}).items())]
+    said = ", ".join(fields)
     mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
     hs = [_hash(e) for e in mine]
     total = _hash((tuple(hs), said))
@@ -160,11 +166,12 @@ def check_consistency(named: list[tuple[str, torch.Tensor]], group: Any,
     key = torch.tensor([me if int(ref) != _hash(said) else world], device=dev)
     comm.allreduce(key, "min", group=group)
     if int(key) < world:
-        a, b = _text(said, 0, group), _text(said, int(key), group)
-        raise ConfigError(
-            f"ranks wrap their optimizer with different settings: {a} on rank 0 but {b} on "
-            f"rank {comm.to_global_rank(group, int(key))}. Hint: pass the same arguments on "
-            "every rank.")
+        r, text = comm.to_global_rank(group, int(key)), "\x1f".join(fields)
+        at0, atr = (_text(text, src, group, 4096).split("\x1f") for src in (0, int(key)))
+        apart = "; ".join(f"{x} on rank 0 but {y} on rank {r}" for x, y in zip(at0, atr)
+                          if x != y) or f"{at0} on rank 0 but {atr} on rank {r}"  # (cut short)
+        raise ConfigError(f"the ranks {what} different settings: {apart}. Hint: pass the same "
+                          "arguments on every rank.")
     longest = -neg_most
     own = torch.tensor(hs + [-1] * (longest - len(hs)), dtype=torch.int64, device=dev)
     ref = own.clone()

@@ -233,7 +233,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
                               "replicas). Hint: give every rank the same sync_every, "
                               "fragments and overlap.")
         checks.check_consistency(named, self.group,
-                                 {k: stable_repr(v) for k, v in settings.items()})
+                                 {k: stable_repr(v) for k, v in settings.items()},
+                                 what="build their DiLoCoOptimizer with")
 
     # ----------------------------------------------------------------- the optimizer face
     #: ``torch.amp.GradScaler.step`` then calls :meth:`step` on an overflow too (setting

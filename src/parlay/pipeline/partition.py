@@ -80,8 +80,7 @@ class Partition:
         """The layers of ``stage`` as an ``nn.Sequential`` that shares (not copies) the
         model's modules and keeps their names, so ``"3.weight"`` means the same parameter in
         the stage and in the full model."""
-        children = dict(model.named_children())
-        return nn.Sequential(OrderedDict((n, children[n]) for n in self.stage_names(stage)))
+        return nn.Sequential(OrderedDict((n, model._modules[n]) for n in self.stage_names(stage)))
 
 
 def _check_stages(stages: Any, n_layers: int) -> int:
@@ -167,7 +166,8 @@ def profile_layers(layers: Sequence[nn.Module], sample: Any, repeats: int = 3) -
     """Forward+backward seconds of every layer on ``sample`` (median of ``repeats`` runs).
 
     Gradients go through ``torch.autograd.grad``, so no ``.grad`` is touched; the RNG state
-    is restored afterwards so profiling does not change dropout masks of the training run.
+    and the layers' buffers are restored afterwards so profiling does not change dropout masks
+    of the training run or BatchNorm's running statistics.
 
     Args:
         layers: The layers, in order.
@@ -179,7 +179,7 @@ def profile_layers(layers: Sequence[nn.Module], sample: Any, repeats: int = 3) -
     """
     costs: list[float] = []
     x = sample
-    with torch.random.fork_rng(devices=[]):
+    with kept_state(nn.ModuleList(layers)):
         for layer in layers:
             runs: list[float] = []
             for k in range(repeats + 1):
@@ -236,13 +236,12 @@ def check_boundaries(model: nn.Module, part: Partition, sample: Any) -> list[Any
     Raises:
         ConfigError: A boundary value is not a tensor or a tuple of tensors.
     """
-    children = dict(model.named_children())
     outs: list[Any] = []
     x = sample
     with torch.no_grad(), kept_state(model):
         for s in range(part.num_stages):
             for name in part.stage_names(s):
-                x = _call(children[name], x)
+                x = _call(model.get_submodule(name), x)
             if s < part.num_stages - 1 and _tensors(x) is None:
                 kind = type(x).__name__
                 raise ConfigError(
@@ -285,7 +284,8 @@ def _check_inputs(model: nn.Module, by: str, balance: Any, split_points: Any) ->
             f"partition expects an nn.Sequential, got {type(model).__name__}. Hint: express "
             "the model as nn.Sequential(...) of its layers, or give parlay.pipeline.Pipeline "
             "split_points=[...] naming submodules, which traces the model instead.")
-    names = [n for n, _ in model.named_children()]
+    # Every position is a layer, a module used twice too (named_children() skips repeats).
+    names = list(model._modules)
     if not names:
         raise ConfigError("the nn.Sequential has no layers to split.")
     if by not in _BYS:
@@ -319,7 +319,7 @@ def partition(model: nn.Module, stages: int | None = None, *,
             (when ``sample`` is given) a stage boundary that carries no tensor.
     """
     names = _check_inputs(model, by, balance, split_points)
-    layers = [m for _, m in model.named_children()]
+    layers = [model.get_submodule(n) for n in names]
     costs: list[float] = []
     if split_points is not None:
         bal = _from_split_points(names, split_points, stages)

@@ -33,7 +33,8 @@ import torch.nn as nn
 
 from parlay import comm, runtime
 from parlay.errors import ConfigError
-from parlay.pipeline.hybrid import HybridMesh, build_mesh, mean_over
+from parlay.dp.checks import check_consistency
+from parlay.pipeline.hybrid import HybridMesh, _positive, build_mesh, mean_over
 from parlay.pipeline.partition import Partition, check_boundaries, partition
 from parlay.pipeline.schedule import (
     InstrumentedStage,
@@ -77,13 +78,15 @@ def _virtual_stages(virtual_stages: Any, spec: ScheduleSpec, schedule: str) -> i
     return v
 
 
-def _default_mesh(stages: int | None, dp: int | None) -> HybridMesh:
+def _ranks_per_pipeline(stages: int | None, dp: int | None, mesh: HybridMesh | None) -> int:
     if not dist.is_initialized():
         raise ConfigError("the pipeline needs a process group. Hint: call parlay.init() first.")
+    if mesh is not None:
+        return mesh.pp
     if stages is None:
         world = dist.get_world_size()
         stages = world // dp if dp else world
-    return build_mesh(stages, dp)
+    return _positive("pp (stages)", stages)
 
 
 class Pipeline:
@@ -125,7 +128,8 @@ class Pipeline:
 
     Raises:
         ConfigError: Bad arguments (see :func:`parlay.pipeline.partition` for the partition
-            errors) or a world that is not ``dp x stages`` ranks.
+            errors), a world that is not ``dp x stages`` ranks, or ranks apart on a setting
+            that shapes the schedule (compared at construction, refused on every rank).
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None = None, *,
@@ -140,15 +144,29 @@ class Pipeline:
         self.spec: ScheduleSpec = get_schedule(schedule)
         v = _virtual_stages(virtual_stages, self.spec, schedule)
         self.wire_dtype = wire_dtype(activation_dtype)
-        self.mesh = mesh = mesh if mesh is not None else _default_mesh(stages, dp)
+        pp = _ranks_per_pipeline(stages, dp, mesh)
         self.chunks, self.virtual_stages = chunks, v
         self.loss_reduction = loss_reduction
-        self.num_stages = mesh.pp * v
+        self.num_stages = pp * v
         self.device = runtime.device() if runtime.is_initialized() else torch.device("cpu")
         self.traced = not isinstance(model, nn.Sequential)
         self.seq = as_sequential(model, split_points, sample)
         self.partition: Partition = self._cut(balance, split_points, sample, by)
+        # Compared before the mesh is built (ranks apart on stages would build other groups).
+        timed = self.partition.method == "time"  # each rank's own profile: agreed below
+        settings = {"stages": pp, "virtual_stages": v, "schedule": self.spec.name,
+                    "chunks": chunks, "layers": len(self.partition.names),
+                    "balance": "by time" if timed else self.partition.balance,
+                    "loss_reduction": loss_reduction, "trains": loss_fn is not None,
+                    "activation_dtype": self.wire_dtype, "dp": mesh.dp if mesh else dp,
+                    "autocast_dtype": autocast_dtype, "sync_parameters": sync_parameters}
+        check_consistency([], None, settings, what="build their Pipeline with")
+        if timed and dist.get_world_size() > 1:
+            # Profiles differ between ranks; everyone must cut the model the same way. Only
+            # numbers travel (tensors, never a pickle): the layer names are the same model's.
+            self.partition = _agree_on_partition(self.partition, comm.group_device())
         _check_untied(self.seq, self.partition)
+        self.mesh = mesh = mesh if mesh is not None else build_mesh(pp, dp)
         self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
         self.modules: list[StageModule] = []
         for s in self.stage_ids:
@@ -172,19 +190,14 @@ class Pipeline:
 
     def _cut(self, balance: list[int] | None, split_points: list[str] | None, sample: Any,
              by: str) -> Partition:
-        """The partition of ``self.seq`` into stages, agreed by every rank when timed."""
+        """The partition of ``self.seq`` into stages (this rank's profile when timed)."""
         explicit = balance is not None or split_points is not None
         by_time = not explicit and (by == "time" or (by == "auto" and sample is not None))
         known = by in ("auto", "time", "params")  # else partition() refuses it by name
-        part = partition(self.seq, self.num_stages, balance=balance,
+        return partition(self.seq, self.num_stages, balance=balance,
                          split_points=split_points if not self.traced else None,
                          sample=sample if by_time else None,
                          by="time" if by_time else "params" if known else by)
-        if part.method == "time" and dist.get_world_size() > 1:
-            # Profiles differ between ranks; everyone must cut the model the same way. Only
-            # numbers travel (tensors, never a pickle): the layer names are the same model's.
-            part = _agree_on_partition(part, comm.group_device())
-        return part
 
     # ------------------------------------------------------------------ structure
     @property
@@ -419,7 +432,7 @@ def _check_untied(seq: nn.Sequential, part: Partition) -> None:
     Raises:
         ConfigError: Naming the parameter and the stages.
     """
-    children = dict(seq.named_children())
+    children = seq._modules
     owner: dict[int, tuple[int, str]] = {}
     for s in range(part.num_stages):
         for name in part.stage_names(s):

@@ -236,6 +236,8 @@ class InstrumentedStage(PipelineStage):
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
         ops = super().get_bwd_send_ops(bwd_chunk_id)
         dense = getattr(self.submod, "in_dtypes", None)
+        if isinstance(dense, (tuple, list)):  # gradients go back for the float inputs only
+            dense = [d for d in dense if d is not None and d.is_floating_point]
         wire = getattr(self.submod, "wire_dtype", None)
         for k, op in enumerate(ops):
             self.meter.bwd_bytes += _nbytes(op.tensor)

@@ -43,6 +43,9 @@ class HybridStrategy(StepTemplate):
         balance / split_points / sample / by / virtual_stages / activation_dtype: See
             :class:`~parlay.pipeline.Pipeline` (a model that is not an ``nn.Sequential`` is
             traced at its ``split_points``, with ``sample``, an example micro-batch input).
+        loss_reduction: ``"mean"`` (default) or ``"sum"``: the reduction of the loss
+            ``build_training_func`` returns. Micro-batch losses are averaged for ``"mean"``
+            and added up for ``"sum"``, so the loss and gradients equal the unsplit batch's.
         bucket_cap_mb: Gradient bucket size of the data-parallel engine.
         loss_scale: Initial fp16 loss scale (default 2**16).
         shard: Shard each stage's training state over its replicas (``"optimizer"``,
@@ -59,8 +62,9 @@ class HybridStrategy(StepTemplate):
                  schedule: str = "1f1b", balance: list[int] | None = None,
                  split_points: list[str] | None = None, sample: Any = None, by: str = "auto",
                  virtual_stages: int | None = None, activation_dtype: Any = None,
-                 bucket_cap_mb: float = 25.0, loss_scale: float | None = None,
-                 shard: str | None = None, **unknown: Any) -> None:
+                 loss_reduction: str = "mean", bucket_cap_mb: float = 25.0,
+                 loss_scale: float | None = None, shard: str | None = None,
+                 **unknown: Any) -> None:
         reject_unknown(HybridStrategy, unknown)
         # Stages hold different gradients: the overflow flag is agreed over the world.
         super().__init__(precision, grad_clip, loss_scale, scaler_group=None, scaler_agree=True)
@@ -68,8 +72,8 @@ class HybridStrategy(StepTemplate):
         self._pp = pp
         self.options = dict(chunks=chunks, schedule=schedule, balance=balance,
                             split_points=split_points, sample=sample, by=by,
-                            virtual_stages=virtual_stages,
-                            activation_dtype=activation_dtype)
+                            virtual_stages=virtual_stages, activation_dtype=activation_dtype,
+                            loss_reduction=loss_reduction)
         self.bucket_cap_mb = bucket_cap_mb
         self.shard = shard
         self.pipe: Pipeline | None = None
@@ -135,7 +139,7 @@ class HybridStrategy(StepTemplate):
         self._refuse_servers()
         self.pipe = Pipeline(model, loss_fn, stages=self.pp,
                              autocast_dtype=PRECISIONS[self.precision], **self.options)
-        part, layers = self.pipe.partition, dict(self.pipe.seq.named_children())
+        part, layers = self.pipe.partition, self.pipe.seq._modules
         empty = [f"stage {s} ({', '.join(f'{n}: {type(layers[n]).__name__}' for n in names)})"
                  for s, names in enumerate(map(part.stage_names, range(part.num_stages)))
                  if not any(True for n in names for _ in layers[n].parameters())]
