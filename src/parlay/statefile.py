@@ -144,6 +144,15 @@ def verify(obj: Any, path: Path, what: str = "checkpoint", retry: str = _RETRY, 
     return obj
 
 
+def _is_zip(path: Path) -> bool:
+    """``zipfile.is_zipfile``, which itself raises on some corrupt archives (a flipped byte in
+    the zip64 end record: "zipfiles that span multiple disks are not supported")."""
+    try:
+        return zipfile.is_zipfile(path)
+    except zipfile.BadZipFile:
+        return False
+
+
 def _unreadable(path: Path, err: BaseException, what: str, retry: str) -> str:
     """Why ``torch.load`` failed on ``path``, told apart by what the file is (torch's own
     message for a non-archive speaks of weights_only, which would mislead)."""
@@ -152,7 +161,7 @@ def _unreadable(path: Path, err: BaseException, what: str, retry: str) -> str:
     size = path.stat().st_size if path.exists() else 0
     if size == 0:
         state = "empty (0 bytes): it is truncated or corrupt"
-    elif not zipfile.is_zipfile(path):
+    elif not _is_zip(path):
         state = (f"not a valid {what} file ({size} bytes that are not a torch.save archive): it is "
                  "truncated or corrupt")
     elif "weights_only" in text or "Unsupported global" in text:
