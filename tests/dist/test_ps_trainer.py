@@ -110,6 +110,22 @@ def test_trainer_ps_resume_restores_server_shards(tmp_path):
             torch.testing.assert_close(p, q, **TOL)
 
 
+def test_servers_files_swapped_are_refused_and_the_step_before_resumed(tmp_path):
+    # Each server's file records its server: swapped under each other's names, they were
+    # loaded silently (each server went on from the other's shard).
+    env = {"PARLAY_NUM_PS": "2"}
+    run_world(_trainer_ps_resumable, 4, str(tmp_path), 2, env=env)
+    a, b = (tmp_path / "ps" / f"ps-{k}.step-0000000002.pt" for k in (0, 1))
+    a_bytes = a.read_bytes()
+    a.write_bytes(b.read_bytes())
+    b.write_bytes(a_bytes)
+    out = run_world(_trainer_ps_resumable, 4, str(tmp_path), None, env=env)
+    ref = _oracle(2)
+    for params in out[2:]:
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, **TOL)
+
+
 def test_a_fresh_run_keeps_its_own_server_files_beside_an_older_run_s(tmp_path):
     # A finished run left the servers' files of steps 4-6 in ps/; the workers' files were
     # deleted ("start afresh"). The new run's servers wrote steps 1 and 2 and pruned them at

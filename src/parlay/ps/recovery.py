@@ -158,7 +158,7 @@ def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
             if s.is_ps else s.resume_steps or _residuals_step(s.residuals_path))
     if s.is_ps and disk:
         disk = verified_steps(disk, lambda t: read_shard(step_path(s.checkpoint_dir, s.rank, t),
-                                                         t), s.rank)
+                                                         t, s.rank), s.rank)
     store = open_snapshots(s) if s.consistency.aggregate and (s.is_ps or s.snapshots) else None
     snaps = verified_steps(store.steps(), store.load, s.rank) if store is not None else []
     r = agree_resume(disk, snaps, is_worker=not s.is_ps,

@@ -51,11 +51,12 @@ def snapshot_steps(checkpoint_dir: str, index: int) -> list[int]:
     return sorted(int(m.group(2)) for m in found if m and int(m.group(1)) == index)
 
 
-def read_shard(path: str, tag: int | None = None) -> dict[str, Any]:
-    """A server's checkpoint file, verified (its CRC-32, and its step when ``tag`` is given).
+def read_shard(path: str, tag: int | None = None, server: int | None = None) -> dict[str, Any]:
+    """A server's checkpoint file, verified (its CRC-32, its step when ``tag`` is given and its
+    server when ``server`` is).
 
     Raises:
-        CheckpointError: Unreadable, corrupt, or of another step than its name says.
+        CheckpointError: Unreadable, corrupt, or of another step or server than its name says.
     """
     try:
         sd = torch.load(path, weights_only=True)
@@ -69,6 +70,12 @@ def read_shard(path: str, tag: int | None = None) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path!r} says step {sd.get('tag')}, its name says "
                               f"step {tag}: it was copied or renamed. Hint: delete it (and "
                               "the workers' files of that step) to resume the previous one.")
+    if server is not None and sd.get("server", server) != server:
+        raise CheckpointError(f"checkpoint {path!r} holds server {sd['server']}'s shard, its name "
+                              f"says server {server}: it was copied, renamed or swapped. Hint: "
+                              "put each server's files back under their own names, or delete "
+                              "the step (with the workers' files of it) to resume the previous "
+                              "one.")
     return dict(sd)
 
 
@@ -147,7 +154,7 @@ class ShardPersistence:
                 pass
 
     def _load(self, path: str, tag: int | None = None) -> tuple[int, list[int]]:
-        return self._restore(read_shard(path, tag), f"checkpoint {path!r}")
+        return self._restore(read_shard(path, tag, self.index), f"checkpoint {path!r}")
 
     def _restore(self, sd: dict[str, Any], what: str) -> tuple[int, list[int]]:
         n = len(self.worker_ranks)
