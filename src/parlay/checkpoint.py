@@ -210,7 +210,8 @@ class CheckpointManager:
         A state holding a NaN, or an infinity outside tensors ``allow_inf`` accepts (e.g. a
         model's ``-inf`` attention-mask buffers), is refused on every rank: it would replace
         the good checkpoints it is meant to protect. Pruning keeps the ``keep_last - 1``
-        newest older steps besides this one, so the newest good checkpoint always stays.
+        newest older steps every rank holds besides this one, so the newest good checkpoint
+        always stays (a step only some ranks hold is deleted).
 
         Raises:
             CheckpointError: Any rank failed to write or held a non-finite value (raised on
@@ -249,9 +250,14 @@ class CheckpointManager:
                 path.unlink(missing_ok=True)
             raise err or CheckpointError(f"checkpoint at step {step} failed on another rank "
                                          "(see that rank's error); previous checkpoints are kept.")
+        # Keep the newest keep_last - 1 older steps every rank holds: a step some rank lacks
+        # (the job ended while writing it) can never be resumed, so it must not count.
         older = [s for s in self.steps() if s < step]
-        for old in older[:max(0, len(older) - (self.keep_last - 1))]:
-            self.path(old).unlink(missing_ok=True)
+        common = self._common_steps(older)[0]
+        keep = set(common[max(0, len(common) - (self.keep_last - 1)):])
+        for old in older:
+            if old not in keep:
+                self.path(old).unlink(missing_ok=True)
         kept = {self.dcp_path(s) for s in {*self.steps(), step}}
         for folder in set(self.directory.glob("ckpt-*.dcp")) - kept if chief else ():
             shutil.rmtree(folder, ignore_errors=True)  # the shards of steps no longer kept

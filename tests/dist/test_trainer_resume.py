@@ -32,11 +32,12 @@ def _build():
 
 
 def _train(ckpt_dir, max_iteration, checkpoint_every=None, keep_last=3, compression=None,
-           prefetch=None):
+           prefetch=None, reshard=False):
     t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 1e-2}, batch_size=BATCH,
                        max_iteration=max_iteration, checkpoint_dir=ckpt_dir,
                        checkpoint_every=checkpoint_every, keep_last=keep_last,
-                       compression=compression, prefetch=prefetch, progress=False)
+                       compression=compression, prefetch=prefetch, progress=False,
+                       reshard=reshard)
     start = t.state.step
     losses = []
     while not t.should_stop():
@@ -125,3 +126,23 @@ def test_the_summary_of_an_epoch_spanning_a_resume_covers_it_whole(tmp_path):
     full = _epoch_lines(tmp_path / "full.jsonl")
     assert [e[:3] for e in full] == [(0, 6, 44), (1, 12, 44)]
     assert _epoch_lines(tmp_path / "cut.jsonl") == full
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_a_step_one_rank_did_not_write_is_neither_resumed_nor_kept_over_a_whole_one(tmp_path,
+                                                                                     reshard):
+    # The job ended between the ranks' files of step 8: rank 1's is missing. reshard=True
+    # took rank 0's file alone for a 1-rank checkpoint and resharded it (a batch trained
+    # twice); and the next save's pruning counted step 8 on rank 0, deleting step 6, the
+    # newest step every rank held, while keeping the torn one.
+    full = run_world(_train, 2, None, TOTAL, None, 2)
+    run_world(_train, 2, str(tmp_path), CUT, 2, 2)
+    (tmp_path / f"ckpt-{CUT:010d}.rank1.pt").unlink()
+    second = run_world(_train, 2, str(tmp_path), 9, 3, 2, None, None, reshard)
+    assert [second[r][0] for r in range(2)] == [6, 6]
+    names = sorted(p.name for p in tmp_path.glob("ckpt-*.pt"))
+    assert names == [f"ckpt-{s:010d}.rank{r}.pt" for s in (6, 9) for r in range(2)]
+    third = run_world(_train, 2, str(tmp_path), TOTAL, 3, 2, None, None, reshard)
+    for r in range(2):
+        assert third[r][0] == 9
+        assert all(torch.equal(p, q) for p, q in zip(full[r][2], third[r][2]))

@@ -42,18 +42,30 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
             (model, mode, batch size or settings differ).
     """
     complete = {s: len(r) for s, r in ckpt.written().items() if r == set(range(len(r)))}
-    if not complete or complete[max(complete)] == world:
-        return None
-    if identity.get("mode") != "allreduce":
-        raise CheckpointError(f"checkpoint step {max(complete)} in {ckpt.directory} was written "
-                              f"by {complete[max(complete)]} rank(s), this run has {world}; "
-                              "reshard=True resumes mode 'allreduce' only. Fix: relaunch with "
-                              "the layout that wrote it.")
-    state = ckpt.first_usable(list(complete), lambda s: ckpt.path(s, 0))
+    state: dict[str, Any] | None = None
+    tried = False
+    while complete and complete[max(complete)] != world:  # the newest is another world's
+        tried = True
+        step, old = max(complete), complete.pop(max(complete))
+        state = ckpt.first_usable([step], lambda s: ckpt.path(s, 0))  # (it warns if not)
+        wrote = None if state is None else (state.get("identity") or {}).get("world_size", old)
+        if state is not None and wrote != old:  # ranks 0..old-1 of a larger run: a torn step
+            state = None
+            warnings.warn(f"checkpoint step {step} holds the files of {old} of its {wrote} "
+                          "ranks (the job ended while writing it): falling back to the "
+                          "previous one.", stacklevel=3)
+        if state is not None:
+            break
     if state is None:
+        if complete or not tried:  # none, or the newest usable is this world's: as usual
+            return None
         raise CheckpointError(f"no checkpoint in {ckpt.directory} is usable on every rank (see "
                               "the warnings). Nothing was deleted.")
-    step, old = state["step"], complete[state["step"]]
+    if identity.get("mode") != "allreduce":
+        raise CheckpointError(f"checkpoint step {step} in {ckpt.directory} was written "
+                              f"by {old} rank(s), this run has {world}; "
+                              "reshard=True resumes mode 'allreduce' only. Fix: relaunch with "
+                              "the layout that wrote it.")
     saved = {k: v for k, v in (state.get("identity") or {}).items() if k not in LAYOUT_FIELDS}
     problem = describe_mismatch(saved, {k: v for k, v in identity.items()
                                         if k not in LAYOUT_FIELDS})
