@@ -216,7 +216,9 @@ class HybridStrategy(StepTemplate):
         if got != want:
             raise ConfigError(f"checkpoint holds stages {got[0]} with balance {got[1]}, this rank "
                               f"runs stages {want[0]} with balance {want[1]}. Hint: resume with "
-                              "the same pp, schedule and balance.")
+                              "the same pp, schedule and balance (a split by profiled time is "
+                              "measured anew at each start: pin it with strategy_options "
+                              "balance=[...] from a run's first start on).")
         pipe.load_state_dict(state["model"], strict=not self.shard)
         self.optimizer.load_state_dict(state["optimizer"])
         self._load_scaler_state(state)
