@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from parlay import comm, runtime
+from parlay.errors import ConfigError
 
 __all__ = ["Meter", "reduce_meters", "MetricsLogger", "default_metrics", "choose_printer"]
 
@@ -105,6 +106,9 @@ class MetricsLogger:
             printer prints a line at each log step).
         stream: Where summaries go (default ``sys.stdout``).
         epoch_so_far: What :attr:`epoch_so_far` was when the state resumed was saved.
+
+    Raises:
+        ConfigError: The printer cannot create ``jsonl_path``.
     """
 
     def __init__(self, *, printer: bool, reduces: bool, group: Any = None,
@@ -138,8 +142,12 @@ class MetricsLogger:
         """Make this rank the one that prints and writes, or not (the first printer may be a
         worker that was lost)."""
         if printer and not self.printer and self._path is not None:
-            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._path, "a", encoding="utf-8")
+            try:
+                Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self._path, "a", encoding="utf-8")
+            except OSError as e:
+                raise ConfigError(f"cannot create metrics_path {self._path}: {e}. Hint: a "
+                                  "path in a writable folder, or metrics_path=None.") from e
         elif not printer and self._file is not None:
             self._file.close()
             self._file = None

@@ -25,11 +25,29 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, Sampler,
+                              TensorDataset)
 
 from parlay.errors import ConfigError
 
-__all__ = ["build_loader", "IndexBatchSampler", "Prefetcher"]
+__all__ = ["build_loader", "check_dataset", "IndexBatchSampler", "Prefetcher"]
+
+
+def check_dataset(name: str, dataset: Any, pairs: bool = True) -> None:
+    """Raise ConfigError unless ``dataset`` is a map-style dataset (of ``(input, target)``
+    pairs with ``pairs``: its first sample is read to see)."""
+    hint = ("Hint: for arrays X, y pass parlay.data.from_arrays(X, y) (or torch.utils.data."
+            "TensorDataset(X, y)), not the tuple (X, y); a Dataset's __getitem__(i) returns "
+            "(input, target).")
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") \
+            or not hasattr(dataset, "__len__"):
+        raise ConfigError(f"{name} must be a map-style Dataset (a sized dataset, with __len__ "
+                          f"and __getitem__), got {type(dataset).__name__}. {hint}")
+    sample = dataset[0] if pairs and len(dataset) else (None, None)
+    if not (isinstance(sample, (tuple, list)) and len(sample) == 2):
+        size = f" of {len(sample)}" if isinstance(sample, (tuple, list)) else ""
+        raise ConfigError(f"each sample of {name} must be an (input, target) pair; {name}[0] is "
+                          f"a {type(sample).__name__}{size}. {hint}")
 
 
 class _BatchIndexed(Dataset[Any]):
@@ -165,8 +183,9 @@ def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, 
         An object whose ``iter()`` starts one pass (from the sampler's current position).
 
     Raises:
-        ConfigError: Bad sizes or counts.
+        ConfigError: Bad sizes or counts, or ``dataset`` is not map-style.
     """
+    check_dataset("the dataset", dataset, pairs=False)
     tensors = _tensor_view(dataset) if collate_fn is None else None
     if prefetch is None:
         prefetch = 0 if num_workers == 0 else 2

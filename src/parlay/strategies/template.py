@@ -31,7 +31,7 @@ from parlay.strategies.base import Strategy
 
 __all__ = ["PRECISIONS", "check_precision", "autocast_context", "check_grad_clip",
            "build_optimizer", "to_device", "batch_size_of", "micro_batches", "replicated_part",
-           "LossScaler", "StepTemplate"]
+           "LossScaler", "StepTemplate", "checked_loss"]
 
 #: precision name -> autocast dtype (None: no autocast).
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16,
@@ -116,6 +116,20 @@ def batch_size_of(y: Any) -> int:
     else 1."""
     rows = [len(t) for t in _tree.tensors_in(y) if t.dim()]
     return rows[0] if rows else len(y) if hasattr(y, "__len__") else 1
+
+
+def checked_loss(loss_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """``loss_fn`` refusing a result that is not a one-number tensor (a type and size check)."""
+    def loss(output: Any, target: Any) -> torch.Tensor:
+        value = loss_fn(output, target)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            shape = f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
+            raise ConfigError(f"the loss function of build_training_func returned a "
+                              f"{type(value).__name__}{shape}; it must return a scalar tensor "
+                              "(the batch mean). Hint: e.g. nn.CrossEntropyLoss() with the "
+                              "default reduction='mean'.")
+        return value
+    return loss
 
 
 def micro_batches(batch: Any, n: int, k: int) -> list[Any]:

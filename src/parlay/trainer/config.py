@@ -226,10 +226,6 @@ class TrainerConfig:
         if self.build_validation_func is not None and not callable(self.build_validation_func):
             raise ConfigError("build_validation_func must be a function returning "
                               "fn(output, target) -> {name: batch mean}.")
-        if self.validation_dataset is not None and not hasattr(self.validation_dataset,
-                                                               "__len__"):
-            raise ConfigError("validation_dataset must be a sized dataset (with len()), got "
-                              f"{type(self.validation_dataset).__name__}.")
         for name in ("batch_size", "log_step_size"):
             check_positive(name, getattr(self, name), allow_none=False)
         for name in ("num_epochs", "max_iteration", "checkpoint_every", "validation_batch_size"):

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import Dataset
 
 from parlay import _tree, comm
-from parlay.data.loader import build_loader
+from parlay.data.loader import build_loader, check_dataset
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import ConfigError
 from parlay.strategies import Strategy
@@ -28,10 +28,15 @@ class Evaluation:
         dataset: The default dataset (``Trainer(validation_dataset=...)``), or None.
         batch_size: Validation batch size.
         loader_options: ``num_workers``, ``prefetch`` and ``pin_memory`` for the loaders.
+
+    Raises:
+        ConfigError: ``dataset`` is no map-style dataset of ``(input, target)`` pairs.
     """
 
     def __init__(self, strategy: Strategy, metric_fn: Callable[..., dict[str, Any]],
                  dataset: Dataset | None, batch_size: int, **loader_options: Any) -> None:
+        if dataset is not None:  # at construction, where a failure reaches waiting servers
+            check_dataset("validation_dataset", dataset)
         self.strategy, self.metric_fn = strategy, metric_fn
         self.dataset, self.batch_size = dataset, batch_size
         self.loader_options = loader_options
@@ -51,6 +56,8 @@ class Evaluation:
         pipeline's last stage tells its other stages); ``{}`` at once on ranks that take no data
         (parameter servers)."""
         s = self.strategy
+        if dataset is not None:
+            check_dataset("validate()'s dataset", dataset)
         if not s.consumes_data:
             return {}
         if dataset is None:

@@ -20,14 +20,14 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 from parlay import runtime
-from parlay.data.loader import build_loader
+from parlay.data.loader import build_loader, check_dataset
 from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, choose_printer, default_metrics
 from parlay.nonfinite import NonFiniteGuard, with_step
 from parlay.runinfo import stable_repr
 from parlay.strategies import StepResult, Strategy, get_strategy
-from parlay.strategies.template import batch_size_of
+from parlay.strategies.template import batch_size_of, checked_loss
 from parlay.trainer.config import TrainerConfig, TrainerState, check_positive
 from parlay.trainer.evaluation import Evaluation
 from parlay.trainer.persistence import Persistence, check_same_settings, shaped
@@ -110,7 +110,7 @@ class Trainer:
             raise ConfigError(f"build_training_func() must return (model, loss_fn) with an "
                               f"nn.Module and a callable loss_fn(output, target), got "
                               f"{type(built).__name__}. Hint: return model, nn.CrossEntropyLoss().")
-        model, self.loss_fn = built
+        model, self.loss_fn = built[0], checked_loss(built[1])
         if cfg.checkpoint_dir is not None:
             s.use_checkpoint_dir(str(cfg.checkpoint_dir))
         s.setup(model, self.loss_fn, cfg.optimizer, dict(cfg.optimizer_args or {}))
@@ -123,13 +123,10 @@ class Trainer:
     def _build_data(self, dataset: Dataset) -> None:
         """Shard the data over the replicas and derive the step counts and LR scaling."""
         cfg, s = self.config, self.strategy
-        try:
-            n = len(dataset)  # type: ignore[arg-type]
-        except TypeError:
-            raise ConfigError(
-                "training_dataset must be a map-style Dataset with __len__.") from None
-        self.sampler = ShardedSampler(n, s.dp_size, s.dp_rank, shuffle=cfg.shuffle,
-                                      seed=cfg.seed or 0, drop_last=cfg.drop_last)
+        check_dataset("training_dataset", dataset)  # here, failures reach waiting servers
+        self.sampler = ShardedSampler(len(dataset), s.dp_size, s.dp_rank,  # type: ignore[arg-type]
+                                      shuffle=cfg.shuffle, seed=cfg.seed or 0,
+                                      drop_last=cfg.drop_last)
         self._loader_options: dict[str, Any] = {"num_workers": cfg.num_workers,
                                                 "prefetch": cfg.prefetch,
                                                 "pin_memory": runtime.device().type == "cuda"}
