@@ -100,6 +100,26 @@ def test_fp16_scale_rescues_tiny_gradients():
     torch.testing.assert_close(out, x, rtol=2.0 ** -11, atol=0)
 
 
+def test_fp16_scale_climbs_when_every_gradient_underflowed():
+    # 2e-8 rounds to 0 in fp16 (3e-8 rounds up to the smallest subnormal): the first result
+    # is all zero, and the scale used to stay at 1 forever, sending zeros every step
+    x = torch.full((8,), 2e-8)
+    c = FP16()
+    assert simulate([c], [x])[0].abs().max() == 0
+    torch.testing.assert_close(simulate([c], [x])[0], x, rtol=2.0 ** -11, atol=0)
+
+
+@pytest.mark.parametrize("make", [lambda: TopK(0.01), lambda: RandomK(0.01)],
+                         ids=["topk", "randomk"])
+def test_a_nan_the_selection_passes_over_still_reaches_the_sum(make):
+    # A large bucket's top-k selects by a threshold, which drops NaN, and random-k may not draw
+    # it: the NaN stayed behind (its residual reverted) and the sum came out finite
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(3))
+    x[12_345] = float("nan")
+    c = make()
+    assert torch.isnan(simulate([c], [x])[0]).any()
+
+
 def test_bf16_relative_error_bound():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(4000, generator=g) * torch.logspace(-20, 20, 4000)

@@ -52,6 +52,15 @@ def test_fewer_than_k_are_padded_at_coordinate_zero_and_indices_round_trip():
     assert got_vals.float().tolist() == [0.0, 0.0, -2.0, 3.0, 0.5, 1.0]
 
 
+def test_an_empty_bucket_round_trips_from_any_offset_of_a_gathered_buffer():
+    # an empty slice at an odd offset cannot be viewed as int32 (a zero-element bucket's
+    # payload inside an allgather buffer failed as a "lost peer")
+    buf = torch.cat([torch.zeros(3, dtype=torch.uint8), pack_compact(
+        torch.zeros(0), torch.zeros(0, dtype=torch.long), 0, 0)])[3:]
+    vals, idx = unpack_compact(buf, 0, 0)
+    assert vals.numel() == idx.numel() == 0
+
+
 def test_malformed_payloads_are_comm_errors():
     buf = pack_compact(torch.ones(3), torch.tensor([1, 2, 3]), N, 3)
     for bad in (buf[:-1], buf.clone().view(torch.int32).index_fill_(0, torch.tensor([0]), 7)

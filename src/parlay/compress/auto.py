@@ -220,6 +220,9 @@ class AutoCompressor(Compressor):
                  new, reason)
 
     def _decide(self, key: str, flat: torch.Tensor) -> None:
+        if flat.is_complex():  # not every candidate takes it (PowerSGD's factors are real)
+            self._switch(key, self._eligible[0], "complex gradients")
+            return
         if self._fit is None:  # once: every bucket's size known so far sizes the probe
             sizes = [sum(math.prod(s) for s in v) * 4 for v in self._layouts.values()]
             self._fit = probe_link(self._group, sizes + [flat.numel() * flat.element_size()],

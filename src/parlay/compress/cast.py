@@ -165,7 +165,11 @@ class FP16(_Cast):
         return [ctx.source.clone()]
 
     def _update(self, key: str, amax_scaled: float, scale: float) -> None:
-        if not self.dynamic or not math.isfinite(amax_scaled) or amax_scaled <= 0:
+        if not self.dynamic or not math.isfinite(amax_scaled):
+            return
+        if amax_scaled <= 0:  # nothing survived the cast: every |scaled value| < 2**-25 (or
+            # all zero), so 2**(TARGET+25) more brings the largest to the target at most
+            self._scale[key] = min(2.0 ** _MAX_EXP, scale * 2.0 ** (_TARGET_EXP + 25))
             return
         amax = amax_scaled / scale
         exp = _TARGET_EXP - math.frexp(amax)[1]

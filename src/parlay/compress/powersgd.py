@@ -202,6 +202,10 @@ class PowerSGD(Compressor):
 
     # ------------------------------------------------------------------ the two rounds
     def compress(self, flat: torch.Tensor, key: str) -> tuple[list[torch.Tensor], Any]:
+        if flat.is_complex():  # its real low-rank factors would drop the imaginary part
+            raise ConfigError(f"PowerSGD compresses real gradients; bucket {key!r} is "
+                              f"{flat.dtype}. Hint: keep complex parameters out of the optimizer "
+                              "PowerSGD reduces for, or use compression='fp16' or None.")
         plan = self.plan(key, flat.numel())
         step = self._steps.get(key, 0)
         self._steps[key] = step + 1

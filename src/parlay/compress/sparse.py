@@ -124,7 +124,9 @@ class _Sparsifier(Compressor):
         self._steps[key] = step + 1
         x = self.memory.correct(key, flat) if self.memory is not None else flat
         idx, seed = self._indices(x, k, key, step)
-        values = x.index_select(0, idx)
+        # A non-finite coordinate the selection passed over (a threshold drops NaN, random-k
+        # may not draw it) still reaches the sum, where the non-finite checks see it.
+        values = torch.where(torch.isfinite(x).all(), x.index_select(0, idx), float("nan"))
         sent = self._rounded(values)  # what the receivers will add (values, or values rounded)
         if self.memory is not None:
             mask = None

@@ -51,11 +51,13 @@ def unpack_compact(buf: torch.Tensor, numel: int, k: int) -> tuple[torch.Tensor,
     Raises:
         CommError: The payload does not describe ``k`` coordinates of a ``numel`` bucket.
     """
+    if numel == k == buf.numel() == 0:  # an empty bucket (an empty view may not align)
+        return buf.new_zeros(0, dtype=torch.bfloat16), buf.new_zeros(0, dtype=torch.long)
     nblocks = (numel + (1 << _BLOCK_BITS) - 1) >> _BLOCK_BITS
     head = 4 * nblocks
     counts = (buf[:head].view(torch.int32).long() if buf.dtype == torch.uint8
               and buf.numel() == compact_bytes(numel, k) else None)
-    if counts is None or int(counts.min()) < 0 or int(counts.sum()) != k:
+    if counts is None or bool((counts < 0).any()) or int(counts.sum()) != k:
         raise CommError(f"a compact top-k payload for {k} of {numel} coordinates is malformed "
                         "(wrong size or block counts). Hint: every rank must run the same "
                         "compression spec.")

@@ -11,8 +11,8 @@ in docs/benchmarks.md, "Design measurements"). Other devices and dtypes (CUDA,
 bfloat16) take the torch ops. Both give the same indices.
 
 The final choice among the candidates keeps them in ascending order (a partition for the k-th
-value, then a mask), so a payload needs no sort: ties at the k-th value go to the lowest
-indices, on every path.
+value, then a mask), so a payload needs no sort; there ties at the k-th value go to the lowest
+indices. Small or dense buckets take ``torch.topk``, whose choice among ties is its own.
 """
 from __future__ import annotations
 

@@ -222,7 +222,7 @@ class GradientBuckets:
         buf = self.buffers[b]
         if out is not buf:
             buf.copy_(out)
-        if self.postscale != 1.0 and buf.dtype.is_floating_point:
+        if self.postscale != 1.0 and (buf.dtype.is_floating_point or buf.dtype.is_complex):
             buf.mul_(self.postscale)
         for i in self.plan.buckets[b].members:
             p, view = self.params[i], self.views[i]
