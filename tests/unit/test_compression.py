@@ -312,3 +312,14 @@ def test_an_overflowed_step_leaves_the_residual_owed_before_it():
     fresh = TopK(0.25)
     simulate([fresh], [torch.tensor([float("nan"), float("nan"), 1.0, 1.0])])
     assert torch.equal(fresh.state_dict()["residual"]["bucket0"], torch.zeros(4))
+
+
+def test_finite_sees_nan_and_infinities_of_any_sign_and_kind():
+    from parlay.compress.feedback import finite
+
+    assert bool(finite(torch.randn(100))) and bool(finite(torch.zeros(0)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for t in (torch.zeros(5), torch.zeros(5, dtype=torch.bfloat16),
+                  torch.zeros(5, dtype=torch.complex64)):
+            t[3] = bad
+            assert not bool(finite(t)), (bad, t.dtype)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from parlay.compress.base import Compressor, Round, register, reusable
-from parlay.compress.feedback import Residuals, parse_options, seed_for, warmup_density
+from parlay.compress.feedback import Residuals, finite, parse_options, seed_for, warmup_density
 from parlay.compress.sparsewire import compact_bytes, pack_compact, unpack_compact
 from parlay.compress.topsel import exact_topk, magnitude_topk
 from parlay.errors import ConfigError
@@ -126,7 +126,7 @@ class _Sparsifier(Compressor):
         idx, seed = self._indices(x, k, key, step)
         # A non-finite coordinate the selection passed over (a threshold drops NaN, random-k
         # may not draw it) still reaches the sum, where the non-finite checks see it.
-        values = torch.where(torch.isfinite(x).all(), x.index_select(0, idx), float("nan"))
+        values = torch.where(finite(x), x.index_select(0, idx), float("nan"))
         sent = self._rounded(values)  # what the receivers will add (values, or values rounded)
         if self.memory is not None:
             mask = None
