@@ -287,3 +287,60 @@ def test_horovod_style_example_runs_under_parlay_run():
               if line.startswith("step")]
     assert len(losses) == 3 and losses[-1] < losses[0] / 2, proc.stdout
     assert "2 ranks hold the same weights" in proc.stdout
+
+
+def _horovod_habits():
+    import parlay
+    import parlay.horovod as hvd
+
+    out = {}
+
+    class Doubled(hvd.compression.Compressor):      # Horovod's base of custom compressors
+        @staticmethod
+        def compress(tensor):
+            return tensor * 2.0, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor / 2.0
+
+    class Halved(hvd.Compression.none):             # ... or its NoneCompressor
+        @staticmethod
+        def compress(tensor):
+            return tensor / 2.0, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor * 2.0
+
+    for comp in (Doubled, Halved):
+        torch.manual_seed(0)
+        m = nn.Linear(2, 1)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0),
+                                       m.named_parameters(), compression=comp)
+        m(torch.full((1, 2), float(hvd.rank() + 1))).sum().backward()
+        opt.step()
+        out[comp.__name__] = m.weight.grad.clone()
+    m = nn.Linear(2, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+    m(torch.ones(1, 2)).sum().backward()
+    for name, call in (("zero_grad", opt.zero_grad), ("adasum", lambda: hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1), op=hvd.Adasum,
+            gradient_predivide_factor=2.0))):
+        try:
+            call()
+        except parlay.ConfigError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_horovod_habits_custom_compressors_and_refusals():
+    # A subclass of hvd.Compression.none with Horovod's static compress(tensor) failed in
+    # backward with a TypeError; hvd.compression.Compressor did not exist; zero_grad between
+    # backward and step warned and then stepped the gradients it had zeroed; Adasum ignored
+    # gradient_predivide_factor (Horovod refuses both).
+    for out in run_world(_horovod_habits, 2):
+        for name in ("Doubled", "Halved"):
+            torch.testing.assert_close(out[name], torch.full((1, 2), 1.5))  # mean of 1 and 2
+        assert "zero_grad() was called after loss.backward()" in out["zero_grad"]
+        assert "not op=Adasum" in out["adasum"]

@@ -347,10 +347,13 @@ class DistributedOptimizer(WrappedOptimizer):
         return self._apply_update(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero gradients; warns if called while a reduction is half done.
+        """Zero gradients.
 
         Gradients that are views into buckets are zeroed in place (never set to ``None``);
         other parameters follow ``set_to_none``.
+
+        Raises:
+            ConfigError: A reduction is half done (after backward, before step/synchronize).
         """
         params = [p for _, p in self._named] if self.shard else \
             [p for group in self.param_groups for p in group["params"]]
@@ -359,11 +362,12 @@ class DistributedOptimizer(WrappedOptimizer):
             for p in params:
                 zero_grad_of(p, set_to_none)
             return
-        if eng.in_flight:
-            warnings.warn(
+        if eng.in_flight:  # its reduced gradients would be handed back over the zeros
+            raise ConfigError(
                 "optimizer.zero_grad() was called after loss.backward() but before "
                 "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                "cause a race condition.", stacklevel=2)
+                "cause a race condition. Hint: step() or synchronize() first (as Horovod, "
+                "which raises here too).")
         eng.zero_grad(params, set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:

@@ -48,7 +48,18 @@ class _HorovodCompressor(Compressor):
         return f"HorovodCompressor({self.inner!r})"
 
 
+def _horovod_subclass(compression: Any) -> bool:
+    """A class deriving from ``hvd.Compression.none`` (a parlay Compressor) whose own
+    ``compress`` is Horovod's static ``compress(tensor)``, as Horovod's docs subclass it."""
+    own = next((k.__dict__["compress"] for k in compression.__mro__ if "compress" in k.__dict__),
+               None)
+    return isinstance(own, staticmethod)
+
+
 def _adapt_compression(compression: Any) -> Any:
+    if isinstance(compression, type) and issubclass(compression, Compressor) \
+            and _horovod_subclass(compression):
+        return _HorovodCompressor(compression)
     if compression is None or isinstance(compression, (str, Compressor)) or (
             isinstance(compression, type) and issubclass(compression, Compressor)):
         return compression
@@ -210,6 +221,9 @@ class DistributedOptimizer(_BucketedOptimizer):
                               or process_set is not None else (None, process_group))
         comp = _adapt_compression(compression)
         if _is_adasum(op):
+            if gradient_predivide_factor != 1.0:  # (Horovod refuses it too)
+                raise ConfigError("gradient_predivide_factor only applies to op=Average, "
+                                  "not op=Adasum.")
             if comp is not None and not isinstance(get_compressor(comp), NoneCompressor):
                 raise ConfigError("op=Adasum does not combine with compression. Hint: "
                                   "compression=hvd.Compression.none (the default).")
