@@ -193,7 +193,7 @@ class AllreduceStrategy(WholeModelStrategy):
         # send a pickled skeleton, which the training path never unpickles).
         # Buffers (BatchNorm's running statistics) follow rank 0's after every step, as under
         # DDP's broadcast_buffers: every rank then evaluates, checks and saves the same model.
-        self._buffers = [b for b in model.buffers()] if self.dp_size > 1 else []
+        self._buffers = list(model.buffers()) if self.dp_size > 1 else []
         opt = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         self.optimizer = DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), compression=self.compression,
