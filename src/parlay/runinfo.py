@@ -60,6 +60,13 @@ def _first_difference(saved: list[list[Any]], now: list[list[Any]]) -> str:
     return "the fingerprints differ"
 
 
+def _emptied(saved: Any, now: list[list[Any]]) -> bool:
+    """Whether ``saved`` is ``now`` as checkpoints of ``shard="parameters"`` recorded it before
+    the layout was taken ahead of sharding: the same names and dtypes, some shapes ``[0]``."""
+    return isinstance(saved, list) and len(saved) == len(now) and all(
+        a[0] == b[0] and a[2] == b[2] and a[1] in (b[1], [0]) for a, b in zip(saved, now))
+
+
 def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     """Why a checkpoint written with identity ``saved`` cannot be continued exactly by a run
     with identity ``now``, with the fix; ``None`` when it can (fields either lacks are skipped,
@@ -82,7 +89,8 @@ def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
         return (f"it was written with batch_size={saved['batch_size']} per replica, this run "
                 f"uses batch_size={now['batch_size']} (the epoch position and learning-rate "
                 f"schedule depend on it). Fix: pass batch_size={saved['batch_size']},{fresh}")
-    if has("model_fingerprint") and saved["model_fingerprint"] != now["model_fingerprint"]:
+    if has("model_fingerprint") and saved["model_fingerprint"] != now["model_fingerprint"] \
+            and not _emptied(saved.get("model_layout"), now.get("model_layout", [])):
         diff = _first_difference(saved.get("model_layout", []), now.get("model_layout", []))
         return (f"it was written for a different model architecture ({diff}). Fix: build the "
                 f"same model as the run that wrote it,{fresh}")
@@ -167,12 +175,12 @@ class DirLock:
             os.close(held[0])
 
 
-def trainer_identity(strategy: Any, mode: str, batch_size: int, model: nn.Module,
+def trainer_identity(strategy: Any, mode: str, batch_size: int, layout: list[list[Any]],
                      recipe: dict[str, str] | None = None) -> dict[str, Any]:
     """The identity a Trainer's checkpoints record and a resume must match (``strategy``: a
     :class:`~parlay.strategies.Strategy`; its ``layout_world_size`` counts ps workers that sit
-    a resume out; ``recipe``: the training settings, see :func:`stable_repr`)."""
-    layout = model_layout(model)
+    a resume out; ``layout``: the model's :func:`model_layout` as built; ``recipe``: the
+    training settings, see :func:`stable_repr`)."""
     out = {"mode": mode, "world_size": int(strategy.layout_world_size),
            "dp_size": int(strategy.dp_size), "dp_rank": int(strategy.dp_rank),
            "pp": int(strategy.pp), "batch_size": int(batch_size),

@@ -85,6 +85,40 @@ def test_other_architecture_is_refused_with_the_first_difference(two_rank_dir):
         assert "'0.weight' (8, 5)" in str(e) and "'0.weight' (12, 5)" in str(e)
 
 
+class _Proj(nn.Module):
+    """x @ w with w of shape (5, 8), or x @ w.T with w of shape (8, 5): same names, same sizes."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.t = transposed
+        self.w = nn.Parameter(torch.randn(8, 5) if transposed else torch.randn(5, 8))
+
+    def forward(self, x):
+        return x @ self.w.T if self.t else x @ self.w
+
+
+def _shard_params(ckpt, steps, transposed):
+    try:
+        t = parlay.Trainer(lambda: (nn.Sequential(_Proj(transposed), nn.Linear(8, 2)),
+                                    nn.CrossEntropyLoss()), _dataset(), batch_size=4,
+                           max_iteration=steps, checkpoint_dir=ckpt, shard="parameters",
+                           progress=False)
+    except CheckpointError as e:
+        return e
+    while not t.should_stop():
+        t.train_on_batch()
+    return t.state.step
+
+
+def test_shard_parameters_records_the_shapes_as_built(tmp_path):
+    # Sharded, the model holds size-0 placeholders: the identity must be taken before.
+    assert run_world(_shard_params, 2, str(tmp_path), 3, False) == [3, 3]
+    for e in run_world(_shard_params, 2, str(tmp_path), 6, True):
+        assert isinstance(e, CheckpointError) and "different model architecture" in str(e)
+        assert "'0.w' (5, 8)" in str(e) and "'0.w' (8, 5)" in str(e)
+    assert run_world(_shard_params, 2, str(tmp_path), 6, False) == [6, 6]
+
+
 def test_same_config_resumes_and_keeps_the_run_id(two_rank_dir):
     first = load(two_rank_dir / f"ckpt-{4:010d}.rank0.pt")["identity"]
     assert (first["world_size"], first["dp_size"], first["pp"], first["batch_size"]) == (2, 2, 1, 4)

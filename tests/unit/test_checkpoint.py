@@ -144,6 +144,13 @@ def test_identity_mismatches_say_why_and_how_to_fix():
                                    "model_layout": big})
     assert "'weight' (4, 3) float32 in the checkpoint but 'weight' (5, 3) float32" in msg
     assert describe_mismatch({"mode": "allreduce"}, base) is None, "older checkpoints still load"
+    # shard="parameters" checkpoints written before the layout was taken ahead of sharding
+    # recorded its size-0 placeholders: still resumable; any other shape is not.
+    emptied = [[n, [0] if n == "weight" else s, d] for n, s, d in small]
+    old = {**base, "model_fingerprint": fingerprint(emptied), "model_layout": emptied}
+    assert describe_mismatch(old, base) is None
+    assert "different model architecture" in describe_mismatch(old, {
+        **base, "model_fingerprint": fingerprint(big), "model_layout": big[:1]})
 
 
 def test_directory_lock_refuses_another_process(tmp_path):

@@ -25,7 +25,7 @@ from parlay.data.sampler import ShardedSampler
 from parlay.errors import CheckpointError, ConfigError, NonFiniteError
 from parlay.metrics import MetricsLogger, choose_printer, default_metrics
 from parlay.nonfinite import NonFiniteGuard, with_step
-from parlay.runinfo import stable_repr
+from parlay.runinfo import model_layout, stable_repr
 from parlay.strategies import StepResult, Strategy, get_strategy
 from parlay.strategies.template import batch_size_of, checked_loss
 from parlay.trainer.config import TrainerConfig, TrainerState, check_positive
@@ -72,20 +72,20 @@ class Trainer:
             grad_clip=cfg.grad_clip, **({"shard": cfg.shard} if cfg.shard else {}),
             **(cfg.strategy_options or {}))
         self.strategy.guard = NonFiniteGuard(cfg.nonfinite)  # strategies that check steps use it
-        model = self._build_model()
+        layout = self._build_model()
         try:
-            self._start(cfg, model)
+            self._start(cfg, layout)
         except BaseException as e:  # e.g. a checkpoint this layout cannot resume: the ranks
             self.strategy.abort(e)  # that wait on this one (parameter servers) hear it now
             raise
 
-    def _start(self, cfg: TrainerConfig, model: nn.Module) -> None:
+    def _start(self, cfg: TrainerConfig, layout: list[list[Any]]) -> None:
         """What construction does once the strategy is set up: data, resume, metrics."""
         self._build_data(cfg.training_dataset)
         self.last_step: StepResult | None = None
         self._it: Any = None
         self._stopped = False
-        self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, model,
+        self.persistence = Persistence(cfg, self.strategy, self.sampler, self.state, layout,
                                        self._say)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)  # as resumed
         self.metrics = self._start_metrics()
@@ -99,8 +99,9 @@ class Trainer:
                            epoch=self.state.epoch)
 
     # ------------------------------------------------------------------ construction steps
-    def _build_model(self) -> nn.Module:
-        """Build the model (same seed on every rank) and hand it to the strategy."""
+    def _build_model(self) -> list[list[Any]]:
+        """Build the model (same seed on every rank) and hand it to the strategy; returns its
+        layout as built (``shard="parameters"`` leaves size-0 placeholders in the model)."""
         cfg, s = self.config, self.strategy
         if cfg.seed is not None:
             torch.manual_seed(cfg.seed)
@@ -113,12 +114,13 @@ class Trainer:
         model, self.loss_fn = built[0], checked_loss(built[1])
         if cfg.checkpoint_dir is not None:
             s.use_checkpoint_dir(str(cfg.checkpoint_dir))
+        layout = model_layout(model)  # before a shard="parameters" setup empties it
         s.setup(model, self.loss_fn, cfg.optimizer, dict(cfg.optimizer_args or {}))
         if cfg.seed is not None:  # distinct dropout masks per rank, reproducible per run
             torch.manual_seed(cfg.seed + 1 + runtime.rank())
         self._metric_fn = (cfg.build_validation_func() if cfg.build_validation_func is not None
                            else default_metrics(self.loss_fn))
-        return model
+        return layout
 
     def _build_data(self, dataset: Dataset) -> None:
         """Shard the data over the replicas and derive the step counts and LR scaling."""

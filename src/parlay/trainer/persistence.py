@@ -20,7 +20,6 @@ from typing import Any
 from collections.abc import Callable
 
 import torch
-import torch.nn as nn
 
 from parlay import _tree, comm, runtime
 from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
@@ -116,7 +115,8 @@ class Persistence:
         strategy: The run's strategy, set up.
         sampler: The training data's sampler.
         state: The Trainer's counters (updated in place on resume).
-        model: The model as built (its layout is the checkpoints' identity).
+        layout: The model's layout as built (:func:`~parlay.runinfo.model_layout`): part of
+            the checkpoints' identity.
         report: Shows a line on the printing rank (the interval chosen, steps at risk).
 
     Raises:
@@ -124,7 +124,8 @@ class Persistence:
     """
 
     def __init__(self, config: TrainerConfig, strategy: Strategy, sampler: ShardedSampler,
-                 state: TrainerState, model: nn.Module, report: Callable[[str], None]) -> None:
+                 state: TrainerState, layout: list[list[Any]],
+                 report: Callable[[str], None]) -> None:
         self.strategy, self.sampler, self.state = strategy, sampler, state
         #: The epoch's metrics so far, saved with the state (the Trainer sets it), and as
         #: resumed (None: none resumed).
@@ -143,7 +144,7 @@ class Persistence:
         self.checkpoint_every = config.checkpoint_every
         self._report = report
         self.last_checkpoint_step = -1
-        self.checkpoints = self._open_checkpoints(config, model)
+        self.checkpoints = self._open_checkpoints(config, layout)
         auto = config.snapshot_every == AUTO
         # Auto probes every step; strategies whose servers snapshot in step keep 1 throughout.
         self.every: int = 1 if auto else int(config.snapshot_every or 0)  # type: ignore[arg-type]
@@ -165,14 +166,14 @@ class Persistence:
             self._check_replicas(self.state.step)
 
     def _open_checkpoints(self, config: TrainerConfig,
-                          model: nn.Module) -> CheckpointManager | None:
+                          layout: list[list[Any]]) -> CheckpointManager | None:
         """Lock ``checkpoint_dir`` and resume from its newest checkpoint every rank holds."""
         s = self.strategy
         if config.checkpoint_dir is None or not s.consumes_data:
             return None
         ckpt = CheckpointManager(config.checkpoint_dir, config.keep_last, rank=runtime.rank(),
                                  group=s.train_group, lock=True,
-                                 identity=trainer_identity(s, self.mode, self.batch_size, model,
+                                 identity=trainer_identity(s, self.mode, self.batch_size, layout,
                                                            self.recipe))
         sharded = s.sharded_checkpoint
         if sharded is not None and sharded[1]:  # a stage's files are checked by its replicas
