@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -198,6 +199,44 @@ def test_settings_apart_and_a_layer_unfrozen_after_wrapping_are_refused_on_every
     assert "different settings" in fp16 and "init_scale=1024" in fp16
     assert "gradient_predivide_factor=2.0" in predivide
     assert "2 parameter(s) frozen when the DistributedOptimizer was built" in unfrozen
+    assert "remove_hooks()" in unfrozen and "gathered_parameters()" in unfrozen
+
+
+def _unfreeze_as_the_hint_says(level, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model[0].requires_grad_(False)
+    rank, n = (parlay.rank() if world > 1 else 0), 16 // world
+
+    def wrap(params):
+        opt = torch.optim.SGD(params, lr=0.1)
+        return parlay.DistributedOptimizer(opt, model.named_parameters(), shard=level,
+                                           model=model) if world > 1 else opt
+    opt = wrap([p for p in model.parameters() if p.requires_grad])
+    for s in range(4):
+        if s == 2:
+            model[0].requires_grad_(True)
+            if world > 1:  # the refusal's hint: remove_hooks(), then wrap a new one
+                opt.remove_hooks()
+                with opt.gathered_parameters() if level == "parameters" else nullcontext():
+                    opt = wrap(model.parameters())
+            else:
+                opt = wrap(model.parameters())
+        g = torch.Generator().manual_seed(s)
+        x, y = (torch.randn(16, k, generator=g, dtype=torch.float64) for k in (6, 3))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rank * n:][:n]), y[rank * n:][:n]).backward()
+        opt.step()
+    with opt.gathered_parameters() if world > 1 else nullcontext():
+        return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("level", [None, "gradients", "parameters"])
+def test_unfreezing_by_rewrapping_as_the_hint_says_trains_as_one_process(level):
+    want = _unfreeze_as_the_hint_says(level, 1)
+    for got in run_world(_unfreeze_as_the_hint_says, 2, level, 2):
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
 def _broadcast():

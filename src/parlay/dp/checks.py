@@ -113,8 +113,9 @@ def check_still_frozen(frozen: list[torch.Tensor]) -> None:
         raise ConfigError(
             f"{thawed} parameter(s) frozen when the DistributedOptimizer was built became "
             "trainable; their gradients would never be averaged, so the ranks' weights would "
-            "drift apart. Hint: make them trainable before wrapping, or wrap the optimizer "
-            "anew after unfreezing.")
+            "drift apart. Hint: make them trainable before wrapping, or call remove_hooks() on "
+            "this optimizer and wrap a new one after unfreezing (with shard='parameters', build "
+            "the new one inside `with old.gathered_parameters():`).")
 
 
 def _hash(entry: Any) -> int:
