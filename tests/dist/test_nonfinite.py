@@ -245,4 +245,38 @@ def test_sharded_ranks_agree_on_a_nonfinite_step(tmp_path, shard):
         torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
     for _, _, _, err in run_world(_sharded_run, 2, str(tmp_path / "raise"), shard, "raise"):
         assert isinstance(err, NonFiniteError) and (err.step, err.rank) == (BAD_STEP, BAD_RANK)
-        assert "chunk of" in str(err)
+        assert "chunk of" not in str(err)
+        assert "non-finite gradient is '" in str(err) or "no gradient on this rank" in str(err)
+
+
+def _build_inf_bias():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    m[4].bias.register_hook(lambda g: g * math.inf)  # only 4.bias overflows
+    return m, nn.CrossEntropyLoss()
+
+
+def _name_of_the_overflow(shard):
+    x = torch.randn(32, 6)
+    t = parlay.Trainer(_build_inf_bias, TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4,
+                       shard=shard, max_iteration=2, progress=False)
+    e = _train(t)
+    chunks = t.strategy.optimizer.named_local_gradients()
+    return str(e), [(n, g.numel()) for n, g in chunks]
+
+
+@pytest.mark.parametrize("shard", [None, "gradients", "parameters"])
+def test_the_error_names_the_very_parameter_whose_gradient_overflowed(shard):
+    out = run_world(_name_of_the_overflow, 2, shard)
+    named = [msg for msg, _ in out
+             if "the first parameter with a non-finite gradient is '4.bias'" in msg]
+    # Sharded, each rank checks its own chunks: the rank holding 4.bias's elements names it.
+    assert len(named) == (1 if shard else 2), [msg for msg, _ in out]
+    if shard:  # each rank's chunks, cut by parameter: together every element exactly once
+        sizes: dict[str, int] = {}
+        for _, parts in out:
+            for name, n in parts:
+                sizes[name] = sizes.get(name, 0) + n
+        full = dict((n, p.numel()) for n, p in _build_inf_bias()[0].named_parameters())
+        assert sizes == full

@@ -295,9 +295,16 @@ class ShardedBuckets(GradientBuckets):
         return f"chunk of {', '.join(names[:3])}" + (", ..." if len(names) > 3 else "")
 
     def named_local_grads(self) -> list[tuple[str, torch.Tensor]]:
-        """:meth:`local_grads`, each named after the parameters its chunk is part of."""
-        return [(self.unit_name(b), s.grad) for b, s in enumerate(self.shards)
-                if s.grad is not None]
+        """:meth:`local_grads` cut by parameter: ``(name, flat part)`` for each parameter with
+        elements in this rank's chunks (so a message can name the very parameter)."""
+        out = []
+        for b, s in enumerate(self.shards):
+            span, bucket = self._span(b), self.plan.buckets[b]
+            for i, off in zip(bucket.members, bucket.offsets) if s.grad is not None else ():
+                lo, hi = max(off, span.start), min(off + self.shapes[i].numel(), span.stop)
+                if lo < hi:
+                    out.append((self.names[i], s.grad[lo - span.start:hi - span.start]))
+        return out
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's chunks of the averaged gradients (after :meth:`finish`)."""
