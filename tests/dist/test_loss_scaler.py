@@ -102,3 +102,28 @@ def test_error_feedback_owes_in_the_loss_scale_of_the_moment():
     assert (scale, skipped) == (512.0, 1)
     owed = sum(o[2] for o in out) / 2 / scale  # the ranks' residuals, averaged, unscaled
     torch.testing.assert_close(-w / LR + owed, produced, rtol=0, atol=1e-6)
+
+
+def _accumulating(k: int) -> tuple[int, float, torch.Tensor]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g),
+                                        torch.randint(0, 4, (96,), generator=g))
+    t = parlay.Trainer(lambda: (torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                                    torch.nn.Linear(16, 4)),
+                                torch.nn.CrossEntropyLoss()),
+                       ds, torch.optim.SGD, {"lr": 0.1}, 8, shuffle=False, precision="fp16",
+                       max_iteration=6, progress=False, snapshot_every=0,
+                       strategy_options={"backward_passes_per_step": k})
+    t.train_to_end()
+    return t.skipped_steps, t.strategy.scaler.scale, t.model[0].weight.detach().clone()
+
+
+def test_micro_batches_see_the_loss_scale_of_one_pass():
+    # Each pass was weighed k x (m/n) and the sum divided by k: the scaled gradients of a pass
+    # were k times k=1's, so fp16 overflowed k times sooner (a skip and half the scale at k=4).
+    skipped, scale, w = run_world(_accumulating, 2, 1)[0]
+    for k in (2, 4):
+        for got in run_world(_accumulating, 2, k):
+            assert got[:2] == (skipped, scale) == (0, 2.0 ** 16)
+            torch.testing.assert_close(got[2], w, rtol=0, atol=1e-4)

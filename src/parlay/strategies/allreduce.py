@@ -198,6 +198,7 @@ class AllreduceStrategy(WholeModelStrategy):
         self.optimizer = DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), compression=self.compression,
             backward_passes_per_step=self.backward_passes_per_step,
+            average_aggregated_gradients=False,  # train_step weighs each pass by its share
             bucket_cap_mb=self.bucket_cap_mb, process_group=self.process_group,
             hierarchical=self.hierarchical, shard=self.shard, model=model)
 
@@ -212,8 +213,9 @@ class AllreduceStrategy(WholeModelStrategy):
             if not m:  # a batch of fewer than k samples: fewer passes (reduced at the step)
                 continue
             model, opt, part_loss, _ = self._forward(xi, yi, zero=False)
-            weight = k * m / n  # the optimizer averages the k passes: weigh each by its size
-            part = part_loss * weight if weight != 1 else part_loss
+            # Each pass weighed by its share of the batch: the sum is the batch's gradient, and
+            # every backward sees k=1's scale (an fp16 loss scale overflows no sooner).
+            part = part_loss * (m / n) if m != n else part_loss
             if self.scaler is not None:
                 self.scaler.scale_loss(part).backward()
             else:
