@@ -90,6 +90,42 @@ def _adasum_train(none=False):
     return [p.detach() for p in model.parameters()]
 
 
+def _adasum_amp(unscale_by_parlay):
+    import parlay.horovod as hvd
+
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for s in range(3):
+        x = torch.ones(8, 4)
+        if r == 1 and s == 1:
+            x[0, 0] = float("inf")  # an overflow on rank 1 only
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        opt.synchronize()  # Horovod's AMP recipe
+        opt.unscale_(scaler) if unscale_by_parlay else scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+    return scaler.get_scale(), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("unscale_by_parlay", [False, True])
+def test_adasum_with_grad_scaler_skips_an_overflow_on_every_rank(unscale_by_parlay):
+    # Adasum reduces updates, so each rank's scaler saw only its own gradients: rank 0 stepped
+    # into the Adasum while rank 1 skipped, and waited there until the timeout.
+    (s0, w0), (s1, w1) = run_world(_adasum_amp, 2, unscale_by_parlay, comm_timeout=20)
+    for p, q in zip(w0, w1):
+        assert torch.equal(p, q)
+    # Each scaler backs off on its own overflows; opt.unscale_(scaler) agrees them as well.
+    assert (s0, s1) == ((512.0, 512.0) if unscale_by_parlay else (1024.0, 512.0))
+
+
 @pytest.mark.parametrize("none", [False, True])
 def test_adasum_optimizer_combines_each_ranks_update(none):
     from parlay.horovod.execute import adasum

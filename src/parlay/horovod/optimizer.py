@@ -264,6 +264,19 @@ class DistributedOptimizer(_BucketedOptimizer):
             return None
         return super()._make_reducer(hierarchical)
 
+    def _scaler_step(self, closure: Any) -> Any:
+        if self._adasum and self._world > 1:
+            # GradScaler checked this rank's own gradients (Adasum combines updates, in step()):
+            # the ranks skip together, or one skipping alone leaves the others in the Adasum.
+            from parlay.horovod import collectives
+
+            found = self.__dict__["found_inf"].detach().float().reshape(1).clone()
+            pset, pg = self._adasum_group
+            collectives.allreduce_async([found], True, None, ReduceOp.Max, 1.0, 1.0, pset, pg,
+                                        False).wait()
+            self.__dict__["found_inf"] = found
+        return super()._scaler_step(closure)
+
     def _apply_update(self, closure: Any) -> Any:
         """Step the wrapped optimizer; with ``op=Adasum``, on the local gradients, then
         replace each parameter's update by the Adasum of every rank's update."""
