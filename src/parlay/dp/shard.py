@@ -298,12 +298,14 @@ class ShardedBuckets(GradientBuckets):
         """:meth:`local_grads` cut by parameter: ``(name, flat part)`` for each parameter with
         elements in this rank's chunks (so a message can name the very parameter)."""
         out = []
-        for b, s in enumerate(self.shards):
+        for b, g in enumerate(s.grad for s in self.shards):
+            if g is None:
+                continue
             span, bucket = self._span(b), self.plan.buckets[b]
-            for i, off in zip(bucket.members, bucket.offsets) if s.grad is not None else ():
+            for i, off in zip(bucket.members, bucket.offsets):
                 lo, hi = max(off, span.start), min(off + self.shapes[i].numel(), span.stop)
                 if lo < hi:
-                    out.append((self.names[i], s.grad[lo - span.start:hi - span.start]))
+                    out.append((self.names[i], g[lo - span.start:hi - span.start]))
         return out
 
     def local_grads(self) -> list[torch.Tensor]:
