@@ -127,3 +127,35 @@ def test_micro_batches_see_the_loss_scale_of_one_pass():
         for got in run_world(_accumulating, 2, k):
             assert got[:2] == (skipped, scale) == (0, 2.0 ** 16)
             torch.testing.assert_close(got[2], w, rtol=0, atol=1e-4)
+
+
+def _hand_loop_rescaling(comp, init, growth_interval):
+    rank = parlay.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(), compression=comp)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init, growth_interval=growth_interval)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(6):
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        opt.synchronize()
+        opt.unscale_(scaler)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        old = scaler.get_scale()
+        scaler.update()
+        if scaler.get_scale() != old:  # docs/modes.md: what error feedback owes follows
+            opt.compression.rescale_owed(scaler.get_scale() / old)
+    return model[0].weight.detach().clone()
+
+
+@pytest.mark.parametrize("comp", ["topk:0.2", "powersgd:1"])
+def test_hand_written_loop_rescaling_what_is_owed_is_independent_of_the_scale(comp):
+    fixed = run_world(_hand_loop_rescaling, 2, comp, 2.0 ** 8, 10 ** 9)[0]
+    growing = run_world(_hand_loop_rescaling, 2, comp, 2.0 ** 4, 1)[0]  # doubles every step
+    assert torch.equal(fixed, growing)
