@@ -462,3 +462,27 @@ def test_batchnorm_statistics_follow_rank_0_so_every_rank_holds_and_scores_one_m
     with torch.no_grad():
         loss = nn.functional.cross_entropy(model(x), y).item()
     assert m0["loss"] == pytest.approx(loss, rel=1e-10)
+
+
+def _build_wide_head():
+    torch.manual_seed(0)
+    return nn.Linear(32, 1000), nn.CrossEntropyLoss()
+
+
+def _validate_low_precision(precision):
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(256, 32, generator=g) * 3,
+                       torch.randint(0, 1000, (256,), generator=g))
+    t = parlay.Trainer(_build_wide_head, ds, torch.optim.SGD, {"lr": 0.0}, 64,
+                       precision=precision, max_iteration=1, progress=False,
+                       validation_dataset=ds)
+    t.train_to_end()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        training_loss = float(nn.functional.cross_entropy(t.model(ds.tensors[0]), ds.tensors[1]))
+    return t.validate()["loss"], training_loss
+
+
+def test_validation_loss_is_computed_as_the_training_loss_under_autocast():
+    # It was computed on the bf16 logits outside autocast: 8.578 against 8.596 here.
+    for loss, training_loss in run_world(_validate_low_precision, 2, "bf16"):
+        assert loss == pytest.approx(training_loss, abs=1e-4)

@@ -92,6 +92,8 @@ class Evaluation:
                     continue
                 y = y.to(out.device) if isinstance(y, torch.Tensor) else y
                 k = batch_size_of(y)
+                if out.dtype in (torch.float16, torch.bfloat16):  # as the training loss, which
+                    out = out.float()  # autocast computes in float32 (cross-entropy, MSE, ...)
                 got = self.metric_fn(out, y)
                 if not isinstance(got, dict):
                     raise ConfigError("the validation function must return {name: batch mean} "
