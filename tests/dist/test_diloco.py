@@ -267,6 +267,34 @@ def test_trainer_mode_with_one_inner_step_and_plain_outer_sgd_is_the_allreduce_m
             torch.testing.assert_close(p, q, **TOL)
 
 
+def _build_bn():
+    torch.manual_seed(0)
+    return (nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(),
+                          nn.Linear(16, 2)).double(), nn.CrossEntropyLoss())
+
+
+def _batchnorm(mode, options):
+    t = parlay.Trainer(_build_bn, _dataset(), optimizer=torch.optim.SGD,
+                       optimizer_args={"lr": 0.05}, batch_size=8, mode=mode,
+                       strategy_options=options, max_iteration=6, progress=False)
+    t.train_to_end()
+    return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+
+
+def test_trainer_mode_buffers_follow_rank_0_at_every_sync():
+    # BatchNorm's running statistics: at one inner step as the allreduce mode's (every step)
+    dp = run_world(_batchnorm, 2, "allreduce", None)
+    dl = run_world(_batchnorm, 2, "diloco", {"sync_every": 1,
+                                             "outer_optimizer_args": {"lr": 1.0}})
+    for a, b in zip(dp, dl):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], **TOL)
+    # 6 steps of 4-step rounds in 2 overlapped fragments: the final sync leaves one model
+    a, b = run_world(_batchnorm, 2, "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1})
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("shard", ["gradients", "parameters"])
 def test_trainer_mode_sharded_inside_hosts_is_the_allreduce_mode_at_one_inner_step(shard):
     # 2 hosts x 2 ranks: data parallel sharded inside each host, local steps across hosts;

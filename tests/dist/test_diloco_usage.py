@@ -45,25 +45,98 @@ def test_the_returned_validation_is_of_the_model_training_ends_with(options):
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
 
 
-def _rounds_then_sync_now(outer_args):
+def _rounds_then_sync_now(outer_args, steps, fragments):
     torch.manual_seed(0)
     m = nn.Linear(3, 2)
     opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
-                          sync_every=2, outer_optimizer_args=outer_args)
-    for _ in range(4):  # two whole rounds: the last sync is at this very step
+                          sync_every=4, fragments=fragments, outer_optimizer_args=outer_args)
+    for _ in range(steps):
         opt.zero_grad()
         m(torch.randn(4, 3)).pow(2).sum().backward()
         opt.step()
     before = [p.detach().clone() for p in m.parameters()]
     opt.sync_now()
-    opt.sync_now()
-    return all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    once = [p.detach().clone() for p in m.parameters()]
+    opt.sync_now()  # no inner step since the last exchange of every fragment
+    return (all(torch.equal(a, p) for a, p in zip(before, once)),
+            all(torch.equal(a, p) for a, p in zip(once, m.parameters())))
 
 
 @pytest.mark.parametrize("outer_args", [None, {"lr": 0.5, "momentum": 0.9}])
-def test_sync_now_right_after_a_sync_leaves_the_weights(outer_args):
-    # momentum would otherwise move them on a zero pseudo-gradient, at every call
-    assert run_world(_rounds_then_sync_now, 2, outer_args) == [True, True]
+@pytest.mark.parametrize("steps, fragments, first_leaves", [(8, 1, True), (6, 1, False),
+                                                            (6, 2, False)])
+def test_sync_now_right_after_a_sync_leaves_the_weights(outer_args, steps, fragments,
+                                                        first_leaves):
+    # after a scheduled sync (8 steps, H=4) or a first sync_now mid-round, momentum would
+    # otherwise move them on a zero pseudo-gradient, at every call
+    out = run_world(_rounds_then_sync_now, 2, outer_args, steps, fragments)
+    assert out == [(first_leaves, True)] * 2
+
+
+def _unfrozen_mid_round():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)).double()
+    m[0].weight.requires_grad_(False)
+    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                          sync_every=2, outer_optimizer_args={"lr": 1.0})
+    start = [p.detach().clone() for p in m.parameters()]
+    m[0].weight.requires_grad_(True)
+    g = torch.Generator().manual_seed(parlay.rank())
+    x = torch.randn(2, 4, 3, generator=g, dtype=torch.float64)
+    error = ""
+    for s in range(2):  # the exchange is due at the second step: refused before it
+        opt.zero_grad()
+        m(x[s]).pow(2).sum().backward()
+        before = [p.detach().clone() for p in m.parameters()]
+        try:
+            opt.step()
+        except ConfigError as e:
+            error = str(e)
+    untouched = opt.steps == 1 and all(torch.equal(a, p) for a, p in zip(before, m.parameters()))
+    mine = [p.detach().clone() for p in m.parameters()]
+    opt.sync_now()  # syncs the round of the parameters it tracks
+    opt = DiLoCoOptimizer(opt.inner, m.named_parameters(), sync_every=2)
+    return dict(error=error, untouched=untouched, start=start, mine=mine,
+                after=[p.detach().clone() for p in m.parameters()])
+
+
+def test_a_parameter_unfrozen_later_is_refused_before_the_step_and_sync_now_keeps_the_round():
+    a, b = run_world(_unfrozen_mid_round, 2)
+    for r in (a, b):
+        assert r["untouched"] and "1 parameter(s)" in r["error"]  # not stepped, not counted
+        assert "refused (not taken)" in r["error"] and "call sync_now()" in r["error"]
+    for i in (1, 2, 3):  # the tracked ones: the average of the replicas' round
+        assert not torch.equal(a["mine"][i], a["start"][i])
+        torch.testing.assert_close(a["after"][i], (a["mine"][i] + b["mine"][i]) / 2,
+                                   rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(x, y) for x, y in zip(a["after"], b["after"]))  # rewrapped
+    assert torch.equal(b["after"][0], a["mine"][0])  # rank 0's, once rewrapped
+
+
+def _synced_apart(case):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # w0(4) b0(2) w1(4) b1(2)
+    held = m.parameters()
+    if case == "same sizes":
+        (m[0].bias if parlay.rank() == 0 else m[1].bias).requires_grad_(False)
+    elif case == "other sizes" and parlay.rank() == 1:
+        m[1].bias.requires_grad_(False)
+    elif case == "not held" and parlay.rank() == 1:
+        held = [m[0].weight, m[0].bias, m[1].weight]
+    try:
+        DiLoCoOptimizer(torch.optim.SGD(held, lr=0.1), m.named_parameters(), sync_every=2)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize("case, name", [("same sizes", "0.bias"), ("other sizes", "1.bias"),
+                                        ("not held", "1.bias")])
+def test_ranks_that_sync_different_parameters_are_refused_at_construction(case, name):
+    # else the replicas average different tensors, or the exchange aborts
+    a, b = run_world(_synced_apart, 2, case, comm_timeout=20)
+    assert a == b and "ranks hold different models" in a
+    assert f"('{name} (not synced: frozen or not in the inner optimizer)'" in a
 
 
 @pytest.mark.parametrize("kw, words", [
@@ -306,3 +379,35 @@ def test_torch_state_dict_hooks_registered_on_the_wrapper_fire():
     assert sd["mine"] == 1 and seen == ["pre"]
     opt.load_state_dict(sd)
     assert seen == ["pre", "loaded"]
+
+
+def _build_small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), nn.CrossEntropyLoss()
+
+
+def _skips_of_each_replica():
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+    logging.getLogger("parlay").addHandler(Keep())
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(96, 8, generator=g), torch.randint(0, 4, (96,), generator=g))
+    t = parlay.Trainer(_build_small, ds, torch.optim.SGD, {"lr": 0.1}, 8, shuffle=False,
+                       precision="fp16", max_iteration=4, progress=False, mode="diloco",
+                       strategy_options={"sync_every": 2, "loss_scale": 2.0 ** 20})
+    t.train_to_end()
+    return t.skipped_steps, [m for m in said if "was skipped on" in m]
+
+
+def test_a_step_one_replica_skips_is_reported_as_that_replicas():
+    # fp16 overflows at this scale on rank 1 at one more step than on rank 0: each replica's
+    # own; the warning said "skipped on every rank".
+    out = run_world(_skips_of_each_replica, 2)
+    assert out[0][0] != out[1][0]
+    for rank, (count, said) in enumerate(out):
+        assert len(said) == count and all(f"skipped on rank {rank}:" in m for m in said)

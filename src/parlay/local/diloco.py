@@ -69,6 +69,7 @@ class Fragment:
     optimizer: torch.optim.Optimizer
     offset: int
     flight: _InFlight | None = field(default=None, repr=False)
+    sent_at: int = 0  # the inner step its last exchange started at
 
 
 def _outer_args(cls: Any, args: Any) -> dict[str, Any]:
@@ -188,8 +189,11 @@ class DiLoCoOptimizer(WrappedOptimizer):
             named = list(named_parameters)
             checks.named_parameters(optimizer, named)
         outer_args = _outer_args(outer_optimizer, outer_optimizer_args)
-        if self.world > 1:
-            self._agree_on_schedule(n_frag, named if self._engine is None else [], {
+        ids = {id(p) for p in mine}
+        if self.world > 1:  # the ranks must also agree on which of them are synced
+            self._agree_on_schedule(n_frag, [] if self._engine is not None else [
+                (n if id(p) in ids else f"{n} (not synced: frozen or not in the inner optimizer)",
+                 p) for n, p in named], {
                 "outer_optimizer": outer_optimizer, "outer_optimizer_args": outer_args,
                 "compression": self.compression, "hierarchical": hierarchical,
                 "on_nonfinite": on_nonfinite})
@@ -197,7 +201,6 @@ class DiLoCoOptimizer(WrappedOptimizer):
             for _, p in named:
                 comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
                                group=process_group)
-        ids = {id(p) for p in mine}
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
             raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
@@ -214,6 +217,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
                                            [named[i][1] for i in idx], outer, opt,
                                            offset=f * self.sync_every // n_frag))
         self.steps = 0
+        self.merges = 0  #: outer syncs completed (in this process)
         self.stats = CommStats()
         self._synced = {id(p) for frag in self.fragments for p in frag.params}
 
@@ -253,7 +257,10 @@ class DiLoCoOptimizer(WrappedOptimizer):
         Raises:
             CommError: A replica was lost or timed out.
             NonFiniteError: An averaged pseudo-gradient is not finite (``on_nonfinite``).
+            ConfigError: An exchange is due while a parameter the inner optimizer steps became
+                trainable after construction (refused before the inner step).
         """
+        self._refuse_unsynced()
         found_inf, scale = self.__dict__.get("found_inf"), self.__dict__.get("grad_scale")
         if found_inf is not None and bool(found_inf):
             self._after_inner_step()
@@ -277,14 +284,33 @@ class DiLoCoOptimizer(WrappedOptimizer):
             if self._sends_now(frag):
                 self._send(frag)
 
-    def _sends_now(self, frag: Fragment) -> bool:
-        """Whether ``frag``'s exchange starts at the current inner step."""
-        return self.steps > frag.offset and (self.steps - frag.offset) % self.sync_every == 0
+    def _sends_now(self, frag: Fragment, ahead: int = 0) -> bool:
+        """Whether ``frag``'s exchange starts at the current inner step (plus ``ahead``)."""
+        steps = self.steps + ahead
+        return steps > frag.offset and (steps - frag.offset) % self.sync_every == 0
 
     def step_without_update(self) -> None:
         """Count an inner step this replica skipped (a non-finite or overflowed one): the
         rounds stay in step with the other replicas, which may have taken theirs."""
+        self._refuse_unsynced()
         self._after_inner_step()
+
+    def _refuse_unsynced(self) -> None:
+        """Refuse the next inner step when an exchange is due at it and a parameter the inner
+        optimizer steps became trainable after construction: before the step is taken or
+        counted, so :meth:`sync_now` still syncs the whole round."""
+        if self._engine is not None or not any(self._sends_now(f, 1) for f in self.fragments):
+            return
+        unsynced = [p for g in self.inner.param_groups for p in g["params"]
+                    if p.requires_grad and id(p) not in self._synced]
+        if unsynced:
+            raise ConfigError(f"{len(unsynced)} parameter(s) the inner optimizer steps became "
+                              "trainable after the DiLoCoOptimizer was built, so they would "
+                              "never be synced; this inner step was refused (not taken). Hint: "
+                              "call sync_now() (it syncs the parameters this optimizer tracks; "
+                              "the newly trainable ones stay each replica's own), then wrap the "
+                              "inner optimizer in a new DiLoCoOptimizer (it starts every replica "
+                              "from rank 0's weights of all of them).")
 
     @contextlib.contextmanager
     def shared_weights(self) -> Iterator[None]:
@@ -313,11 +339,13 @@ class DiLoCoOptimizer(WrappedOptimizer):
 
     def sync_now(self) -> None:
         """Finish every exchange under way and sync every fragment at once (e.g. before the
-        end of training, so every replica holds the same weights)."""
+        end of training, so every replica holds the same weights). A fragment with no inner
+        step since its last exchange is left as it is; parameters made trainable after
+        construction are not synced (each replica keeps its own)."""
         for frag in self.fragments:
             if frag.flight is not None:
                 self._merge(frag)
-            if self._sends_now(frag):
+            if self._sends_now(frag) or frag.sent_at == self.steps:
                 with torch.no_grad():  # synced at this very step: an outer step on a zero
                     for p, o in zip(frag.params, frag.outer):  # pseudo-gradient would still
                         p.copy_(o)  # move the weights (momentum); so none
@@ -327,14 +355,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
 
     # ----------------------------------------------------------------- one fragment
     def _send(self, frag: Fragment, wait: bool = False) -> None:
-        if self._engine is None:
-            unsynced = [p for g in self.inner.param_groups for p in g["params"]
-                        if p.requires_grad and id(p) not in self._synced]
-            if unsynced:
-                raise ConfigError(f"{len(unsynced)} parameter(s) the inner optimizer steps "
-                                  "became trainable after the DiLoCoOptimizer was built, so "
-                                  "they would never be synced. Hint: call sync_now(), then wrap "
-                                  "the inner optimizer in a new DiLoCoOptimizer.")
+        frag.sent_at = self.steps
         flat = torch.cat([(o.detach() - p.detach()).reshape(-1)
                           for o, p in zip(frag.outer, frag.params)])
         key = f"fragment{frag.index}"
@@ -355,6 +376,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
         flight = frag.flight
         assert flight is not None
         frag.flight = None
+        self.merges += 1
         avg = flight.handle.wait()
         if self.world > 1:
             avg = avg / self.world

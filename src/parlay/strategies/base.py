@@ -87,6 +87,9 @@ class Strategy:
     #: :attr:`agreed_snapshot_step`) and is told ``snapshot_every`` on every rank
     #: (:meth:`configure_snapshots`).
     agrees_snapshots_early: bool = False
+    #: Whether the ranks skip a non-finite step together (False: each replica decides alone,
+    #: as diloco's inner steps do).
+    skips_together: bool = True
     #: Digest of the Trainer's settings, stored in each snapshot and checked on resume (set
     #: by the Trainer for strategies that agree snapshots early).
     snapshot_identity: str = ""

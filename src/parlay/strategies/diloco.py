@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import runtime
+from parlay.dp.functions import coalesced_broadcast
 from parlay.dp.hierarchical import host_groups
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
@@ -52,6 +53,7 @@ class DiLoCoStrategy(WholeModelStrategy):
     """
 
     name = "diloco"
+    skips_together = False  # each replica's inner steps decide alone
 
     def __init__(self, compression: Any = None, precision: str = "fp32",
                  grad_clip: float | None = None, sync_every: int = 100, fragments: int = 1,
@@ -70,6 +72,7 @@ class DiLoCoStrategy(WholeModelStrategy):
                             outer_optimizer=outer_optimizer,
                             outer_optimizer_args=outer_optimizer_args, hierarchical=hierarchical)
         self._alone: Any = None  # a group of this rank only: its inner steps decide alone
+        self._buffers: list[torch.Tensor] = []
 
     @property
     def has_replicas(self) -> bool:
@@ -86,6 +89,10 @@ class DiLoCoStrategy(WholeModelStrategy):
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
         model = self._place(model, loss_fn)
+        # Buffers (BatchNorm's running statistics) follow rank 0's at every completed sync, as
+        # the "allreduce" mode's do after every step.
+        if dist.is_initialized() and self.dp_size > 1:
+            self._buffers = list(model.buffers())
         inner = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         replicas = None
         if self.shard is not None:  # data parallel inside each host, local updates across
@@ -116,6 +123,7 @@ class DiLoCoStrategy(WholeModelStrategy):
             bad_data = skipped and self.guard.must_skip(value, named, self._alone, grads=False)
         else:
             skipped = bad_data = self.guard.must_skip(value, named, self._alone)
+        merges = opt.merges
         if skipped:
             opt.zero_grad(set_to_none=True)
             opt.step_without_update()
@@ -126,6 +134,8 @@ class DiLoCoStrategy(WholeModelStrategy):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.grad_clip))
             with inner.skip_synchronize() if inner is not None else contextlib.nullcontext():
                 opt.step()
+        if opt.merges != merges:  # an outer sync completed (at the same step on every rank)
+            self._sync_buffers()
         if self.scaler is not None and not bad_data:
             self.scaler.update(skipped)
         return StepResult(loss=value, samples=batch_size_of(y), skipped=skipped)
@@ -137,6 +147,11 @@ class DiLoCoStrategy(WholeModelStrategy):
     def finish(self) -> None:
         if self.optimizer is not None:
             self.optimizer.sync_now()  # every replica ends with the shared weights
+            self._sync_buffers()
+
+    def _sync_buffers(self) -> None:
+        if self._buffers:  # the same on every rank at setup (_place broadcast them)
+            coalesced_broadcast(self._buffers, 0, self.process_group, check=False)
 
 
 register_strategy("diloco", DiLoCoStrategy)

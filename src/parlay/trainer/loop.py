@@ -315,7 +315,8 @@ class Trainer:
 
     def _note_skip(self) -> None:
         self.state.skipped_steps += 1
-        msg = (f"step {self.state.step + 1} was skipped on every rank: its loss or gradient was "
+        where = "every rank" if self.strategy.skips_together else f"rank {runtime.rank()}"
+        msg = (f"step {self.state.step + 1} was skipped on {where}: its loss or gradient was "
                f"not finite ({self.skipped_steps} skipped so far; under fp16 a loss-scale "
                "overflow, which GradScaler expects now and then)")
         log.warning(msg)
