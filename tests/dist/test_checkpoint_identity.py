@@ -6,6 +6,7 @@ second run holding the directory) and checks the error and that no file was touc
 """
 from __future__ import annotations
 
+import functools
 import shutil
 
 import pytest
@@ -38,11 +39,11 @@ def _build_wide():
     return _build(12)
 
 
-def _train(ckpt, steps, batch=4, build=_build):
+def _train(ckpt, steps, batch=4, build=_build, **options):
     try:
         t = parlay.Trainer(build, _dataset(), optimizer_args={"lr": 1e-2}, batch_size=batch,
                            max_iteration=steps, checkpoint_dir=ckpt, checkpoint_every=2,
-                           progress=False)
+                           progress=False, **options)
     except CheckpointError as e:
         return e
     while not t.should_stop():
@@ -97,26 +98,20 @@ class _Proj(nn.Module):
         return x @ self.w.T if self.t else x @ self.w
 
 
-def _shard_params(ckpt, steps, transposed):
-    try:
-        t = parlay.Trainer(lambda: (nn.Sequential(_Proj(transposed), nn.Linear(8, 2)),
-                                    nn.CrossEntropyLoss()), _dataset(), batch_size=4,
-                           max_iteration=steps, checkpoint_dir=ckpt, shard="parameters",
-                           progress=False)
-    except CheckpointError as e:
-        return e
-    while not t.should_stop():
-        t.train_on_batch()
-    return t.state.step
+def _build_proj(transposed):
+    return nn.Sequential(_Proj(transposed), nn.Linear(8, 2)), nn.CrossEntropyLoss()
 
 
 def test_shard_parameters_records_the_shapes_as_built(tmp_path):
     # Sharded, the model holds size-0 placeholders: the identity must be taken before.
-    assert run_world(_shard_params, 2, str(tmp_path), 3, False) == [3, 3]
-    for e in run_world(_shard_params, 2, str(tmp_path), 6, True):
+    def train(steps, transposed):
+        return run_world(_train, 2, str(tmp_path), steps, 4,
+                         functools.partial(_build_proj, transposed), shard="parameters")
+    assert train(3, False) == [3, 3]
+    for e in train(6, True):
         assert isinstance(e, CheckpointError) and "different model architecture" in str(e)
         assert "'0.w' (5, 8)" in str(e) and "'0.w' (8, 5)" in str(e)
-    assert run_world(_shard_params, 2, str(tmp_path), 6, False) == [6, 6]
+    assert train(6, False) == [6, 6]
 
 
 def test_same_config_resumes_and_keeps_the_run_id(two_rank_dir):
