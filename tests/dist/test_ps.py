@@ -23,7 +23,8 @@ STEPS, PER_WORKER = 4, 3
 PS1 = {"PARLAY_NUM_PS": "1"}
 PS2 = {"PARLAY_NUM_PS": "2"}
 OPTS = {"sgd": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
-        "adam": (torch.optim.Adam, {"lr": 0.01})}
+        "adam": (torch.optim.Adam, {"lr": 0.01}),
+        "adafactor": (torch.optim.Adafactor, {"lr": 0.01})}
 
 
 def _model() -> nn.Module:
@@ -238,3 +239,61 @@ def test_max_steps_counts_the_newest_version_any_server_reported():
     assert sess.at_max_steps()
     sess.worker = SimpleNamespace(versions=[9, 9])
     assert not sess.at_max_steps()
+
+
+def test_a_shape_dependent_optimizer_keeps_whole_tensors_by_default():
+    # The balanced placement cut the 16x5 weight into 1-D pieces over the two servers:
+    # Adafactor's factored second moment became an unfactored one (7.9e-3 off).
+    ref = _reference("adafactor", 2)
+    out = run_world(_ps_train, 4, "adafactor", env=PS2)
+    for r in out[2:]:
+        for p, q in zip(r["params"], ref):
+            torch.testing.assert_close(p, q, **TOL)
+
+
+def _embedding(sparse):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(10, 4, sparse=sparse), nn.Flatten(),
+                         nn.Linear(8, 3)).double()
+
+
+def _ids():
+    return torch.arange(2 * STEPS * PER_WORKER).remainder(10).reshape(STEPS, PER_WORKER, 2)
+
+
+def _thawed_or_sparse(case):
+    model = _model() if case == "thawed" else _embedding(sparse=True)
+    if case == "thawed":
+        model[0].requires_grad_(False)
+    with DistributedSession(model=model, optimizer=torch.optim.SGD,
+                            optimizer_args={"lr": 0.1}) as sess:
+        if sess.is_ps:
+            sess.serve()
+            return None
+        x, y = _data(sess.num_workers)
+        ids = _ids()
+        try:
+            for t in range(STEPS):
+                if case == "thawed" and t == 2:
+                    model[0].requires_grad_(True)
+                xs = x[t][:PER_WORKER] if case == "thawed" else ids[t]
+                sess.train_step((xs, y[t][:PER_WORKER]), _mse)
+        except ConfigError as e:
+            return str(e)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_layer_unfrozen_after_the_start_is_refused_and_sparse_gradients_train():
+    out = run_world(_thawed_or_sparse, 2, "thawed", env=PS1, return_exceptions=True)
+    assert "0.weight, 0.bias were frozen when the session started" in out[1]
+    # An Embedding(sparse=True) crashed the push (reshape of a sparse tensor): one worker
+    # equals one process training the dense twin.
+    ref = _embedding(sparse=False)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    _, y = _data(1)
+    for t in range(STEPS):
+        opt.zero_grad()
+        _mse(ref(_ids()[t]), y[t][:PER_WORKER]).backward()
+        opt.step()
+    for p, q in zip(run_world(_thawed_or_sparse, 2, "sparse", env=PS1)[1], ref.parameters()):
+        torch.testing.assert_close(p, q.detach(), **TOL)

@@ -15,7 +15,8 @@ The balanced placement also cuts, over every server, each tensor larger than an 
 the model (its bytes over the server count): every server's link then carries about the same
 bytes, where whole tensors would leave the server with the largest one the slowest (a
 784-2048-2048-10 MLP on 4 servers held 8.4 MB on one and 0.1 MB on another, not 5.8 MB each).
-``split_bytes=None`` never cuts (for optimizers that need whole tensors, e.g. Adafactor).
+``split_bytes=None`` never cuts (for optimizers that need whole tensors, e.g. Adafactor; a
+session passes it for an optimizer outside :data:`~parlay.ps.chunks.ELEMENTWISE` by default).
 
 Each server's pieces are laid out back to back, in model order, in one flat buffer: the wire
 format of pushes and pulls. Whole tensors keep their shape on the server (so per-tensor

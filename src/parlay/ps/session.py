@@ -30,6 +30,7 @@ from parlay.compress.base import Compressor, get_compressor
 from parlay.discovery import detect
 from parlay.errors import ConfigError
 from parlay.nonfinite import NonFiniteGuard
+from parlay.ps.chunks import ELEMENTWISE
 from parlay.ps.consistency import Consistency, Update, get_consistency
 from parlay.ps.options import check_session_args
 from parlay.ps.plan import DEFAULT_SPLIT_BYTES, ShardPlan
@@ -122,6 +123,8 @@ class DistributedSession:
         self.max_steps = max_steps
         self.checkpoint_every = checkpoint_every
         self._timeout = timeout
+        if split_bytes == DEFAULT_SPLIT_BYTES and not issubclass(optimizer, ELEMENTWISE):
+            split_bytes = None  # e.g. Adafactor's factored state needs whole tensors
         self.plan = ShardPlan.from_module(model, 1, placement=placement, split_bytes=split_bytes)
         self._plan_args = dict(placement=placement, split_bytes=split_bytes)
         self.server: Server | None = None

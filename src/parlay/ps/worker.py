@@ -65,6 +65,7 @@ class Worker:
         named = dict(model.named_parameters())
         # the first trainable one's, as the server and the plan take it (frozen ones never push)
         self.dtype = next(p for p in named.values() if p.requires_grad).dtype
+        self.frozen = [n for n, p in named.items() if not p.requires_grad]  # as planned
         self.slices: list[list[tuple[torch.Tensor, int, int, int]]] = []
         self.grads: list[torch.Tensor] = []
         self.push_bufs: list[torch.Tensor] = []
@@ -223,6 +224,13 @@ class Worker:
         Returns:
             This worker's loss on ``batch`` (computed before the update).
         """
+        named = dict(self.model.named_parameters()) if self.frozen else {}
+        thawed = [n for n in self.frozen if named[n].requires_grad]
+        if thawed:
+            raise ConfigError(f"parameter(s) {', '.join(thawed[:3])} were frozen when the "
+                              "session started and became trainable: the servers hold no "
+                              "shard of them, so they would never be trained. Hint: make them "
+                              "trainable before the session starts (a new session to unfreeze).")
         x, y = _split(batch)
         dev = next(self.model.parameters()).device
         x, y = to_device(x if isinstance(x, tuple) else (x,), dev), to_device(y, dev)
@@ -240,7 +248,8 @@ class Worker:
                 if p.grad is None:  # no gradient this step: push zeros (documented)
                     g[off: off + length].zero_()
                 else:
-                    g[off: off + length].copy_(p.grad.reshape(-1)[start: start + length])
+                    grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # (an Embedding's)
+                    g[off: off + length].copy_(grad.reshape(-1)[start: start + length])
             chunked = self.bounds[s] is not None  # sent as it is, in chunks
             payloads.append(self._encode(g, f"ps{s}") if g.numel() and not chunked else [])
         replies = self._exchange(Op.PUSH, payloads, "push")
