@@ -94,6 +94,24 @@ def test_plan_script_profiles_the_users_own_training_script(tmp_path, capsys) ->
     assert "--script: no file" in err and "Hint" in err
 
 
+def test_plan_script_runs_as_python_would_and_shows_its_own_failure(tmp_path, capsys) -> None:
+    # Its folder on sys.path (a sibling module), and a failing exit with the script's message.
+    (tmp_path / "netdef.py").write_text("import torch.nn as nn\n"
+                                        "def net(): return nn.Linear(20, 10)\n")
+    script = tmp_path / "train.py"
+    script.write_text("import argparse\nfrom netdef import net\n"
+                      "ap = argparse.ArgumentParser(); ap.add_argument('--lr', required=True)\n"
+                      "ap.parse_args()\n" + SCRIPT.replace(
+                          "nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 10))",
+                          "net()"))
+    argv = ["plan", "--script", str(script), "--bandwidth", "1gbit", "--no-calibrate"]
+    assert main([*argv, "--", "--lr", "0.1"]) == 0
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "failed (exit 2)" in err and "the following arguments are required: --lr" in err
+
+
 def test_plan_script_that_never_steps_is_explained(tmp_path, capsys) -> None:
     script = tmp_path / "nothing.py"
     script.write_text("print('no training here')\n")

@@ -148,12 +148,17 @@ def run_script(path: str, args: Sequence[str], steps: int = 3, warmup: int = 2) 
                optim.register_optimizer_step_post_hook(on_step)]
     argv = sys.argv
     sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as `python path` does
     try:
         runpy.run_path(path, run_name="__main__")
-    except (_Enough, SystemExit):
+    except _Enough:
         pass
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise  # the script's own failure: its message is on stderr
     finally:
         sys.argv = argv
+        sys.path.pop(0)
         for h in handles:
             h.remove()
         torch.set_grad_enabled(True)
