@@ -204,6 +204,12 @@ def _cmd_env(ns: argparse.Namespace, rest: list[str]) -> int:
 
 
 def _cmd_demo(ns: argparse.Namespace, rest: list[str]) -> int:
+    if ns.name is None and ns.help:
+        print("parlay demo NAME [launch options] [demo options]\n\ndemos: mnist (parlay demo "
+              "mnist --help for its options)")
+        return 0
+    if ns.name is None:
+        raise _fail("demo: name a demo, e.g. parlay demo mnist -n 2; available: mnist")
     if ns.name != "mnist":
         raise _fail(f"demo: unknown demo {ns.name!r}; available: mnist")
     from parlay.demos import mnist
@@ -356,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     p_demo = sub.add_parser("demo", help="run a demo, e.g. parlay demo mnist -n 2",
                             add_help=False)
     p_demo.add_argument("-h", "--help", action="store_true", help="the demo's options")
-    p_demo.add_argument("name")
+    p_demo.add_argument("name", nargs="?")
     _add_launch_args(p_demo)
     # Its options are the suite's (tools/bench/runner.py) or NAME's own: parsed there.
     p_bench = sub.add_parser("bench", help="run the benchmark suite (parlay bench --help), or "

@@ -134,3 +134,11 @@ def test_a_failed_rank_is_told_by_its_own_exit_code_unless_the_launcher_signal_e
     # the launcher's SIGTERM ended it while it was exiting: the exception alone
     assert _how(failure(-15), stopped=True) == "ValueError: boom"
     assert _how(failure(-15), stopped=False) == "killed by SIGTERM: ValueError: boom"
+
+
+def test_demo_help_without_a_name_lists_the_demos(launches, capsys):
+    assert main(["demo", "--help"]) == 0  # it required a name: "error: ... required: name"
+    assert "demos: mnist" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="name a demo"):
+        main(["demo"])
+    assert launches == []
