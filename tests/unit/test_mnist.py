@@ -78,8 +78,8 @@ def test_root_defaults_to_parlay_data_dir_then_the_cache(mnist_dir, tmp_path, mo
     # PARLAY_DATA_DIR without the files (mistyped): the cache serves, and a warning says so
     shutil.copytree(mnist_dir, tmp_path / "cache" / "parlay" / "mnist")
     monkeypatch.setenv("PARLAY_DATA_DIR", str(tmp_path / "typo"))
-    with pytest.warns(UserWarning, match=r"PARLAY_DATA_DIR=.*typo.* lacks .*: MNIST is read "
-                      r"from .*cache"):
+    with pytest.warns(UserWarning, match=r"PARLAY_DATA_DIR=.*typo.* \(parlay demo: --data\) "
+                      r"lacks .*: MNIST is read from .*cache"):
         assert mnist(download=False, verify=False).root == tmp_path / "cache/parlay/mnist"
     # the demo's --data DIR is read as PARLAY_DATA_DIR is, as the README says
     import parlay

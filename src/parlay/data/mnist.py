@@ -186,8 +186,9 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     for other in others if missing and root is None else []:
         if all((other / n).is_file() for n in names):
             if folder != cache:
-                warnings.warn(f"PARLAY_DATA_DIR={str(folder)!r} lacks {', '.join(missing)}: "
-                              f"MNIST is read from {other} instead.", stacklevel=2)
+                warnings.warn(f"PARLAY_DATA_DIR={str(folder)!r} (parlay demo: --data) lacks "
+                              f"{', '.join(missing)}: MNIST is read from {other} instead.",
+                              stacklevel=2)
             folder, missing = other, []
             break
     failures: list[str] = []
