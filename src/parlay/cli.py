@@ -134,6 +134,9 @@ def torchrun_argv(ns: argparse.Namespace, target: list[str]) -> list[str]:
         v = getattr(ns, _dest(flag))
         if v is not None and (multi_node or flag not in _LOCAL_ONLY):
             argv += [flag, str(v)]
+    if multi_node and ns.rdzv_conf is None:  # torchrun waits 600 s for missing nodes
+        wait = max(1, round(float(os.environ.get("PARLAY_TIMEOUT") or 300)))
+        argv += ["--rdzv-conf", f"join_timeout={wait},timeout={wait}"]
     return argv + target
 
 

@@ -74,7 +74,8 @@ def test_parlay_env_reports_config_errors_clearly():
     assert "WORLD_SIZE" in p.stderr
 
 
-def test_torchrun_argv_single_node_loopback_and_passthrough():
+def test_torchrun_argv_single_node_loopback_and_passthrough(monkeypatch):
+    monkeypatch.delenv("PARLAY_TIMEOUT", raising=False)
     parser_ns, rest = _split_parse(build_parser(), ["run", "-n", "4", "--ps", "1", "train.py", "--lr", "1"])
     assert rest == ["train.py", "--lr", "1"]
     argv = torchrun_argv(parser_ns, rest)
@@ -96,7 +97,9 @@ def test_torchrun_argv_single_node_loopback_and_passthrough():
     assert "--standalone" not in argv and "parlay-local" not in argv
     assert argv[-3:] == ["-m", "pkg.mod", "x"]
     for flag, val in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-endpoint", "h0:29400"),
-                      ("--max-restarts", "3")]:
+                      ("--max-restarts", "3"),
+                      # nodes wait for each other PARLAY_TIMEOUT (300 s), not torchrun's 600 s
+                      ("--rdzv-conf", "join_timeout=300,timeout=300")]:
         assert argv[argv.index(flag) + 1] == val
 
 
