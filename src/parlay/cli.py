@@ -243,6 +243,10 @@ def check_demo(ns: argparse.Namespace, demo: argparse.Namespace) -> None:
                                multi_node=ns.nnodes not in (None, "1", "1:1"))
     except ValueError as e:  # ConfigError is a ValueError
         raise _fail(f"demo mnist: {e}") from None
+    folder = os.path.dirname(os.path.abspath(demo.json)) if demo.json else None
+    if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+        raise _fail(f"demo mnist: --json {demo.json}: no writable folder {folder}; the metrics "
+                    "would be lost after training. Hint: an existing folder, e.g. --json out.json")
 
 
 def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp: int | None,

@@ -142,3 +142,9 @@ def test_demo_help_without_a_name_lists_the_demos(launches, capsys):
     with pytest.raises(SystemExit, match="name a demo"):
         main(["demo"])
     assert launches == []
+
+
+def test_demo_json_path_is_checked_before_launch(launches, tmp_path):
+    with pytest.raises(SystemExit, match="no writable folder"):  # found after training before
+        main(["demo", "mnist", "--json", str(tmp_path / "nope" / "out.json")])
+    assert launches == []

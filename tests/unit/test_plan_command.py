@@ -38,6 +38,9 @@ def test_calibration_is_cached_per_machine(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("PARLAY_CACHE_DIR", str(tmp_path))
     path.write_text("{not json")
     assert cal.load_costs(calibrate_if_missing=False) is None
+    monkeypatch.setenv("PARLAY_CACHE_DIR", str(path))  # a file: the cache cannot be written
+    with pytest.warns(UserWarning, match="cannot cache the calibration"):
+        assert cal.calibrate(budget_s=0.05, links=False, numel=1 << 14).flops > 0
 
 
 # ------------------------------------------------------------------ profiling

@@ -25,6 +25,7 @@ import platform
 import socket
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -291,10 +292,15 @@ def calibrate(budget_s: float = 4.0, links: bool = True, numel: int = 1 << 22,
     cal = Calibration(costs, loop, flops, time.perf_counter() - t0, links)
     if save:
         path = cache_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(cal.to_json(), indent=1))
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cal.to_json(), indent=1))
+            os.replace(tmp, path)
+        except OSError as e:  # measured all the same: the plan goes on, uncached
+            warnings.warn(f"cannot cache the calibration in {path.parent} ({e}); it is measured "
+                          "again next time. Hint: PARLAY_CACHE_DIR=<a writable folder>.",
+                          stacklevel=2)
     return cal
 
 
