@@ -42,6 +42,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -196,8 +197,14 @@ class DropPolicy:
         for r, f in causes.items():
             frames = tuple(ln for ln in _recorded(f)[1].splitlines() if ln.startswith("  File"))
             stacks.setdefault(frames, _traceback(r, f))
-        parts = [f"rank {r}{self._where(f)} failed ({_how(f, r in self.stopped)})"
-                 for r, f in causes.items()]
+        # Every cause lost a peer: a peer the launcher stopped while it was exiting without a
+        # record (sys.exit("...")) failed first; name it before the ranks that lost it.
+        lost = sorted({int(m) for f in causes.values() for m in _LOST.findall(_recorded(f)[0])
+                       if _recorded(f)[0].startswith("CommError")} & (set(failures) - set(causes)))
+        parts = [f"rank {r}{self._where(failures[r])} failed ({_how(failures[r], False)}, "
+                 "and was lost by the others first)" for r in lost]
+        parts += [f"rank {r}{self._where(f)} failed ({_how(f, r in self.stopped)})"
+                  for r, f in causes.items()]
         if len(parts) > 3:
             parts[3:] = [f"{len(parts) - 3} more rank(s) failed"]
         _say([ln for lines in stacks.values() for ln in lines]
@@ -205,6 +212,10 @@ class DropPolicy:
 
     def _where(self, failure: Any) -> str:
         return f" (local rank {failure.local_rank} on {self.host})" if self.host else ""
+
+
+#: How a CommError names the peer it lost (:func:`parlay.comm.lost_message`).
+_LOST = re.compile(r"\brank (\d+)(?: \([^)]*\))? was lost")
 
 
 def _say(lines: list[str]) -> None:

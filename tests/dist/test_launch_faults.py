@@ -118,7 +118,9 @@ def test_stopped_rank_restarts_within_the_timeout(tmp_path):
     assert sorted((tmp_path / "out").read_text().split("\n")[:-1]) == ["done 0", "done 1"]
     lines = _parlay_lines(text)
     assert len(lines) == 1, text[-3000:]
-    assert re.fullmatch(r"parlay run: rank 0 failed \(exit code 1: CommError: allreduce failed "
+    # The stalled rank first: the launcher stopped it, and rank 0 lost it.
+    assert re.fullmatch(r"parlay run: rank 1 failed \(killed by SIG\w+, and was lost by the "
+                        r"others first\); rank 0 failed \(exit code 1: CommError: allreduce failed "
                         r"on rank 0: rank 1 .* did not answer.*\); restart attempt 1 of 1 "
                         r"starting", lines[0]), lines[0]
     assert text.count("[rank0]: parlay.errors.CommError: allreduce failed") == 1    # once

@@ -136,6 +136,28 @@ def test_a_failed_rank_is_told_by_its_own_exit_code_unless_the_launcher_signal_e
     assert _how(failure(-15), stopped=False) == "killed by SIGTERM: ValueError: boom"
 
 
+def test_the_rank_a_comm_error_lost_is_named_first(capsys):
+    # Rank 1 ended with sys.exit("...") (no record) and was stopped while exiting; rank 0's
+    # CommError was then the only cause named: the line blamed the rank that lost a peer.
+    from types import SimpleNamespace
+
+    from parlay.launch import DropPolicy
+
+    def failure(code, message=None):
+        data = {"message": {"message": message, "extraInfo": {"py_callstack": ""}}} \
+            if message else {}
+        return SimpleNamespace(exitcode=code, signal_name=lambda: "SIGTERM",
+                               error_file_data=data, local_rank=0)
+
+    policy = DropPolicy("/tmp")
+    policy.stopped = {1}
+    policy.report({0: failure(1, "CommError: barrier failed on rank 0: rank 1 (its only peer) "
+                                 "was lost or did not answer"), 1: failure(-15)}, "the job failed")
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line.startswith("parlay run: rank 1 failed (killed by SIGTERM, and was lost by the "
+                           "others first); rank 0 failed (exit code 1: CommError"), line
+
+
 def test_demo_help_without_a_name_lists_the_demos(launches, capsys):
     assert main(["demo", "--help"]) == 0  # it required a name: "error: ... required: name"
     assert "demos: mnist" in capsys.readouterr().out
