@@ -142,3 +142,29 @@ def test_chunk_layout_and_setting():
     assert chunk_bytes({CHUNK_ENV: "1024"}, one_host=True) == 1024
     with pytest.raises(ConfigError, match=CHUNK_ENV):
         chunk_bytes({CHUNK_ENV: "lots"})
+
+
+def _checkpointed(ckpt: str, steps: int):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    try:
+        with DistributedSession(model=model, optimizer=torch.optim.Adam,
+                                optimizer_args={"lr": 0.05}, consistency="sync",
+                                checkpoint_dir=ckpt, checkpoint_every=1) as sess:
+            while not sess.should_stop() and sess.step < steps:
+                x, y = _batch(sess.worker_index, sess.step)
+                sess.train_step((x[:, :5], y), _mse)
+    except Exception as e:  # noqa: BLE001 - what each rank met
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def test_resuming_with_other_chunk_bounds_is_refused_by_the_server(tmp_path):
+    # 720 and 800 bytes cut the 147 float64 parameters into as many pieces at other bounds:
+    # the Adam state loaded into the wrong pieces, and the first update failed on a shape.
+    env = {"PARLAY_NUM_PS": "1", CHUNK_ENV: "720"}
+    assert run_world(_checkpointed, 3, str(tmp_path), 2, env=env) == ["ok"] * 3
+    out = run_world(_checkpointed, 3, str(tmp_path), 4, env={**env, CHUNK_ENV: "800"},
+                    comm_timeout=10)
+    assert out[0].startswith("CheckpointError") and "does not fit" in out[0], out[0]
+    assert "PARLAY_PS_CHUNK_BYTES" in out[0]

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from parlay.ps.chunks import ELEMENTWISE
 from parlay.runinfo import recipe_difference
 from parlay.statefile import save_atomic, verify
 from parlay.errors import CheckpointError
@@ -77,6 +78,19 @@ def read_shard(path: str, tag: int | None = None, server: int | None = None) -> 
                               "the step (with the workers' files of it) to resume the previous "
                               "one.")
     return dict(sd)
+
+
+def _check_state_shapes(optimizer: torch.optim.Optimizer) -> None:
+    """An element-wise optimizer's state has its parameter's shape: a state cut at other
+    chunk bounds (the same number of pieces) loads without a word, then fails in a step."""
+    if not isinstance(optimizer, ELEMENTWISE):  # (others are never cut into chunks)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if isinstance(v, torch.Tensor) and v.dim() and v.shape != p.shape:
+                    raise ValueError(f"state {k!r} of shape {tuple(v.shape)} for a piece of "
+                                     f"shape {tuple(p.shape)}")
 
 
 def step_path(checkpoint_dir: str, index: int, tag: int) -> str:
@@ -179,6 +193,7 @@ class ShardPersistence:
         self.flat.copy_(sd["flat"])
         try:
             self.optimizer.load_state_dict(sd["optimizer"])
+            _check_state_shapes(self.optimizer)
         except ValueError as e:  # the server's parameters are cut at the sync chunk bounds
             raise CheckpointError(f"{what}: its optimizer state does not fit this server's "
                                   f"parameters ({e}). Hint: resume with the same optimizer, "
