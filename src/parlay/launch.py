@@ -197,10 +197,12 @@ class DropPolicy:
         for r, f in causes.items():
             frames = tuple(ln for ln in _recorded(f)[1].splitlines() if ln.startswith("  File"))
             stacks.setdefault(frames, _traceback(r, f))
-        # Every cause lost a peer: a peer the launcher stopped while it was exiting without a
-        # record (sys.exit("...")) failed first; name it before the ranks that lost it.
-        lost = sorted({int(m) for f in causes.values() for m in _LOST.findall(_recorded(f)[0])
-                       if _recorded(f)[0].startswith("CommError")} & (set(failures) - set(causes)))
+        # Causes that lost a peer (CommErrors, the causes only when no other failure is one):
+        # a peer the launcher stopped while it was exiting without a record (sys.exit("..."),
+        # a stall) failed first; name it before the ranks that lost it.
+        said = [_recorded(f)[0] for f in causes.values()]
+        lost = sorted({int(m) for t in said if t.startswith("CommError") for m in _LOST.findall(t)}
+                      & (set(failures) - set(causes)))
         parts = [f"rank {r}{self._where(failures[r])} failed ({_how(failures[r], False)}, "
                  "and was lost by the others first)" for r in lost]
         parts += [f"rank {r}{self._where(f)} failed ({_how(f, r in self.stopped)})"

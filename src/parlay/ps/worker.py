@@ -65,7 +65,7 @@ class Worker:
         named = dict(model.named_parameters())
         # the first trainable one's, as the server and the plan take it (frozen ones never push)
         self.dtype = next(p for p in named.values() if p.requires_grad).dtype
-        self.frozen = [n for n, p in named.items() if not p.requires_grad]  # as planned
+        self.frozen = [(n, p) for n, p in named.items() if not p.requires_grad]  # as planned
         self.slices: list[list[tuple[torch.Tensor, int, int, int]]] = []
         self.grads: list[torch.Tensor] = []
         self.push_bufs: list[torch.Tensor] = []
@@ -224,8 +224,7 @@ class Worker:
         Returns:
             This worker's loss on ``batch`` (computed before the update).
         """
-        named = dict(self.model.named_parameters()) if self.frozen else {}
-        thawed = [n for n in self.frozen if named[n].requires_grad]
+        thawed = [n for n, p in self.frozen if p.requires_grad]
         if thawed:
             raise ConfigError(f"parameter(s) {', '.join(thawed[:3])} were frozen when the "
                               "session started and became trainable: the servers hold no "

@@ -49,6 +49,7 @@ class WholeModelStrategy(StepTemplate):
         self.model: nn.Module | None = None
         self._loss_fn: Callable[..., torch.Tensor] | None = None
         self._device = torch.device("cpu")
+        self._buffers: list[torch.Tensor] = []
 
     @property
     def dp_size(self) -> int:
@@ -74,7 +75,17 @@ class WholeModelStrategy(StepTemplate):
         self.model = model.to(self._device)
         self._loss_fn = loss_fn
         broadcast_parameters(self.model.state_dict(), root_rank=0, process_group=self.process_group)
+        # Buffers (BatchNorm's running statistics) follow rank 0's (:meth:`_sync_buffers`), as
+        # under DDP's broadcast_buffers: every rank then evaluates, checks and saves one model.
+        self._buffers = list(self.model.buffers()) \
+            if torch.distributed.is_initialized() and self.dp_size > 1 else []
         return self.model
+
+    def _sync_buffers(self) -> None:
+        """Copy rank 0's buffers to every rank (one unchecked message per dtype: they were
+        the same on every rank after :meth:`_place`)."""
+        if self._buffers:
+            coalesced_broadcast(self._buffers, 0, self.process_group, check=False)
 
     def _ready(self) -> tuple[nn.Module, Any, Callable[..., torch.Tensor]]:
         if self.model is None or self.optimizer is None or self._loss_fn is None:
@@ -191,9 +202,6 @@ class AllreduceStrategy(WholeModelStrategy):
         # The optimizer was just built from the same arguments on every rank and holds no state
         # yet, so there is nothing of it to broadcast (broadcast_optimizer_state would also
         # send a pickled skeleton, which the training path never unpickles).
-        # Buffers (BatchNorm's running statistics) follow rank 0's after every step, as under
-        # DDP's broadcast_buffers: every rank then evaluates, checks and saves the same model.
-        self._buffers = list(model.buffers()) if self.dp_size > 1 else []
         opt = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         self.optimizer = DistributedOptimizer(
             opt, named_parameters=model.named_parameters(), compression=self.compression,
@@ -228,8 +236,7 @@ class AllreduceStrategy(WholeModelStrategy):
                                         grads=grads)
 
         skipped = self._update(opt.local_gradients, nonfinite, opt.clip_grad_norm_, saved)
-        if self._buffers:  # the same on every rank at setup (_place broadcast them, checked)
-            coalesced_broadcast(self._buffers, 0, self.process_group, check=False)
+        self._sync_buffers()  # after every step
         return StepResult(loss=loss, samples=n, skipped=skipped)
 
     @property

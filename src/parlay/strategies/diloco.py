@@ -19,7 +19,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import runtime
-from parlay.dp.functions import coalesced_broadcast
 from parlay.dp.hierarchical import host_groups
 from parlay.dp.optimizer import DistributedOptimizer
 from parlay.errors import ConfigError
@@ -72,7 +71,6 @@ class DiLoCoStrategy(WholeModelStrategy):
                             outer_optimizer=outer_optimizer,
                             outer_optimizer_args=outer_optimizer_args, hierarchical=hierarchical)
         self._alone: Any = None  # a group of this rank only: its inner steps decide alone
-        self._buffers: list[torch.Tensor] = []
 
     @property
     def has_replicas(self) -> bool:
@@ -89,10 +87,6 @@ class DiLoCoStrategy(WholeModelStrategy):
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
         model = self._place(model, loss_fn)
-        # Buffers (BatchNorm's running statistics) follow rank 0's at every completed sync, as
-        # the "allreduce" mode's do after every step.
-        if dist.is_initialized() and self.dp_size > 1:
-            self._buffers = list(model.buffers())
         inner = self._new_optimizer(optimizer_cls, model.parameters(), optimizer_args)
         replicas = None
         if self.shard is not None:  # data parallel inside each host, local updates across
@@ -134,7 +128,8 @@ class DiLoCoStrategy(WholeModelStrategy):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), float(self.grad_clip))
             with inner.skip_synchronize() if inner is not None else contextlib.nullcontext():
                 opt.step()
-        if opt.merges != merges:  # an outer sync completed (at the same step on every rank)
+        if opt.merges != merges:  # an outer sync completed (at the same step on every rank):
+            # buffers follow rank 0's, as the "allreduce" mode's do after every step
             self._sync_buffers()
         if self.scaler is not None and not bad_data:
             self.scaler.update(skipped)
@@ -148,10 +143,6 @@ class DiLoCoStrategy(WholeModelStrategy):
         if self.optimizer is not None:
             self.optimizer.sync_now()  # every replica ends with the shared weights
             self._sync_buffers()
-
-    def _sync_buffers(self) -> None:
-        if self._buffers:  # the same on every rank at setup (_place broadcast them)
-            coalesced_broadcast(self._buffers, 0, self.process_group, check=False)
 
 
 register_strategy("diloco", DiLoCoStrategy)
