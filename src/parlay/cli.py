@@ -47,8 +47,20 @@ def _add_launch_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, dest=_dest(flag), default=None, help="passed to torchrun")
 
 
+class Refusal(SystemExit):
+    """Input a command cannot use, refused before anything starts: :func:`main` prints the
+    message on stderr and the exit status is 2, as argparse's usage errors."""
+
+    def __init__(self, msg: str) -> None:
+        super().__init__(2)
+        self.msg = msg
+
+    def __str__(self) -> str:
+        return self.msg
+
+
 def _fail(msg: str) -> SystemExit:
-    return SystemExit(f"parlay: {msg}")
+    return Refusal(f"parlay: {msg}")
 
 
 def _int_flag(ns: argparse.Namespace, flag: str, low: int, high: int | None = None) -> None:
@@ -386,11 +398,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = list(sys.argv[1:] if argv is None else argv)
     # Everything after the script (or demo name) belongs to it, not to us.
-    ns, rest = _split_parse(parser, args)
     handler = {"run": _cmd_run, "env": _cmd_env, "demo": _cmd_demo, "bench": _cmd_bench,
-               "plan": _cmd_plan}[ns.cmd]
+               "plan": _cmd_plan}
     try:
-        return handler(ns, rest)
+        ns, rest = _split_parse(parser, args)
+        return handler[ns.cmd](ns, rest)
+    except Refusal as e:
+        print(e, file=sys.stderr)
+        raise
     except BrokenPipeError:  # the reader left (`parlay plan ... | head`): nothing to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0

@@ -34,10 +34,11 @@ def launches(monkeypatch):
     (["run", "-n", "1", "--nnodes", "2", "--node-rank", "5", "--rdzv-endpoint", "h:1", "t.py"],
      r"--node-rank must be in 0\.\.1, got 5"),
 ])
-def test_run_rejects_bad_launch_options(launches, args, message):
-    with pytest.raises(SystemExit, match=message):
+def test_run_rejects_bad_launch_options(launches, capsys, args, message):
+    with pytest.raises(SystemExit, match=message) as ei:
         main(args)
     assert launches == []
+    assert ei.value.code == 2 and "parlay: " in capsys.readouterr().err  # argparse's status
 
 
 @pytest.mark.parametrize("value", ["soon", "inf", "1e20"])

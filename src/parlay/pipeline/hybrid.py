@@ -26,7 +26,7 @@ import torch.distributed as dist
 from parlay import comm
 from parlay.errors import ConfigError
 
-__all__ = ["HybridMesh", "build_mesh", "choose_placement"]
+__all__ = ["HybridMesh", "build_mesh", "choose_placement", "positive"]
 
 log = logging.getLogger("parlay")
 _PLACEMENTS = ("auto", "pp-local", "dp-local")
@@ -64,7 +64,8 @@ class HybridMesh:
         return self.dp * self.pp
 
 
-def _positive(name: str, value: Any) -> int:
+def positive(name: str, value: Any) -> int:
+    """``value`` when it is an int >= 1; a ConfigError naming ``name`` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an int >= 1, got {value!r}.")
     return value
@@ -146,7 +147,7 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
     if not dist.is_initialized():
         raise ConfigError("the pipeline needs a process group. Hint: call parlay.init() first.")
     world = dist.get_world_size()
-    _positive("pp (stages)", pp)
+    positive("pp (stages)", pp)
     if dp is None:
         if world % pp:
             raise ConfigError(
@@ -155,7 +156,7 @@ def build_mesh(pp: int, dp: int | None = None, device_type: str | None = None, *
                 f"Hint: launch a multiple of {pp} ranks (e.g. parlay run -n {pp * 2}), or "
                 "change stages.")
         dp = world // pp
-    _positive("dp", dp)
+    positive("dp", dp)
     if dp * pp != world:
         raise ConfigError(f"dp x pp must equal the world size: expected {dp} x {pp} = {dp * pp} "
                           f"ranks, got {world}. Hint: launch {dp * pp} ranks or change dp/pp.")

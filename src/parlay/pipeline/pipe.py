@@ -34,7 +34,7 @@ import torch.nn as nn
 from parlay import comm, runtime
 from parlay.errors import ConfigError
 from parlay.dp.checks import check_consistency
-from parlay.pipeline.hybrid import HybridMesh, _positive, build_mesh, mean_over
+from parlay.pipeline.hybrid import HybridMesh, build_mesh, mean_over, positive
 from parlay.pipeline.partition import Partition, check_boundaries, partition
 from parlay.pipeline.schedule import (
     InstrumentedStage,
@@ -86,7 +86,7 @@ def _ranks_per_pipeline(stages: int | None, dp: int | None, mesh: HybridMesh | N
     if stages is None:
         world = dist.get_world_size()
         stages = world // dp if dp else world
-    return _positive("pp (stages)", stages)
+    return positive("pp (stages)", stages)
 
 
 class Pipeline:
