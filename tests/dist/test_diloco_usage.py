@@ -45,11 +45,14 @@ def test_the_returned_validation_is_of_the_model_training_ends_with(options):
     assert all(torch.equal(a, b) for a, b in zip(w0, w1))
 
 
-def _rounds_then_sync_now(outer_args, steps, fragments):
+def _rounds_then_sync_now(outer_args, steps, fragments, reload=False):
     torch.manual_seed(0)
     m = nn.Linear(3, 2)
-    opt = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
-                          sync_every=4, fragments=fragments, outer_optimizer_args=outer_args)
+
+    def wrap():
+        return DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                               sync_every=4, fragments=fragments, outer_optimizer_args=outer_args)
+    opt = wrap()
     for _ in range(steps):
         opt.zero_grad()
         m(torch.randn(4, 3)).pow(2).sum().backward()
@@ -57,19 +60,24 @@ def _rounds_then_sync_now(outer_args, steps, fragments):
     before = [p.detach().clone() for p in m.parameters()]
     opt.sync_now()
     once = [p.detach().clone() for p in m.parameters()]
+    if reload:  # a resume in between: the state says when each fragment was last synced
+        state = opt.state_dict()
+        opt = wrap()
+        opt.load_state_dict(state)
     opt.sync_now()  # no inner step since the last exchange of every fragment
     return (all(torch.equal(a, p) for a, p in zip(before, once)),
             all(torch.equal(a, p) for a, p in zip(once, m.parameters())))
 
 
-@pytest.mark.parametrize("outer_args", [None, {"lr": 0.5, "momentum": 0.9}])
+@pytest.mark.parametrize("outer_args, reload", [(None, False), ({"lr": 0.5, "momentum": 0.9},
+                                                                 False), (None, True)])
 @pytest.mark.parametrize("steps, fragments, first_leaves", [(8, 1, True), (6, 1, False),
                                                             (6, 2, False)])
-def test_sync_now_right_after_a_sync_leaves_the_weights(outer_args, steps, fragments,
+def test_sync_now_right_after_a_sync_leaves_the_weights(outer_args, reload, steps, fragments,
                                                         first_leaves):
     # after a scheduled sync (8 steps, H=4) or a first sync_now mid-round, momentum would
-    # otherwise move them on a zero pseudo-gradient, at every call
-    out = run_world(_rounds_then_sync_now, 2, outer_args, steps, fragments)
+    # otherwise move them on a zero pseudo-gradient, at every call (and after a resume)
+    out = run_world(_rounds_then_sync_now, 2, outer_args, steps, fragments, reload)
     assert out == [(first_leaves, True)] * 2
 
 

@@ -425,7 +425,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 "outer": [[o.detach().clone() for o in frag.outer] for frag in self.fragments],
                 "outer_optimizers": [frag.optimizer.state_dict() for frag in self.fragments],
                 "flights": flights, "compression": self.compression.state_dict(),
-                "compressor": repr(self.compression)}
+                "compressor": repr(self.compression),
+                "sent_at": [frag.sent_at for frag in self.fragments]}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         """:meth:`load_state_dict`: restore :meth:`state_dict`.
@@ -440,8 +441,11 @@ class DiLoCoOptimizer(WrappedOptimizer):
                               f"optimizer {len(self.fragments)}; resume with the same fragments.")
         self.inner.load_state_dict(state["inner"])
         self.steps = int(state["steps"])
-        for frag, outer, opt_sd, flight in zip(self.fragments, state["outer"],
-                                               state["outer_optimizers"], state["flights"]):
+        sent_at = state.get("sent_at", [0] * len(self.fragments))  # older states: none
+        for frag, outer, opt_sd, flight, sent in zip(self.fragments, state["outer"],
+                                                     state["outer_optimizers"],
+                                                     state["flights"], sent_at):
+            frag.sent_at = int(sent)
             with torch.no_grad():
                 for o, saved in zip(frag.outer, outer):
                     o.copy_(saved)
