@@ -12,6 +12,7 @@ import parlay
 from parlay.dp.hierarchical import host_groups
 from parlay.errors import ConfigError, NonFiniteError
 from parlay.local.diloco import OUTER_DEFAULTS, DiLoCoOptimizer, _split
+from parlay.strategies import get_strategy
 from parlay.testing import run_world
 
 pytestmark = pytest.mark.timeout(120)
@@ -293,6 +294,32 @@ def test_trainer_mode_buffers_follow_rank_0_at_every_sync():
     # 6 steps of 4-step rounds in 2 overlapped fragments: the final sync leaves one model
     a, b = run_world(_batchnorm, 2, "diloco", {"sync_every": 4, "fragments": 2, "overlap": 1})
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _evaluate_mid_round():
+    s = get_strategy("diloco", compression=None, precision="fp32", grad_clip=None,
+                     sync_every=4)
+    model, loss = _build_bn()
+    s.setup(model, loss, torch.optim.SGD, {"lr": 0.05})
+    g = torch.Generator().manual_seed(10 + torch.distributed.get_rank())  # each its own data
+    for step in range(6):
+        s.train_step(torch.randn(8, 6, generator=g, dtype=torch.float64),
+                     torch.randint(0, 2, (8,), generator=g))
+        if step == 3:  # the sync: the shared model's buffers are rank 0's here
+            at_sync = [b.clone() for b in model.buffers()]
+    own = [b.clone() for b in model.buffers()]
+    out = s.eval_forward(torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(5, 6))
+    restored = all(torch.equal(a, b) for a, b in zip(own, model.buffers()))
+    return out, at_sync, own, restored
+
+
+def test_trainer_mode_evaluates_the_shared_model_mid_round():
+    # two steps after a sync each replica's BatchNorm statistics are its own; evaluation
+    # uses the outer weights and the buffers as at the sync, the same on every replica
+    (out0, sync0, own0, ok0), (out1, sync1, own1, ok1) = run_world(_evaluate_mid_round, 2)
+    assert ok0 and ok1 and not torch.equal(own0[0], own1[0])
+    assert all(torch.equal(a, b) for a, b in zip(sync0, sync1))
+    assert torch.equal(out0, out1)
 
 
 @pytest.mark.parametrize("shard", ["gradients", "parameters"])

@@ -3,15 +3,15 @@
 Each replica trains alone on its batches with the user's optimizer (no collective per step:
 the loss scale and the non-finite policy decide per replica); :class:`DiLoCoOptimizer` syncs
 each fragment every ``sync_every`` inner steps through the outer optimizer. Evaluation uses
-the shared (outer) weights, and training ends with a final sync, so every replica then holds
-the same model. The Trainer scales the inner learning rate by the replica count as in data
-parallel (with ``sync_every=1``, a plain inner SGD and an outer SGD of lr 1 without momentum
-the mode then trains exactly as ``"allreduce"`` does).
+the shared model (outer weights, buffers as at the last sync), and training ends with a final
+sync, so every replica then holds the same model. The Trainer scales the inner learning rate
+by the replica count as in data parallel (with ``sync_every=1``, a plain inner SGD and an
+outer SGD of lr 1 without momentum the mode then trains exactly as ``"allreduce"`` does).
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -71,6 +71,7 @@ class DiLoCoStrategy(WholeModelStrategy):
                             outer_optimizer=outer_optimizer,
                             outer_optimizer_args=outer_optimizer_args, hierarchical=hierarchical)
         self._alone: Any = None  # a group of this rank only: its inner steps decide alone
+        self._shared_buffers: list[torch.Tensor] = []  # the buffers as at the last sync
 
     @property
     def has_replicas(self) -> bool:
@@ -101,6 +102,7 @@ class DiLoCoStrategy(WholeModelStrategy):
             inner, model.named_parameters(), compression=self.compression,
             process_group=replicas, on_nonfinite=self.guard.policy, broadcast=False,
             **self.options)  # _place did
+        self._shared_buffers = [b.detach().clone() for b in model.buffers()]
 
     def train_step(self, x: Any, y: Any) -> StepResult:
         model, opt, loss, y = self._forward(x, y)
@@ -130,19 +132,43 @@ class DiLoCoStrategy(WholeModelStrategy):
                 opt.step()
         if opt.merges != merges:  # an outer sync completed (at the same step on every rank):
             # buffers follow rank 0's, as the "allreduce" mode's do after every step
-            self._sync_buffers()
+            self._synced_buffers()
         if self.scaler is not None and not bad_data:
             self.scaler.update(skipped)
         return StepResult(loss=value, samples=batch_size_of(y), skipped=skipped)
 
-    def _eval_weights(self) -> contextlib.AbstractContextManager[Any]:
-        _, opt, _ = self._ready()
-        return cast(DiLoCoOptimizer, opt).shared_weights()
+    def _synced_buffers(self) -> None:
+        """Buffers follow rank 0's at a sync; evaluation uses these until the next one."""
+        self._sync_buffers()
+        self._shared_buffers = [b.detach().clone() for b in self._ready()[0].buffers()]
+
+    @contextlib.contextmanager
+    def _eval_weights(self) -> Iterator[None]:
+        """The shared model: the outer weights and the buffers as at the last sync (the same
+        on every replica; each replica's own are back after)."""
+        model, opt, _ = self._ready()
+        own = [b.detach().clone() for b in model.buffers()]
+        with cast(DiLoCoOptimizer, opt).shared_weights(), torch.no_grad():
+            try:
+                for b, shared in zip(model.buffers(), self._shared_buffers):
+                    b.copy_(shared)
+                yield
+            finally:
+                for b, mine in zip(model.buffers(), own):
+                    b.copy_(mine)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "shared_buffers": self._shared_buffers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if "shared_buffers" in state:  # older checkpoints: evaluation uses the resumed ones
+            self._shared_buffers = [b.detach().clone() for b in state["shared_buffers"]]
 
     def finish(self) -> None:
         if self.optimizer is not None:
             self.optimizer.sync_now()  # every replica ends with the shared weights
-            self._sync_buffers()
+            self._synced_buffers()
 
 
 register_strategy("diloco", DiLoCoStrategy)
