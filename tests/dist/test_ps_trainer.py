@@ -81,6 +81,35 @@ def test_trainer_ps_async_runs_to_the_end():
     assert all(torch.isfinite(p).all() for o in out for p in o[2])
 
 
+class _Slope(nn.Module):
+    """A constant gradient of 1: each update moves ``w`` by the learning rate it applies."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.w * x
+
+
+def _applied_lr(consistency: str):
+    ds = TensorDataset(torch.ones(40, 1, dtype=torch.float64), torch.zeros(40, 1))
+    t = parlay.Trainer(lambda: (_Slope(), lambda out, y: out.mean()), ds, torch.optim.SGD,
+                       {"lr": 0.1}, 10, mode="ps", warmup_epochs=0, progress=False,
+                       strategy_options={"consistency": consistency})
+    t.train_to_end()
+    return t.lr_scale, float(t.model.w)
+
+
+@pytest.mark.parametrize("consistency, scale", [("sync", 2.0), ("async", 1.0), ("stale:1", 1.0)])
+def test_learning_rate_is_scaled_only_where_an_update_averages_the_workers(consistency, scale):
+    # 40 samples in batches of 10: sync takes 2 updates of 2 workers' batches at lr 0.2, async
+    # 4 pushes of one batch each at the base lr 0.1; both move w by -0.4, as one process does
+    out = run_world(_applied_lr, 3, consistency, env={"PARLAY_NUM_PS": "1"})
+    assert [o[0] for o in out[1:]] == [scale, scale]
+    assert out[0][1] == pytest.approx(-0.4, abs=1e-12)  # the server's copy
+
+
 def _trainer_ps_resumable(ckpt: str, max_iteration):
     t = parlay.Trainer(_build, _dataset(), optimizer=torch.optim.SGD,
                        optimizer_args={"lr": LR, "momentum": 0.9}, batch_size=BATCH,

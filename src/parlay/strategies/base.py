@@ -107,6 +107,12 @@ class Strategy:
         raise NotImplementedError
 
     @property
+    def update_replicas(self) -> int:
+        """Replicas whose batches one update averages: the Trainer's linear learning-rate
+        scaling factor (1 where each update applies one replica's gradient alone)."""
+        return self.dp_size
+
+    @property
     def consumes_data(self) -> bool:
         """False on ranks that never need batches (parameter servers)."""
         return True

@@ -118,6 +118,12 @@ class ParameterServerStrategy(Strategy):
         return max(0, c.rank - c.num_ps)
 
     @property
+    def update_replicas(self) -> int:
+        """``async``/``stale``: a server applies each worker's push alone (base learning
+        rate); ``sync``: one update averages every worker's."""
+        return self.dp_size if get_consistency(self.options["consistency"]).aggregate else 1
+
+    @property
     def supports_snapshots(self) -> bool:
         """``sync`` only: servers snapshot after every update and the workers' Trainer
         snapshots describe the same step."""

@@ -73,8 +73,9 @@ class TrainerConfig:
             limit). In the synchronous modes these are the optimizer's steps; with ``async`` or
             ``stale`` parameter servers each worker takes this many, so the servers apply up
             to workers x max_iteration updates.
-        scaling_learning_rate: Multiply the learning rate by the number of replicas (Goyal
-            et al. 2017, "Accurate, Large Minibatch SGD"), reached by a linear warm-up.
+        scaling_learning_rate: Multiply the learning rate by the number of replicas one
+            update averages (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), reached by
+            a linear warm-up; ``async``/``stale`` parameter servers apply each worker's alone.
         warmup_epochs: Length of that warm-up, in epochs (may be fractional; 0: none).
         lr_schedule: After the warm-up, ``"constant"`` or ``"cosine"`` (decay to 0 at the
             last step, Loshchilov & Hutter 2017).

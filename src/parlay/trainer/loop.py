@@ -135,7 +135,7 @@ class Trainer:
         self.loader = (build_loader(dataset, self.sampler, self.batch_size,
                                     **self._loader_options) if s.consumes_data else None)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
-        self.lr_scale = float(s.dp_size) if cfg.scaling_learning_rate else 1.0
+        self.lr_scale = float(s.update_replicas) if cfg.scaling_learning_rate else 1.0
         self.warmup_steps = (round(cfg.warmup_epochs * self.steps_per_epoch)
                              if self.lr_scale != 1 else 0)
 
@@ -171,7 +171,8 @@ class Trainer:
                 f"x{self.lr_scale:g} "
                 + (f"(linear scaling, warm-up over {self.warmup_steps} steps = "
                    f"{cfg.warmup_epochs:g} epoch(s) from x1; base lr {cfg.base_lr})"
-                   if self.lr_scale != 1 else "(no scaling)")
+                   if self.lr_scale != 1 else "(no scaling: each update applies one replica's "
+                   "gradient)" if cfg.scaling_learning_rate and s.dp_size > 1 else "(no scaling)")
                 + f"; precision={cfg.precision}, compression={cfg.compression}"
                 + (f"; resumed at step {st.step}, epoch {st.epoch}" if st.step else "")
                 + (f"; steps at risk: {risk}" if risk is not None
