@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils.data import TensorDataset
 
 import parlay
-from parlay.errors import ConfigError
+from parlay.errors import CheckpointError, ConfigError
 from parlay.testing import run_world
 
 pytestmark = pytest.mark.timeout(180)
@@ -197,6 +197,16 @@ def test_reshard_from_and_into_a_host_first_layout(tmp_path):
     back = run_world(_state_host_first, 4, str(tmp_path), 4, True, local_world_size=2)
     c = _whole(back)
     assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_another_host_layout_at_the_same_world_is_refused_on_every_rank(tmp_path):
+    # 2 hosts x 2 -> 1 host x 4: ranks 1 and 2 hold other chunks now; all four must refuse
+    # together (the other two waited in the shards' load until the collective timeout)
+    run_world(_state_host_first, 4, str(tmp_path), 4, local_world_size=2)
+    out = run_world(_state_host_first, 4, str(tmp_path), 6, local_world_size=4,
+                    return_exceptions=True, comm_timeout=60)
+    assert all(isinstance(e, CheckpointError) for e in out), out
+    assert "ranks per host change" in str(out[1]) and "another rank" in str(out[0])
 
 
 def _validate(shard, n, mode):

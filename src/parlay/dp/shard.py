@@ -275,13 +275,19 @@ class ShardedBuckets(GradientBuckets):
             ConfigError: It is another rank's, level's, world's or model's shard.
         """
         mine = self.layout()
-        keys = ("level", "world", "rank", "units")
-        if saved is None or any(saved.get(k) != mine[k] for k in keys):
-            got = "a state without shards" if saved is None else \
-                ", ".join(f"{k}={saved.get(k)!r}" for k in keys[:3])
-            raise ConfigError(f"cannot load {got} into shard={self.level!r}, world={self.world}, "
-                              f"rank={self.rank}: each rank loads the shard it wrote, with the "
-                              "same model, level and number of ranks.")
+        why = {"level": "", "world": "", "rank": " (with host-first reduction the chunks go by "
+               "host: did the ranks per host change?)", "units": " (the trainable parameters "
+               "or the bucket size changed since)"}
+        apart = [k for k in why if saved is not None and saved.get(k) != mine[k]]
+        if saved is None or apart:
+            def show(k: str, v: Any) -> str:
+                return (f"{len(v)} units of {sum(v)} elements" if k == "units" and
+                        isinstance(v, list) else f"{'chunk' if k == 'rank' else k} {v!r}")
+            got = "a state without shards" if saved is None else "; ".join(
+                f"{show(k, saved.get(k))} saved, {show(k, mine[k])} now{why[k]}" for k in apart)
+            raise ConfigError(f"cannot load this rank's shard={self.level!r} state: {got}. "
+                              "Each rank loads the chunks it wrote, with the same model, "
+                              "trainable parameters, level and layout of ranks.")
         for b in range(len(self.shards)):
             self.release(b)  # nothing gathered or prefetched from the chunks replaced now
         for shard, saved_chunk in zip(self.shards, saved.get("params", [])):

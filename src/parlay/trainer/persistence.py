@@ -186,7 +186,16 @@ class Persistence:
         if resumed is None:
             resumed = ckpt.load_latest(newest=s.newest_checkpoint)
         if resumed is not None:
-            self.load_state_dict(resumed, where=str(ckpt.directory))
+            failed: CheckpointError | None = None
+            try:
+                self.load_state_dict(resumed, where=str(ckpt.directory))
+            except CheckpointError as e:
+                failed = e
+            if not comm.all_ok(failed is None, s.train_group):  # every rank refuses together
+                ckpt.close()
+                raise failed or CheckpointError(
+                    f"the checkpoint in {ckpt.directory} does not fit on another rank (see "
+                    "that rank's error). Nothing was deleted.")
             if "dcp" in resumed and sharded:  # the shards, at this world (verified by ckpt)
                 try:
                     load_dcp(sharded[0], str(ckpt.dcp_path(resumed["step"]) / sharded[1]))
