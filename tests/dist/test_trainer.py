@@ -181,6 +181,10 @@ def _validate_run(n_val: int):
         assert "'logits' must be one number (the batch mean), got shape (3,)" in str(e)
     else:
         raise AssertionError("a vector metric was accepted")
+    t4 = parlay.Trainer(build, val, batch_size=2, validation_dataset=val, progress=False,
+                        build_validation_func=lambda: lambda out, y: {"samples": 3.0})
+    with pytest.raises(ConfigError, match="'samples' is the count of validation samples"):
+        t4.validate()  # it was silently replaced by the count
     return default, custom
 
 

@@ -99,6 +99,10 @@ class Evaluation:
                     raise ConfigError("the validation function must return {name: batch mean} "
                                       f"(e.g. {{'accuracy': acc}}), got {type(got).__name__}.")
                 for name, v in got.items():
+                    if name == "samples":
+                        raise ConfigError("the validation function returned 'samples': "
+                                          "'samples' is the count of validation samples the "
+                                          "Trainer reports. Hint: name that metric otherwise.")
                     t = torch.as_tensor(v)
                     if t.numel() != 1:
                         raise ConfigError(f"the validation function's {name!r} must be one "
