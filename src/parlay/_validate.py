@@ -252,7 +252,7 @@ def rank_of(task_type: str, index: int, hosts: Mapping[str, Sequence[str]]) -> i
     return {"ps": 0, "chief": ps, "worker": ps + chief}[task_type] + index
 
 
-def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]]:
+def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]] | None:
     """Parse and check a ``TF_CONFIG`` JSON document.
 
     Args:
@@ -260,10 +260,13 @@ def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]]:
             "task": {"type": "worker", "index": 0}}``; a missing index means 0.
 
     Returns:
-        ``(task_type, index, hosts)`` as :func:`check_task` returns them.
+        ``(task_type, index, hosts)`` as :func:`check_task` returns them; ``None`` when the
+        document has no cluster (absent, ``null`` or ``{}``): TensorFlow's local mode, one
+        process, as if ``TF_CONFIG`` were unset.
 
     Raises:
-        ConfigError: Invalid JSON, a wrong structure or an invalid cluster.
+        ConfigError: Invalid JSON, a wrong structure or an invalid cluster; without a cluster,
+            a task other than worker (or chief) 0.
     """
     hint = ('write e.g. {"cluster": {"worker": ["w0:2222"]}, '
             '"task": {"type": "worker", "index": 0}}')
@@ -274,6 +277,14 @@ def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]]:
     if not isinstance(config, dict):
         raise fail("TF_CONFIG", "a JSON object", show(config), hint)
     cluster, task = config.get("cluster"), config.get("task")
+    if cluster is None or cluster == {}:  # TensorFlow's local mode: this one process alone
+        task = {} if task is None else task
+        if not isinstance(task, dict) or task.get("type", "worker") not in (
+                "worker", "chief", "master") or digits_as_int(task.get("index", 0)) != 0:
+            raise fail("TF_CONFIG['task']", "no task or worker 0 without a 'cluster' "
+                       "(TensorFlow's local mode)", show(task),
+                       "add the cluster's host lists to TF_CONFIG, or drop its 'task'")
+        return None
     if not isinstance(cluster, dict):
         raise fail("TF_CONFIG['cluster']", "an object of host lists", show(cluster), hint)
     if not isinstance(task, dict):

@@ -298,7 +298,8 @@ def tf_config_text(env: Mapping[str, str]) -> str:
 
 def read_task(env: Mapping[str, str]) -> tuple[str, int, dict[str, tuple[str, ...]], Any] | None:
     """This task as :func:`tf_config_text` gives it: ``(task_type, index, hosts, trial)``
-    (as :func:`~parlay._validate.read_tf_config` checks them); ``None`` without either source.
+    (as :func:`~parlay._validate.read_tf_config` checks them); ``None`` without either source,
+    or when ``TF_CONFIG`` has no cluster (TensorFlow's local mode).
 
     Raises:
         ConfigError: What :func:`~parlay._validate.read_tf_config` refuses, naming the source.
@@ -307,12 +308,15 @@ def read_task(env: Mapping[str, str]) -> tuple[str, int, dict[str, tuple[str, ..
     if not text.strip():
         return None
     try:
-        task_type, index, hosts = read_tf_config(text)
+        found = read_tf_config(text)
     except ConfigError as e:
         if env.get("TF_CONFIG", "").strip():
             raise
         names = ", ".join(["JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values()])
         raise ConfigError(f"TensorLayer's variables ({names}), read as {e}") from None
+    if found is None:
+        return None
+    task_type, index, hosts = found
     return task_type, index, hosts, json.loads(text)["task"].get("trial")
 
 
@@ -354,7 +358,8 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
     master = ``MASTER_ADDR`` or the first host of ``SLURM_NODELIST``/``SLURM_JOB_NODELIST``,
     port = ``MASTER_PORT``, else ``15000 + SLURM_JOB_ID % 10001``, else 29500) > OpenMPI
     (``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}`` plus ``MASTER_ADDR``/``MASTER_PORT``)
-    > ``TF_CONFIG`` > a single process (rank 0 of 1, master ``127.0.0.1``, port ``None``).
+    > ``TF_CONFIG`` (one without a cluster counts as unset) > a single process (rank 0 of 1,
+    master ``127.0.0.1``, port ``None``).
 
     Missing local variables: without a local rank each process is alone on its node (one per
     pod, as Kubernetes launches); with a local rank but no local size, the node holds the world.

@@ -19,9 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_task, cluster_order,
-                              digits_as_int, fail, join_address, parse_address, rank_of,
-                              read_tf_config)
+from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, check_int, check_task,
+                              cluster_order, digits_as_int, fail, join_address, parse_address,
+                              rank_of, read_tf_config)
 from parlay.discovery import detect, read_task
 
 if TYPE_CHECKING:
@@ -60,6 +60,9 @@ class TaskSpec:
         master: TensorLayer's ``TaskSpecDef(master=host)``: the chief's host (a training task,
             before the workers); ``task_type="master"`` is then that chief.
         trial: TensorLayer's ``trial``, kept as given (it does not change the cluster).
+        local_rank: This process's rank on its node as its launcher gives it (``LOCAL_RANK``,
+            ``SLURM_LOCALID``, ...), set by :meth:`from_env`, the one :mod:`parlay.runtime`
+            picks its GPU by; ``None`` (a spec built by hand) when unknown.
 
     Raises:
         ConfigError: At construction, for an unknown task type, a bad or out-of-range index, a
@@ -74,6 +77,7 @@ class TaskSpec:
     evaluator_hosts: Sequence[str] = ()
     master: InitVar[str | Sequence[str] | None] = None
     trial: Any = field(default=None, compare=False, repr=False)
+    local_rank: int | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self, master: str | Sequence[str] | None) -> None:
         if master:
@@ -92,6 +96,8 @@ class TaskSpec:
         object.__setattr__(self, "index", index)
         for job, given in hosts.items():
             object.__setattr__(self, f"{job}_hosts", given)
+        if self.local_rank is not None:
+            object.__setattr__(self, "local_rank", check_int("local_rank", self.local_rank, 0))
 
     def _hosts(self) -> dict[str, tuple[str, ...]]:
         return {job: tuple(getattr(self, f"{job}_hosts")) for job in TASK_TYPES}
@@ -180,8 +186,11 @@ class TaskSpec:
             evaluator_hosts=(*self.evaluator_hosts, last))
 
     def local_index(self) -> int:
-        """How many training tasks (chief or workers) before this one, in rank order, run on
-        the same host: the accelerator this task uses on a multi-GPU host."""
+        """The accelerator this task uses on a multi-GPU host: :attr:`local_rank` when known
+        (as :mod:`parlay.runtime` uses it), else how many training tasks (chief or workers)
+        before this one, in rank order, run on the same host."""
+        if self.local_rank is not None:
+            return self.local_rank
         if not self.is_worker:
             return 0
         me = parse_address(self.cluster_hosts[self.rank or 0], "this task")[0].lower()
@@ -199,22 +208,23 @@ class TaskSpec:
           host memory and serves them over gloo (as BytePS's summation servers do); it never
           needs a GPU.
         - ``chief`` / ``worker`` / ``evaluator``: the device parlay's runtime uses when this
-          process is that task and is initialised (``cuda:<local rank>`` with NCCL, else CPU);
-          otherwise ``cuda:<k>`` where ``k`` is :meth:`local_index` modulo the GPUs on this
-          host, or ``cpu`` without CUDA.
+          process is that task and is initialised; before, the one it will pick by default
+          (:func:`parlay.runtime.resolve_backend`): ``cuda:<k>`` with CUDA and NCCL, where
+          ``k`` is :meth:`local_index` (the launcher's local rank for a spec read by
+          :meth:`from_env`) modulo the GPUs on this host, else ``cpu``.
 
         Returns:
             A ``torch.device``.
         """
         import torch
 
-        if self.is_ps or not torch.cuda.is_available():
+        if self.is_ps:
             return torch.device("cpu")
         from parlay import runtime
 
         if runtime.is_initialized() and runtime.rank() == self.rank:
             return runtime.device()
-        return torch.device("cuda", self.local_index() % torch.cuda.device_count())
+        return runtime.resolve_backend("auto", self.local_index())[1]
 
     @classmethod
     def from_tf_config(cls, text: str) -> TaskSpec:
@@ -225,13 +235,14 @@ class TaskSpec:
                 "task": {"type": "worker", "index": 0}}``; a missing index means 0.
 
         Returns:
-            The task it describes.
+            The task it describes; without a cluster (TensorFlow's local mode), worker 0 of
+            one local process as :meth:`from_env` gives it with no environment.
 
         Raises:
             ConfigError: Invalid JSON, a wrong structure or an invalid cluster.
         """
         task = read_task({"TF_CONFIG": text}) or read_tf_config(text)  # (blank: raises)
-        return cls._of(task)
+        return cls._of(task) if task else cls.from_env({})  # no cluster: one local process
 
     @classmethod
     def _of(cls, task: tuple[Any, ...]) -> TaskSpec:
@@ -242,14 +253,15 @@ class TaskSpec:
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TaskSpec:
         """Describe this process as a task, from ``TF_CONFIG`` or the launcher's environment.
 
-        A non-blank ``TF_CONFIG`` (or TensorLayer's ``JOB_NAME``, ``TASK_INDEX`` and host lists,
-        read as one: :func:`~parlay.discovery.tf_config_text`) is authoritative (its rank must
-        agree with any launcher variables also present). Otherwise :func:`detect` runs and
+        A ``TF_CONFIG`` with a cluster (or TensorLayer's ``JOB_NAME``, ``TASK_INDEX`` and host
+        lists, read as one: :func:`~parlay.discovery.tf_config_text`) is authoritative (its rank
+        must agree with any launcher variables also present). Otherwise :func:`detect` runs and
         ranks below ``num_ps`` (``PARLAY_NUM_PS``, set by ``parlay run --ps K``) become ps with
         index = rank, the others workers with index = rank - K. Those host lists are
         informational: rank ``r`` is given ``f"{master_addr}:{master_port + r}"`` (master
         port default :data:`DEFAULT_MASTER_PORT`, master host default ``localhost``, ports past
-        65535 wrap to 1024 and up). With no environment at all this is worker 0 of
+        65535 wrap to 1024 and up); only :attr:`local_rank`, the launcher's, says which
+        tasks share a host. With no environment at all this is worker 0 of
         ``("localhost:29500",)``.
 
         Args:
@@ -273,6 +285,7 @@ class TaskSpec:
                                f"{found.rank} of {found.world_size})",
                                f"rank {spec.rank} of {spec.world_size}",
                                "unset TF_CONFIG or the launcher's variables")
+                spec = dataclasses.replace(spec, local_rank=found.local_rank)
             return spec
         found = detect(env)
         if found.world_size > _SYNTH_PORTS:
@@ -285,9 +298,9 @@ class TaskSpec:
             port = base + r if base + r <= 65535 else 1024 + (base + r - 65536) % _SYNTH_PORTS
             hosts.append(join_address(host, port))
         k = found.num_ps
-        if found.rank < k:
-            return cls("ps", found.rank, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
-        return cls("worker", found.rank - k, ps_hosts=hosts[:k], worker_hosts=hosts[k:])
+        task_type, index = ("ps", found.rank) if found.rank < k else ("worker", found.rank - k)
+        return cls(task_type, index, ps_hosts=hosts[:k], worker_hosts=hosts[k:],
+                   local_rank=found.local_rank)
 
 
 class TaskSpecDef(TaskSpec):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from parlay.env import ClusterEnv, TaskSpec, detect, expand_nodelist
+from parlay.env import ClusterEnv, TaskSpec, create_task_spec_def, detect, expand_nodelist
 from parlay.errors import ConfigError
+from parlay.testing import run_world
 from tests._envcases import PS, WORKERS, ompi, slurm, tf_config, torchrun
+
+pytestmark = pytest.mark.timeout(120)
 
 
 # -- expand_nodelist ---------------------------------------------------------------------------
@@ -186,6 +189,41 @@ def test_tf_config_blank_is_absent() -> None:
     assert detect({"TF_CONFIG": "  "}).source == "single"
 
 
+NO_CLUSTER = ['{}', '{"cluster": null}', '{"cluster": {}, "task": {}}',
+              '{"task": {"type": "worker", "index": "0"}}']
+
+
+@pytest.mark.parametrize("cfg", NO_CLUSTER)
+def test_tf_config_without_cluster_is_unset(cfg: str) -> None:
+    # TensorFlow's local mode (TensorLayer: one local task): the other sources, else one process
+    local = TaskSpec.from_env({})
+    assert detect({"TF_CONFIG": cfg}).source == "single"
+    assert TaskSpec.from_env({"TF_CONFIG": cfg}) == create_task_spec_def({"TF_CONFIG": cfg}) \
+        == TaskSpec.from_tf_config(cfg) == local
+    env = {**torchrun(rank=1, world=4), "TF_CONFIG": cfg}
+    assert (detect(env).source, TaskSpec.from_env(env).rank) == ("torchrun", 1)
+
+
+@pytest.mark.parametrize("cfg", ['{"task": {"type": "ps", "index": 0}}',
+                                 '{"cluster": {}, "task": {"type": "worker", "index": 1}}',
+                                 '{"task": "worker"}'])
+def test_tf_config_without_cluster_but_another_task_is_refused(cfg: str) -> None:
+    with pytest.raises(ConfigError, match="TF_CONFIG\\['task'\\]: expected no task or worker 0 "
+                                          "without a 'cluster'.*Hint: add the cluster"):
+        detect({"TF_CONFIG": cfg})
+
+
+def _rank_and_size() -> tuple[int, int]:
+    import parlay
+
+    return parlay.rank(), parlay.size()
+
+
+def test_tf_config_without_cluster_lets_init_run() -> None:
+    assert run_world(_rank_and_size, 2, env={"TF_CONFIG": '{"cluster": {}, "task": {}}'}) == [
+        (0, 2), (1, 2)]
+
+
 def test_tf_config_evaluator_rejected_by_detect() -> None:
     env = {"TF_CONFIG": tf_config("evaluator", 0)}
     with pytest.raises(ConfigError, match="evaluators are not part of the training world"):
@@ -268,7 +306,7 @@ def test_torchelastic_wins_silently() -> None:
     (ompi(OMPI_COMM_WORLD_LOCAL_RANK="2"), "local rank"),
     ({"TF_CONFIG": "{"}, "TF_CONFIG: expected a JSON object"),
     ({"TF_CONFIG": "[1]"}, "TF_CONFIG: expected a JSON object"),
-    ({"TF_CONFIG": '{"task": {"type": "worker"}}'}, "cluster"),
+    ({"TF_CONFIG": '{"task": {"type": "ps"}}'}, "cluster"),
     ({"TF_CONFIG": '{"cluster": {"worker": ["a:1"]}}'}, "task"),
     ({"TF_CONFIG": '{"cluster": {"worker": "a:1"}, "task": {"type": "worker"}}'}, "a list"),
     ({"TF_CONFIG": '{"cluster": {"master": ["a:1"], "chief": ["b:1"]}, "task": {"type": '

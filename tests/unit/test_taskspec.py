@@ -6,9 +6,12 @@ import json
 
 import pytest
 
-from parlay.env import ClusterEnv, TaskSpec
+from parlay.env import ClusterEnv, TaskSpec, detect
 from parlay.errors import ConfigError
+from parlay.testing import run_world
 from tests._envcases import PS, WORKERS, ompi, slurm, tf_config, torchrun
+
+pytestmark = pytest.mark.timeout(120)
 
 
 # -- TaskSpec ----------------------------------------------------------------------------------
@@ -164,6 +167,57 @@ def test_from_env_errors() -> None:
                            "MASTER_PORT": "1"})
     with pytest.raises(ConfigError, match="TF_CONFIG: task_type"):
         TaskSpec.from_env({"TF_CONFIG": tf_config("boss", 0)})
+
+
+# -- device_fn before init: the device the runtime will use ------------------------------------
+
+SLURM_2X2 = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NNODES": "2",
+             "SLURM_NODEID": "1", "SLURM_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "77",
+             "SLURM_TASKS_PER_NODE": "2(x2)"}
+ONE_HOST_PS = [torchrun(rank=r, world=3, local=r, local_world=3, PARLAY_NUM_PS="1")
+               for r in range(3)]  # parlay run -n 3 --ps 1 on one host
+
+
+@pytest.mark.parametrize("env, gpus, want", [
+    (SLURM_2X2, 4, "cuda:0"),  # rank 2 = node 1, local rank 0
+    (torchrun(rank=2, world=4, local=0, local_world=2, GROUP_RANK="1",
+              TORCHELASTIC_RUN_ID="j"), 4, "cuda:0"),
+    (ompi(rank=3), 4, "cuda:1"),
+    (ONE_HOST_PS[0], 2, "cpu"), (ONE_HOST_PS[1], 2, "cuda:1"), (ONE_HOST_PS[2], 2, "cuda:0"),
+    ({"TF_CONFIG": tf_config("worker", 0, ps=["h:1"], worker=["h:2", "h:3"])}, 2, "cuda:1"),
+])
+def test_device_fn_before_init_is_the_runtime_s(monkeypatch: pytest.MonkeyPatch,
+                                                 env: dict[str, str], gpus: int,
+                                                 want: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from parlay import runtime
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with `gpus` GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(runtime, "is_initialized", lambda: False)
+    spec, found = TaskSpec.from_env(env), detect(env)
+    # what init() picks for this rank (parameter servers compute on the CPU)
+    rule = runtime.resolve_backend("auto", found.local_rank)[1]
+    assert spec.device_fn() == torch.device(want) == (torch.device("cpu") if spec.is_ps
+                                                       else rule)
+    assert spec.local_index() == found.local_rank
+
+
+def _local_index_and_local_rank() -> tuple[int, int, bool]:
+    from parlay import runtime
+
+    spec = TaskSpec.from_env()
+    return spec.local_index(), runtime.local_rank(), bool(spec.is_ps)
+
+
+def test_local_index_is_the_launcher_s_local_rank_on_real_ranks() -> None:
+    # 2 nodes x 2 ranks, one parameter server: made-up hosts must not decide the device
+    got = run_world(_local_index_and_local_rank, 4, local_world_size=2,
+                    env={"PARLAY_NUM_PS": "1"})
+    assert got == [(0, 0, True), (1, 1, False), (0, 0, False), (1, 1, False)]
 
 
 # -- ClusterEnv --------------------------------------------------------------------------------
