@@ -85,7 +85,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
     c.add_argument("--latency", default="0", help="link latency, e.g. 50us (default 0)")
     c.add_argument("--burst", help="bytes a token-bucket shaped link (tc tbf, cloud burst "
                    "credit) sends at once after resting, e.g. 125k (default: none)")
-    c.add_argument("--intra-bandwidth", help="between ranks of one host (default: free)")
+    c.add_argument("--intra-bandwidth", help="between ranks of one host (default: free; "
+                   "without --bandwidth, this machine's loopback)")
     c.add_argument("--overlap", default="1", help="fraction of backward that communication "
                    "can hide behind: 1 for GPUs, 0 for CPU ranks using every core")
     o = p.add_argument_group("what to compare")
@@ -126,7 +127,7 @@ def _int(text: Any, what: str, low: int = 1, high: float = LIMITS["ranks"]) -> i
     raw = str(text).strip()
     try:
         v = float(int(raw))
-    except ValueError:
+    except (ValueError, OverflowError):  # (a huge integer: read as inf, refused below)
         try:
             v = parse_count(raw, what)
         except ConfigError:
@@ -185,11 +186,14 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
         inter = Link(_rate(ns.bandwidth, "--bandwidth"), latency, burst_bytes=burst)
     elif calib is not None:
         inter = Link(calib.loopback.bandwidth_bps, latency, 1.0)
-        notes.append(f"link: this machine's loopback, {format_bandwidth(inter.bandwidth_bps)} "
-                     "(pass --bandwidth for your network)")
+        notes.append(f"link: this machine's loopback, {format_bandwidth(inter.bandwidth_bps)}, "
+                     "between hosts and between a host's ranks (pass --bandwidth for your "
+                     "network)")
     else:
         raise ConfigError("--bandwidth is needed without calibration. Hint: --bandwidth 10gbit")
-    intra = Link(_rate(ns.intra_bandwidth, "--intra-bandwidth")) if ns.intra_bandwidth else None
+    # on the loopback's measure, a host's ranks talk over it too (as tools/bench prices them)
+    intra = (Link(_rate(ns.intra_bandwidth, "--intra-bandwidth")) if ns.intra_bandwidth
+             else inter if ns.bandwidth is None else None)
     try:
         overlap = float(ns.overlap)
     except ValueError:

@@ -8,7 +8,9 @@ Two ways in:
   process and stops it: the time between optimizer steps (data, forward, backward and update,
   as your script does them) is the compute term, the optimizer's parameters are the model, and
   the first dimension of the model's input is the batch. The script needs nothing special
-  beyond making optimizer steps (``torch.optim``, or parlay's wrappers around it).
+  beyond making optimizer steps (``torch.optim``, or parlay's wrappers around it); it runs
+  without the cluster variables of this environment (TF_CONFIG, SLURM_*, ...), so its
+  ``parlay.init()`` joins no cluster.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from parlay.discovery import TENSORLAYER_VARS
 from parlay.errors import ConfigError
 from parlay.plan.model import Workload
 
@@ -165,6 +168,19 @@ def run_script(path: str, args: Sequence[str], steps: int = 3, warmup: int = 2) 
     return _profile(rec, warmup)
 
 
+#: What describes a cluster to :func:`parlay.discovery.detect` (torchrun, SLURM, OpenMPI,
+#: TF_CONFIG, TensorLayer's variables, parlay's own): the profiled script gets none of it.
+_CLUSTER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                           "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
+                           "JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values(),
+                           "PARLAY_NUM_PS", "PARLAY_PP"})
+_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
+
+
+def _cluster_var(name: str) -> bool:
+    return name in _CLUSTER_VARS or name.startswith(_CLUSTER_PREFIXES)
+
+
 def profile_script(path: str, args: Sequence[str] = (), steps: int = 3, warmup: int = 2,
                    timeout: float = 300.0) -> ModelProfile:
     """Profile a training script in a child process (see the module docstring).
@@ -175,8 +191,7 @@ def profile_script(path: str, args: Sequence[str] = (), steps: int = 3, warmup: 
     if not os.path.isfile(path):
         raise ConfigError(f"--script: no file {path!r}. Hint: the path of your training "
                           "script, e.g. --script train.py")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if not _cluster_var(k)}  # one process, alone
     cmd = [sys.executable, "-m", "parlay.plan.profile", "--steps", str(steps), "--warmup",
            str(warmup), path, *args]
     try:

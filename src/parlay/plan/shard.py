@@ -1,8 +1,8 @@
 """Sharded data parallel's levels priced (``DistributedOptimizer(shard=...)``, ZeRO 1-3).
 
 For ``N`` data-parallel ranks (one flat ring), ``S`` the parameters' bytes, ``P = G = S`` the
-parameters and gradients a rank holds, ``K`` optimizer state tensors per parameter
-(:func:`state_per_param` measures it):
+parameters and gradients a rank holds, ``K`` optimizer state elements per parameter
+element (:func:`state_per_param` measures it):
 
 ========== ===================================== ==================== ===================
 level      wire per rank per step (ring)          memory per rank      transient included
@@ -61,8 +61,9 @@ class ShardLevel:
 
 def state_per_param(spec: str) -> float:
     """Optimizer state elements per parameter element (``K``), measured: the ``torch.optim``
-    class ``spec`` names (``"adam"``, ``"sgd:momentum=0.9"``) steps a small tensor once and its
-    state tensors with ``dim > 0`` are counted (Adam's scalar ``step`` is not).
+    class ``spec`` names (``"adam"``, ``"sgd:momentum=0.9"``) steps a 256 x 256 matrix once and
+    its state tensors with ``dim > 0`` are counted (Adam's scalar ``step`` is not; Adafactor's
+    factored row and column statistics are ``2/256`` of the matrix).
 
     Raises:
         ConfigError: An unknown optimizer or options it refuses.
@@ -77,14 +78,20 @@ def state_per_param(spec: str) -> float:
     if name.lower() not in classes:
         raise ConfigError(f"--optimizer: unknown {name!r}; torch.optim has "
                           f"{', '.join(sorted(classes))}. {hint}")
-    try:
-        kwargs = {k.strip(): ast.literal_eval(v.strip()) for k, v in
-                  (kv.split("=", 1) for kv in opts.split(",") if kv.strip())}
-        p = torch.nn.Parameter(torch.zeros(8))
-        p.grad = torch.ones(8)
+    kwargs: dict[str, Any] = {}
+    for kv in (kv.strip() for kv in opts.split(",") if kv.strip()):
+        key, _, value = kv.partition("=")
+        try:
+            kwargs[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            raise ConfigError(f"--optimizer {spec!r}: {kv!r} is not name=value with a number, "
+                              f"True or False as the value. {hint}") from None
+    try:  # a matrix, where the parameters are: factored state (adafactor) is priced right
+        p = torch.nn.Parameter(torch.zeros(256, 256))
+        p.grad = torch.ones(256, 256)
         opt = classes[name.lower()]([p], **kwargs)
         opt.step()
-    except (ValueError, SyntaxError, TypeError, RuntimeError) as e:
+    except (ValueError, TypeError, RuntimeError, OverflowError) as e:
         raise ConfigError(f"--optimizer {spec!r}: {e}. {hint}") from None
     return sum(t.numel() for t in opt.state[p].values()
                if torch.is_tensor(t) and t.dim() > 0) / p.numel()
@@ -101,7 +108,7 @@ def _unit_bytes(w: Workload) -> float:
 def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none",
                  costs: Costs | None = None) -> list[ShardLevel]:
     """Every level of :data:`LEVELS` for ``w`` on ``c.world`` ranks with ``k`` optimizer state
-    tensors per parameter (see the module docstring for what is counted).
+    elements per parameter element (see the module docstring for what is counted).
 
     Raises:
         ConfigError: A compressor that is not element-wise (sharding cannot reduce-scatter it).
