@@ -210,8 +210,11 @@ class CheckpointManager:
         A state holding a NaN, or an infinity outside tensors ``allow_inf`` accepts (e.g. a
         model's ``-inf`` attention-mask buffers), is refused on every rank: it would replace
         the good checkpoints it is meant to protect. Pruning keeps the ``keep_last - 1``
-        newest older steps every rank holds besides this one, so the newest good checkpoint
-        always stays (a step only some ranks hold is deleted).
+        newest older steps every rank holds besides this one (a rank holding none, new since a
+        resharded resume, does not count), so the newest good checkpoint always stays (a step
+        only some ranks hold is deleted). Where a process group writes ranks 0..N-1, its first rank
+        also deletes the files of other ranks (left by a larger run) of this step and of the
+        pruned ones.
 
         Raises:
             CheckpointError: Any rank failed to write or held a non-finite value (raised on
@@ -251,28 +254,39 @@ class CheckpointManager:
             raise err or CheckpointError(f"checkpoint at step {step} failed on another rank "
                                          "(see that rank's error); previous checkpoints are kept.")
         # Keep the newest keep_last - 1 older steps every rank holds: a step some rank lacks
-        # (the job ended while writing it) can never be resumed, so it must not count.
-        older = [s for s in self.steps() if s < step]
-        common = self._common_steps(older)[0]
+        # (the job ended while writing it) can never be resumed, so it must not count. A rank
+        # holding none (new since a resharded resume onto more ranks) does not veto them.
+        held = self._held([s for s in self.steps() if s < step])
+        common = sorted(set.intersection(*([h for h in held.values() if h] or [set()])))
         keep = set(common[max(0, len(common) - (self.keep_last - 1)):])
-        for old in older:
-            if old not in keep:
-                self.path(old).unlink(missing_ok=True)
+        for old in held[self.rank] - keep:
+            self.path(old).unlink(missing_ok=True)
+        if chief and torch.distributed.is_initialized() and sorted(held) == [*range(len(held))]:
+            # This group writes ranks 0..W-1: another rank's file (seen on a shared file
+            # system) is a removed rank's. Those of this step and of the pruned steps go.
+            for s, ranks in self.written().items():
+                if s == step or (s < step and s not in keep):
+                    for r in ranks - set(range(len(held))) if s == step else ranks:
+                        self.path(s, r).unlink(missing_ok=True)
         kept = {self.dcp_path(s) for s in {*self.steps(), step}}
         for folder in set(self.directory.glob("ckpt-*.dcp")) - kept if chief else ():
             shutil.rmtree(folder, ignore_errors=True)  # the shards of steps no longer kept
         return path
 
-    def _common_steps(self, mine: list[int]) -> tuple[list[int], int]:
-        """Steps every rank holds (tensors only: no pickles cross the network), and the most
-        files any rank holds."""
+    def _held(self, mine: list[int]) -> dict[int, set[int]]:
+        """Each rank of the group (by the rank in its file names) -> the steps of ``mine`` it
+        holds (an int64 allgather: no pickles cross the network)."""
         if self._world() == 1:
-            return mine, len(mine)
+            return {self.rank: set(mine)}
         counts = self._tensor([len(mine)])
         comm.allreduce(counts, "max", group=self.group)
-        most = int(counts.item())
-        rows = comm.gather_ints(mine, max(most, 1), self.group)  # at least one: -1 pads
-        return sorted(set.intersection(*({s for s in r if s >= 0} for r in rows))), most
+        rows = comm.gather_ints([self.rank, *mine], int(counts.item()) + 1, self.group)
+        return {r[0]: {s for s in r[1:] if s >= 0} for r in rows}
+
+    def _common_steps(self, mine: list[int]) -> tuple[list[int], int]:
+        """Steps every rank holds, and the most files any rank holds."""
+        held = self._held(mine)
+        return sorted(set.intersection(*held.values())), max(map(len, held.values()))
 
     def _new_run_id(self) -> str:
         """A fresh run id, drawn by the group's first rank and sent to the others as a tensor."""

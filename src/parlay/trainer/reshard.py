@@ -41,23 +41,25 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
             (written before Trainer checkpoints had one), or the checkpoint is another run's
             (model, mode, batch size or settings differ).
     """
-    complete = {s: len(r) for s, r in ckpt.written().items() if r == set(range(len(r)))}
+    # Per step holding rank 0's file: how many ranks 0..n-1 wrote theirs. Its writer's world
+    # (rank 0's identity) says the rest: torn if larger; files of higher ranks are leftovers.
+    have = {s: min(set(range(len(r) + 1)) - r) for s, r in ckpt.written().items() if 0 in r}
     state: dict[str, Any] | None = None
-    tried = False
-    while complete and complete[max(complete)] != world:  # the newest is another world's
-        tried = True
-        step, old = max(complete), complete.pop(max(complete))
+    for step in sorted(have, reverse=True):
         state = ckpt.first_usable([step], lambda s: ckpt.path(s, 0))  # (it warns if not)
-        wrote = None if state is None else (state.get("identity") or {}).get("world_size", old)
-        if state is not None and wrote != old:  # ranks 0..old-1 of a larger run: a torn step
+        old = have[step] if state is None else (state.get("identity") or {}).get(
+            "world_size", have[step])
+        if state is not None and old > have[step]:  # ranks 0..n-1 of a larger run: torn
             state = None
-            warnings.warn(f"checkpoint step {step} holds the files of {old} of its {wrote} "
+            warnings.warn(f"checkpoint step {step} holds the files of {have[step]} of its {old} "
                           "ranks (the job ended while writing it): falling back to the "
                           "previous one.", stacklevel=3)
+        if state is not None and old == world:  # this world's: resume as usual
+            return None
         if state is not None:
             break
     if state is None:
-        if complete or not tried:  # none, or the newest usable is this world's: as usual
+        if not have:
             return None
         raise CheckpointError(f"no checkpoint in {ckpt.directory} is usable on every rank (see "
                               "the warnings). Nothing was deleted.")
