@@ -308,8 +308,11 @@ class CheckpointManager:
         agreed, low, neg_high = t.tolist()
         mixed = low != -neg_high
         if problem or agreed == 0 or mixed:
-            why = problem or ("its files were written by different runs (each rank's file of "
-                              "one step must come from one run)" if mixed else
+            why = problem or (f"its files were written by different runs (this rank's, "
+                              f"{self.path(step)}, by run {rid}; each rank's file of one step "
+                              "must come from one run). Fix: put back the files of one run, or "
+                              f"move step {step}'s files away to resume the step before it"
+                              if mixed else
                               "another rank found its file incompatible (see that rank's error)")
             raise CheckpointError(
                 f"cannot resume from checkpoint step {step} in {self.directory} (rank "

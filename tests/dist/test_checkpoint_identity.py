@@ -127,8 +127,9 @@ def test_files_of_two_runs_in_one_step_are_refused(two_rank_dir, tmp_path_factor
     other = tmp_path_factory.mktemp("other")
     run_world(_train, 2, str(other), 4)
     shutil.copy(other / f"ckpt-{4:010d}.rank1.pt", two_rank_dir / f"ckpt-{4:010d}.rank1.pt")
-    for e in run_world(_train, 2, str(two_rank_dir), 8):
+    for r, e in enumerate(run_world(_train, 2, str(two_rank_dir), 8)):
         assert isinstance(e, CheckpointError) and "different runs" in str(e)
+        assert f"ckpt-{4:010d}.rank{r}.pt" in str(e) and "to resume the step before" in str(e)
 
 
 def test_a_second_run_cannot_share_the_directory(tmp_path):
