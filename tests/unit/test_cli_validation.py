@@ -159,6 +159,24 @@ def test_the_rank_a_comm_error_lost_is_named_first(capsys):
                            "others first); rank 0 failed (exit code 1: CommError"), line
 
 
+def test_a_droppable_worker_the_launcher_stopped_is_not_reported_lost(tmp_path, capsys):
+    # a server died: the launcher stops the workers, which still hold their droppable markers
+    from types import SimpleNamespace
+
+    from parlay.launch import DropPolicy, droppable_marker
+
+    policy = DropPolicy(str(tmp_path))
+    for r in (1, 2):
+        droppable_marker(r, str(tmp_path)).parent.mkdir(exist_ok=True)
+        droppable_marker(r, str(tmp_path)).touch()
+    policy.stopped = {2}
+    failure = SimpleNamespace(exitcode=-15, signal_name=lambda: "SIGTERM", error_file_data={},
+                              local_rank=0)
+    assert not policy.drop(2, failure) and policy.lost == []
+    assert "was lost" not in capsys.readouterr().err
+    assert policy.drop(1, failure) and policy.lost == [1]  # one that failed alone still is
+
+
 def test_demo_help_without_a_name_lists_the_demos(launches, capsys):
     assert main(["demo", "--help"]) == 0  # it required a name: "error: ... required: name"
     assert "demos: mnist" in capsys.readouterr().out
