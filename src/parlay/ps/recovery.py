@@ -2,7 +2,9 @@
 
 * :func:`agree_resume`: at start every rank lists the steps it can resume (servers their shard
   files and in-memory snapshots, workers the Trainer's files and snapshots) and all resume one
-  step, so server shards and worker state never come from different steps. Tensors only.
+  step, so server shards and worker state never come from different steps, nor runs: a
+  server's file recording another run id than the workers' files of its step (a file copied
+  in from another run) is left out, with a warning naming it. Tensors only.
 * :func:`mark_droppable`: an ``async``/``stale`` worker tells ``parlay run`` that losing it
   need not stop the job (the other workers go on without it); :func:`server_loss_is_fatal`
   takes that back when the worker fails because it lost a server (the job must stop, and
@@ -15,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 from pathlib import Path
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -39,7 +42,7 @@ log = logging.getLogger("parlay.ps")
 #: Newest checkpoint steps each rank offers when agreeing where to resume.
 HELD_SLOTS = 32
 _SNAP_SLOTS = 8  # newest in-memory snapshot steps each rank offers (a store keeps 2)
-_FLAGS = 3  # tagged, keeps snapshots, is a worker
+_FLAGS = 4  # tagged, keeps snapshots, is a worker, a fresh run id
 
 
 class Resume(NamedTuple):
@@ -53,6 +56,10 @@ class Resume(NamedTuple):
         snapshots: Some worker keeps in-memory snapshots: servers snapshot their shards too.
         training: Global ranks of the workers that train; the others sit out (see
             :func:`agree_resume`).
+        run: The id this start's servers and workers record in their checkpoints (drawn
+            anew at every start: the files of one step are always written by one start).
+        foreign: Steps of this server whose file records another run id than the workers'
+            files of that step (left out).
     """
 
     tagged: bool
@@ -60,10 +67,13 @@ class Resume(NamedTuple):
     from_snapshot: bool
     snapshots: bool
     training: list[int]
+    run: int = 0
+    foreign: tuple[int, ...] = ()
 
 
 def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, tagged: bool,
-                 snapshots: bool, relaxed: bool, group: Any) -> Resume:
+                 snapshots: bool, relaxed: bool, group: Any,
+                 runs: Mapping[int, int] | None = None) -> Resume:
     """Agree, over every rank of ``group``, on the step to resume (one allgather of tensors).
 
     The in-memory snapshot step every rank holds wins when it is newer than the disk step;
@@ -72,7 +82,8 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
     ``async``/``stale`` (``relaxed=True``) take the newest step ``T`` that every server holds
     and that every worker holding a file of step ``T`` or later holds: workers lost before
     ``T`` (dropped while the others went on; they hold only older files, or none) sit out,
-    since their state at ``T`` was never saved.
+    since their state at ``T`` was never saved. A server's step whose file records another run
+    id than the workers' files of that step (all of one run) is not held (:attr:`Resume.foreign`).
 
     Args:
         disk: Checkpoint steps this rank holds on disk.
@@ -82,19 +93,27 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
         snapshots: This worker keeps in-memory snapshots.
         relaxed: Lost workers were dropped and the others went on (``async``/``stale``).
         group: Every server and worker.
+        runs: The run id each of ``disk``'s files records (0 or missing: none, an older file).
     """
     def slots(steps: Iterable[int], n: int) -> list[int]:
         newest = sorted(set(int(t) for t in steps))[-n:]
         return newest + [-1] * (n - len(newest))
 
-    rows = comm.gather_ints([int(tagged), int(snapshots), int(is_worker)]
-                            + slots(disk, HELD_SLOTS) + slots(snaps, _SNAP_SLOTS),
-                            _FLAGS + HELD_SLOTS + _SNAP_SLOTS, group)
+    on = slots(disk, HELD_SLOTS)
+    ids = [int((runs or {}).get(t, 0)) for t in on]
+    rows = comm.gather_ints([int(tagged), int(snapshots), int(is_worker), secrets.randbits(62)]
+                            + on + ids + slots(snaps, _SNAP_SLOTS),
+                            _FLAGS + 2 * HELD_SLOTS + _SNAP_SLOTS, group)
     any_tagged = any(r[0] for r in rows)
     any_snap = any(r[1] for r in rows)
     workers = [k for k, r in enumerate(rows) if r[2]]
     held = [{t for t in r[_FLAGS: _FLAGS + HELD_SLOTS] if t >= 0} for r in rows]
-    mem = [{t for t in r[_FLAGS + HELD_SLOTS:] if t >= 0} for r in rows]
+    mem = [{t for t in r[_FLAGS + 2 * HELD_SLOTS:] if t >= 0} for r in rows]
+    foreign = _foreign_runs(rows, workers)
+    for k, t in foreign:
+        held[k].discard(t)
+    me = comm.group_rank(group) if len(rows) > 1 else 0
+    extra = (rows[0][3], tuple(sorted(t for k, t in foreign if k == me)))
     if any_tagged:
         on_disk = _disk_step(held, workers, relaxed)
     elif relaxed:  # async/stale servers keep no versions in common
@@ -114,11 +133,24 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
                 "checkpoint_dir.")
     in_mem = max(set.intersection(*mem), default=None) if any_snap else None
     if in_mem is not None and (on_disk is None or in_mem > on_disk):
-        return Resume(any_tagged, in_mem, True, any_snap, workers)
+        return Resume(any_tagged, in_mem, True, any_snap, workers, *extra)
     training = workers
     if relaxed and on_disk is not None:
         training = [w for w in workers if any(t >= on_disk for t in held[w])]
-    return Resume(any_tagged, on_disk, False, any_snap, training)
+    return Resume(any_tagged, on_disk, False, any_snap, training, *extra)
+
+
+def _foreign_runs(rows: list[list[int]], workers: list[int]) -> set[tuple[int, int]]:
+    """``(rank, step)`` of every server file whose run id differs from the one that every
+    workers' file of that step records (ids of 0: older files, which record none)."""
+    ids = [dict(zip(r[_FLAGS: _FLAGS + HELD_SLOTS], r[_FLAGS + HELD_SLOTS:])) for r in rows]
+    out = set()
+    for t in {t for row in ids for t in row if t >= 0}:
+        run = {ids[w][t] for w in workers if ids[w].get(t, 0) > 0}
+        if len(run) == 1:  # (workers of several runs: the Trainer's own check refuses them)
+            out |= {(k, t) for k in range(len(rows)) if k not in workers
+                    and ids[k].get(t, 0) not in (0, *run)}
+    return out
 
 
 def _disk_step(held: list[set[int]], workers: list[int], relaxed: bool) -> int | None:
@@ -156,15 +188,24 @@ def resume_session(session: Any) -> tuple[Resume, SnapshotStore | None]:
     s = session
     disk = ((snapshot_steps(s.checkpoint_dir, s.rank) if s.checkpoint_dir else [])
             if s.is_ps else s.resume_steps or _residuals_step(s.residuals_path))
+    runs = {} if s.is_ps else s.resume_runs
+
+    def read(t: int) -> None:
+        runs[t] = int(read_shard(step_path(s.checkpoint_dir, s.rank, t), t, s.rank).get("run", 0))
+
     if s.is_ps and disk:
-        disk = verified_steps(disk, lambda t: read_shard(step_path(s.checkpoint_dir, s.rank, t),
-                                                         t, s.rank), s.rank)
+        disk = verified_steps(disk, read, s.rank)
     store = open_snapshots(s) if s.consistency.aggregate and (s.is_ps or s.snapshots) else None
     snaps = verified_steps(store.steps(), store.load, s.rank) if store is not None else []
     r = agree_resume(disk, snaps, is_worker=not s.is_ps,
                      tagged=not s.is_ps and s.resume_steps is not None,
                      snapshots=not s.is_ps and store is not None,
-                     relaxed=not s.consistency.aggregate, group=s.ps_group)
+                     relaxed=not s.consistency.aggregate, group=s.ps_group, runs=runs)
+    for t in r.foreign:
+        log.warning("rank %d: %s (step %d) was written by another run than the workers' "
+                    "checkpoint files of step %d (copied in from another run?): it is not "
+                    "resumed; the ranks agree on another step, if one is usable on every rank",
+                    s.rank, step_path(s.checkpoint_dir, s.rank, t), t, t)
     if store is not None and not r.from_snapshot and snaps:
         store.clear()
         store = open_snapshots(s)

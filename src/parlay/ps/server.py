@@ -94,6 +94,7 @@ class Server(ShardPersistence, ChunkedServing):
         memory: In-memory snapshots of this server (``sync`` only: see
             :mod:`parlay.ps.shard_io`), taken right after every update; ``None``: none.
         from_memory: ``resume_step`` is read from ``memory`` rather than from disk.
+        run: The session's run id, recorded in this server's checkpoint files.
     """
 
     def __init__(self, index: int, plan: ShardPlan, model: nn.Module,
@@ -102,8 +103,8 @@ class Server(ShardPersistence, ChunkedServing):
                  group: Any, timeout: float, checkpoint_dir: str | None = None,
                  checkpoint_every: int | None = 100, *, tagged: bool = False,
                  resume_step: int | None = None, memory: Any = None,
-                 from_memory: bool = False) -> None:
-        self.index, self.plan, self.policy = index, plan, policy
+                 from_memory: bool = False, run: int = 0) -> None:
+        self.index, self.plan, self.policy, self.run = index, plan, policy, run
         self.compressor = compressor
         self.worker_ranks = worker_ranks
         self.group, self.timeout = group, timeout

@@ -17,7 +17,7 @@ import contextlib
 import datetime as _dt
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +82,9 @@ class DistributedSession:
             step all servers and workers hold (:attr:`resumed_step`): never mixed steps.
             In ``async``/``stale``, workers lost before that step (dropped while the others
             went on) sit out: they join and finish at once (:attr:`sits_out`).
+        resume_runs: The run id (:attr:`run`) each of the workers' ``resume_steps`` recorded:
+            a server file of that step that records another one (a file of another run) is
+            not resumed (a warning names it; the ranks agree on another step).
         snapshots: This worker keeps in-memory snapshots of its state (the Trainer's, ``sync``
             only). Servers then snapshot their shards after every update in host memory and
             a restart resumes the newest step every rank holds in memory, when newer than
@@ -105,7 +108,8 @@ class DistributedSession:
                  max_steps: int | None = None, *, placement: str = "balanced",
                  split_bytes: int | None = DEFAULT_SPLIT_BYTES, timeout: float | None = None,
                  checkpoint_every: int | None = 100,
-                 resume_steps: Sequence[int] | None = None, snapshots: bool = False) -> None:
+                 resume_steps: Sequence[int] | None = None, snapshots: bool = False,
+                 resume_runs: Mapping[int, int] | None = None) -> None:
         check_session_args(task_spec, model, optimizer, optimizer_args, max_steps,
                            checkpoint_every, timeout, checkpoint_dir)
         assert isinstance(model, nn.Module) and optimizer is not None  # checked just above
@@ -133,7 +137,11 @@ class DistributedSession:
         self.dp_group: Any = None
         self.resume_steps = None if resume_steps is None else [
             check_int("resume_steps", t, 0) for t in resume_steps]
+        self.resume_runs = dict(resume_runs or {})
         self.resumed_step: int | None = None  # agreed at start (None: fresh, or not sync)
+        #: This start's id in the checkpoints (drawn at start; servers' files and Trainer
+        #: workers' record it, tying the files of one step together).
+        self.run = 0
         self.tagged = False  # servers checkpoint when the workers ask
         self.snapshots = bool(snapshots) and self.consistency.aggregate
         #: This rank's in-memory snapshot store (``sync`` with snapshotting workers), or None.
@@ -229,7 +237,7 @@ class DistributedSession:
                                  self.ps_group, self.timeout, self.checkpoint_dir,
                                  self.checkpoint_every, tagged=self.tagged,
                                  resume_step=self.resumed_step, memory=self.snapshot_store,
-                                 from_memory=self.resumed_from_snapshot)
+                                 from_memory=self.resumed_from_snapshot, run=self.run)
         else:
             load_worker_state(self.residuals_path, self.compressor,
                               (self.resumed_step or 0) if self.consistency.aggregate else None)
@@ -255,6 +263,7 @@ class DistributedSession:
         r, self.snapshot_store = resume_session(self)
         self.tagged, self.resumed_step = r.tagged, r.step
         self.resumed_from_snapshot, self.training_workers = r.from_snapshot, r.training
+        self.run = r.run
 
     @property
     def sits_out(self) -> bool:

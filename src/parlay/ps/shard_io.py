@@ -6,7 +6,9 @@
 * disk: every ``checkpoint_every`` updates (``sync``: ``ps-<k>.step-<version>.pt``, resumed at
   the newest version every server holds; ``async``/``stale``: ``ps-<k>.pt``), or, when the
   workers keep their own checkpoints (a Trainer), ``ps-<k>.step-<t>.pt`` when every live
-  worker asks for step ``t``;
+  worker asks for step ``t``; a file records its session's run id, as the workers' files do,
+  and is not resumed with the workers' files of another run
+  (:func:`~parlay.ps.recovery.agree_resume`);
 * memory (``sync`` only): an in-memory snapshot (:class:`~parlay.snapshot.SnapshotStore`) of
   the shard, optimizer state, version and worker clocks right after each update, so a restart
   resumes at most one step back, from the step every server and worker holds. In ``sync`` the
@@ -126,11 +128,13 @@ class ShardPersistence:
     memory: SnapshotStore | None = None
     #: Versions between in-memory snapshots (the workers' ``snapshot_every``; 0: none).
     snapshot_every: int = 1
+    #: The session's run id (:attr:`~parlay.ps.session.DistributedSession.run`).
+    run: int = 0
 
     # -- disk ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Shard, optimizer state, version and worker clocks."""
-        return {"format": 1, "server": self.index, "plan": self.plan.rows(),
+        """Shard, optimizer state, version, worker clocks and run id."""
+        return {"format": 1, "server": self.index, "run": self.run, "plan": self.plan.rows(),
                 "flat": self.flat.clone(), "optimizer": self.optimizer.state_dict(),
                 "optimizer_class": type(self.optimizer).__qualname__,
                 "settings": _settings(self.optimizer, self.base_lrs),

@@ -183,7 +183,7 @@ class ParameterServerStrategy(Strategy):
 
     def setup(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor],
               optimizer_cls: type[torch.optim.Optimizer], optimizer_args: dict[str, Any]) -> None:
-        resume = None
+        resume, runs = None, {}
         if self._ckpt_dir is None and self.options["checkpoint_dir"] is not None:
             raise ConfigError("strategy_options checkpoint_dir without the Trainer's: the servers "
                               "would resume their shards while the workers start at step 0. "
@@ -194,12 +194,15 @@ class ParameterServerStrategy(Strategy):
             model = model.to(self._device)
             if self._ckpt_dir is not None:  # the Trainer's checkpoints of this worker
                 mgr = CheckpointManager(self._ckpt_dir, rank=runtime.rank())
-                resume = verified_steps(mgr.steps(), lambda t: load(mgr.path(t), t),
-                                        runtime.rank())
+
+                def read(t: int) -> None:  # and the session's run id the file recorded
+                    runs[t] = int((load(mgr.path(t), t).get("strategy") or {}).get("ps_run", 0))
+
+                resume = verified_steps(mgr.steps(), read, runtime.rank())
         self.model, self._loss_fn = model, loss_fn
         self.session = DistributedSession(None, model, optimizer_cls, optimizer_args,
                                           resume_steps=resume, snapshots=self.supports_snapshots,
-                                          **self.options)
+                                          resume_runs=runs, **self.options)
         # Before a worker joins (its start waits for serving), once the training workers are
         # known (those that sit out a resume belong to no group).
         self.session.on_agreed = self._make_groups
@@ -293,13 +296,14 @@ class ParameterServerStrategy(Strategy):
     def state_dict(self) -> dict[str, Any]:
         """Worker-side state. With the Trainer's ``checkpoint_dir`` this first has every server
         checkpoint its shard at this worker's step (and waits for it), so the Trainer's file
-        and the servers' files always describe the same step."""
+        and the servers' files always describe the same step; both record the session's run
+        id (``ps_run``), so a restart never resumes a server's file of another run with them."""
         s = self._ready()
         if not s.is_worker or self.model is None:
             return {}
         if s.tagged:
             s.save_shards(s.step)
-        return {**self.snapshot_state_dict(), "snapshot": False}
+        return {**self.snapshot_state_dict(), "snapshot": False, "ps_run": s.run}
 
     def snapshot_state_dict(self) -> dict[str, Any]:
         """Worker-side state for an in-memory snapshot: no message to the servers, which

@@ -15,7 +15,7 @@ import torch
 
 from parlay import checkpoint, comm, runtime
 from parlay._tree import map_tensors
-from parlay.errors import ConfigError
+from parlay.errors import CheckpointError, ConfigError
 
 __all__ = ["State", "ObjectState", "TorchState"]
 
@@ -161,8 +161,14 @@ class State:
             checkpoint.set_rng_state(_host_copy(saved["rng"]))
 
     def _open_store(self, fresh: bool) -> None:
-        """Open this rank's snapshot store when the launcher can restart (collective when
-        ``fresh``: a new job first deletes what an old one of the same run id left)."""
+        """Open this rank's snapshot store when the launcher can restart (collective), holding
+        the run id's live lock as the Trainer does: a second live job under the same run id is
+        refused on every rank before it deletes anything. A ``fresh`` job then deletes the
+        commits an old job of the same run id left.
+
+        Raises:
+            ConfigError: Another live job holds the run id (or a rank's store failed).
+        """
         if self._store is not None or _env_int("TORCHELASTIC_MAX_RESTARTS") <= 0:
             return
         from parlay.snapshot import SnapshotStore, key_or_off
@@ -173,10 +179,23 @@ class State:
                          "PARLAY_RUN_ID.", logging.WARNING)
         if key is None:
             return
+        store, error = None, None
+        try:
+            store = SnapshotStore(key, runtime.rank(), live=True)
+        except (ConfigError, CheckpointError) as e:
+            error = e
+        ok = _all_min(int(store is not None))
+        if store is None or not ok:
+            if store is not None:
+                store.close()
+            raise error or ConfigError(
+                f"rank {runtime.rank()}: another rank could not open its elastic commits (see "
+                "its error: another live job holds this job's run id, or the snapshot folder "
+                "is not writable). Fix: give this job its own PARLAY_RUN_ID (or parlay run "
+                "--rdzv-id), or stop the other job.")
         if fresh:
-            SnapshotStore(key, runtime.rank()).clear()
-            _all_min(1)  # every rank cleared before any re-creates the run's folder
-        self._store = SnapshotStore(key, runtime.rank())
+            store.drop_after(-1)
+        self._store = store
 
     def _resume(self) -> bool:
         """On entering :func:`run`: open the snapshot store and, in a restarted worker, load
