@@ -98,11 +98,21 @@ def test_auto_interval_prices_what_a_snapshot_costs_the_step(run_id, monkeypatch
     assert t.snapshot_every == 7 and "steps at risk: 7" in out
 
 
+def test_the_step_that_chooses_the_interval_is_snapshotted(run_id, monkeypatch, capsys):
+    """The probe's last snapshot is PROBE_STEPS + 1 steps old when it chooses 11: the next
+    multiple of 11 (22) would put 14 steps at risk, not the 11 logged."""
+    monkeypatch.setattr(persistence, "choose_interval", lambda c, s: 11)
+    t, out, held = _train(capsys, 21)
+    assert "steps at risk: 11" in out and t.snapshot_every == 11
+    assert held == [2 * PROBE_STEPS - 1, 3 * PROBE_STEPS]   # 7, 12: then 22, 33...
+
+
 @pytest.mark.parametrize("options, risk", [
     ({"snapshot_every": 2}, 2),
     ({"snapshot_every": 0}, 6),                                      # nothing saved: all
     ({"snapshot_every": 0, "checkpoint_every": 4, "checkpoint_dir": "ck"}, 4),
-    ({"snapshot_every": None, "checkpoint_dir": "ck"}, 16)])         # an epoch of 16 steps
+    ({"snapshot_every": None, "checkpoint_dir": "ck"}, 16),          # an epoch of 16 steps
+    ({"snapshot_every": 4, "checkpoint_every": 3, "checkpoint_dir": "ck"}, 3)])  # the newer
 def test_steps_at_risk_are_logged_at_start(run_id, tmp_path, capsys, options, risk):
     if "checkpoint_dir" in options:
         options = {**options, "checkpoint_dir": str(tmp_path / "ck")}

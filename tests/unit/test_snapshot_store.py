@@ -75,6 +75,26 @@ def test_keeps_the_newest_two_in_two_slots(tmp_path):
     assert not (tmp_path / "run-1").exists()
 
 
+def test_a_step_saved_again_after_a_restart_keeps_the_step_before(tmp_path):
+    """A restart resumed step 4 while this rank also held 5 (its peer was killed writing 5):
+    saving 5 again overwrites the old 5 in its own slot, and 4 stays, which the peer resumes if
+    it is killed at 5 again (it holds 4 alone)."""
+    store = SnapshotStore("run-1", 0, root=tmp_path)
+    for step in (3, 4, 5):
+        store.save(step, _state(step))
+    store.close()
+    again = SnapshotStore("run-1", 0, root=tmp_path)
+    assert again.records() == [(4, 1), (5, 0)]
+    again.save(5, _state(50))
+    assert again.records() == [(4, 1), (5, 0)]
+    assert _equal(again.load(4), _state(4)) and _equal(again.load(5), _state(50))
+    again.save(6, _state(6))                                  # then the rotation goes on
+    assert again.records() == [(5, 0), (6, 1)]
+    again.save(6, _state(60), replace=False)                  # ranks apart keep both of 6
+    assert again.records() == [(6, 0), (6, 1)]
+    again.close()
+
+
 def test_leftover_temp_file_is_ignored_and_removed(tmp_path):
     store = SnapshotStore("run-1", 0, root=tmp_path)
     store.save(1, _state(1))

@@ -3,7 +3,9 @@
 Snapshots must outlive the processes that wrote them (a restarted job reads them), so the death
 of a rank removes nothing. Folders of a run are removed
 
-* by the Trainer when training ends (:meth:`~parlay.snapshot.SnapshotStore.clear`);
+* by a rank whose training ended, when its process exits without an uncaught exception or
+  the Trainer is closed (:meth:`~parlay.snapshot.SnapshotStore.clear_at_exit`), for a run id
+  without an owner;
 * by ``parlay run`` when it exits, for a run id it generated itself: no later job can have
   that id, so nothing could ever read them again;
 * by the next ``parlay run`` on the host, for generated ids whose launcher is gone (killed

@@ -33,12 +33,14 @@ the file), not of the host: that is what disk checkpoints are for, so nothing he
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import zlib
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,16 @@ def _record_crc(record: dict[str, Any]) -> int:
     return zlib.crc32(json.dumps(record, sort_keys=True).encode())
 
 
+def _clear_ended(at_exit: bool) -> None:
+    """Clear the stores of :meth:`SnapshotStore.clear_at_exit`."""
+    if at_exit and getattr(sys, "last_value", None) is not None:
+        return  # an uncaught exception ends the process: a restart resumes them
+    for store in _ended:
+        if not (at_exit and store._owner_fd >= 0):
+            store.clear()
+    _ended.clear()
+
+
 class SnapshotStore:
     """One rank's in-memory snapshots of one run.
 
@@ -100,8 +112,9 @@ class SnapshotStore:
         self.key, self.rank, self.keep = key, int(rank), keep
         self.root = Path(root).expanduser() if root is not None else default_root()
         self.directory = self.root / key / f"rank{self.rank}"
-        self._live_fd = -1
+        self._live_fd, self._cleared = -1, False
         if live:
+            _clear_ended(at_exit=False)  # this process trains anew: the run id is its own
             try:
                 self._live_fd = hold_live(self.root, key, self.rank)
             except OSError as e:
@@ -198,8 +211,10 @@ class SnapshotStore:
 
         Copies every tensor into a free slot's shared-memory file (the slot of the oldest kept
         snapshot is reused once ``keep`` are held; its record is deleted first) and renames the
-        commit record into place. An earlier record of ``step`` is deleted too, unless
-        ``replace`` is False: ranks that resume apart snapshot a step again after meeting the
+        commit record into place. A step saved again (after a restart) goes into the slot of
+        its earlier record, which is deleted first, so the older snapshots stay: a peer killed
+        while writing this step resumes the previous one. With ``replace`` False the earlier
+        record stays instead: ranks that resume apart snapshot a step again after meeting the
         others, and keep the first until every rank holds its second (:meth:`supersede`).
         CPU tensors whose ``data_ptr()`` is in ``defer`` (those that change only in an
         optimizer step) are copied, and the record committed, while this thread waits for
@@ -216,7 +231,8 @@ class SnapshotStore:
         tensors: list[torch.Tensor] = []
         skeleton = encode(state, tensors)
         lay = self._layout_of(tensors)
-        slot = self._slot_for_next()
+        again = [s for t, s in self._held if t == step] if replace else []
+        slot = again[0] if again else self._slot_for_next()  # keep step-1 (restarted ranks)
         for old in [h for h in self._held if h[1] == slot or (replace and h[0] == step)]:
             self._meta_path(*old).unlink(missing_ok=True)
             self._held.remove(old)
@@ -366,19 +382,31 @@ class SnapshotStore:
                 self._held.remove(held)
 
     # ------------------------------------------------------------------ teardown
-    def close(self) -> None:
+    def close(self, *, keep_live: bool = False) -> None:
         """Finish the pending copy and unmap the data files (snapshots stay; the next
-        :meth:`save` maps them again)."""
+        :meth:`save` maps them again); ``keep_live``: hold the run id (``live``) on, until
+        :meth:`clear`."""
         try:
             self._settle()
         finally:
             self._maps.clear()
-            if self._live_fd >= 0:
+            if self._live_fd >= 0 and not keep_live:
                 release_live(self._live_fd)
                 self._live_fd = -1
 
+    def clear_at_exit(self) -> None:
+        """:meth:`clear` when this process exits without an uncaught exception (one that
+        escapes keeps the snapshots for a restart), unless a launcher owns the run: it removes
+        them when the whole job ends (a peer may still fail after this process ended). A
+        store opened ``live`` later in this process clears it at once."""
+        _ended.append(self)
+
     def clear(self) -> None:
-        """Delete this rank's snapshots (and the run's folder once no rank has one left)."""
+        """Delete this rank's snapshots (and the run's folder once no rank has one left); once
+        (a later store of this process may use the folder again)."""
+        if self._cleared:
+            return
+        self._cleared = True
         if self._live_fd >= 0:  # removed while still held: the run is over
             live_path(self.root, self.key, self.rank).unlink(missing_ok=True)
         self.close()
@@ -390,3 +418,7 @@ class SnapshotStore:
         if self._owner_fd >= 0:
             os.close(self._owner_fd)
             self._owner_fd = -1
+
+
+_ended: list[SnapshotStore] = []  # this process's stores whose training ended
+atexit.register(_clear_ended, at_exit=True)

@@ -418,14 +418,15 @@ class Trainer:
 
     def close(self) -> None:
         """Stop loading threads, close the progress bar and metrics file, release the
-        checkpoint directory and commit a snapshot still being copied."""
+        checkpoint directory and commit a snapshot still being copied. After training ended,
+        also remove the in-memory snapshots (else they go when the process exits normally)."""
         self._close(over=False)
 
     def _close(self, over: bool) -> None:
         self._close_iter()
         self.evaluation.close()
         self.metrics.close()
-        self.persistence.close(over)  # over: the run ended, the snapshots' memory goes back
+        self.persistence.close(over)  # over: training ended (its snapshots go at exit)
 
     @property
     def session(self) -> TrainerSession:

@@ -144,6 +144,7 @@ class Persistence:
         self.checkpoint_every = config.checkpoint_every
         self._report = report
         self.last_checkpoint_step = -1
+        self._ended = False  # training ended (close(over=True)): the next close clears
         self.checkpoints = self._open_checkpoints(config, layout)
         auto = config.snapshot_every == AUTO
         # Auto probes every step; strategies whose servers snapshot in step keep 1 throughout.
@@ -278,9 +279,8 @@ class Persistence:
         every = self.checkpoint_every
         if self.checkpoints is not None and (step % every == 0 if every else epoch_done):
             self.save_checkpoint()
-        if self._probe is not None:
-            self._probe_step()
-        self._snapshot(step, due=True)
+        chosen = self._probe is not None and self._probe_step()
+        self._snapshot(step, due=True, now=chosen)
 
     def begin_step(self) -> None:
         """A training step starts, or training ends (the Trainer calls it). Ranks that resume
@@ -289,14 +289,16 @@ class Persistence:
         that resumed at the last step meets there the others' first step.)"""
         self._snapshot(self.state.step, due=False)
 
-    def _snapshot(self, step: int, due: bool) -> None:
+    def _snapshot(self, step: int, due: bool, now: bool = False) -> None:
         """Snapshot ``step`` when ``due`` or when this rank met the others since the last
-        call (ranks that resume apart), at the interval's steps. After such a meeting no rank
-        goes on before every rank holds its snapshot committed, so a kill costs each rank at
-        most one step; the barrier that ensures it is not counted, as those snapshots already
-        stand after it."""
+        call (ranks that resume apart), at the interval's steps (``now``: also between them,
+        where the interval was just chosen). After such a meeting no rank goes on before
+        every rank holds its snapshot committed, so a kill costs each rank at most one step;
+        the barrier that ensures it is not counted, as those snapshots already stand after
+        it."""
         met = self._apart and comm.issued() != self._issued
-        if self.store is not None and self.every and step % self.every == 0 and (due or met):
+        if self.store is not None and self.every and (now or step % self.every == 0) \
+                and (due or met):
             try:  # a rank lost before its own snapshot after the meeting needs the one before
                 self.store.save(step, self.state_dict(snapshot=True),
                                 defer=optimizer_tensors(self.strategy), replace=not met)
@@ -333,17 +335,19 @@ class Persistence:
         warnings.warn(f"in-memory snapshots stopped on rank {runtime.rank()}: {error}",
                       stacklevel=4)
 
-    def _probe_step(self) -> None:
+    def _probe_step(self) -> bool:
         """Time the probe steps: ``PROBE_STEPS`` untimed and ``PROBE_STEPS`` timed with a
         snapshot each, then ``PROBE_STEPS`` without; then choose the interval (the largest any
-        training rank asks for, so every rank snapshots the same steps)."""
+        training rank asks for, so every rank snapshots the same steps). Whether it chose now
+        (the caller snapshots this step: the next multiple of the interval is up to that many
+        steps away, while the probe's last snapshot is ``PROBE_STEPS`` + 1 steps old)."""
         probe, p = self._probe, PROBE_STEPS
         assert probe is not None
         probe.append(time.perf_counter())  # probe[k - 1]: the end of the probe's step k
         if len(probe) == 2 * p:
             self.every = 0  # steps 2p+1 .. 3p carry no snapshot (step 2p's is skipped too)
         if len(probe) < 3 * p:
-            return
+            return False
         with_snapshot = (probe[2 * p - 1] - probe[p - 1]) / p
         without = (probe[3 * p - 1] - probe[2 * p - 1]) / p
         copy = 0.0
@@ -362,22 +366,22 @@ class Persistence:
             comm.allreduce(k, "max", group=group)
         agreed, self._probe = int(k.item()), None
         if self.store is None:  # stopped here (warned): this rank's steps at risk are others
-            return
+            return False
         self.every = agreed
         self._report(f"in-memory snapshots every {agreed} step(s): a snapshot cost "
                      f"{cost * 1e3:.2f} ms, a step {step * 1e3:.2f} ms (at most "
                      f"{BUDGET:.0%} of training); steps at risk: {agreed}")
+        return True
 
     def steps_at_risk(self, total_steps: int, steps_per_epoch: int) -> int | None:
-        """Steps a crash can cost now: the snapshot interval, else the checkpoint interval,
-        else the whole run; None while the automatic interval is being chosen."""
+        """Steps a crash can cost now: the smaller of the snapshot and the checkpoint interval
+        (the newer of the two is resumed), else the whole run; None while the automatic
+        interval is being chosen."""
         if self._probe is not None:
             return None
-        if self.every:
-            return self.every
-        if self.checkpoints is not None:
-            return self.checkpoint_every or steps_per_epoch
-        return total_steps
+        disk = total_steps if self.checkpoints is None else \
+            self.checkpoint_every or steps_per_epoch
+        return min(self.every, disk) if self.every else disk
 
     # ------------------------------------------------------------------ the end
     def finish(self) -> None:
@@ -386,14 +390,20 @@ class Persistence:
             self.save_checkpoint()
 
     def close(self, over: bool = False) -> None:
-        """Release the checkpoint directory's lock and commit a snapshot still being copied;
-        ``over``: the run is over, so the snapshots' memory goes back first."""
+        """Release the checkpoint directory's lock and commit a snapshot still being copied.
+        ``over``: training ended. Its snapshots stay while the script goes on, so that a
+        failure after training (a final validation, an export) restarts at the final step;
+        they go at the next close, or when the process exits without an uncaught exception
+        (:meth:`~parlay.snapshot.SnapshotStore.clear_at_exit`)."""
         if self.checkpoints is not None:
             self.checkpoints.close()
-        if self.store is not None:
+        if self.store is not None and self._ended:
+            self.store.clear()
+        elif self.store is not None:
+            self._ended = over
+            self.store.close(keep_live=over)
             if over:
-                self.store.clear()
-            self.store.close()
+                self.store.clear_at_exit()
 
 
 def _save_shards(opt: Any, sub: str, folder: Path) -> dict[str, int]:
