@@ -172,8 +172,9 @@ class DropPolicy:
     def drop(self, global_rank: int, failure: Any) -> bool:
         """Whether ``global_rank``'s failure is dropped (it has a marker); logs and counts it."""
         marker = droppable_marker(global_rank, self.run_dir)
-        if marker is None or not marker.exists() or global_rank in self.stopped:
-            return False  # (one the launcher stopped, the job failing, was not lost)
+        if marker is None or not marker.exists() or (global_rank in self.stopped
+                                                     and not _dropped(marker).exists()):
+            return False  # (stopped by the launcher as the job failed, not by the servers)
         self.lost.append(global_rank)
         _say(_traceback(global_rank, failure) + [
             f"parlay run: rank {global_rank} (droppable parameter-server worker) was lost; "

@@ -301,10 +301,13 @@ def test_a_checkpoint_only_one_worker_asks_for_is_refused_at_once(tmp_path, cons
     # the saver waited for the others at the checkpoint, the others for the saver's next
     # gradient: both sat out the 60 s timeout (longer than this test may run) before
     server, *workers = run_world(_one_worker_saves, 3, str(tmp_path), consistency,
-                                 env={"PARLAY_NUM_PS": "1"}, comm_timeout=60, timeout=40)
+                                 env={"PARLAY_NUM_PS": "1"}, comm_timeout=60, timeout=40,
+                                 return_exceptions=True)
     for msg in workers:
         assert msg is not None and "went on training" in msg
         assert "save_checkpoint() on every worker" in msg
+    # every worker failed: the server does not report a success
+    assert isinstance(server, parlay.CommError) and "every worker was lost or failed" in str(server)
 
 
 def _train_with_checkpoints(ckpt: str):

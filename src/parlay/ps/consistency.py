@@ -17,6 +17,7 @@ tested) without a process group; :func:`max_lead` re-checks it from the recorded
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -26,6 +27,8 @@ from parlay.registry import Registry, split_spec
 
 __all__ = ["Consistency", "register_consistency", "get_consistency", "available_consistency",
            "Update", "Reply", "ServerCore", "max_lead", "RUN", "HELD", "SAVING", "DONE", "LOST"]
+
+log = logging.getLogger("parlay.ps")
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Reply(NamedTuple):
     worker: int
     code: int = 0  # params: staleness of the worker's last push; error: Err kind; epoch: epoch
     peer: int = -1  # error: worker index the error is about
-    counts: tuple[int, ...] = ()  # epoch: samples each worker trained of it (-1: lost or done)
+    counts: tuple[int, ...] = ()  # epoch: samples each worker trained of it (-1: lost, -2: done)
 
 
 RUN, HELD, SAVING, DONE, LOST = "run", "held", "saving", "done", "lost"
@@ -179,6 +182,7 @@ class ServerCore:
         self.log_limit = log_limit
         self.lost: list[int] = []
         self.lost_kind: dict[int, int] = {}  # worker -> Err kind (LOST: silent, FAILED: raised)
+        self.warned_short = False  # sync: a round without a worker that finished was logged
 
     # -- queries ------------------------------------------------------------------------------
     def active(self) -> list[int]:
@@ -283,7 +287,7 @@ class ServerCore:
         """Worker ``w`` ended ``epoch``, having trained ``samples`` of it, and waits.
 
         Once every live worker waits at the same epoch end, each is told how many samples
-        every worker trained of it (-1 for workers lost or done): the live workers of the next
+        every worker trained of it (-1 for workers lost, -2 done): the live workers of the next
         epoch, the same list for each of them (the survivors of a lost worker re-shard the
         data over it).
         """
@@ -340,6 +344,13 @@ class ServerCore:
         for v in order:
             _, _, step, base = self.pending[v]
             self._record(v, step, base)
+        done = [v for v in range(self.num_workers) if self.state[v] == DONE]
+        if done and not self.warned_short:  # sync: the same maths as allreduce no more
+            self.warned_short = True
+            log.warning("sync: worker(s) %s finished while the others still push: from update "
+                        "%d on, each update averages the gradients of %d of %d workers only. "
+                        "Hint: every worker must run the same number of steps.", done,
+                        self.version + 1, len(order), self.num_workers)
         grads = [self.pending[v][0] for v in order]
         lr = self.pending[order[0]][1]
         self.pending.clear()
@@ -355,13 +366,16 @@ class ServerCore:
         # checkpoints (or epoch ends), or if some wait for a step the others must push first
         # (sync, or past the staleness bound: only timeouts could follow): every one is told.
         tags = {self.saving[v][:2] for v in act if self.state[v] == SAVING}
-        if HELD in states or len(tags) > 1:
+        if HELD in states or len(tags) > 1:  # told; they fail (every one: the servers raise)
             for v in act:
                 self.saving.pop(v, None)
-                self.state[v], self.deadline[v] = DONE, None
+                self.state[v], self.deadline[v] = LOST, None
+                self.lost.append(v)
+                self.lost_kind[v] = _FAILED
             return [Reply("error", v, _SAVE_MISMATCH, v) for v in act]
         (kind, tag), = tags
-        counts = tuple(self.saving[v][2] if v in act else -1 for v in range(self.num_workers))
+        counts = tuple(self.saving[v][2] if v in act else -2 if self.state[v] == DONE else -1
+                       for v in range(self.num_workers))
         if kind == "save":
             self._snapshot(tag)
         out = []

@@ -328,7 +328,7 @@ class DistributedSession:
             The worker's loss on ``batch`` (before the update); ``None`` on servers, where this
             call serves until the workers finish.
         """
-        self._need_started("train_step")
+        self._need_started("train_step", open_=True)
         if self.server is not None:
             self.server.serve()
             return None
@@ -370,7 +370,7 @@ class DistributedSession:
             CommError: A server or (``sync``) a worker was lost meanwhile.
             CheckpointError: The live workers asked for different steps.
         """
-        self._need_started("save_shards")
+        self._need_started("save_shards", open_=True)
         with server_loss_is_fatal(self.rank, self.num_servers):
             if self.worker is not None:
                 self.worker.save_shards(step)
@@ -389,7 +389,7 @@ class DistributedSession:
             CommError: A server was lost (or, ``sync``, a worker).
             CheckpointError: The live workers waited at different steps.
         """
-        self._need_started("end_epoch")
+        self._need_started("end_epoch", open_=True)
         if self.worker is None:
             return 0, []
         with server_loss_is_fatal(self.rank, self.num_servers):
@@ -437,10 +437,13 @@ class DistributedSession:
             return []
         return [self.server.worker_ranks[w] for w in self.server.core.lost]
 
-    def _need_started(self, what: str) -> None:
+    def _need_started(self, what: str, open_: bool = False) -> None:
         if not self._started:
             raise ConfigError(f"{what}() needs a started session. Hint: use "
                               "`with parlay.DistributedSession(...) as sess:` or call start().")
+        if open_ and self._closed:
+            raise ConfigError(f"{what}() after the session closed: training is over. Hint: "
+                              "call it inside the `with parlay.DistributedSession(...)` block.")
 
     # -- worker-side state (compressor residuals) ---------------------------------------------
     @property

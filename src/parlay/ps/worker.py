@@ -90,6 +90,7 @@ class Worker:
         self.histogram: collections.Counter[int] = collections.Counter()
         self.closed = False
         self.told_error = False
+        self.finished: list[int] = []  # workers done (not lost) at the last epoch end
         #: Context of the forward pass and loss (e.g. bf16 autocast, set by the "ps" strategy).
         self.forward_context: Callable[[], contextlib.AbstractContextManager[Any]] = \
             contextlib.nullcontext
@@ -283,6 +284,7 @@ class Worker:
         for s, m in enumerate(replies):
             self._expect(m, Op.EPOCHED, s, "epoch end")
         counts = list(zip(*(m.tensors[0].tolist() for m in replies)))  # per worker, per server
+        self.finished = [w for w, c in enumerate(counts) if max(c) == -2]  # not lost: done
         return (sum(max(0, *c) for c in counts),
                 [w for w, c in enumerate(counts) if min(c) >= 0])
 

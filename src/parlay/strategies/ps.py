@@ -176,7 +176,20 @@ class ParameterServerStrategy(Strategy):
     # ------------------------------------------------------------------ life cycle
     def use_checkpoint_dir(self, path: str) -> None:
         """Servers save and resume their shards under ``<path>/ps`` unless the strategy was
-        given its own ``checkpoint_dir``."""
+        given its own ``checkpoint_dir``.
+
+        Raises:
+            ConfigError: ``max_steps`` in ``async``/``stale``: the workers stop at different
+                steps of their own, and a checkpoint needs every live worker at one step.
+        """
+        o = self.options
+        if o["max_steps"] is not None and not get_consistency(o["consistency"]).aggregate:
+            raise ConfigError(
+                f"strategy_options max_steps with the Trainer's checkpoint_dir in "
+                f"{o['consistency']!r}: the workers reach max_steps (updates over all workers) "
+                "at different steps of their own, and the final checkpoint needs every worker "
+                "at the same step. Fix: bound each worker's steps with "
+                "Trainer(max_iteration=N) instead, or use consistency='sync'.")
         self._ckpt_dir = path
         if self.options.get("checkpoint_dir") is None:
             self.options["checkpoint_dir"] = os.path.join(path, "ps")
@@ -262,11 +275,14 @@ class ParameterServerStrategy(Strategy):
         total, live = s.end_epoch(epoch, samples)
         c = self._cluster()
         gone = [r for r in self._live if r not in live]
+        done = {c.num_ps + w for w in s.worker.finished} if s.worker is not None else set()
         if gone:
-            log.warning("epoch %d: worker(s) %s no longer train (lost); from epoch %d on, their "
+            why = ("finished" if done.issuperset(gone) else "lost or finished"
+                   if done.intersection(gone) else "lost")
+            log.warning("epoch %d: worker(s) %s no longer train (%s); from epoch %d on, their "
                         "share of the data is taken over by the %d other worker(s) %s (%d samples "
                         "counted in epoch %d, by the workers that finished it)", epoch,
-                        ", ".join(f"{r - c.num_ps} (rank {r})" for r in gone), epoch + 1,
+                        ", ".join(f"{r - c.num_ps} (rank {r})" for r in gone), why, epoch + 1,
                         len(live), [r - c.num_ps for r in live], total, epoch)
         self._live = live
         return EpochEnd(total, len(live), live.index(s.rank))

@@ -1,0 +1,127 @@
+"""Edges of a parameter-server session's life: calls after it closed, every worker failing at a
+checkpoint, sync rounds short of a worker that finished early, and options that cannot work
+together."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+
+from parlay.errors import CheckpointError, CommError, ConfigError
+from parlay.ps import DistributedSession, get_consistency
+from parlay.ps.consistency import LOST, ServerCore
+from parlay.strategies.ps import ParameterServerStrategy
+from parlay.testing import run_world
+
+pytestmark = pytest.mark.timeout(120)
+
+PS1 = {"PARLAY_NUM_PS": "1"}
+
+
+def _mse(out, y):
+    return nn.functional.mse_loss(out, y)
+
+
+def _session(call: str, ckpt: str | None = None):
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    batch = (x, x.sum(1, keepdim=True))
+    tagged = {"checkpoint_dir": ckpt, "resume_steps": []} if ckpt else {}
+    try:
+        with DistributedSession(model=nn.Linear(4, 1), optimizer=torch.optim.SGD,
+                                optimizer_args={"lr": 0.1}, consistency="async",
+                                **tagged) as sess:
+            while not sess.should_stop() and sess.step < 4:
+                sess.train_step(batch, _mse)
+                if call == "slip" and sess.step == 2 + sess.worker_index:
+                    sess.save_shards(sess.step)  # the workers ask for different steps
+        if sess.is_worker:
+            {"train": lambda: sess.train_step(batch, _mse), "save": lambda: sess.save_shards(4),
+             "epoch": lambda: sess.end_epoch(0, 8)}[call]()
+    except Exception as e:  # noqa: BLE001 - the test looks at which
+        return type(e), str(e)
+    return None, ""
+
+
+@pytest.mark.parametrize("call", ["train", "save", "epoch"])
+def test_a_call_after_the_session_closed_is_a_config_error(call):
+    out = run_world(_session, 3, call, env=PS1, comm_timeout=10)
+    assert out[0] == (None, "")
+    for kind, msg in out[1:]:
+        assert kind is ConfigError and "after the session closed" in msg, (kind, msg)
+
+
+def test_every_worker_failing_at_a_checkpoint_fails_the_servers_too(tmp_path):
+    out = run_world(_session, 3, "slip", str(tmp_path), env=PS1, comm_timeout=10)
+    for kind, msg in out[1:]:
+        assert kind is CheckpointError and "different steps" in msg, (kind, msg)
+    kind, msg = out[0]  # not a success: no worker finished
+    assert kind is CommError and "every worker was lost or failed" in msg, (kind, msg)
+
+
+def test_workers_told_of_a_checkpoint_mismatch_count_as_failed():
+    core = ServerCore(get_consistency("async"), 3, 5.0, lambda g, lr: None, now=0.0)
+    for w in range(3):
+        core.hello(w, 0.0)
+    core.done(2, 0.0)
+    core.save(0, 2, 1.0)
+    assert [r.kind for r in core.save(1, 3, 1.0)] == ["error", "error"]
+    assert core.lost == [0, 1] and core.state[:2] == [LOST, LOST] and core.finished()
+
+
+def _sync_rounds(steps: tuple[int, int], caplog) -> list[str]:
+    core = ServerCore(get_consistency("sync"), 2, 5.0, lambda g, lr: None, now=0.0)
+    for w in range(2):
+        core.hello(w, 0.0)
+    with caplog.at_level(logging.WARNING, logger="parlay.ps"):
+        for t in range(max(steps)):
+            for w in range(2):
+                if t < steps[w]:
+                    core.push(w, t, t, torch.zeros(1), 1.0, 0.0)
+            for w in range(2):
+                if t + 1 == steps[w]:
+                    core.done(w, 0.0)
+    return [r.getMessage() for r in caplog.records]
+
+
+def test_sync_warns_once_when_updates_go_on_without_a_worker_that_finished(caplog):
+    assert _sync_rounds((3, 3), caplog) == []
+    msgs = _sync_rounds((5, 2), caplog)
+    assert len(msgs) == 1 and "worker(s) [1] finished while the others still push" in msgs[0]
+    assert "from update 3 on" in msgs[0] and "1 of 2 workers" in msgs[0]
+
+
+@pytest.mark.parametrize("consistency", ["async", "stale:1"])
+def test_max_steps_with_checkpoints_is_refused_where_workers_stop_apart(consistency, tmp_path):
+    s = ParameterServerStrategy(consistency=consistency, max_steps=15)
+    with pytest.raises(ConfigError, match=r"max_iteration=N"):
+        s.use_checkpoint_dir(str(tmp_path))
+    ParameterServerStrategy(consistency="sync", max_steps=15).use_checkpoint_dir(str(tmp_path))
+
+
+def _one_finishes_early():
+    x = torch.randn(8, 4)
+    with DistributedSession(model=nn.Linear(4, 1), optimizer=torch.optim.SGD,
+                            optimizer_args={"lr": 0.1}, consistency="async") as sess:
+        if sess.is_ps:
+            sess.serve()
+            return None
+        for _ in range(2 if sess.worker_index == 1 else 3):
+            sess.train_step((x, x.sum(1, keepdim=True)), _mse)
+        if sess.worker_index == 1:
+            return None  # it finishes: not lost
+        out = sess.end_epoch(0, 24)
+        return out, sess.worker.finished
+
+
+def test_an_epoch_end_tells_a_finished_worker_from_a_lost_one():
+    _, (live, finished), _ = run_world(_one_finishes_early, 3, env=PS1, comm_timeout=10)
+    assert live == (24, [1]) and finished == [1]  # worker 1 (rank 2) finished
+    core = ServerCore(get_consistency("async"), 3, 5.0, lambda g, lr: None, now=0.0)
+    for w in range(3):
+        core.hello(w, 0.0)
+    core.done(1, 0.0)
+    core.lose(2, 1, 0.0)
+    assert core.end_epoch(0, 0, 8, 1.0)[0].counts == (8, -2, -1)
