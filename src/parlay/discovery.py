@@ -32,7 +32,7 @@ from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_inde
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "ClusterEnv", "detect", "expand_nodelist",
-           "pipeline_stages", "run_id", "read_task", "tf_config_text"]
+           "pipeline_stages", "run_id", "read_task", "tf_config_text", "describes_cluster"]
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,19 @@ def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
 #: TensorLayer's cluster variables, read as TF_CONFIG's jobs (``JOB_NAME`` and ``TASK_INDEX``:
 #: this task's).
 TENSORLAYER_VARS = {"ps": "PS_HOSTS", "worker": "WORKER_HOSTS", "master": "MASTER_HOST"}
+#: What describes a cluster to :func:`detect` (torchrun's, TF_CONFIG, TensorLayer's, parlay's
+#: own), and the prefixes of SLURM's, OpenMPI's, PMI's and torchelastic's variables.
+_CLUSTER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                           "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
+                           "JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values(),
+                           "PARLAY_NUM_PS", "PARLAY_PP"})
+_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
+
+
+def describes_cluster(name: str) -> bool:
+    """Whether environment variable ``name`` tells :func:`detect` about a cluster (a process
+    started without any of them runs alone)."""
+    return name in _CLUSTER_VARS or name.startswith(_CLUSTER_PREFIXES)
 
 
 def tf_config_text(env: Mapping[str, str]) -> str:

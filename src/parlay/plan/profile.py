@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from parlay.discovery import TENSORLAYER_VARS
+from parlay.discovery import describes_cluster
 from parlay.errors import ConfigError
 from parlay.plan.model import Workload
 
@@ -168,19 +168,6 @@ def run_script(path: str, args: Sequence[str], steps: int = 3, warmup: int = 2) 
     return _profile(rec, warmup)
 
 
-#: What describes a cluster to :func:`parlay.discovery.detect` (torchrun, SLURM, OpenMPI,
-#: TF_CONFIG, TensorLayer's variables, parlay's own): the profiled script gets none of it.
-_CLUSTER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                           "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
-                           "JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values(),
-                           "PARLAY_NUM_PS", "PARLAY_PP"})
-_CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
-
-
-def _cluster_var(name: str) -> bool:
-    return name in _CLUSTER_VARS or name.startswith(_CLUSTER_PREFIXES)
-
-
 def profile_script(path: str, args: Sequence[str] = (), steps: int = 3, warmup: int = 2,
                    timeout: float = 300.0) -> ModelProfile:
     """Profile a training script in a child process (see the module docstring).
@@ -191,7 +178,7 @@ def profile_script(path: str, args: Sequence[str] = (), steps: int = 3, warmup: 
     if not os.path.isfile(path):
         raise ConfigError(f"--script: no file {path!r}. Hint: the path of your training "
                           "script, e.g. --script train.py")
-    env = {k: v for k, v in os.environ.items() if not _cluster_var(k)}  # one process, alone
+    env = {k: v for k, v in os.environ.items() if not describes_cluster(k)}  # one process, alone
     cmd = [sys.executable, "-m", "parlay.plan.profile", "--steps", str(steps), "--warmup",
            str(warmup), path, *args]
     try:
