@@ -229,27 +229,43 @@ def test_a_job_launched_with_servers_needs_mode_ps(mode):
         assert "launch without --ps" in msg
 
 
-def _raising_worker():
+class _FlakyData(torch.utils.data.Dataset):
+    def __init__(self):
+        self.data = _dataset()
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if parlay.rank() == 2 and i == 1:  # a corrupt record (worker 1 reads index 1 first)
+            raise ValueError("boom in the user's dataset")
+        return self.data[i]
+
+
+def _raising_worker(where):
     model, loss_fn = _build()
     calls = [0]
 
     def loss(out, y):
         calls[0] += 1
-        if parlay.rank() == 2 and calls[0] == 2:
+        if parlay.rank() == 2 and calls[0] == 2 and where == "loss":
             raise ValueError("boom in the user's loss")
         return loss_fn(out, y)
 
-    t = parlay.Trainer(lambda: (model, loss), _dataset(), batch_size=BATCH, num_epochs=EPOCHS,
-                       progress=False, mode="ps")
+    data = _FlakyData() if where == "data" else _dataset()
+    t = parlay.Trainer(lambda: (model, loss), data, batch_size=BATCH, num_epochs=EPOCHS,
+                       progress=False, mode="ps", shuffle=False, prefetch=0)
     while not t.should_stop():
         t.train_on_batch()
 
 
-def test_a_worker_that_raises_is_named_as_failed_not_lost():
+@pytest.mark.parametrize("where", ["loss", "data"])
+def test_a_worker_that_raises_is_named_as_failed_not_lost(where):
     # the servers and the other worker hear of it at once, not after the timeout as a loss
-    out = run_world(_raising_worker, 3, env={"PARLAY_NUM_PS": "1"}, comm_timeout=60,
+    # (also when the batch's loading raises: it was outside the step, so they waited)
+    out = run_world(_raising_worker, 3, where, env={"PARLAY_NUM_PS": "1"}, comm_timeout=60,
                     return_exceptions=True)
-    assert "boom" in str(out[2])
+    assert f"boom in the user's {where}" in str(out[2])
     assert all("worker 1 (rank 2) failed (it raised an error)" in str(e) for e in out[:2])
 
 

@@ -232,18 +232,18 @@ class Trainer:
             raise ConfigError(f"training is over (step {self.state.step}): train_on_batch() "
                               "after should_stop() returned True would train past the end. "
                               "Hint: a larger max_iteration or num_epochs.")
-        batch = self._next_batch()
-        if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-            raise ConfigError(f"each training sample must be an (input, target) pair; the loader "
-                              f"gave a {type(batch).__name__} of length "
-                              f"{len(batch) if hasattr(batch, '__len__') else '?'}.")
-        x, y = batch
-        factor = self.lr_factor()
-        s.set_lr_factor(factor)
-        self.persistence.begin_step()
         try:
+            batch = self._next_batch()
+            if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+                raise ConfigError(f"each training sample must be an (input, target) pair; the "
+                                  f"loader gave a {type(batch).__name__} of length "
+                                  f"{len(batch) if hasattr(batch, '__len__') else '?'}.")
+            x, y = batch
+            factor = self.lr_factor()
+            s.set_lr_factor(factor)
+            self.persistence.begin_step()
             res = self.last_step = s.train_step(x, y)
-        except BaseException as e:
+        except BaseException as e:  # (loading the data too: a dataset that raises)
             s.abort(e)  # peers that wait on this rank hear of it now, not at their timeout
             if isinstance(e, NonFiniteError):
                 raise with_step(e, self.state.step + 1) from None
