@@ -490,3 +490,33 @@ def test_validation_loss_is_computed_as_the_training_loss_under_autocast():
     # It was computed on the bf16 logits outside autocast: 8.578 against 8.596 here.
     for loss, training_loss in run_world(_validate_low_precision, 2, "bf16"):
         assert loss == pytest.approx(training_loss, abs=1e-4)
+
+
+class _SeveralOutputs(nn.Module):
+    def __init__(self, as_dict):
+        super().__init__()
+        self.a, self.b, self.as_dict = nn.Linear(4, 3), nn.Linear(4, 1), as_dict
+
+    def forward(self, x):
+        return {"logits": self.a(x), "aux": self.b(x)} if self.as_dict else (self.a(x), self.b(x))
+
+
+def _several_outputs(as_dict):
+    def loss_fn(out, y):
+        return nn.functional.cross_entropy(out["logits"] if as_dict else out[0], y)
+
+    torch.manual_seed(0)
+    ds = TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    t = parlay.Trainer(lambda: (_SeveralOutputs(as_dict), loss_fn), ds, batch_size=4, max_iteration=2,
+                       progress=False, snapshot_every=0, validation_dataset=ds)
+    t.train_to_end()
+    with torch.no_grad():
+        want = loss_fn(t.model(ds.tensors[0]), ds.tensors[1]).item()
+    return t.validate(), want
+
+
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_a_model_with_several_outputs_is_validated_by_its_loss(as_dict):
+    # the default metric gives such outputs the loss alone; validate() raised AttributeError
+    for got, want in run_world(_several_outputs, 2, as_dict):
+        assert got == {"loss": pytest.approx(want, rel=1e-6), "samples": 16.0}

@@ -71,6 +71,21 @@ def load_mnist_dataset(shape: Sequence[int] = (-1, 784), path: str | os.PathLike
     return tuple(out)
 
 
+def _as_tensor(name: str, a: Any) -> torch.Tensor:
+    if isinstance(a, torch.Tensor):
+        return a
+    try:
+        arr = np.asarray(a)
+        if arr.dtype.kind not in "biufc":  # strings, objects: torch cannot take them
+            raise TypeError(f"dtype {arr.dtype}")
+        return torch.as_tensor(arr)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"from_arrays' {name} must be numbers of one shape per sample (an "
+                          f"array, tensor or rectangular nested list), got {type(a).__name__} "
+                          f"({e}). Hint: map labels to class indices (e.g. np.unique(y, "
+                          "return_inverse=True)[1]) and pad or crop samples to one shape.") from e
+
+
 def from_arrays(inputs: Any, targets: Any, *,
                 dtype: torch.dtype | None = torch.float32) -> TensorDataset:
     """A training dataset of ``(input, target)`` pairs from two arrays, in one call.
@@ -86,12 +101,12 @@ def from_arrays(inputs: Any, targets: Any, *,
         A ``TensorDataset`` usable as the Trainer's ``training_dataset``.
 
     Raises:
-        ConfigError: The two arrays differ in length or are empty.
+        ConfigError: The two arrays differ in length, are empty, or are not numbers of one
+            shape (string labels, ragged lists).
     """
     if inputs is None or targets is None:
         raise ConfigError("from_arrays needs inputs and targets (arrays or tensors), got None.")
-    x = torch.as_tensor(np.asarray(inputs) if not isinstance(inputs, torch.Tensor) else inputs)
-    y = torch.as_tensor(np.asarray(targets) if not isinstance(targets, torch.Tensor) else targets)
+    x, y = _as_tensor("inputs", inputs), _as_tensor("targets", targets)
     if x.ndim == 0 or y.ndim == 0 or len(x) != len(y) or len(x) == 0:
         raise ConfigError(f"from_arrays needs two non-empty arrays of the same length, got "
                           f"{tuple(x.shape)} inputs and {tuple(y.shape)} targets.")

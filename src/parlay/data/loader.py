@@ -3,16 +3,17 @@
 Two things the original TensorLayer trainer got wrong are fixed here:
 
 * Prefetching is real. With ``num_workers > 0`` the loader's workers keep ``prefetch`` batches
-  each in flight (``DataLoader(prefetch_factor=...)``, persistent across epochs); that is the
+  each in flight (``DataLoader(prefetch_factor=...)``, persistent until ``close()``); that is the
   default (``prefetch=None``: 2). With ``num_workers=0`` loading is inline by default; an
   explicit ``prefetch=k`` keeps ``k`` batches ready in a background thread of this process.
   That thread runs the dataset's ``__getitem__`` while the step runs, so a dataset that draws
   from torch's global RNG (random augmentation) races with dropout there and a run is not
-  reproducible, nor a resume bit-exact: worker processes have their own RNGs. (For in-memory
+  reproducible. Worker processes have their own RNGs, seeded per rank from ``seed``, but a
+  resume restarts them from that seed, so only inline loading resumes bit-exact. (For in-memory
   tensor datasets a batch is one ``index_select``; a thread measured slower there.)
-* In-memory tensor datasets (``TensorDataset`` and ``parlay.data.mnist``) are fetched one batch
-  at a time with a single fancy index instead of ``batch_size`` ``__getitem__`` calls and a
-  collate, which costs almost nothing next to the training step.
+* In-memory tensor datasets (``TensorDataset`` and ``parlay.data.mnist``, unless a subclass
+  overrides ``__getitem__``) are fetched one batch at a time with a single fancy index instead
+  of ``batch_size`` ``__getitem__`` calls and a collate: almost nothing next to the step.
 
 The loader never touches the global RNG (it gets its own generator), so creating an iterator
 mid-run does not change dropout masks or anything else a resumed run must reproduce.
@@ -26,7 +27,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, Sampler,
-                              TensorDataset)
+                              TensorDataset, default_collate)
 
 from parlay.errors import ConfigError
 
@@ -48,6 +49,18 @@ def check_dataset(name: str, dataset: Any, pairs: bool = True) -> None:
         size = f" of {len(sample)}" if isinstance(sample, (tuple, list)) else ""
         raise ConfigError(f"each sample of {name} must be an (input, target) pair; {name}[0] is "
                           f"a {type(sample).__name__}{size}. {hint}")
+
+
+def _collate(batch: list[Any]) -> Any:
+    """``default_collate``, with a hint when the samples differ in shape."""
+    try:
+        return default_collate(batch)
+    except RuntimeError as e:
+        if "equal size" not in str(e):
+            raise
+        raise ConfigError(f"the samples of one batch differ in shape ({e}). Hint: pad or crop "
+                          "them to one shape in the dataset's __getitem__ (or give "
+                          "build_loader a collate_fn that pads them).") from e
 
 
 class _BatchIndexed(Dataset[Any]):
@@ -79,11 +92,11 @@ class IndexBatchSampler(Sampler[list[int]]):
 
 def _tensor_view(dataset: Dataset[Any]) -> tuple[torch.Tensor, ...] | None:
     tensors = getattr(dataset, "tensors", None)
-    if isinstance(dataset, TensorDataset) or (
-            isinstance(tensors, tuple) and tensors
+    # A subclass overriding __getitem__ (a transform) must be read through it.
+    if (isinstance(tensors, tuple) and tensors
             and all(isinstance(t, torch.Tensor) for t in tensors)
             and type(dataset).__getitem__ is TensorDataset.__getitem__):
-        return tuple(tensors)  # type: ignore[arg-type]
+        return tuple(tensors)
     return None
 
 
@@ -147,7 +160,7 @@ class _Loader:
         self._live: Prefetcher | None = None
 
     def __iter__(self) -> Iterator[Any]:
-        self.close()
+        self._stop_thread()
         if self.threaded:
             self._live = Prefetcher(self.loader, self.prefetch)
             return self._live
@@ -156,15 +169,24 @@ class _Loader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def close(self) -> None:
+    def _stop_thread(self) -> None:
         if self._live is not None:
             self._live.close()
             self._live = None
 
+    def close(self) -> None:
+        """Stop the loading thread and worker processes (the next ``iter()`` restarts them)."""
+        self._stop_thread()
+        it = getattr(self.loader, "_iterator", None)  # persistent workers' iterator
+        if it is not None:
+            getattr(it, "_shutdown_workers", lambda: None)()
+            self.loader._iterator = None
+
 
 def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, *,
                  num_workers: int = 0, prefetch: int | None = None, pin_memory: bool = False,
-                 drop_last: bool = False, collate_fn: Any = None) -> _Loader:
+                 drop_last: bool = False, collate_fn: Any = None, seed: int = 0,
+                 rank: int = 0) -> _Loader:
     """A loader over ``sampler``'s indices of ``dataset`` in batches of ``batch_size``.
 
     Args:
@@ -178,6 +200,9 @@ def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, 
         pin_memory: Pin host memory (worth it when training on CUDA).
         drop_last: Drop this rank's last, shorter batch.
         collate_fn: Custom collate for non-tensor datasets.
+        seed, rank: Seed the worker processes' RNGs (torch, ``random``, NumPy's legacy one) from
+            these: distinct per rank, reproducible per run. Checkpoints keep no worker RNG
+            state: after a resume the workers' draws restart from this seed.
 
     Returns:
         An object whose ``iter()`` starts one pass (from the sampler's current position).
@@ -203,11 +228,11 @@ def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, 
                            persistent_workers=True)
     # A private generator: DataLoader otherwise draws its base seed from the global RNG each
     # time an iterator is created, which would make a resumed run diverge.
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
     if tensors is not None:
         loader = DataLoader(_BatchIndexed(tensors), batch_size=None, sampler=batches,
                             pin_memory=pin_memory, generator=gen, **worker_opts)
     else:
         loader = DataLoader(dataset, batch_sampler=batches, pin_memory=pin_memory,
-                            collate_fn=collate_fn, generator=gen, **worker_opts)
+                            collate_fn=collate_fn or _collate, generator=gen, **worker_opts)
     return _Loader(loader, prefetch, threaded=num_workers == 0 and prefetch > 0)

@@ -84,8 +84,9 @@ class TrainerConfig:
         seed: Seeds model construction and the data order (same on every rank); None leaves
             the global RNG alone (data order then uses seed 0).
         prefetch: Batches loaded ahead (per worker with ``num_workers``, else by a thread);
-            None: 2, or inline for in-memory tensor datasets (see :func:`build_loader`).
-        num_workers: DataLoader worker processes (0: a loading thread in this process).
+            None: 2 per worker with ``num_workers``, else 0: inline (see :func:`build_loader`).
+        num_workers: DataLoader worker processes (0: load in this process, inline unless
+            ``prefetch`` > 0 asks for a loading thread).
         validation_dataset: Dataset for :meth:`~parlay.trainer.Trainer.validate`.
         validation_batch_size: Batch size for validation (default: ``batch_size``).
         build_validation_func: Returns ``fn(output, target) -> dict[str, tensor]`` of batch

@@ -7,7 +7,7 @@ from typing import Any
 from collections.abc import Callable
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from parlay import _tree, comm
 from parlay.data.loader import build_loader, check_dataset
@@ -90,10 +90,12 @@ class Evaluation:
                 out = s.eval_forward(x)
                 if out is None or not s.reports_loss:
                     continue
-                y = y.to(out.device) if isinstance(y, torch.Tensor) else y
+                found = _tree.tensors_in(out)  # (a tuple or dict of outputs too)
+                y = _tree.to_device(y, found[0].device) if found else y
                 k = batch_size_of(y)
-                if out.dtype in (torch.float16, torch.bfloat16):  # as the training loss, which
-                    out = out.float()  # autocast computes in float32 (cross-entropy, MSE, ...)
+                # as the training loss, which autocast computes in float32 (cross-entropy, ...)
+                out = _tree.map_tensors(lambda t: t.float() if t.dtype in (
+                    torch.float16, torch.bfloat16) else t, out)
                 got = self.metric_fn(out, y)
                 if not isinstance(got, dict):
                     raise ConfigError("the validation function must return {name: batch mean} "
@@ -110,7 +112,7 @@ class Evaluation:
                     sums[name] = sums.get(name, 0.0) + float(t.double()) * k
                 count += k
             if most > len(loader):
-                like = x if x is not None else _tree.map_tensors(lambda t: t[None], ds[0][0])
+                like = x if x is not None else default_collate([ds[0]])[0]  # (numpy too)
                 for _ in range(most - len(loader)):
                     s.eval_forward(like)  # its output is not counted
         return sums, count

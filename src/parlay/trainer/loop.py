@@ -131,7 +131,9 @@ class Trainer:
                                       drop_last=cfg.drop_last)
         self._loader_options: dict[str, Any] = {"num_workers": cfg.num_workers,
                                                 "prefetch": cfg.prefetch,
-                                                "pin_memory": runtime.device().type == "cuda"}
+                                                "pin_memory": runtime.device().type == "cuda",
+                                                # workers draw alike on a replica's stages
+                                                "seed": cfg.seed or 0, "rank": s.dp_rank}
         self.loader = (build_loader(dataset, self.sampler, self.batch_size,
                                     **self._loader_options) if s.consumes_data else None)
         self.steps_per_epoch = math.ceil(len(self.sampler) / self.batch_size)
@@ -279,7 +281,7 @@ class Trainer:
                 # the schedule and epoch fractions go on as if every epoch had had these steps
                 st.schedule_shift = st.epoch * self.steps_per_epoch - st.step
             smp.set_epoch(st.epoch)
-            self._close_iter()
+            self._it = None  # the next pass starts anew (worker processes stay)
         self.persistence.after_step(epoch_done)
 
     def _reached_end(self) -> bool:
