@@ -32,7 +32,9 @@ Failure reports
     the traceback of the rank(s) whose failure caused the others' once (a ``CommError`` is the
     consequence of another rank's loss), then one line: which ranks failed, how (exit code and
     exception, or signal), and ``restart attempt k of N starting`` or, when no restart is left,
-    ``the job failed``. A rank that is stopped (SIGSTOP) acts on no signal but SIGKILL until it
+    ``the job failed``. An attempt whose failures are all ``ConfigError`` (bad input, a second
+    live job with the run id) is not restarted: a restart meets the same refusal. A rank that
+    is stopped (SIGSTOP) acts on no signal but SIGKILL until it
     is continued, so the launcher sends SIGCONT after torch's SIGTERM: the job ends when the
     others' timeout does, not 30 s later when torch would fall back to SIGKILL.
 """
@@ -159,6 +161,7 @@ class DropPolicy:
         self.stopped: set[int] = set()  # ranks this attempt's launcher stopped, not failed
         self.host = ""  # this node's name when the job spans nodes
         self.max_restarts = 0
+        self.refusal = False  # the attempt failed on ConfigErrors only: not restarted
 
     def reset(self) -> None:
         """Forget the previous attempt's markers and losses (called at every worker start)."""
@@ -212,6 +215,16 @@ class DropPolicy:
             parts[3:] = [f"{len(parts) - 3} more rank(s) failed"]
         _say([ln for lines in stacks.values() for ln in lines]
              + [f"parlay run: {'; '.join(parts)}; {outcome}"])
+
+    def refused(self, failures: dict[int, Any]) -> bool:
+        """Whether the failures that caused the others' (see :meth:`report`) are all
+        ``ConfigError`` (bad input, a second live job with this run id): a restart meets
+        the same refusal."""
+        said = [m for r, f in failures.items()
+                if (m := _recorded(f)[0]) or r not in self.stopped]
+        causes = [m for m in said if not m.startswith("CommError")]
+        self.refusal = bool(causes) and all(m.startswith("ConfigError") for m in causes)
+        return self.refusal
 
     def _where(self, failure: Any) -> str:
         return f" (local rank {failure.local_rank} on {self.host})" if self.host else ""
@@ -310,6 +323,8 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             self._last = super()._monitor_workers(worker_group)
+            if self._last.is_failed() and policy.refused(self._last.failures):
+                self._remaining_restarts = 0  # the same input is refused again: no retry
             return self._last
 
         def _restart_workers(self, worker_group: Any) -> None:
@@ -384,7 +399,9 @@ def _run_agent(argv: list[str], run_dir: str) -> int:
             torchrun.run(args)  # not main(): its @record logs again
     except ChildFailedError as e:
         n = policy.max_restarts
-        policy.report(e.failures, f"the job failed, no restart attempt left (--max-restarts {n})")
+        policy.report(e.failures, "the job failed; a ConfigError is not retried: fix the input "
+                      "and relaunch" if policy.refusal and n else
+                      f"the job failed, no restart attempt left (--max-restarts {n})")
         return 1
     except SignalException as e:
         return _interrupted(int(e.sigval))

@@ -32,6 +32,8 @@ CRASH_SCRIPT = textwrap.dedent("""
     if parlay.rank() == 1:
         if attempt == 1:
             os.kill(os.getpid(), signal.SIGKILL)
+        if attempt == 2:     # bad input: not retried, though a restart is left
+            raise parlay.ConfigError(f"refused on attempt {attempt}")
         raise ValueError(f"boom on attempt {attempt}")
     parlay.comm.barrier()        # rank 0: a CommError, the consequence of rank 1's failure
 """)
@@ -65,24 +67,24 @@ def test_one_line_per_restart_and_the_failed_ranks_traceback_once(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(CRASH_SCRIPT)
     p = subprocess.run([sys.executable, "-m", "parlay.cli", "run", "-n", "2", "--max-restarts",
-                        "2", str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                        "3", str(script)], cwd=ROOT, env=_env(), capture_output=True, text=True,
                        timeout=130)
     assert p.returncode == 1, p.stderr[-3000:]
     lines = _parlay_lines(p.stderr)
     # "exit code 1: " is absent when the launcher's signal ended rank 1 while it was exiting
     # (rank 0's CommError can end first): the signal was the launcher's, the exception rank 1's.
     expected = [r"rank 1 failed \((exit code 1: )?ValueError: boom on attempt 0\); "
-                r"restart attempt 1 of 2 starting",
-                r"rank 1 failed \(killed by SIGKILL\); restart attempt 2 of 2 starting",
-                r"rank 1 failed \((exit code 1: )?ValueError: boom on attempt 2\); "
-                r"the job failed, no restart attempt left \(--max-restarts 2\)"]
+                r"restart attempt 1 of 3 starting",
+                r"rank 1 failed \(killed by SIGKILL\); restart attempt 2 of 3 starting",
+                r"rank 1 failed \((exit code 1: )?ConfigError: refused on attempt 2\); "
+                r"the job failed; a ConfigError is not retried: fix the input and relaunch"]
     assert len(lines) == 3, p.stderr[-3000:]
     for line, pattern in zip(lines, expected):
         assert re.fullmatch("parlay run: " + pattern, line), line
     # rank 1's traceback once per attempt that raised; rank 0's CommError is no cause
     assert p.stderr.count("Traceback (most recent call last)") == 2, p.stderr[-3000:]
-    for attempt in (0, 2):
-        assert p.stderr.count(f"[rank1]: ValueError: boom on attempt {attempt}") == 1
+    assert p.stderr.count("[rank1]: ValueError: boom on attempt 0") == 1
+    assert p.stderr.count("[rank1]: parlay.errors.ConfigError: refused on attempt 2") == 1
     assert "CommError" not in p.stderr and "[rank0]" not in p.stderr, p.stderr[-3000:]
     assert "failed (exitcode" not in p.stderr       # torch's own line, replaced by parlay's
 

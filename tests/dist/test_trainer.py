@@ -185,6 +185,10 @@ def _validate_run(n_val: int):
                         build_validation_func=lambda: lambda out, y: {"samples": 3.0})
     with pytest.raises(ConfigError, match="'samples' is the count of validation samples"):
         t4.validate()  # it was silently replaced by the count
+    mine = TensorDataset(*val.tensors) if parlay.rank() else TensorDataset(  # one rank's alone
+        *(v[: n_val - 1] for v in val.tensors))
+    with pytest.raises(ConfigError, match=r"has 1[01] samples on this rank and 1[01] on anot"):
+        t4.validate(mine)  # it evaluated some samples twice or never
     return default, custom
 
 

@@ -48,6 +48,14 @@ class Evaluation:
         # differ) evaluates the whole dataset itself.
         alone = s.reports_loss and s.dp_size > 1 and comm.group_size(s.dp_group) == 1
         shards, index = (1, 0) if alone else (s.dp_size, s.dp_rank)
+        if shards > 1:  # ranks with other lengths would evaluate samples twice or never
+            n = len(ds)  # type: ignore[arg-type]
+            hi, low = comm.allreduce(torch.tensor([n, -n], device=comm.group_device(
+                s.train_group)), "max", group=s.train_group).tolist()
+            if hi != -low:
+                raise ConfigError(f"the validation dataset has {n} samples on this rank and "
+                                  f"{hi if hi != n else -low} on another. Hint: pass the same "
+                                  "whole dataset on every rank; the Trainer shards it.")
         sampler = ShardedSampler(len(ds), shards, index, shuffle=False, even=False)  # type: ignore[arg-type]
         return build_loader(ds, sampler, self.batch_size, **self.loader_options)
 
