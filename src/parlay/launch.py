@@ -34,9 +34,9 @@ Failure reports
     exception, or signal), and ``restart attempt k of N starting`` or, when no restart is left,
     ``the job failed``. An attempt whose failures are all ``ConfigError`` (bad input, a second
     live job with the run id) is not restarted: a restart meets the same refusal. A rank that
-    is stopped (SIGSTOP) acts on no signal but SIGKILL until it
-    is continued, so the launcher sends SIGCONT after torch's SIGTERM: the job ends when the
-    others' timeout does, not 30 s later when torch would fall back to SIGKILL.
+    is stopped (SIGSTOP) acts on no signal but SIGKILL until it is continued, so the launcher
+    sends SIGCONT after torch's SIGTERM: the job ends when the others' timeout does, not 30 s
+    later when torch would fall back to SIGKILL.
 """
 from __future__ import annotations
 
