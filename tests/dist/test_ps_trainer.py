@@ -2,6 +2,8 @@
 and sync PS gives the same model as the single-process oracle of the allreduce mode."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn as nn
@@ -376,3 +378,27 @@ def test_a_frozen_first_parameter_of_another_dtype_trains():
     server, a, b = run_world(_frozen_first, 3, env={"PARLAY_NUM_PS": "1"})
     for x, y, z in zip(server, a, b):
         assert torch.equal(x, y) and torch.equal(x, z)
+
+
+def _straggler():
+    slow = parlay.rank() == 2
+
+    def loss(out, y):
+        if slow:
+            time.sleep(1.0)  # half the timeout a step: never lost, but 12 s behind at the end
+        return ((out - y) ** 2).mean()
+
+    ds = TensorDataset(torch.randn(120, 3, generator=torch.Generator().manual_seed(0)),
+                       torch.zeros(120, 1))
+    t = parlay.Trainer(lambda: (nn.Linear(3, 1), loss), ds, torch.optim.SGD, {"lr": 0.01},
+                       batch_size=5, mode="ps", progress=False,
+                       strategy_options={"consistency": "async"})
+    t.train_to_end()
+    return t.global_step
+
+
+def test_async_worker_waits_out_a_straggler_longer_than_its_timeout_at_the_epoch_end():
+    # The fast worker waits ~12 s at the epoch end, past its 2 * 2 + 5 s receive timeout: the
+    # server tells it to wait on every second (it died blaming the server).
+    out = run_world(_straggler, 3, env={"PARLAY_NUM_PS": "1"}, comm_timeout=2, timeout=90)
+    assert out == [0, 12, 12]

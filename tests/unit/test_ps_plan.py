@@ -158,7 +158,11 @@ def test_core_lost_worker_unblocks_stale_and_fails_sync():
     stale = ServerCore(get_consistency("stale:0"), 2, 5.0, _Log(), now=0.0)
     stale.hello(0, 0.0), stale.hello(1, 0.0)
     assert stale.push(0, 0, 0, "a", 1.0, 1.0) == []  # waits for worker 1
-    assert stale.next_deadline() == 5.0  # worker 1 was released at t=0
+    # worker 0 is told to wait on at t=3.5 (half the timeout), and every 2.5 s after; worker 1
+    # (released at t=0) is lost at t=5, which releases worker 0
+    assert stale.next_deadline() == 3.5 and stale.expire(3.4) == []
+    assert [(r.kind, r.worker) for r in stale.expire(3.5)] == [("wait", 0)]
+    assert stale.next_deadline() == 5.0
     out = stale.expire(5.0)
     assert [r.worker for r in out] == [0] and stale.lost == [1]
     sync = ServerCore(get_consistency("sync"), 3, 5.0, _Log(), now=0.0)

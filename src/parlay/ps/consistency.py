@@ -128,8 +128,9 @@ class Update(NamedTuple):
 
 
 class Reply(NamedTuple):
-    """What the server must send: ``kind`` in ``("params", "bye", "saved", "epoch",
-    "error")``."""
+    """What the server must send: ``kind`` in ``("params", "bye", "saved", "epoch", "wait",
+    "error")``; ``"wait"``: keep waiting (a worker held or at a barrier longer than half the
+    timeout hears it, so its receive does not time out while the others are slower)."""
 
     kind: str
     worker: int
@@ -194,8 +195,10 @@ class ServerCore:
         return not self.active()
 
     def next_deadline(self) -> float | None:
-        """Earliest time a silent worker would be declared lost."""
-        ds = [d for w, d in enumerate(self.deadline) if d is not None and self.state[w] == RUN]
+        """Earliest time a silent worker would be declared lost, or a waiting one told to wait
+        on."""
+        ds = [d for w, d in enumerate(self.deadline) if d is not None and self.state[w] in (
+            RUN, HELD, SAVING)]
         return min(ds) if ds else None
 
     # -- events -------------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class ServerCore:
             return [Reply("error", w, _EVICTED, w)]
         if self.failure is not None:
             return self._tell_failure(w)
-        self.state[w] = HELD
+        self.state[w], self.deadline[w] = HELD, now + self.timeout / 2
         return self._release(now)
 
     def push(self, w: int, step: int, base_version: int, grad: Any, lr_factor: float,
@@ -222,7 +225,7 @@ class ServerCore:
         if self.failure is not None:
             return self._tell_failure(w)
         self.state[w] = HELD
-        self.deadline[w] = None
+        self.deadline[w] = now + self.timeout / 2  # held: when it is told to wait on
         self.clocks[w] += 1
         if self.policy.aggregate:
             self.pending[w] = (grad, lr_factor, step, base_version)
@@ -299,7 +302,7 @@ class ServerCore:
         if self.failure is not None:
             return self._tell_failure(w)
         self.state[w] = SAVING
-        self.deadline[w] = None
+        self.deadline[w] = now + self.timeout / 2
         self.saving[w] = barrier
         return self._maybe_save(now)
 
@@ -307,7 +310,8 @@ class ServerCore:
         """Declare lost every released worker silent past its deadline while something waits
         on it: another worker held or at a barrier, or this server (it is the last worker). A
         worker nothing waits on (every other one computing: a long validation, say) gets a
-        new deadline instead, so a waiter that comes later waits at most ``timeout``."""
+        new deadline instead, so a waiter that comes later waits at most ``timeout``. A worker
+        held or at a barrier for half the timeout is told to wait on."""
         out: list[Reply] = []
         for w in range(self.num_workers):
             d = self.deadline[w]
@@ -318,6 +322,11 @@ class ServerCore:
                 self.deadline[w] = now + self.timeout
             else:
                 out += self.lose(w, _LOST, now)
+        for w in range(self.num_workers):  # (the waiting workers that were not told to stop)
+            d = self.deadline[w]
+            if self.state[w] in (HELD, SAVING) and d is not None and d <= now:
+                self.deadline[w] = now + self.timeout / 2
+                out.append(Reply("wait", w))
         return out
 
     # -- internals ----------------------------------------------------------------------------

@@ -257,6 +257,8 @@ class Server(ShardPersistence, ChunkedServing):
                           extra=self.chunk_numel, tensors=[self.flat])
         elif r.kind == "bye":
             msg = Message(Op.BYE, self.index, c.clocks[w], c.version)
+        elif r.kind == "wait":  # (sent once the last was received: the worker listens on)
+            msg = Message(Op.WAIT, self.index, c.clocks[w], c.version)
         elif r.kind == "saved":
             msg = Message(Op.SAVED, self.index, c.clocks[w], c.version)
         elif r.kind == "epoch":

@@ -122,6 +122,14 @@ class Worker:
             sends += self._post_chunks(recv=False)
         self._wait(sends + recvs, what)
         replies = [unpack(buf) for buf in self.reply_bufs]
+        waiting = [s for s, m in enumerate(replies) if m.op == Op.WAIT]
+        while waiting:  # slower workers hold these servers: listen on to each at once
+            self._wait([(s, comm.recv(self.reply_bufs[s], src=self.server_ranks[s],
+                                      tag=TAG_REPLY, group=self.group, async_op=True))
+                        for s in waiting], what)
+            for s in waiting:
+                replies[s] = unpack(self.reply_bufs[s])
+            waiting = [s for s in waiting if replies[s].op == Op.WAIT]
         self._check(replies, what)
         self._wait(pulls, what)
         return replies
