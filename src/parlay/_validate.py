@@ -11,6 +11,7 @@ This module imports neither torch nor any other parlay module except :mod:`parla
 """
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import json
 import operator
@@ -22,7 +23,8 @@ from parlay.errors import ConfigError
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "show", "fail", "check_host", "parse_address",
            "join_address", "as_index", "check_int", "check_below", "int_var", "need_var",
            "port_var", "addr_var", "ceil_div", "local_sizes", "check_task", "cluster_order",
-           "rank_of", "read_tf_config", "parse_nodelist", "first_node", "expand_nodelist"]
+           "rank_of", "read_tf_config", "tasks_on", "parse_nodelist", "first_node",
+           "expand_nodelist"]
 
 #: Task types in rank order (evaluators last: they have no rank).
 TASK_TYPES = ("ps", "chief", "worker", "evaluator")
@@ -58,6 +60,14 @@ def check_host(host: str, subject: str) -> str:
     if not host or any(c.isspace() or c in "[]/,@" or not c.isprintable() for c in host):
         raise fail(subject, "a host name or IP address", show(host),
                    "use a name such as 'node0', an IPv4 address or an IPv6 address")
+    if ":" in host:  # only an IPv6 address holds ':'; 'node0:29500' holds a port
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            port = {"MASTER_ADDR": "MASTER_PORT", "master_addr": "master_port"}.get(subject)
+            raise fail(subject, "a host without a port (only an IPv6 address holds ':')",
+                       show(host), f"put the port in {port}" if port else
+                       "drop the port here, or write a valid IPv6 address") from None
     return host
 
 
@@ -311,7 +321,18 @@ def read_tf_config(text: str) -> tuple[str, int, dict[str, tuple[str, ...]]] | N
     return task["type"], index, checked
 
 
-# -- SLURM hostlists -----------------------------------------------------------------------------
+# -- SLURM hostlists and task counts -------------------------------------------------------------
+
+def tasks_on(node: int | None, counts: str | None) -> int | None:
+    """Node ``node``'s entry of SLURM's per-node task counts (``"2(x3),1"``), if readable."""
+    per_node: list[int] = []
+    for part in (counts or "").split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            return None
+        per_node += [int(m[1])] * int(m[2] or 1)
+    return per_node[node] if node is not None and node < len(per_node) else None
+
 
 def parse_nodelist(text: str) -> list[list[str | list[tuple[int, int, int]]]]:
     """Validate a SLURM hostlist; for each name, its literal parts and bracket groups."""

@@ -1,8 +1,8 @@
 """Where is this process in the cluster? Pure functions of an environment mapping.
 
 :func:`detect` reads one :class:`ClusterEnv` from, in order: explicit arguments > torchrun >
-SLURM > OpenMPI > ``TF_CONFIG`` > a single process (the ordered-detector idea of Lightning
-Fabric's cluster environments).
+SLURM > OpenMPI > MPICH / Intel MPI (PMI) > ``TF_CONFIG`` > a single process (the
+ordered-detector idea of Lightning Fabric's cluster environments).
 
 Rank convention, relied on by the launcher and every parlay module: parameter servers first
 (ranks ``0..K-1``, rank = ps index), then the chief when there is one, then the workers. The first
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -28,7 +27,7 @@ from typing import Any
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_index, ceil_div,
                               check_below, check_host, cluster_order, expand_nodelist, fail,
                               first_node, int_var, local_sizes, need_var, parse_address,
-                              port_var, rank_of, read_tf_config, show)
+                              port_var, rank_of, read_tf_config, show, tasks_on)
 from parlay.errors import ConfigError
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "ClusterEnv", "detect", "expand_nodelist",
@@ -47,7 +46,7 @@ class ClusterEnv:
         master_addr: Rendezvous host (rank 0), unbracketed; ``None`` if unknown.
         master_port: Rendezvous port; ``None`` for a single process without a launcher.
         source: Where it came from: ``"explicit"``, ``"torchrun"``, ``"slurm"``, ``"openmpi"``,
-            ``"tf_config"`` or ``"single"``.
+            ``"pmi"`` (MPICH, Intel MPI), ``"tf_config"`` or ``"single"``.
         num_ps: Parameter servers, ranks ``0..num_ps-1``; ``0 <= num_ps < world_size``.
         node_rank: Index of this node.
         num_nodes: Number of nodes.
@@ -207,17 +206,6 @@ def _slurm_port(env: Mapping[str, str]) -> int:
     return 15000 + key % 10001
 
 
-def _tasks_on(node: int | None, counts: str | None) -> int | None:
-    """Node ``node``'s entry of SLURM's per-node task counts (``"2(x3),1"``), if readable."""
-    per_node: list[int] = []
-    for part in (counts or "").split(","):
-        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if m is None:
-            return None
-        per_node += [int(m[1])] * int(m[2] or 1)
-    return per_node[node] if node is not None and node < len(per_node) else None
-
-
 def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     # SLURM_NTASKS alone only describes an allocation (e.g. an salloc shell): srun sets PROCID.
     if "SLURM_PROCID" not in env:
@@ -230,7 +218,7 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnv | None:
     nnodes, node = int_var(env, "SLURM_NNODES", 1), int_var(env, "SLURM_NODEID")
     # --ntasks-per-node sets a plain count; else this node's entry of the per-node list; else
     # assume tasks spread evenly over nodes.
-    local_world = (int_var(env, "SLURM_NTASKS_PER_NODE", 1) or _tasks_on(node, env.get(
+    local_world = (int_var(env, "SLURM_NTASKS_PER_NODE", 1) or tasks_on(node, env.get(
         "SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE"))) or
         ceil_div(world, nnodes or 1))
     local_rank, local_world = local_sizes(rank, world, local_rank, local_world, "SLURM")
@@ -266,6 +254,20 @@ def _openmpi(env: Mapping[str, str]) -> ClusterEnv | None:
                       node_rank=rank // local_world, num_nodes=ceil_div(world, local_world))
 
 
+def _pmi(env: Mapping[str, str], checked_only: bool) -> ClusterEnv | None:
+    """MPICH / Intel MPI; ``checked_only``: another source won, no master needed to agree."""
+    keys = ("PMI_RANK", "PMI_SIZE")
+    if not any(k in env for k in keys):
+        return None
+    rank, world = need_var(env, keys[0], keys), need_var(env, keys[1], keys, minimum=1)
+    check_below(keys[0], rank, keys[1], world, "ranks count from 0")
+    local_rank, local_world = local_sizes(rank, world, int_var(env, "MPI_LOCALRANKID"),
+                                          int_var(env, "MPI_LOCALNRANKS", 1), "MPI (PMI)")
+    addr, port = _master(env, 1 if checked_only else world, "MPICH / Intel MPI (PMI)")
+    return ClusterEnv(rank, world, local_rank, local_world, addr, port, "pmi",
+                      node_rank=rank // local_world, num_nodes=ceil_div(world, local_world))
+
+
 #: TensorLayer's cluster variables, read as TF_CONFIG's jobs (``JOB_NAME`` and ``TASK_INDEX``:
 #: this task's).
 TENSORLAYER_VARS = {"ps": "PS_HOSTS", "worker": "WORKER_HOSTS", "master": "MASTER_HOST"}
@@ -274,7 +276,7 @@ TENSORLAYER_VARS = {"ps": "PS_HOSTS", "worker": "WORKER_HOSTS", "master": "MASTE
 _CLUSTER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                            "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG",
                            "JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values(),
-                           "PARLAY_NUM_PS", "PARLAY_PP"})
+                           "PARLAY_NUM_PS", "PARLAY_PP", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"})
 _CLUSTER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "TORCHELASTIC_")
 
 
@@ -355,7 +357,8 @@ def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
 
 
 _SOURCE_VARS = {"torchrun": "RANK/WORLD_SIZE", "slurm": "SLURM_PROCID/SLURM_NTASKS",
-                "openmpi": "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE", "tf_config": "TF_CONFIG"}
+                "openmpi": "OMPI_COMM_WORLD_RANK/OMPI_COMM_WORLD_SIZE", "tf_config": "TF_CONFIG",
+                "pmi": "PMI_RANK/PMI_SIZE"}
 
 
 def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
@@ -370,17 +373,20 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
     ``SLURM_LOCALID``, optional ``SLURM_NTASKS_PER_NODE``, ``SLURM_NODEID``, ``SLURM_NNODES``;
     master = ``MASTER_ADDR`` or the first host of ``SLURM_NODELIST``/``SLURM_JOB_NODELIST``,
     port = ``MASTER_PORT``, else ``15000 + SLURM_JOB_ID % 10001``, else 29500) > OpenMPI
-    (``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}`` plus ``MASTER_ADDR``/``MASTER_PORT``)
-    > ``TF_CONFIG`` (one without a cluster counts as unset) > a single process (rank 0 of 1,
-    master ``127.0.0.1``, port ``None``).
+    (``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``) > MPICH / Intel MPI (``PMI_RANK``,
+    ``PMI_SIZE``, optional ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``; both MPIs need
+    ``MASTER_ADDR``/``MASTER_PORT``) > ``TF_CONFIG`` (one without a cluster counts as unset)
+    > a single process (rank 0 of 1, master ``127.0.0.1``, port ``None``).
 
     Missing local variables: without a local rank each process is alone on its node (one per
     pod, as Kubernetes launches); with a local rank but no local size, the node holds the world.
 
     Conflicts: when ``TORCHELASTIC_RUN_ID`` is set (torchrun always sets it) torchrun wins
-    silently and the other sources are not read — inside a SLURM allocation ``SLURM_NTASKS``
-    counts srun tasks, not torchrun's processes. Otherwise every source that is present must
-    parse and agree on rank and world size with the chosen one, else ``ConfigError``.
+    silently over SLURM and MPI (inside a SLURM allocation ``SLURM_NTASKS`` counts srun tasks,
+    not torchrun's processes); only a ``TF_CONFIG`` of its world size is read (it must agree on
+    the rank), for its ps count. Otherwise every source that is present must parse and agree on
+    rank and world size with the chosen one (srun's PMI variables beside SLURM's need no
+    master), else ``ConfigError``.
     ``SLURM_NTASKS`` without ``SLURM_PROCID`` (an salloc shell) is not a SLURM launch. Note a
     batch script run without srun carries ``SLURM_PROCID=0`` of the whole allocation.
 
@@ -449,8 +455,14 @@ def _present(env: Mapping[str, str]) -> list[ClusterEnv]:
     """Every launcher source present in ``env``, the winner first; they must agree."""
     first = _torchrun(env)
     if first is not None and "TORCHELASTIC_RUN_ID" in env:
-        return [first]
-    present = [c for c in (first, _slurm(env), _openmpi(env), _tf_config(env)) if c]
+        try:  # torchrun wins silently, but a TF_CONFIG of its world gives the ps count
+            tf = _tf_config(env)
+        except ConfigError:
+            tf = None
+        present = [first, *([tf] if tf and tf.world_size == first.world_size else [])]
+    else:
+        present = [c for c in (first, _slurm(env), _openmpi(env)) if c]
+        present += [c for c in (_pmi(env, bool(present)), _tf_config(env)) if c]
     for other in present[1:]:
         found = present[0]
         if (other.rank, other.world_size) != (found.rank, found.world_size):
@@ -470,7 +482,7 @@ def _with_num_ps(found: ClusterEnv, env: Mapping[str, str], num_ps: int | None,
     if tf and num_ps is None:  # TF_CONFIG's ps count holds even when another source won
         if k is not None and k != tf[0]:
             raise fail("PARLAY_NUM_PS", f"TF_CONFIG's ps count {tf[0]}", str(k),
-                       "unset PARLAY_NUM_PS or fix TF_CONFIG")
+                       f"launch with parlay run --ps {tf[0]}, unset PARLAY_NUM_PS or fix TF_CONFIG")
         k = tf[0]
     if k is None:
         return found

@@ -130,7 +130,11 @@ def test_from_env_tf_config_checked_against_launcher() -> None:
     env = {**torchrun(rank=1, world=5), "TF_CONFIG": tf_config("ps", 1)}
     assert TaskSpec.from_env(env).rank == 1
     env["TORCHELASTIC_RUN_ID"] = "x"
-    env["RANK"] = "2"
+    env["RANK"] = "2"  # torchrun's world: detect() reads TF_CONFIG too (its ps count holds)
+    with pytest.raises(ConfigError, match="torchrun .* and tf_config .* to agree"):
+        TaskSpec.from_env(env)
+    env["WORLD_SIZE"] = "4"  # another world: detect() does not read it, from_env() refuses it
+    assert detect(env).num_ps == 0
     with pytest.raises(ConfigError, match="TF_CONFIG: expected the rank the launcher gives"):
         TaskSpec.from_env(env)
 
