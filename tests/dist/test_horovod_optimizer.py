@@ -72,22 +72,41 @@ def test_horovod_signature_equals_single_process(passes, average_aggregated):
             torch.testing.assert_close(p, q, **TOL)
 
 
-def _adasum_train(none=False):
+class _Branchy(nn.Module):
+    """``_model()`` plus two heads of one shape: rank 0 uses ``b``, rank 1 ``c``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _model()
+        self.b, self.c = nn.Linear(5, 2).double(), nn.Linear(5, 2).double()
+
+    def forward(self, x: torch.Tensor, r: int) -> torch.Tensor:
+        return self.body(x) + (self.b if r == 0 else self.c)(x)
+
+
+def _adasum_train(none, passes):
     import parlay.horovod as hvd
+    from parlay.errors import ConfigError
 
     r = hvd.rank()
-    model = _model()
+    model = _Branchy()
     # Horovod's pytorch_mnist --use-adasum passes compression=hvd.Compression.none with it
     extra = {"compression": hvd.Compression.none} if none else {}
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), op=hvd.Adasum,
-                                   **extra)
-    x, y = _data(2)
+                                   backward_passes_per_step=passes, **extra)
+    x, y = _data(2, passes)
     for s in range(STEPS):
         opt.zero_grad()
-        F.mse_loss(model(x[s, r, 0]), y[s, r, 0]).backward()
+        for k in range(passes):
+            F.mse_loss(model(x[s, r, k], r), y[s, r, k]).backward()
         opt.step()
-    return [p.detach() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    with pytest.raises(ConfigError, match="more than backward_passes_per_step"):
+        for _ in range(passes + 1):   # one pass too many: raised, as under Average
+            F.mse_loss(model(x[0, r, 0], r), y[0, r, 0]).backward()
+    return params
 
 
 def _adasum_amp(unscale_by_parlay):
@@ -126,22 +145,26 @@ def test_adasum_with_grad_scaler_skips_an_overflow_on_every_rank(unscale_by_parl
     assert (s0, s1) == ((512.0, 512.0) if unscale_by_parlay else (1024.0, 512.0))
 
 
-@pytest.mark.parametrize("none", [False, True])
-def test_adasum_optimizer_combines_each_ranks_update(none):
+@pytest.mark.parametrize("none,passes", [(False, 1), (True, 2)])
+def test_adasum_optimizer_combines_each_ranks_update(none, passes):
+    # Each parameter's update is combined with the same parameter's on the other rank (one
+    # whose branch it did not use: a zero update), after averaging the rank's k passes.
     from parlay.horovod.execute import adasum
 
-    model = _model()
-    x, y = _data(2)
+    model = _Branchy()
+    x, y = _data(2, passes)
     for s in range(STEPS):
         deltas = []
         for r in range(2):
             model.zero_grad()
-            F.mse_loss(model(x[s, r, 0]), y[s, r, 0]).backward()
-            deltas.append([-0.1 * p.grad for p in model.parameters()])
+            for k in range(passes):
+                F.mse_loss(model(x[s, r, k], r), y[s, r, k]).backward()
+            deltas.append([torch.zeros_like(p) if p.grad is None else -0.1 * p.grad / passes
+                           for p in model.parameters()])
         with torch.no_grad():
             for i, p in enumerate(model.parameters()):
                 p.add_(adasum([deltas[0][i], deltas[1][i]]))
-    for params in run_world(_adasum_train, 2, none):
+    for params in run_world(_adasum_train, 2, none, passes):
         for p, q in zip(params, model.parameters()):
             torch.testing.assert_close(p, q.detach(), **TOL)
 

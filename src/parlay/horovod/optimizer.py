@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from parlay.compress.base import Compressor, NoneCompressor, get_compressor
+from parlay.dp.hooks import LocalReducer
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
 from parlay.horovod import joining
@@ -151,8 +152,9 @@ class DistributedOptimizer(_BucketedOptimizer):
             compressor name (``"topk:0.01"``) or object; default none.
         backward_passes_per_step: Backward passes accumulated locally per reduction.
         op: ``Average`` (default), ``Sum`` or ``Adasum`` (Horovod's delta optimizer: each rank
-            steps on its own gradients, then the parameter updates are combined with Adasum,
-            Maleki et al. 2020; no compression, no overlap with backward).
+            steps on its own gradients, its passes averaged as under Average, then each
+            parameter's updates are combined with Adasum, Maleki et al. 2020, a parameter
+            without a gradient adding zero; no compression, no overlap with backward).
         gradient_predivide_factor: Average as ``sum(g / f) * f / size`` (Horovod's split).
         num_groups: Deprecated alias of an integer ``groups``.
         groups: Horovod's fusion groups (an int or lists of parameters). Validated; parlay
@@ -237,7 +239,8 @@ class DistributedOptimizer(_BucketedOptimizer):
                          bucket_cap_mb=_bucket_cap_mb(bucket_cap_mb),
                          gradient_predivide_factor=gradient_predivide_factor,
                          process_group=process_group, **options)
-        if not local_only and process_group is None and self._buckets is not None:
+        if not (local_only or self._adasum) and process_group is None \
+                and self._buckets is not None:
             joining.register(self)  # hvd.join() stands in for this rank's steps once joined
         if named is None:
             self._parameter_names = {p: f"allreduce.noname.{i}.{j}"
@@ -257,14 +260,23 @@ class DistributedOptimizer(_BucketedOptimizer):
         self.synchronize()
         self._synchronized = False
 
+    def _scales(self) -> tuple[float, float]:
+        if self._adasum:  # the buckets only average the k passes; step() combines the updates
+            return 1.0, 1.0 / (self.backward_passes_per_step
+                               if self.average_aggregated_gradients else 1)
+        return super()._scales()
+
     def _make_reducer(self, hierarchical: bool | str) -> Any:
-        # Ranks outside the process set, and Adasum (which reduces updates in step()), keep
-        # their gradients local: no hooks, no buckets.
-        if self._local_only or self._adasum:
+        # Ranks outside the process set keep their gradients local: no hooks, no buckets.
+        # Adasum (which reduces updates in step()) keeps them local in buckets that count the
+        # passes, average them and give a parameter without a gradient zeros.
+        if self._local_only:
             return None
-        return super()._make_reducer(hierarchical)
+        return LocalReducer() if self._adasum else super()._make_reducer(hierarchical)
 
     def _scaler_step(self, closure: Any) -> Any:
+        if self._adasum and self._should_synchronize and not self._synchronized:
+            self.synchronize()  # local (averages the passes): the scaler saw local gradients
         if self._adasum and self._world > 1:
             # GradScaler checked this rank's own gradients (Adasum combines updates, in step()):
             # the ranks skip together, or one skipping alone leaves the others in the Adasum.
@@ -284,7 +296,7 @@ class DistributedOptimizer(_BucketedOptimizer):
             return super()._apply_update(closure)
         from parlay.horovod import collectives
 
-        params = [p for _, p in self._named if p.grad is not None]
+        params = [p for _, p in self._named]  # every rank, every parameter: paired by name
         starts = [p.detach().clone() for p in params]
         loss = super()._apply_update(closure)
         if params:
