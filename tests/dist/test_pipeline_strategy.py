@@ -287,13 +287,15 @@ def _batchnorm(mode: str, options: dict):
     return metrics, {k: v.clone() for k, v in state.items() if "running" in k or "tracked" in k}
 
 
-def test_hybrid_keeps_batchnorm_statistics_as_the_unsplit_model_does():
+def test_hybrid_keeps_batchnorm_statistics_as_allreduce_does():
     # One micro-batch a step (BatchNorm over the whole batch): the boundary check and torch's
     # shape inference ran extra training forwards, moving the statistics (with garbage inputs).
     # A BatchNorm inside stage 1 too (restoring its statistics after the shape inference must
-    # not bump their autograd version), and stage 0 ends in a non-contiguous view.
-    ref_metrics, ref = run_world(_batchnorm, 1, "allreduce", {})[0]
-    for metrics, stats in run_world(_batchnorm, 2, "hybrid",
+    # not bump their autograd version), and stage 0 ends in a non-contiguous view. Two
+    # replicas: every stage takes its first replica's statistics after each step, as allreduce
+    # takes rank 0's (each replica kept its own: validation averaged two models).
+    ref_metrics, ref = run_world(_batchnorm, 2, "allreduce", {})[0]
+    for metrics, stats in run_world(_batchnorm, 4, "hybrid",
                                     {"pp": 2, "chunks": 1, "balance": [5, 6]}):
         for k, v in stats.items():
             torch.testing.assert_close(v, ref[k], **TOL, msg=k)

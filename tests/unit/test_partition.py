@@ -126,12 +126,12 @@ def test_split_points():
     (dict(stages=2.0), r"stages must be an int >= 1"),
     (dict(balance=[2, 2]), r"balance \[2, 2\] sums to 4, but the model has 5 layers.*Hint"),
     (dict(balance=[2, 2, 2]), r"sums to 6, but the model has 5 layers"),
-    (dict(stages=3, balance=[3, 2]), r"balance has 2 entries but stages=3"),
+    (dict(stages=3, balance=[3, 2]), r"balance has 2 entries but stages=3.*Hint.*virtual_stages"),
     (dict(balance=[5, 0]), r"balance entries must be ints >= 1"),
     (dict(split_points=["9"]), r"not in the model: \['9'\]"),
     (dict(split_points=["0"]), r"first layer"),
     (dict(split_points=["3", "2"]), r"distinct and in model order"),
-    (dict(stages=3, split_points=["2"]), r"1 split point\(s\) make 2 stages, but stages=3"),
+    (dict(stages=3, split_points=["2"]), r"make 2 stages, but stages=3.*pp x virtual_stages"),
     (dict(stages=2, by="time"), r"needs sample"),
     (dict(stages=2, by="bogus"), r"by must be one of"),
     (dict(balance=[3, 2], split_points=["2"]), r"either balance or split_points"),
@@ -156,6 +156,16 @@ class FromDict(nn.Module):
         return d["h"]
 
 
+class WithNone(nn.Module):
+    def forward(self, x):
+        return x, None
+
+
+class Take(nn.Module):
+    def forward(self, xs):
+        return xs[0]
+
+
 def test_non_tensor_boundary_is_refused_at_construction():
     model = nn.Sequential(nn.Linear(3, 3), DictOut(), FromDict(), nn.Linear(3, 1))
     with pytest.raises(ConfigError, match=r"stage 0 ends with layer '1', which returns a dict.*"
@@ -165,6 +175,15 @@ def test_non_tensor_boundary_is_refused_at_construction():
     part = partition(model, balance=[3, 1], sample=torch.randn(4, 3))
     outs = check_boundaries(model, part, torch.randn(4, 3))
     assert outs[0].shape == (4, 3) and outs[1].shape == (4, 1)
+    # The offending element of a tuple is named; the last stage's dict is refused too (torch's
+    # pipelining would fail at the first step, its neighbour waiting out the timeout).
+    with pytest.raises(ConfigError, match=r"layer '1', which returns a tuple whose element 1 "
+                                          r"is None; a stage boundary"):
+        partition(nn.Sequential(nn.Linear(3, 3), WithNone(), Take(), nn.Linear(3, 1)),
+                  balance=[2, 2], sample=torch.randn(4, 3))
+    with pytest.raises(ConfigError, match=r"last layer '1' returns a dict; .*Hint: return a "
+                                          r"tensor or a tuple.*allreduce"):
+        partition(nn.Sequential(nn.Linear(3, 3), DictOut()), 2, sample=torch.randn(4, 3))
 
 
 def test_tuple_boundary_is_allowed():

@@ -224,34 +224,64 @@ def kept_state(module: nn.Module) -> Iterator[None]:
                 b.data.copy_(v)
 
 
+def _not_sendable(x: Any, last: bool) -> str | None:
+    """What is wrong with ``x`` leaving a stage (``None``: nothing). A non-last stage sends a
+    tensor or a tuple of tensors; torch's pipelining also takes a list at the last stage."""
+    if isinstance(x, torch.Tensor):
+        return None
+    if not isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__}"
+    if not x:
+        return f"an empty {type(x).__name__}"
+    bad = next((i for i, v in enumerate(x) if not isinstance(v, torch.Tensor)), None)
+    if bad is not None:
+        what = "None" if x[bad] is None else f"a {type(x[bad]).__name__}"
+        return f"a {type(x).__name__} whose element {bad} is {what}"
+    return None if last or isinstance(x, tuple) else "a list"
+
+
 def check_boundaries(model: nn.Module, part: Partition, sample: Any) -> list[Any]:
     """Run ``sample`` through the model and check what crosses every stage boundary.
 
     Stages exchange tensors (or tuples of tensors) over point-to-point sends, so a layer that
-    ends a non-last stage must return one of those.
+    ends a non-last stage must return one of those; the last stage's output (the model's) must
+    be a tensor or a tuple or list of tensors (torch's pipelining takes nothing else).
 
     Returns:
         The value leaving every stage (the last one is the model output).
 
     Raises:
-        ConfigError: A boundary value is not a tensor or a tuple of tensors.
+        ConfigError: A boundary value is not a tensor or a tuple of tensors, or the model
+            output is not a tensor or a tuple/list of tensors (a dict, say).
     """
     outs: list[Any] = []
     x = sample
+    last = part.num_stages - 1
     with torch.no_grad(), kept_state(model):
         for s in range(part.num_stages):
             for name in part.stage_names(s):
                 x = _call(model.get_submodule(name), x)
-            if s < part.num_stages - 1 and _tensors(x) is None:
-                kind = type(x).__name__
+            bad = _not_sendable(x, s == last)
+            if bad is not None and s == last:
                 raise ConfigError(
-                    f"stage {s} ends with layer {name!r}, which returns a {kind}; a stage "
+                    f"the model's last layer {name!r} returns {bad}; in a pipeline the last "
+                    "stage's output must be a tensor or a tuple of tensors. Hint: return a "
+                    "tensor or a tuple (and index it in loss_fn), or train with "
+                    "mode='allreduce', which takes a dict output.")
+            if bad is not None:
+                raise ConfigError(
+                    f"stage {s} ends with layer {name!r}, which returns {bad}; a stage "
                     "boundary must carry a tensor or a tuple of tensors (they are sent to "
-                    f"the next stage), got {kind}. Hint: move the boundary (balance=[...] or "
+                    "the next stage). Hint: move the boundary (balance=[...] or "
                     "split_points=[...]) so it falls after a layer returning tensors, or wrap "
                     "the layer so it returns a tensor/tuple of tensors.")
             outs.append(x)
     return outs
+
+
+# A Pipeline cuts the model into pp * virtual_stages stages, not pp.
+_STAGES_HINT = ("a pipeline has pp x virtual_stages stages (schedule='interleaved' runs "
+                "virtual_stages, default 2, on every rank)")
 
 
 def _from_split_points(names: list[str], split_points: Sequence[str], stages: int | None
@@ -272,7 +302,7 @@ def _from_split_points(names: list[str], split_points: Sequence[str], stages: in
         raise ConfigError(f"split_points must be distinct and in model order, got {pts}.")
     if stages is not None and len(pts) + 1 != stages:
         raise ConfigError(f"{len(pts)} split point(s) make {len(pts) + 1} stages, but "
-                          f"stages={stages}. Hint: give stages - 1 split points.")
+                          f"stages={stages}. Hint: give stages - 1 split points; {_STAGES_HINT}.")
     cuts = [0, *idx, len(names)]
     return [b - a for a, b in zip(cuts, cuts[1:])]
 
@@ -330,7 +360,7 @@ def partition(model: nn.Module, stages: int | None = None, *,
             raise ConfigError(f"balance entries must be ints >= 1 (layers per stage), got {bal}.")
         if stages is not None and len(bal) != stages:
             raise ConfigError(f"balance has {len(bal)} entries but stages={stages}: expected one "
-                              "entry (layer count) per stage.")
+                              f"entry (layer count) per stage. Hint: {_STAGES_HINT}.")
         if sum(bal) != len(names):
             raise ConfigError(
                 f"balance {bal} sums to {sum(bal)}, but the model has {len(names)} layers: "

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import runtime
+from parlay.dp.functions import coalesced_broadcast
 from parlay.errors import ConfigError
 from parlay.pipeline.pipe import Pipeline
 from parlay.strategies.base import StepResult, register_strategy, reject_unknown
@@ -77,6 +78,7 @@ class HybridStrategy(StepTemplate):
         self.bucket_cap_mb = bucket_cap_mb
         self.shard = shard
         self.pipe: Pipeline | None = None
+        self._buffers: list[torch.Tensor] = []
         self._bytes = {"fwd_bytes": 0, "bwd_bytes": 0, "fwd_dense_bytes": 0,
                        "bwd_dense_bytes": 0, "steps": 0}
 
@@ -148,6 +150,10 @@ class HybridStrategy(StepTemplate):
                               "steps an optimizer. Hint: pass strategy_options={'balance': "
                               "[...]} so every stage holds a layer with parameters, or fewer "
                               "stages (pp).")
+        # Buffers (BatchNorm's running statistics) follow the first replica's after every
+        # step, as in mode="allreduce": every replica then evaluates and saves one model.
+        self._buffers = [b for m in self.pipe.modules for b in m.buffers()] \
+            if self.pipe.mesh.dp > 1 else []
         opt = self._new_optimizer(optimizer_cls, self.pipe.parameters(), optimizer_args)
         self.optimizer = self.pipe.distributed_optimizer(
             opt, compression=self.compression, bucket_cap_mb=self.bucket_cap_mb, shard=self.shard)
@@ -174,6 +180,8 @@ class HybridStrategy(StepTemplate):
             opt.local_gradients, nonfinite,
             lambda norm: pipe.clip_grad_norm_(norm, opt.local_gradients() if self.shard else None),
             saved)
+        if self._buffers:  # one unchecked message per dtype: the replicas built one model
+            coalesced_broadcast(self._buffers, 0, pipe.mesh.dp_group, check=False)
         b = self._bytes
         for k in ("fwd_bytes", "bwd_bytes", "fwd_dense_bytes", "bwd_dense_bytes"):
             b[k] += getattr(out, k)
