@@ -12,7 +12,7 @@ import datetime as _dt
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -142,8 +142,10 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
         timeout: Collective timeout, seconds or a ``timedelta``. Default ``PARLAY_TIMEOUT`` or
             300 s. A peer silent for longer makes the waiting rank raise ``CommError``.
         environ: Environment to detect the cluster from (default ``os.environ``).
-        **explicit: Explicit ``rank``, ``world_size``, ``local_rank``, ``master_addr``,
-            ``master_port``; they win over every environment source.
+        **explicit: Explicit ``rank``, ``world_size``, ``local_rank``, ``local_world_size``,
+            ``master_addr``, ``master_port``, ``num_ps`` (see :func:`~parlay.discovery.detect`)
+            and ``node_rank``, ``num_nodes`` (default: consecutive ranks fill each node); they
+            win over every environment source.
 
     Raises:
         ConfigError: Bad arguments or an inconsistent environment.
@@ -154,7 +156,8 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
         return
     td = _as_timedelta(timeout)
     lifeline.bind_to_launcher()  # a rank of `parlay run` never outlives its launcher
-    cluster = detect(environ, **explicit)  # type: ignore[arg-type]
+    nodes = {k: explicit.pop(k) for k in ("node_rank", "num_nodes") if k in explicit}
+    cluster = replace(detect(environ, **explicit), **nodes)  # type: ignore[arg-type]
     if dist.is_available() and dist.is_initialized():
         be = str(dist.get_backend())
         _, dev = _choose_backend("auto", cluster.local_rank)
@@ -220,10 +223,11 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     Each phase is bounded by ``td``. The store connect and its waits get ``td`` (torch's
     TCPStore client retries a refused connect once, so a master that never comes up is reported
     after at most about twice that). The check-in waits ``td`` for every rank and names the
-    absent ones. Only then does gloo build its full mesh: every peer is alive and past the
-    check-in, so the mesh gets a short budget; gloo retries a refused connect several times, each
-    try waiting the group timeout, which made a peer that died mid-rendezvous cost several
-    timeouts. The group's collective timeout is set to ``td`` right after.
+    absent ones (ranks that disagree on the world are refused at once). Only then does gloo
+    build its full mesh: every peer is alive and past the check-in, so the mesh gets a short
+    budget; gloo retries a refused connect several times, each try waiting the group timeout,
+    which made a peer that died mid-rendezvous cost several timeouts. The group's collective
+    timeout is set to ``td`` right after.
     """
     global _generation
     url = (f"tcp://{_host_for_url(cluster.master_addr or '127.0.0.1')}:"
@@ -233,6 +237,8 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     _generation += 1
     try:
         _check_in(dist.PrefixStore(prefix, store), cluster, td, prefix)
+    except ConfigError:
+        raise  # the store answered: the ranks disagree
     except BaseException:
         _stores.pop(url, None)  # a store that failed a rendezvous is not trusted again
         raise
@@ -287,13 +293,24 @@ _MESH_MIN_S = 10.0
 
 
 def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta, prefix: str) -> None:
-    """Block until every rank of this rendezvous checked in; name the absent ones otherwise."""
-    world = cluster.world_size
-    store.set(f"arrived/{cluster.rank}", "1")
-    if store.add("arrived", 1) == world:
-        store.set("all-arrived", "1")
+    """Block until every rank of this rendezvous checked in; name the absent ones otherwise.
+
+    A rank checked in twice (two processes given one rank) or a world size other than the one
+    the first rank to check in expects ends the rendezvous at once: that rank sets the verdict
+    every rank waits for, and each raises ``ConfigError`` naming the disagreement.
+    """
+    world, rank = cluster.world_size, cluster.rank
+    expected = store.compare_set("world", "", str(world)).decode()
+    copies = store.add(f"arrived/{rank}", 1)
+    why = (f"rank {rank} checked in {copies} times (processes were given the same rank)"
+           if copies > 1 else f"rank {rank} expects a world of {world} ranks, the first rank "
+           f"to check in one of {expected}" if expected != str(world) else "")
+    if why:
+        store.compare_set("all-arrived", "", why)  # the first verdict holds
+    elif store.add("arrived", 1) == world:
+        store.compare_set("all-arrived", "", "1")
     try:
-        store.wait(["all-arrived"], td)
+        verdict = store.get("all-arrived").decode()
     except (RuntimeError, TimeoutError) as e:  # DistStoreError on timeout
         try:
             missing = [r for r in range(world) if not store.check([f"arrived/{r}"])]
@@ -307,6 +324,11 @@ def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta, prefix:
             f"{prefix}). Hint: check those ranks' logs (crashed, or started late); raise "
             "PARLAY_TIMEOUT if they need longer to start.", op="init", rank=cluster.rank,
             peer=missing[0] if len(missing) == 1 else None) from e
+    if why or verdict != "1":
+        raise ConfigError(f"rendezvous refused on rank {rank} of {world}: the processes "
+                          f"disagree about the cluster: {why or verdict}. Hint: give every "
+                          "process its own rank and the same world (TF_CONFIG's task index and "
+                          "host lists, RANK and WORLD_SIZE).")
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:

@@ -1,19 +1,22 @@
 """Edges of a parameter-server session's life: calls after it closed, every worker failing at a
-checkpoint, sync rounds short of a worker that finished early, and options that cannot work
-together."""
+checkpoint, sync rounds short of a worker that finished early, options that cannot work
+together, and sessions that initialise the runtime from an explicit task spec."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
 import torch.nn as nn
 
+from parlay import runtime
 from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps import DistributedSession, get_consistency
 from parlay.ps.consistency import LOST, ServerCore
 from parlay.strategies.ps import ParameterServerStrategy
-from parlay.testing import run_world
+from parlay.taskspec import TaskSpec, TaskSpecDef
+from parlay.testing import free_port, run_world
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,3 +128,64 @@ def test_an_epoch_end_tells_a_finished_worker_from_a_lost_one():
     core.done(1, 0.0)
     core.lose(2, 1, 0.0)
     assert core.end_epoch(0, 0, 8, 1.0)[0].counts == (8, -2, -1)
+
+
+_LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PARLAY_NUM_PS")
+
+
+def _explicit_spec_session(kind: str, port: int):
+    r = runtime.rank()
+    if kind == "hand":  # 1 ps + 2 workers on one host, started without a launcher
+        runtime.shutdown()
+        for k in _LAUNCHER:
+            os.environ.pop(k, None)
+        hosts = [f"127.0.0.1:{port + i}" for i in range(3)]
+        spec: TaskSpec = TaskSpecDef("ps" if r == 0 else "worker", max(r - 1, 0), None,
+                                     hosts[0], ",".join(hosts[1:]))
+    else:  # the launcher's last worker evaluates: the other three train
+        os.environ["MASTER_PORT"] = str(port)
+        spec = TaskSpec.from_env().use_last_worker_as_evaluator()
+        runtime.shutdown()
+        if spec.is_evaluator:
+            return None
+    before = spec.local_index()
+    with DistributedSession(task_spec=spec, model=nn.Linear(2, 1), optimizer=torch.optim.SGD,
+                            optimizer_args={"lr": 0.1}, max_steps=1) as sess:
+        got = (before, runtime.local_rank(), runtime.local_size(), runtime.cross_rank(),
+               runtime.cross_size())
+        while not sess.should_stop():
+            sess.train_step((torch.ones(2, 2), torch.ones(2, 1)), _mse)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["hand", "evaluator"])
+def test_a_session_from_an_explicit_spec_uses_the_local_rank_device_fn_promised(kind):
+    # device_fn() picks cuda:<spec.local_index()>: the runtime the session starts must agree,
+    # and place the tasks on the spec's hosts (one here) or the launcher's nodes (two here).
+    env = dict(PS1, PARLAY_TIMEOUT="20")
+    if kind == "hand":
+        out = run_world(_explicit_spec_session, 3, kind, free_port(), env=env)
+        assert out == [(0, 0, 3, 0, 1), (0, 0, 3, 0, 1), (1, 1, 3, 0, 1)]
+    else:
+        out = run_world(_explicit_spec_session, 4, kind, free_port(), env=env,
+                        local_world_size=2)
+        assert out == [(0, 0, 2, 0, 2), (1, 1, 2, 0, 2), (0, 0, 2, 1, 2), None]
+
+
+def test_an_evaluator_or_a_spec_the_launcher_did_not_start_is_refused_before_init(monkeypatch):
+    hosts = {"ps_hosts": ["127.0.0.1:1"], "worker_hosts": ["127.0.0.1:2", "127.0.0.1:3"]}
+    evaluator = TaskSpec("worker", 1, **hosts).use_last_worker_as_evaluator()
+
+    def start(spec: TaskSpec) -> None:
+        DistributedSession(spec, nn.Linear(2, 1), torch.optim.SGD).start()
+
+    with pytest.raises(ConfigError, match="evaluators take no part in a DistributedSession"):
+        start(evaluator)
+    monkeypatch.setenv("PARLAY_TIMEOUT", "3")
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError, match=r"3 training tasks .* started 2 processes"):
+        start(TaskSpec("ps", 0, **hosts))  # 3 tasks under a launcher of 2
+    assert not runtime.is_initialized()

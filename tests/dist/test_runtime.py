@@ -165,6 +165,33 @@ def test_rank_zero_hosting_the_store_names_the_rank_that_never_came(monkeypatch)
     assert ei.value.op == "init" and ei.value.peer == 1
 
 
+def _disagreeing_init(ranks: list[int], worlds: list[int], port: int):
+    me = parlay.rank()
+    parlay.runtime.shutdown()
+    env = {"RANK": str(ranks[me]), "WORLD_SIZE": str(worlds[me]), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    t0 = time.monotonic()
+    try:
+        parlay.init(timeout=20, environ=env)
+    except Exception as e:  # noqa: BLE001 - the test looks at which
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None
+
+
+@pytest.mark.parametrize("ranks, worlds, why", [
+    ([0, 1, 1], [3, 3, 3], "rank 1 checked in 2 times"),
+    ([0, 1, 2], [3, 3, 4], "expects a world of 4 ranks, the first rank to check in one of 3")])
+def test_ranks_that_disagree_about_the_world_are_told_at_the_check_in(ranks, worlds, why):
+    # Two processes given one rank would count as a whole world; a task with another world
+    # size waited the timeout with the others, then blamed the store.
+    from parlay.testing import free_port
+
+    out = run_world(_disagreeing_init, 3, ranks, worlds, free_port(), timeout=60)
+    for kind, msg, took in out:
+        assert kind == "ConfigError" and why in msg and "Hint:" in msg, msg
+        assert took < 15  # at once, not after the 20 s timeout
+
+
 def test_group_timeout_is_the_configured_one_not_the_mesh_budget():
     # The full mesh is built under a shorter budget (10 s floor); collectives must wait 12 s.
     out = run_world(_stall_then_allreduce, 2, 16.0, comm_timeout=12.0, timeout=80)

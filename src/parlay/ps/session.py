@@ -25,9 +25,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parlay import comm, runtime
-from parlay._validate import check_int
+from parlay._validate import check_int, parse_address
 from parlay.compress.base import Compressor, get_compressor
-from parlay.discovery import detect
+from parlay.discovery import ClusterEnv, detect
 from parlay.errors import ConfigError
 from parlay.nonfinite import NonFiniteGuard
 from parlay.ps.chunks import ELEMENTWISE
@@ -44,13 +44,41 @@ __all__ = ["DistributedSession"]
 
 log = logging.getLogger("parlay.ps")
 
+
+def _layout(spec: TaskSpec, found: ClusterEnv) -> dict[str, Any]:
+    """Where an explicitly initialised task sits: the local rank its :meth:`TaskSpec.device_fn`
+    uses; the launcher's nodes when the spec carries its local rank, else the spec's hosts
+    (tasks sharing one are one node, as for ``TF_CONFIG``).
+
+    Raises:
+        ConfigError: The launcher started other than the spec's tasks (its evaluators aside).
+    """
+    if found.source != "single" and not (spec.world_size <= found.world_size
+                                         <= spec.world_size + len(spec.evaluator_hosts)):
+        raise ConfigError(f"task_spec describes {spec.world_size} training tasks (and "
+                          f"{len(spec.evaluator_hosts)} evaluators) but the launcher "
+                          f"({found.source}) started {found.world_size} processes. Hint: "
+                          "describe the launched processes (parlay.TaskSpec.from_env()), or "
+                          f"launch {spec.world_size} (`parlay run -n {spec.world_size}`).")
+    local = spec.local_index()
+    if spec.local_rank is not None and found.source != "single":
+        size, node, nodes = found.local_world_size, found.node_rank, found.num_nodes
+    else:
+        hosts = [parse_address(a, "task_spec")[0].lower() for a in spec.cluster_hosts]
+        mine, names = hosts[spec.rank or 0], list(dict.fromkeys(hosts))
+        size, node, nodes = hosts.count(mine), names.index(mine), len(names)
+    return dict(local_rank=local, local_world_size=max(min(size, spec.world_size), local + 1),
+                node_rank=node, num_nodes=nodes)
+
+
 class DistributedSession:
     """Parameter-server training session: servers hold sharded parameters and optimizer state,
     workers compute gradients.
 
     Args:
-        task_spec: This process's task (``None``: :meth:`TaskSpec.from_env`). Must agree with
-            the process group when one exists; otherwise the group is created from it.
+        task_spec: This process's task (``None``: :meth:`TaskSpec.from_env`), not an
+            evaluator. Must agree with the process group when one exists; otherwise the group
+            is created from it (with the local rank :meth:`TaskSpec.device_fn` uses).
         model: The model, built identically on every rank (servers take their initial values
             from their copy; workers start from the servers' values).
         optimizer: A ``torch.optim.Optimizer`` class, applied by each server to its shard.
@@ -74,7 +102,8 @@ class DistributedSession:
         split_bytes: Tensors above this size are split across servers (``None``: never).
         timeout: Seconds a worker may be silent before servers declare it lost (default: the
             process group's timeout). Workers wait up to ``2 * timeout + 5`` s for a reply,
-            because a server may itself be waiting out a lost peer.
+            because a server may itself be waiting out a lost peer; one held by slower workers
+            (or at a barrier) is told to wait on every ``timeout / 2`` s.
         checkpoint_every: Server checkpoint interval in updates (``None``: only at the end).
         resume_steps: Workers that keep their own checkpoints (as the Trainer does) pass the
             steps they hold. Servers then checkpoint when the workers ask (:meth:`save_shards`)
@@ -167,7 +196,8 @@ class DistributedSession:
         """Join the process group (creating it if needed), build the plan, start serving roles.
 
         Raises:
-            ConfigError: The task spec disagrees with the process group, or there is no PS.
+            ConfigError: The task spec is an evaluator, disagrees with the process group or
+                with the processes the launcher started, or there is no PS.
             CommError: A server did not answer the first pull.
         """
         if self._started:
@@ -179,22 +209,24 @@ class DistributedSession:
             raise
 
     def _start(self) -> None:
-        spec = self.task_spec
+        spec = self.task_spec if self.task_spec is not None else TaskSpec.from_env()
+        if spec.is_evaluator:
+            raise ConfigError(f"task_spec is evaluator {spec.index}: expected a ps, chief or "
+                              "worker task. Hint: evaluators take no part in a "
+                              "DistributedSession (they stand outside the training world); "
+                              "check spec.is_evaluator() and evaluate without a session.")
         if not runtime.is_initialized():
             found = detect()
-            if spec is None or spec.rank is None or (found.rank, found.world_size) == (
-                    spec.rank, spec.world_size):
+            if (found.rank, found.world_size) == (spec.rank, spec.world_size):
                 runtime.init()  # the launcher's environment (keeps local rank, device, ...)
             else:  # an explicit cluster description (TF-style host lists) the env lacks
                 runtime.init(rank=spec.rank, world_size=spec.world_size,
                              master_addr=spec.master_addr, master_port=spec.master_port,
-                             num_ps=spec.num_ps)
+                             num_ps=spec.num_ps, **_layout(spec, found))
             self._owns_runtime = True
         self._started = True
         c = runtime.cluster()
-        spec = spec if spec is not None else TaskSpec.from_env()
-        if spec.is_evaluator or (spec.rank, spec.world_size, spec.num_ps) != (
-                c.rank, c.world_size, c.num_ps):
+        if (spec.rank, spec.world_size, spec.num_ps) != (c.rank, c.world_size, c.num_ps):
             raise ConfigError(f"task_spec ({spec.task_type} {spec.index}: rank {spec.rank} of "
                               f"{spec.world_size}, {spec.num_ps} ps) does not match the process "
                               f"group (rank {c.rank} of {c.world_size}, {c.num_ps} ps). Hint: "
