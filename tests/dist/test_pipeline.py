@@ -438,6 +438,99 @@ def test_traced_model_with_split_points_equals_the_model():
         torch.testing.assert_close(grads[name], p.grad, **TOL, msg=name)
 
 
+class _BnDrop(nn.Module):  # BatchNorm and Dropout: a trace bakes their training mode in
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.bn, self.drop = nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)
+        self.c = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.c(self.drop(torch.relu(self.bn(self.a(x)))))
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_traced_model_evaluates_in_eval_mode_on_the_trained_tensors():
+    import copy
+
+    from parlay.pipeline.trace import trace_to_sequential
+
+    x, _ = _batch()
+    model = _BnDrop().double()
+    ref = copy.deepcopy(model)
+    seq = trace_to_sequential(model, ["c"], x[:4])
+    torch.manual_seed(3)
+    out = seq(x)  # training: batch statistics and dropout, as the model does
+    torch.manual_seed(3)
+    torch.testing.assert_close(out, ref(x), **TOL)
+    # the eval pieces follow a conversion of the training pieces (buffers are replaced)
+    seq.float().eval()
+    ref.float().eval()
+    with torch.no_grad():
+        first, second, want = seq(x.float()), seq(x.float()), ref(x.float())
+    torch.testing.assert_close(first, want)
+    assert torch.equal(first, second)
+    assert seq.state_dict()["stage0.gm.bn.num_batches_tracked"].item() == 1
+
+
+class _Viewed(nn.Module):  # input [B, 2, 5]
+    def __init__(self, flatten: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.flatten, self.a, self.b = flatten, nn.Linear(5, 4), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))  # a view with the row count is frozen by the trace
+        return self.b(h.flatten(1) if self.flatten else h.view(h.size(0), -1))
+
+
+def _traced_one_rank():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 2, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    out: dict = {}
+    try:  # two pieces, one stage: no longer regrouped silently
+        Pipeline(_Viewed(True).double(), nn.functional.mse_loss, stages=1,
+                 split_points=["b"], sample=x[:3])
+    except ConfigError as e:
+        out["count"] = str(e)
+    for flatten in (True, False):
+        pipe = Pipeline(_Viewed(flatten).double(), nn.functional.mse_loss, stages=1, chunks=2,
+                        split_points=[], sample=x[:3])
+        for n in (6, 4):  # micro-batches of 3 (the sample's), then of 2
+            try:
+                out[flatten, n] = pipe.step(x[:n], y[:n]).loss
+            except ConfigError as e:
+                out[flatten, n] = str(e)
+    return out
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_a_traced_model_refuses_a_stage_count_or_batch_its_trace_cannot_run():
+    out = run_world(_traced_one_rank, 1)[0]
+    assert out["count"].startswith("1 split point(s) make 2 stages, but stages=1"), out
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 2, 5, generator=g, dtype=torch.float64)
+    y = torch.randn(6, 3, generator=g, dtype=torch.float64)
+    for n in (6, 4):  # x.flatten(1) traces for any batch
+        want = nn.functional.mse_loss(_Viewed(True).double()(x[:n]), y[:n])
+        torch.testing.assert_close(out[True, n], want.detach(), **TOL)
+    torch.testing.assert_close(out[False, 6], out[True, 6], **TOL)
+    assert "takes only micro-batches of 3 rows" in out[False, 4], out[False, 4]
+
+
+def _on_meta():
+    import parlay.runtime as rt
+
+    rt.device = lambda: torch.device("meta")  # as on a GPU: only this rank's stage is moved
+    pipe = Pipeline(_model(), nn.functional.mse_loss, stages=2, chunks=2, sample=_batch()[0][:6])
+    return {p.device.type for p in pipe.parameters()}
+
+
+def test_the_boundary_check_runs_before_the_stages_move_to_the_device():
+    assert run_world(_on_meta, 2) == [{"meta"}, {"meta"}]
+
+
 def _stalled_stage():
     import time
 

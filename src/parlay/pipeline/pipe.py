@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map_only
 
 from parlay import comm, runtime
 from parlay.errors import ConfigError
@@ -115,6 +116,11 @@ class Pipeline:
         sample: Example input (one micro-batch); enables balancing by profiled time and the
             construction-time check that stage boundaries carry tensors (without it, the
             check runs on the first micro-batch of the first step, on every rank alike).
+            A traced model is traced with it, and shapes its forward computes from the input
+            are frozen there: after ``x.view(x.size(0), -1)`` it takes only micro-batches of
+            the sample's row count, and a batch that makes others is refused (use ``chunks``
+            x that many rows per batch with ``drop_last=True``, or ``x.flatten(1)`` /
+            ``nn.Flatten``, which trace for any row count).
         by: ``"auto"`` | ``"time"`` | ``"params"``: what to balance (see :func:`partition`).
         activation_dtype: ``"bf16"``/``"fp16"`` (or a dtype) to send activations and their
             gradients between stages in; ``None`` sends them as computed.
@@ -168,21 +174,22 @@ class Pipeline:
         _check_untied(self.seq, self.partition)
         self.mesh = mesh = mesh if mesh is not None else build_mesh(pp, dp)
         self.stage_ids = [mesh.pp_rank + k * mesh.pp for k in range(v)]
-        self.modules: list[StageModule] = []
-        for s in self.stage_ids:
-            layers = self.partition.build(self.seq, s).to(self.device)
-            self.modules.append(StageModule(layers, self.wire_dtype, s == 0,
-                                            s == self.num_stages - 1, autocast_dtype))
+        self.modules: list[StageModule] = [
+            StageModule(self.partition.build(self.seq, s), self.wire_dtype, s == 0,
+                        s == self.num_stages - 1, autocast_dtype) for s in self.stage_ids]
         self.meter = StageMeter()
         self._loss = (ScaledLoss(loss_fn, self.meter, autocast_dtype, self.device.type)
                       if loss_fn is not None else None)
         self._cache: OrderedDict[Any, tuple[Any, str]] = OrderedDict()
         self._checked = False
+        self._traced_rows: int | None = None  # the only micro-batch rows a traced model takes
         #: Loss scaling (fp16): the loss, hence every gradient, is multiplied by this before
         #: backward; the reported loss is unscaled. Must be equal on every rank of a pipeline.
         self.loss_scale = 1.0
         if sample is not None:
-            self._check(sample)
+            self._check(sample)  # before the move: every stage's layers on one device
+        for mod in self.modules:
+            mod.to(self.device)
         if sync_parameters and mesh.dp > 1:
             from parlay.dp.functions import broadcast_parameters
 
@@ -194,8 +201,10 @@ class Pipeline:
         explicit = balance is not None or split_points is not None
         by_time = not explicit and (by == "time" or (by == "auto" and sample is not None))
         known = by in ("auto", "time", "params")  # else partition() refuses it by name
+        if self.traced:  # the traced pieces: one starts at each split point
+            split_points = list(self.seq._modules)[1:] if balance is None else None
         return partition(self.seq, self.num_stages, balance=balance,
-                         split_points=split_points if not self.traced else None,
+                         split_points=split_points,
                          sample=sample if by_time else None,
                          by="time" if by_time else "params" if known else by)
 
@@ -250,10 +259,17 @@ class Pipeline:
 
     # ------------------------------------------------------------------ schedules
     def _check(self, sample: Any) -> None:
-        outs = check_boundaries(self.seq, self.partition, sample)
+        seq = nn.Sequential(OrderedDict((n, _OnItsDevice(m)) for n, m in self.seq._modules.items()))
+        outs = check_boundaries(seq, self.partition, sample)
         for mod, s in zip(self.modules, self.stage_ids):
             if s > 0:
                 mod.in_dtypes = tensor_dtypes(outs[s - 1])
+        if self.traced:  # does the trace take other row counts? (x.view(x.size(0), -1) not)
+            try:
+                check_boundaries(seq, self.partition,
+                                 tree_map_only(torch.Tensor, lambda t: torch.cat([t, t]), sample))
+            except Exception:  # noqa: BLE001 - any failure: shapes were frozen by the trace
+                self._traced_rows = int(batch_args(sample)[0].shape[0])
         self._checked = True
 
     def _schedule(self, x: tuple[torch.Tensor, ...], m: int, train: bool) -> tuple[Any, str]:
@@ -282,6 +298,15 @@ class Pipeline:
         if batch < 1:
             raise ConfigError("the batch is empty.")
         m = plan_chunks(batch, self.chunks)
+        rows = self._traced_rows
+        if rows is not None and batch // m != rows:
+            raise ConfigError(
+                f"the traced model takes only micro-batches of {rows} rows (those of sample=): "
+                "its forward computes a shape from the input, e.g. x.view(x.size(0), -1), "
+                f"which the trace froze; a batch of {batch} makes micro-batches of {batch // m}. "
+                f"Fix: use batches of {rows * self.chunks} (chunks x {rows}) with drop_last=True, "
+                "validation batches too, or x.flatten(1) / nn.Flatten() in the model, which "
+                "trace for any batch.")
         if not self._checked:
             self._check(args[0][: batch // m] if len(args) == 1
                         else tuple(a[: batch // m] for a in args))
@@ -412,6 +437,21 @@ class Pipeline:
         return (f"Pipeline(stages={self.mesh.pp}, dp={self.mesh.dp}, schedule={self.spec.name!r}, "
                 f"chunks={self.chunks}, balance={list(self.partition.balance)}, "
                 f"local_stages={self.stage_ids}, wire_dtype={self.wire_dtype})")
+
+
+class _OnItsDevice(nn.Module):
+    """A layer run on the device of its own tensors (a lazy boundary check runs the whole model
+    after only this rank's stages moved to the compute device)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: Any) -> Any:
+        t = next(iter([*self.layer.parameters(), *self.layer.buffers()]), None)
+        if t is not None:
+            x = tree_map_only(torch.Tensor, lambda v: v.to(t.device), x)
+        return self.layer(x)
 
 
 def _agree_on_partition(part: Partition, device: torch.device) -> Partition:

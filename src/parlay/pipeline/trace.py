@@ -6,14 +6,24 @@ whose parameters are the model's own tensors. parlay wraps those pieces as the l
 ``nn.Sequential`` so everything downstream (partition, stage modules, schedules) is shared with
 the Sequential path. parlay's stages exchange values only with their neighbours, so a value that
 skips a stage is refused with a hint.
+
+A trace bakes in the training mode (BatchNorm's batch statistics, dropout), so the model is
+traced twice: in training mode for training and in eval mode for evaluation; a piece in eval mode
+runs its eval graph on the training graph's own parameters and buffers (same names, same tensors).
+A trace also bakes in shapes the model computes from its input (``x.view(x.size(0), -1)``
+freezes the sample's row count; ``x.flatten(1)`` does not).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from itertools import chain
 from typing import Any
 
+import torch
 import torch.nn as nn
+from torch.func import functional_call
 
 from parlay.errors import ConfigError
 
@@ -22,14 +32,58 @@ __all__ = ["TracedStage", "trace_to_sequential", "as_sequential", "original_name
 
 class TracedStage(nn.Module):
     """One piece of a traced model, called with ``nn.Sequential`` semantics (a tuple input is
-    spread over the piece's arguments). Its parameters are the original model's, shared."""
+    spread over the piece's arguments). Its parameters are the original model's, shared.
 
-    def __init__(self, graph_module: nn.Module) -> None:
+    In eval mode (``.eval()``) it runs ``eval_module``, the piece traced in eval mode, on
+    ``gm``'s parameters and buffers by name (so moves and loads of ``gm`` reach it too)."""
+
+    def __init__(self, graph_module: nn.Module, eval_module: nn.Module | None = None) -> None:
         super().__init__()
         self.gm = graph_module
+        self._eval = (eval_module,)  # a tuple: not a submodule, so not in state_dict or .to()
 
     def forward(self, x: Any) -> Any:
-        return self.gm(*x) if isinstance(x, tuple) else self.gm(x)
+        args = x if isinstance(x, tuple) else (x,)
+        ev = self._eval[0]
+        if self.training or ev is None:
+            return self.gm(*args)
+        own = dict(_tensors(self.gm))
+        return functional_call(ev, {n: own[n] for n, _ in _tensors(ev) if n in own}, args)
+
+
+def _tensors(m: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return chain(m.named_parameters(remove_duplicate=False),
+                 m.named_buffers(remove_duplicate=False))
+
+
+@contextmanager
+def _train_mode(model: nn.Module, mode: bool) -> Iterator[None]:
+    """``model`` in ``mode`` inside, every submodule's own mode restored after."""
+    saved = [(m, m.training) for m in model.modules()]
+    model.train(mode)
+    try:
+        yield
+    finally:
+        for m, t in saved:
+            m.training = t
+
+
+def _pipeline(model: nn.Module, args: tuple[Any, ...], split_points: Sequence[str]) -> Any:
+    """``pipeline()``, with the forwards it patches on the split modules restored after."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    mods = [model.get_submodule(p) for p in split_points]
+    keys = ("forward", "_orig_forward")
+    saved: list[dict[str, Any]] = [{k: m.__dict__[k] for k in keys if k in m.__dict__}
+                                   for m in mods]
+    try:
+        return pipeline(model, mb_args=args,
+                        split_spec={p: SplitPoint.BEGINNING for p in split_points})
+    finally:
+        for m, d in zip(mods, saved):
+            for k in keys:
+                m.__dict__.pop(k, None)
+            m.__dict__.update(d)
 
 
 def trace_to_sequential(model: nn.Module, split_points: Sequence[str], sample: Any
@@ -45,8 +99,6 @@ def trace_to_sequential(model: nn.Module, split_points: Sequence[str], sample: A
         ConfigError: No sample, unknown names, a trace failure, or a value that skips a stage
             (each stage may only consume what the stage before it produced).
     """
-    from torch.distributed.pipelining import SplitPoint, pipeline
-
     if sample is None:
         raise ConfigError("splitting a non-Sequential model traces it and needs sample=<example "
                           "micro-batch input>.")
@@ -57,8 +109,10 @@ def trace_to_sequential(model: nn.Module, split_points: Sequence[str], sample: A
                           "Hint: use names from model.named_modules(), e.g. 'layers.4'.")
     args = sample if isinstance(sample, tuple) else (sample,)
     try:
-        pipe = pipeline(model, mb_args=args,
-                        split_spec={p: SplitPoint.BEGINNING for p in split_points})
+        with _train_mode(model, True):
+            pipe = _pipeline(model, args, split_points)
+        with _train_mode(model, False):
+            evals = _pipeline(model, args, split_points)
     except Exception as e:  # noqa: BLE001 - tracing errors come in many types
         raise ConfigError(f"could not trace {type(model).__name__} for pipelining: {e}. Hint: "
                           "express the model as an nn.Sequential instead.") from e
@@ -72,8 +126,9 @@ def trace_to_sequential(model: nn.Module, split_points: Sequence[str], sample: A
                     f"stage {i} of the traced model reads {a.name!r}, which is not produced by "
                     f"stage {i - 1}: values may only flow between neighbouring stages. Hint: "
                     "move the split points so skip connections stay inside one stage.")
-    return nn.Sequential(OrderedDict((f"stage{i}", TracedStage(pipe.get_stage_module(i)))
-                                     for i in range(pipe.num_stages)))
+    return nn.Sequential(OrderedDict(  # in the model's mode, as a Sequential's layers stay
+        (f"stage{i}", TracedStage(pipe.get_stage_module(i), evals.get_stage_module(i))
+         .train(model.training)) for i in range(pipe.num_stages)))
 
 
 def as_sequential(model: nn.Module, split_points: list[str] | None, sample: Any
