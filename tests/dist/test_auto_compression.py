@@ -158,8 +158,9 @@ def _all() -> dict:
     replaced = _trial([{"none": 1.0, "fp16": 0.5}, {"none": 0.9, "fp16": 0.8}])
     # saved while the trial runs fp16: the resumed one finishes the trial and keeps dense
     resumed = _trial([{"none": 0.5, "fp16": 1.0}, {"none": 0.7, "fp16": 0.6}], resume_after=5)
-    return dict(trial_resumed=resumed, agree=_agree(), switches=_switches(), small=_small_model(), trial=kept,
-                trial_replaced=replaced, noisy=_noisy_fp32_probe())
+    return dict(trial_resumed=resumed, agree=_agree(), switches=_switches(),
+                small=_small_model(), trial=kept, trial_replaced=replaced,
+                noisy=_noisy_fp32_probe())
 
 
 @pytest.fixture(scope="module")
@@ -198,8 +199,10 @@ def test_trial_keeps_the_fastest_measured_and_ranks_agree(per_rank):
 def test_a_trial_saved_midway_goes_on_after_the_resume(per_rank):
     a, b = per_rank[0]["trial_resumed"], per_rank[1]["trial_resumed"]
     assert a["history"] == b["history"] and a["trialing"] is None
-    # the step spanning the restart is not timed: the trial ends at step 7, not 6
-    assert sorted({(h[0], h[3]) for h in a["history"]}) == [(7, "none")], a["history"]
+    # the history is resumed too; the step spanning the restart is not timed: the trial ends
+    # at step 7, not 6
+    assert sorted({(h[0], h[3]) for h in a["history"]}) == [(1, "none"), (4, "fp16"),
+                                                            (7, "none")], a["history"]
     assert a["reasons"][-1] == "trial: none 700.00ms, fp16 1000.00ms", a["reasons"][-1]
     assert set(a["choices"].values()) == {"none"}
 
@@ -234,7 +237,8 @@ def test_fp16_never_costs_less_per_byte_than_fp32(per_rank):
 def test_loopback_small_model_stays_dense(per_rank):
     for rank, r in enumerate(per_rank):
         assert set(r["small"]["choices"].values()) == {"none"}, (rank, r["small"]["pred"])
-        assert r["small"]["state"] == ["cands", "carry", "choices", "prediction", "step", "trial"]
+        assert r["small"]["state"] == ["cands", "carry", "choices", "history", "prediction",
+                                         "step", "trial"]
         assert r["small"]["described"] == " ".join(f"{k}=none" for k in r["small"]["choices"])
 
 

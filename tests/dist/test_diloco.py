@@ -147,6 +147,23 @@ def test_host_first_pseudo_gradients_on_2_hosts_x_2():
             torch.testing.assert_close(a, b, **TOL)
 
 
+def _auto_host_first() -> tuple:
+    m = _model()
+    dl = DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                         sync_every=1, hierarchical=True,
+                         compression="auto:candidates=topk:0.05+fp16")
+    x, y = _data(parlay.size())
+    nn.functional.mse_loss(m(x[0]), y[0]).backward()
+    dl.step()
+    return dl.compression._eligible, dict(dl.compression.choices)
+
+
+def test_host_first_auto_pseudo_gradients_keep_to_summable_candidates():
+    # a host-first reducer sums payloads: top-k's indices must never go through it
+    for eligible, choices in run_world(_auto_host_first, 4, local_world_size=2):
+        assert eligible == ["fp16"] and set(choices.values()) == {"fp16"}, choices
+
+
 def test_host_first_int8_pseudo_gradients_equal_the_flat_ones():
     # int8's scale round and its int8 round both sum host first; the scale may differ by the
     # order of its sum (a last bit), nothing else.

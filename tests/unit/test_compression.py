@@ -277,6 +277,49 @@ def test_registry_names_options_and_errors():
         get_compressor("topk:0.1,rank=2")
     with pytest.raises(ConfigError, match="not a valid float"):
         get_compressor("randomk:abc")
+    with pytest.raises(ConfigError, match="'ratio' is given twice"):
+        get_compressor("topk:0.1,ratio=0.2")
+
+
+@pytest.mark.parametrize("a,b", [
+    ("randomk:0.05", "randomk:0.05,seed=1"), ("topk:0.05,warmup=3", "topk:0.05,warmup=3,"
+                                              "warmup_start=0.5"),
+    ("topk:0.1,momentum=0.9", "topk:0.1,momentum=0.9,masking=0"),
+    ("powersgd:2", "powersgd:2,min_compression=20"), ("powersgd:2", "powersgd:2,seed=1"),
+    ("powersgd:2", "powersgd:2,warm_start=0"), ("auto", "auto:margin=0.5"),
+    ("auto", "auto:trial=0")])
+def test_every_option_off_its_default_shows_in_the_repr_ranks_compare(a, b):
+    assert repr(get_compressor(a)) != repr(get_compressor(b))
+    assert repr(ErrorFeedback("fp16", 0.9)) != repr(ErrorFeedback("fp16", 0.9, masking=False))
+
+
+def test_auto_state_keeps_history_copies_its_trial_and_redecides_ineligible_choices():
+    from parlay.compress.auto import AutoCompressor, _Trial
+
+    flat = AutoCompressor()
+    flat.bind(None)
+    flat._switch("bucket0", "topk:0.01", "forced")
+    x = torch.arange(1.0, 301.0)
+    flat.compress(x, "bucket0")  # top-k keeps all but 3 coordinates owed
+    flat.trialing = _Trial([{"bucket0": "topk:0.01"}, {"bucket0": "fp16"}], 3)
+    flat.trialing.times.append(0.1)
+    state = flat.state_dict()
+    flat.trialing.times.append(0.2)  # a later (say undone) step leaves the saved state alone
+    assert state["trial"]["times"] == [0.1]
+    owed = flat.residual("bucket0")
+    again = AutoCompressor()
+    again.load_state_dict(state)
+    assert again.history == flat.history == [(0, "bucket0", None, "topk:0.01", "forced")]
+    assert again.choices == {"bucket0": "topk:0.01"}
+    host_first = AutoCompressor()  # a host-first reducer sums payloads: top-k cannot go there
+    host_first.bind(None, summable_only=True)
+    with pytest.warns(UserWarning, match="not eligible here"):
+        host_first.load_state_dict(state)
+    assert "bucket0" not in host_first.choices and host_first.trialing is None
+    assert torch.equal(host_first.residual("bucket0"), owed)  # carried, not lost
+    payload, ctx = host_first.compress(torch.zeros(300), "bucket0")
+    assert host_first.choices == {"bucket0": "none"}
+    assert torch.equal(host_first.decompress(payload, ctx), owed)
 
 
 def test_facade_and_horovod_namespace():

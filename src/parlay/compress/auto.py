@@ -24,10 +24,12 @@ produced``). Choices are in :attr:`AutoCompressor.choices`, reasons in :attr:`hi
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -355,8 +357,8 @@ class AutoCompressor(Compressor):
 
     def state_dict(self) -> dict[str, Any]:
         t = self.trialing  # a trial under way goes on after a resume, from what it measured
-        trial = vars(t).copy() if isinstance(t, _Trial) else t
-        return {"choices": dict(self.choices), "step": self._step,
+        trial = copy.deepcopy(vars(t)) if isinstance(t, _Trial) else t
+        return {"choices": dict(self.choices), "step": self._step, "history": list(self.history),
                 "carry": {k: v.clone() for k, v in self._carry.items()},
                 "cands": {s: c.state_dict() for s, c in self.cands.items()},
                 "trial": trial, "prediction": {k: dict(v) for k, v in self.last_prediction.items()}}
@@ -367,6 +369,7 @@ class AutoCompressor(Compressor):
             raise ConfigError(f"auto compression state chose {choices!r}, but the candidates "
                               f"are {self.specs}. Hint: resume with the same candidates.")
         self.choices = {str(k): str(v) for k, v in choices.items()}
+        self.history = [tuple(h) for h in state.get("history", [])]
         self._step = int(state.get("step", 0))
         self._carry = {str(k): v.detach().clone() for k, v in state.get("carry", {}).items()}
         for s, sd in state.get("cands", {}).items():
@@ -379,9 +382,29 @@ class AutoCompressor(Compressor):
             t = self.trialing = _Trial(list(trial["options"]), int(trial["steps"]))
             t.times, t.medians = list(trial["times"]), list(trial["medians"])
         self._t_last = None  # the step spanning the restart is not timed
+        self._redecide({k for k, v in self.choices.items() if v not in self._eligible})
+
+    def _redecide(self, keys: set[str]) -> None:
+        """Decide ``keys`` anew at their next compress: a resumed choice this reduction cannot
+        carry (top-k saved by a flat run, resumed host-first). What it owes is carried."""
+        if not keys:
+            return
+        warnings.warn(f"auto compression: the resumed choices {sorted(keys)} are not eligible "
+                      f"here (eligible: {self._eligible}); they are decided anew.", stacklevel=3)
+        for k in keys:
+            mem = getattr(self.cands[self.choices.pop(k)], "memory", None)
+            owed = mem.take(k) if mem is not None else None
+            if owed is not None:
+                self._carry[k] = owed if k not in self._carry else self._carry[k] + owed
+        t = self.trialing
+        if isinstance(t, _Trial) and any(s not in self._eligible
+                                         for o in t.options for s in o.values()):
+            self.trialing = None
 
     def __repr__(self) -> str:
-        return f"AutoCompressor(candidates={self.specs})"
+        extra = "" if self.margin == 0.25 else f", margin={self.margin}"  # every option off
+        extra += "" if self.trial == 3 else f", trial={self.trial}"  # its default (ranks compare)
+        return f"AutoCompressor(candidates={self.specs}{extra})"
 
 
 def _make(*args: str) -> Compressor:

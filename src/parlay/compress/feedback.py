@@ -88,6 +88,9 @@ def parse_options(spec_args: Sequence[str], positional: Sequence[str],
                               f"{', '.join(sorted(types))} (e.g. '{name}:" + (
                                   "0.01,momentum=0.9" if "momentum" in types
                                   else f"{sorted(types)[0]}=...") + "').")
+        if k in out:
+            raise ConfigError(f"compression {name!r}: option {k!r} is given twice "
+                              f"({list(spec_args)}). Fix: give each option once.")
         t = types[k]
         try:
             if t is bool:
@@ -298,4 +301,5 @@ class ErrorFeedback(Compressor):
 
     def __repr__(self) -> str:
         m = f", momentum={self.memory.momentum}" if self.memory.momentum else ""
+        m += "" if self.memory.masking else ", masking=False"
         return f"ErrorFeedback({self.inner!r}{m})"

@@ -327,6 +327,10 @@ class PowerSGD(Compressor):
 
     def __repr__(self) -> str:
         extra = "" if self.memory is not None else ", error_feedback=False"
+        extra += "" if self.warm_start else ", warm_start=False"  # every option off its
+        extra += "" if self.min_compression == 2.0 else \
+            f", min_compression={self.min_compression}"  # default: ranks compare reprs
+        extra += f", seed={self.seed}" if self.seed else ""
         return f"PowerSGD(rank={self.rank}{extra})"
 
 

@@ -169,8 +169,12 @@ class _Sparsifier(Compressor):
         extra = "" if self.memory is not None else ", error_feedback=False"
         if self.memory is not None and self.memory.momentum:
             extra += f", momentum={self.memory.momentum}"
+        if self.memory is not None and not self.memory.masking:
+            extra += ", masking=False"
         if self.warmup_steps:
             extra += f", warmup_steps={self.warmup_steps}"
+        if self.warmup_start != 0.25:  # every option off its default: ranks compare reprs
+            extra += f", warmup_start={self.warmup_start}"
         return f"{type(self).__name__}(ratio={self.ratio}{extra})"
 
 
@@ -318,6 +322,10 @@ class RandomK(_Sparsifier):
     def _payload(self, values: torch.Tensor, idx: torch.Tensor, numel: int,
                  k: int | None = None) -> list[torch.Tensor]:
         return [values]
+
+    def __repr__(self) -> str:
+        r = super().__repr__()
+        return r[:-1] + f", seed={self.seed})" if self.seed else r
 
     def decompress(self, payload: list[torch.Tensor], ctx: Any,
                    out: torch.Tensor | None = None) -> torch.Tensor:

@@ -178,6 +178,9 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self.group = process_group
         self.world = comm.group_size(process_group) if dist.is_initialized() else 1
         self._reducer = make_reducer(hierarchical, process_group, self.compression, self.world)
+        bind = getattr(self.compression, "bind", None)  # "auto" agrees its choices over the group
+        if callable(bind):  # and sends only summable payloads through a host-first reducer
+            bind(process_group, summable_only=self._reducer is not None)
         mine = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         #: A sharded inner optimizer's engine: its chunks are what this rank syncs.
         self._engine = getattr(optimizer, "shard_engine", None)
