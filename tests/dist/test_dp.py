@@ -364,11 +364,11 @@ def _positional_orders():
     model = _model()
     a = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     model.named_parameters(), parlay.Sum, None, 2)
+    a.remove_hooks()  # (a second optimizer over the same parameters is refused otherwise)
     b = parlay.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                     model.named_parameters(), "fp16", 3, parlay.Sum)
     res = (int(a.op), a.backward_passes_per_step, type(a.compression).__name__,
            int(b.op), b.backward_passes_per_step, type(b.compression).__name__)
-    a.remove_hooks()
     b.remove_hooks()
     return res
 

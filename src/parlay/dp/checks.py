@@ -1,6 +1,6 @@
-"""``DistributedOptimizer``'s construction checks: its arguments, which parameters it reduces
-(by name), and that every rank holds the same ones (integer tensors only: no pickled object
-crosses the network)."""
+"""``DistributedOptimizer``'s checks: its arguments, which parameters it reduces (by name), that
+every rank holds the same ones (integer tensors only: no pickled object crosses the network),
+and the misuse refused later (at ``step()``, ``zero_grad()``)."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +16,7 @@ from parlay.errors import ConfigError
 from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["check_arguments", "check_passes", "named_parameters", "check_consistency",
-           "check_still_frozen"]
+           "check_still_frozen", "check_still_held", "check_untouched"]
 
 
 def _check_op(op: Any) -> ReduceOp:
@@ -116,6 +116,36 @@ def check_still_frozen(frozen: list[torch.Tensor]) -> None:
             "drift apart. Hint: make them trainable before wrapping, or call remove_hooks() on "
             "this optimizer and wrap a new one after unfreezing (with shard='parameters', build "
             "the new one inside `with old.gathered_parameters():`).")
+
+
+def check_still_held(optimizer: torch.optim.Optimizer, held: int) -> None:
+    """``held``: how many parameters the wrapped ``optimizer`` held when it was wrapped; one
+    added since (its own ``add_param_group``) would be stepped but never reduced.
+
+    Raises:
+        ConfigError: It holds another number now.
+    """
+    if sum(len(g["params"]) for g in optimizer.param_groups) != held:
+        raise ConfigError(
+            "parameters were added to the wrapped optimizer (add_param_group) after the "
+            "DistributedOptimizer was built: their gradients would not be reduced and the "
+            "ranks' weights would drift apart. Fix: add every group before wrapping, or call "
+            "remove_hooks() on the DistributedOptimizer and wrap the inner optimizer again.")
+
+
+def check_untouched(untouched: bool, passes: int) -> None:
+    """``zero_grad()``: ``untouched``, no backward pass counted since the last reduction.
+
+    Raises:
+        ConfigError: One was (its reduced or accumulated gradients would be lost).
+    """
+    if not untouched:
+        raise ConfigError(
+            "optimizer.zero_grad() was called after loss.backward() but before "
+            "optimizer.step() or optimizer.synchronize() (with backward_passes_per_step="
+            f"{passes}, also between those passes: it would drop the earlier ones). This is "
+            "prohibited as it can cause a race condition. Hint: step() or synchronize() first "
+            "(as Horovod, which raises here too).")
 
 
 def _hash(entry: Any) -> int:

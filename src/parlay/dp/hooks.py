@@ -10,6 +10,7 @@ this small state object; the collective itself is a :class:`Reducer`.
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -21,7 +22,8 @@ from parlay.compress.reduce import reduce_async
 from parlay.dp.buckets import Bucket, BucketPlan
 from parlay.errors import ConfigError
 
-__all__ = ["Reducer", "FlatReducer", "LocalReducer", "GradientBuckets", "zero_grad_of"]
+__all__ = ["Reducer", "FlatReducer", "LocalReducer", "GradientBuckets", "zero_grad_of",
+           "check_unhooked", "reduced_closure"]
 
 
 class Reducer(Protocol):
@@ -88,6 +90,7 @@ class GradientBuckets:
         self.reset()
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(i))
                        for i, p in enumerate(self.params)]
+        _HOOKED.add(self)
 
     def _new_buffer(self, bucket: Bucket) -> torch.Tensor:
         """The flat buffer of one bucket (the sharded engine pads it, or makes it per step)."""
@@ -132,6 +135,7 @@ class GradientBuckets:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        _HOOKED.discard(self)
 
     # ----------------------------------------------------------------- during backward
     def _hook(self, i: int) -> Callable[[torch.Tensor], None]:
@@ -160,7 +164,15 @@ class GradientBuckets:
 
     def _fill(self, i: int) -> None:
         b, where = self._slot(i)
-        g, view = self.params[i].grad, self.views[i]
+        g, view, buf = self.params[i].grad, self.views[i], self.buffers[b]
+        if view is not None and (view.dtype != self.params[i].dtype or view.data_ptr()
+                                 != buf.data_ptr() + where.start * buf.element_size()):
+            raise ConfigError(  # model.double(), .to(memory_format=...) replaced p.grad's data
+                f"the gradient of {self.names[i]!r} is no longer a view into its bucket: the "
+                "model was converted (dtype, device or memory format) after its "
+                "DistributedOptimizer was built, and its reduced gradient would be lost. Fix: "
+                "build the optimizer after converting the model, or pass "
+                "gradient_as_bucket_view=False.")
         if g is not None and g.is_sparse:
             self._sparse.add(i)  # reduced densely in the bucket, handed back sparse
         if view is not None and g is not None and not g.is_sparse \
@@ -253,6 +265,51 @@ class GradientBuckets:
                 zero_grad_of(p, set_to_none)
             elif p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != v.data_ptr():
                 p.grad = v  # re-attach after e.g. model.zero_grad(set_to_none=True)
+
+
+#: The engines whose hooks are attached (each parameter is reduced by one at most).
+_HOOKED: weakref.WeakSet[GradientBuckets] = weakref.WeakSet()
+
+
+def check_unhooked(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse parameters that still carry another engine's hooks.
+
+    Raises:
+        ConfigError: Some do (their gradients would be counted by both engines).
+    """
+    mine = {id(p) for _, p in named}
+    for eng in list(_HOOKED):
+        taken = [n for n, p in zip(eng.names, eng.params) if id(p) in mine]
+        if taken:
+            raise ConfigError(
+                f"{len(taken)} parameter(s) ({taken[0]!r}, ...) still carry the gradient hooks "
+                "of another DistributedOptimizer, which would count their gradients too. Fix: "
+                "call remove_hooks() on the old optimizer before wrapping a new one (e.g. when "
+                "switching optimizers between phases of training).")
+
+
+def reduced_closure(opt: Any, closure: Callable[[], Any] | None) -> Callable[[], Any] | None:
+    """The closure ``opt.step(closure)`` hands the wrapped optimizer (``None`` stays ``None``):
+    each call of ``closure`` is followed by ``opt.synchronize()``, which reduces its gradients,
+    and the loss it returns is reduced over the group with ``opt.op`` (averaged), so every rank
+    decides as one process would on the combined batch (L-BFGS calls it several times a step,
+    its line search compares the losses)."""
+    if closure is None or opt._buckets is None:  # no reduction: local gradients, local loss
+        return closure
+    group = opt.process_group
+
+    def reduced() -> Any:
+        loss = closure()
+        opt.synchronize()
+        opt._synchronized = False
+        if loss is None:
+            return None
+        own = isinstance(loss, torch.Tensor)
+        t = torch.tensor([float(loss.detach() if own else loss)], dtype=torch.float64,
+                         device=comm.group_device(group))
+        comm.allreduce(t, opt.op, group=group)
+        return t.reshape(loss.shape).to(loss) if own else float(t)
+    return reduced
 
 
 def zero_grad_of(p: torch.Tensor, set_to_none: bool) -> None:

@@ -23,7 +23,7 @@ from parlay.dp.hierarchical import HierarchicalReducer, host_topology, make_redu
 from parlay.dp.hooks import FlatReducer, GradientBuckets, LocalReducer, Reducer, zero_grad_of
 from parlay.dp.shard import ShardedBuckets
 from parlay.dp.shard_units import check_level, clip_chunks_, plan_units
-from parlay.dp import checks
+from parlay.dp import checks, hooks
 from parlay.dp.checks import check_arguments, check_passes
 from parlay.dp.ops import ReduceOp
 from parlay.dp.wrapped import WrappedOptimizer
@@ -62,7 +62,8 @@ class DistributedOptimizer(WrappedOptimizer):
             ``zero_grad()`` (``set_to_none=True``) then sets them to ``None``: autograd's
             fresh gradient is copied once into the bucket, as DDP does; with
             ``set_to_none=False`` the buckets are zeroed in place and autograd accumulates
-            straight into them (a zeroing pass and an addition instead of one copy).
+            straight into them (a zeroing pass and an addition instead of one copy). Convert
+            the model (dtype, memory format) before wrapping: a view it replaced is refused.
         overlap: Start each bucket's reduction as soon as it is full, during backward (the
             default). ``False`` starts them all in ``synchronize()``: on machines where
             communication and computation compete for the same few cores, overlapping can
@@ -86,7 +87,8 @@ class DistributedOptimizer(WrappedOptimizer):
         model: The module (needed by ``shard="parameters"``, whose gathers hook its modules).
 
     Raises:
-        ConfigError: Bad arguments, or ranks disagree on parameter names, shapes or dtypes.
+        ConfigError: Bad arguments, parameters another one hooks (see :meth:`remove_hooks`),
+            or ranks disagree on parameter names, shapes or dtypes.
 
     Subclasses (``parlay.horovod.DistributedOptimizer``) extend it through two protected
     methods: :meth:`_make_reducer` (how a bucket is summed, or ``None`` to keep gradients
@@ -125,6 +127,7 @@ class DistributedOptimizer(WrappedOptimizer):
                        if p.requires_grad]
         self._frozen = [p for g in optimizer.param_groups for p in g["params"]
                         if not p.requires_grad]
+        hooks.check_unhooked(self._named)
         if check_consistency and self._world > 1:
             checks.check_consistency(self._named, process_group, {
                 "shard": self.shard, "bucket_cap_mb": bucket_cap_mb, "op": int(op),
@@ -150,6 +153,7 @@ class DistributedOptimizer(WrappedOptimizer):
         self._synchronized, self._should_synchronize = False, True
         self._buckets: GradientBuckets | None = None
         self._install()
+        self._held = sum(len(g["params"]) for g in self.param_groups)  # (chunks with shard=)
 
     # ----------------------------------------------------------------- construction steps
     def _scales(self) -> tuple[float, float]:
@@ -301,16 +305,18 @@ class DistributedOptimizer(WrappedOptimizer):
     _step_supports_amp_scaling = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Synchronize gradients (unless inside :meth:`skip_synchronize`), then step.
+        """Synchronize gradients (unless inside :meth:`skip_synchronize`), then step; with a
+        ``closure`` (L-BFGS), after each of its calls too (see :func:`.hooks.reduced_closure`).
 
         Under ``torch.amp.GradScaler.step(opt)`` the gradients must have been reduced before
         the scaler checked them for overflows (each rank would otherwise skip on its own
         gradients): ``opt.synchronize()`` first, and with ``shard=``, ``opt.unscale_(scaler)``.
 
         Raises:
-            ConfigError: GradScaler checked gradients still being reduced, or a sharded
-                optimizer's chunks without :meth:`unscale_`.
+            ConfigError: GradScaler checked gradients still being reduced, a sharded
+                optimizer's chunks without :meth:`unscale_`, or a group added after wrapping.
         """
+        checks.check_still_held(self._opt, self._held)
         if "found_inf" in self.__dict__:
             return self._scaler_step(closure)
         if self._should_synchronize:
@@ -320,10 +326,11 @@ class DistributedOptimizer(WrappedOptimizer):
                     "optimizer.synchronize(). This can cause training slowdown. You may want to "
                     "consider using optimizer.skip_synchronize() context if you use "
                     "optimizer.synchronize() in your code.", stacklevel=2)
-            if not (self._synchronized and self._buckets is not None and self._buckets.untouched):
+            idle = self._buckets is not None and self._buckets.untouched
+            if not (idle and (self._synchronized or closure is not None)):
                 self.synchronize()  # (a second finish() would reduce handed-back gradients)
         self._synchronized = False
-        return self._apply_update(closure)
+        return self._apply_update(hooks.reduced_closure(self, closure))
 
     def _scaler_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step()`` called by ``torch.amp.GradScaler.step`` (see :meth:`step`)."""
@@ -353,7 +360,8 @@ class DistributedOptimizer(WrappedOptimizer):
         other parameters follow ``set_to_none``.
 
         Raises:
-            ConfigError: A reduction is half done (after backward, before step/synchronize).
+            ConfigError: A reduction or accumulation is under way (after a backward pass,
+                before step/synchronize).
         """
         params = [p for _, p in self._named] if self.shard else \
             [p for group in self.param_groups for p in group["params"]]
@@ -362,12 +370,7 @@ class DistributedOptimizer(WrappedOptimizer):
             for p in params:
                 zero_grad_of(p, set_to_none)
             return
-        if eng.in_flight:  # its reduced gradients would be handed back over the zeros
-            raise ConfigError(
-                "optimizer.zero_grad() was called after loss.backward() but before "
-                "optimizer.step() or optimizer.synchronize(). This is prohibited as it can "
-                "cause a race condition. Hint: step() or synchronize() first (as Horovod, "
-                "which raises here too).")
+        checks.check_untouched(eng.untouched, self.backward_passes_per_step)
         eng.zero_grad(params, set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -473,7 +476,7 @@ class DistributedOptimizer(WrappedOptimizer):
             self.compression.load_state_dict(comp)
 
     def remove_hooks(self) -> None:
-        """Detach the gradient hooks (the wrapper stops communicating during backward)."""
+        """Detach the gradient hooks (backward stops communicating): then wrap anew."""
         if self._buckets is not None:
             self._buckets.remove()
 

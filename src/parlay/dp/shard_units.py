@@ -28,7 +28,7 @@ def check_level(shard: Any, compressor: Compressor, optimizer: torch.optim.Optim
 
     Raises:
         ConfigError: An unknown level, a compressor that is not an element-wise cast, or an
-            optimizer that needs sparse gradients.
+            optimizer that needs sparse gradients or whole vectors (L-BFGS).
     """
     if shard is None or shard is False:
         return None
@@ -43,6 +43,9 @@ def check_level(shard: Any, compressor: Compressor, optimizer: torch.optim.Optim
     if isinstance(optimizer, torch.optim.SparseAdam):
         raise ConfigError(f"shard={shard!r} steps flat chunks of dense gradients; SparseAdam "
                           "needs sparse ones. Hint: use Adam, or shard=None.")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ConfigError(f"shard={shard!r} steps each rank's chunks on their own; L-BFGS needs "
+                          "norms and dot products over every parameter. Hint: shard=None.")
     return str(shard)
 
 
