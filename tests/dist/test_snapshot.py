@@ -184,9 +184,10 @@ def _check(p, out: Path, reference, case: str, kill_rank: int, kill_step: int,
 # background: parameters and optimizer state copied while the next step waits for its
 # gradient reduction (deferred, the default) rather than before save() returns (inline).
 # One kill per mode (each rank and both copy modes covered once; the suite's time is bounded).
-@pytest.mark.parametrize("case, kill_rank, kill_step, background", [  # hybrid's kill-and-restart
-    ("allreduce", 1, 4, False), ("topk", 0, 5, True),                  # is in test_restart
-    pytest.param("hybrid", 0, 9, False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("case, kill_rank, kill_step, background", [  # allreduce's and hybrid's
+    pytest.param("allreduce", 1, 4, False, marks=pytest.mark.slow),    # kill-and-restart (from a
+    ("topk", 0, 5, True),                                              # snapshot) are in
+    pytest.param("hybrid", 0, 9, False, marks=pytest.mark.slow)])      # test_restart
 def test_sigkill_resumes_from_snapshot_bit_identical(tmp_path, reference, case, kill_rank,
                                                      kill_step, background):
     p, out = _launch(tmp_path, case, kill_rank, kill_step, background=background)
