@@ -105,7 +105,8 @@ class MetricsLogger:
         progress: Show a tqdm bar (on the printer, when stderr is a terminal; otherwise the
             printer prints a line at each log step).
         stream: Where summaries go (default ``sys.stdout``).
-        epoch_so_far: What :attr:`epoch_so_far` was when the state resumed was saved.
+        epoch_so_far: What :attr:`epoch_so_far` was when the state resumed was saved (the
+            log window's two entries may be missing).
 
     Raises:
         ConfigError: The printer cannot create ``jsonl_path``.
@@ -124,8 +125,9 @@ class MetricsLogger:
         self._t0 = self._t_log = self._t_epoch = time.perf_counter()
         self._samples_log = self._samples_epoch = 0
         if epoch_so_far is not None:  # a resumed epoch's summary counts its earlier steps
-            total, weight, samples = epoch_so_far
+            total, weight, samples, *window = epoch_so_far  # (older states: no window)
             self.epoch.sum, self.epoch.count, self._samples_epoch = total, weight, int(samples)
+            self.window.sum, self.window.count = window or (0.0, 0.0)
         self._file: TextIO | None = None
         self._bar: Any = None
         self._path = jsonl_path
@@ -155,9 +157,11 @@ class MetricsLogger:
 
     @property
     def epoch_so_far(self) -> list[float]:
-        """This rank's loss sum, its weight and the samples counted in the epoch so far: what
-        a resume gives back (``epoch_so_far=``) so that the epoch's summary covers it whole."""
-        return [self.epoch.sum, self.epoch.count, self._samples_epoch]
+        """This rank's loss sum, its weight and the samples counted in the epoch so far, then
+        the loss sum and weight since the last log step: what a resume gives back
+        (``epoch_so_far=``) so that the epoch's summary and the next log record cover them."""
+        return [self.epoch.sum, self.epoch.count, self._samples_epoch, self.window.sum,
+                self.window.count]
 
     # ------------------------------------------------------------------ sinks
     def write(self, event: str, **fields: Any) -> None:

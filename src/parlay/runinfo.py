@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - not on Windows: no lock there
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["model_layout", "fingerprint", "describe_mismatch", "DirLock", "trainer_identity",
-           "recipe_difference", "stable_repr"]
+           "recipe_difference", "same_numbers", "stable_repr"]
 
 #: Identity fields a resume must match exactly, with how to tell the user about each.
 #: Identity fields that say how many ranks wrote a state (a resharded resume may differ).
@@ -195,8 +195,15 @@ def recipe_difference(saved: Any, now: Any) -> str | None:
     now; ..."``; ``None`` when they agree or either is missing (older states had none)."""
     if not (isinstance(saved, dict) and isinstance(now, dict)) or saved == now:
         return None
+    saved, now = ({k: same_numbers(str(v)) for k, v in r.items()} for r in (saved, now))
     return "; ".join(f"{k}: {saved.get(k)} then, {now.get(k)} now"
-                     for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k))
+                     for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)) or None
+
+
+def same_numbers(text: str) -> str:
+    """``text`` with its integral float literals as ints (``1.0`` -> ``1``), so that a setting
+    passed as ``1`` or as ``1.0`` compares equal (also against recipes saved as either)."""
+    return re.sub(r"(?<![\w.])(\d+)\.0(?![\w.])", r"\1", text)
 
 
 def stable_repr(value: Any) -> str:

@@ -296,6 +296,8 @@ def test_bad_arguments_raise_config_error():
     for kw in ({"validate_every": 0}, {"validate_step_size": 0}):  # either name, same check
         with pytest.raises(ConfigError, match="validate_every"):
             t.train_and_validate_to_end(**kw)
+    with pytest.raises(ConfigError, match="validate_every or validate_step_size"):  # not one
+        t.train_and_validate_to_end(validate_every=2, validate_step_size=5)  # silently
     parlay.shutdown()
 
 
@@ -313,6 +315,13 @@ def _past_the_end():
 def test_training_past_the_end_is_refused():
     for step, msg in run_world(_past_the_end, 2):
         assert step == 2 and msg is not None and "training is over" in msg
+    t = parlay.Trainer(_build, _dataset(), max_iteration=2, progress=False)
+    t.train_on_batch()
+    t.train_on_batch()
+    with pytest.raises(ConfigError, match="training is over"):  # without asking should_stop()
+        t.train_on_batch()
+    assert t.state.step == 2 and t.should_stop()
+    parlay.shutdown()
 
 
 def test_seed_five_arguments_by_position_and_every_option_by_keyword():
@@ -387,6 +396,25 @@ def _on_groups():
     while not t.should_stop():
         t.train_on_batch()
     return t.state.step
+
+
+def _int_or_float():
+    import warnings
+
+    one = (1, 1.0)[parlay.rank()]  # equal settings, spelled apart
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = parlay.Trainer(_build, _dataset(), torch.optim.SGD, {"lr": one}, 4, progress=False,
+                           warmup_epochs=one, grad_clip=one, lr_schedule="cosine")
+    t.close()
+    return [str(w.message) for w in caught]
+
+
+def test_equal_numbers_agree_and_a_warmup_over_all_of_training_warns():
+    # 1 and 1.0 were "different settings"; one epoch of warm-up in one epoch of training ate
+    # the cosine decay silently (the printing rank warns)
+    a, b = run_world(_int_or_float, 2)
+    assert len(a) == 1 and "warmup_epochs" in a[0] and "decays" in a[0] and b == []
 
 
 def test_trainers_on_their_own_process_groups_compare_settings_within_them():

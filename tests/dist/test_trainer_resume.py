@@ -104,7 +104,7 @@ def test_truncated_checkpoint_raises_and_previous_one_is_used(tmp_path):
 
 def _logged(ckpt_dir, max_iteration, metrics_path):
     t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 1e-2}, batch_size=BATCH,
-                       max_iteration=max_iteration, checkpoint_dir=ckpt_dir,
+                       max_iteration=max_iteration, checkpoint_dir=ckpt_dir, log_step_size=3,
                        checkpoint_every=5, metrics_path=metrics_path, progress=False)
     while not t.should_stop():
         t.train_on_batch()
@@ -114,18 +114,33 @@ def _epoch_lines(path):
     import json
 
     recs = [json.loads(line) for line in open(path)]
-    return [(r["epoch"], r["step"], r["samples"], round(r["loss"], 12))
-            for r in recs if r["event"] == "epoch"]
+    return [(r["epoch"], r["step"], r.get("samples"), round(r["loss"], 12))
+            for r in recs if r["event"] in ("epoch", "train")]
 
 
 def test_the_summary_of_an_epoch_spanning_a_resume_covers_it_whole(tmp_path):
     # the cut (step 8) is two steps into epoch 1: its summary must count steps 7-12, not 9-12
+    # (and the log record of step 9 steps 7-9, not step 9 alone)
     run_world(_logged, 2, None, TOTAL, str(tmp_path / "full.jsonl"))
     run_world(_logged, 2, str(tmp_path / "ck"), CUT, str(tmp_path / "cut.jsonl"))
     run_world(_logged, 2, str(tmp_path / "ck"), TOTAL, str(tmp_path / "cut.jsonl"))
     full = _epoch_lines(tmp_path / "full.jsonl")
-    assert [e[:3] for e in full] == [(0, 6, 44), (1, 12, 44)]
+    assert [e[:3] for e in full if e[2]] == [(0, 6, 44), (1, 12, 44)]
+    assert [e[1] for e in full if not e[2]] == [3, 6, 9, 12, 15]
     assert _epoch_lines(tmp_path / "cut.jsonl") == full
+
+
+def test_a_setting_spelled_as_an_equal_int_or_float_resumes(tmp_path):
+    # one process: the recipe saved "1.0" (the default warmup_epochs) and now reads "1"
+    kw = {"batch_size": BATCH, "checkpoint_dir": str(tmp_path), "progress": False}
+    t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 1}, grad_clip=1,
+                       max_iteration=2, **kw)
+    t.train_to_end()
+    t = parlay.Trainer(_build, _dataset(), optimizer_args={"lr": 1.0}, grad_clip=1.0,
+                       warmup_epochs=1, max_iteration=3, **kw)
+    assert t.state.step == 2
+    t.close()
+    parlay.shutdown()
 
 
 @pytest.mark.parametrize("reshard", [False, True])

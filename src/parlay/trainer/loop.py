@@ -12,6 +12,7 @@ import inspect
 import logging
 import math
 import time
+import warnings
 from typing import Any
 from collections.abc import Callable
 
@@ -93,6 +94,13 @@ class Trainer:
                                      cfg.validation_batch_size or cfg.batch_size,
                                      **self._loader_options)
         self._say(self._start_message())
+        cosine, w, n = self.lr_schedule == "cosine", self.warmup_steps, self.total_steps
+        if 0 < n and (n < w or (n == w and cosine)) and self.metrics.printer:  # (defaults: no)
+            warnings.warn(f"the learning-rate warm-up ({w} steps) covers all {n} steps of "
+                          "training: the rate only rises and never reaches its scaled value"
+                          + (" nor decays (lr_schedule='cosine')" if cosine else "")
+                          + f". Hint: a smaller warmup_epochs (now {cfg.warmup_epochs:g}), or "
+                          "train longer.", stacklevel=3)
         self.metrics.write("start", mode=self.mode, dp_size=self.strategy.dp_size,
                            batch_size=self.batch_size, lr_scale=self.lr_scale,
                            warmup_steps=self.warmup_steps, step=self.state.step,
@@ -223,17 +231,19 @@ class Trainer:
             This rank's batch loss (``None`` on ranks that do not compute one).
 
         Raises:
-            ConfigError: Called on a rank that only serves (a parameter server).
+            ConfigError: Called on a rank that only serves (a parameter server), or once
+                ``max_iteration`` or ``num_epochs`` is reached.
         """
         s = self.strategy
         if not s.consumes_data:
             raise ConfigError("train_on_batch() was called on a serving-only rank (parameter "
                               "server). Hint: loop `while not trainer.should_stop(): "
                               "trainer.train_on_batch()`; should_stop() serves on these ranks.")
-        if self._stopped:
-            raise ConfigError(f"training is over (step {self.state.step}): train_on_batch() "
-                              "after should_stop() returned True would train past the end. "
-                              "Hint: a larger max_iteration or num_epochs.")
+        if self._stopped or self._reached_end(counters_only=True):  # alike on every rank
+            raise ConfigError(f"training is over (step {self.state.step} of "
+                              f"{self.total_steps}): another train_on_batch() would train past "
+                              "the end. Hint: loop `while not trainer.should_stop()`, or a "
+                              "larger max_iteration or num_epochs.")
         try:
             batch = self._next_batch()
             if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
@@ -284,11 +294,11 @@ class Trainer:
             self._it = None  # the next pass starts anew (worker processes stay)
         self.persistence.after_step(epoch_done)
 
-    def _reached_end(self) -> bool:
+    def _reached_end(self, counters_only: bool = False) -> bool:
         st = self.state
         return bool((self.max_iteration is not None and st.step >= self.max_iteration)
                     or (self.num_epochs is not None and st.epoch >= self.num_epochs)
-                    or self.strategy.reached_end())
+                    or (not counters_only and self.strategy.reached_end()))
 
     def should_stop(self) -> bool:
         """True when training is over. On serving-only ranks (parameter servers) this serves
@@ -369,6 +379,9 @@ class Trainer:
             The last validation metrics (empty without a validation set, or on ranks that
             do not report metrics).
         """
+        if validate_every is not None and validate_step_size is not None:
+            raise ConfigError("pass validate_every or validate_step_size (TensorLayer's name "
+                              "for it), not both.")
         if validate_every is None:
             validate_every = validate_step_size
         check_positive("validate_every", validate_every)

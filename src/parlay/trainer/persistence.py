@@ -26,7 +26,7 @@ from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.sampler import ShardedSampler
 from parlay.dp.shard_dcp import load_dcp, save_dcp
 from parlay.errors import CheckpointError, ConfigError, ReplicaDivergence
-from parlay.runinfo import stable_repr, trainer_identity
+from parlay.runinfo import same_numbers, stable_repr, trainer_identity
 from parlay.snapshot import (
     SnapshotStore,
     open_for_trainer,
@@ -92,7 +92,7 @@ def check_same_settings(settings: dict[str, str], group: Any) -> None:
         ConfigError: On every rank, naming the first setting that differs.
     """
     keys = sorted(settings)
-    mine = [int(hashlib.sha256(f"{k}={settings[k]}".encode()).hexdigest()[:15], 16)
+    mine = [int(hashlib.sha256(f"{k}={same_numbers(settings[k])}".encode()).hexdigest()[:15], 16)
             for k in keys]
     rows = comm.gather_ints(mine, len(keys), group)
     for i, k in enumerate(keys):
@@ -127,8 +127,8 @@ class Persistence:
                  state: TrainerState, layout: list[list[Any]],
                  report: Callable[[str], None]) -> None:
         self.strategy, self.sampler, self.state = strategy, sampler, state
-        #: The epoch's metrics so far, saved with the state (the Trainer sets it), and as
-        #: resumed (None: none resumed).
+        #: The epoch's and log window's metrics so far, saved with the state (the Trainer
+        #: sets it), and as resumed (None: none resumed).
         self.epoch_so_far: Callable[[], list[float]] = lambda: [0.0, 0.0, 0]
         self.resumed_metrics: list[float] | None = None
         self.mode, self.batch_size = config.mode, config.batch_size
