@@ -35,6 +35,7 @@ from parlay.ps.plan import ShardPlan
 from parlay.ps.shard_io import SNAPSHOTS_KEPT, ShardPersistence, snapshot_steps
 from parlay.statefile import remove_temporaries
 from parlay.ps.wire import (
+    HEADER_BYTES,
     TAG_PUSH,
     TAG_REPLY,
     Err,
@@ -155,6 +156,8 @@ class Server(ShardPersistence, ChunkedServing):
         self._reply_bufs = [torch.empty(self.reply_capacity, dtype=torch.uint8)
                             for _ in worker_ranks]
         self._sends: dict[int, comm.Handle] = {}
+        self._wait_bufs = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in worker_ranks]
+        self._waits: dict[int, comm.Handle] = {}  # WAITs sent that the worker has not confirmed
 
     def _parameters(self, per_chunk: int) -> list[tuple[nn.Parameter, int]]:
         """The optimizer's parameters: views of ``flat`` (gradients: of ``grad``), the plan's
@@ -245,6 +248,13 @@ class Server(ShardPersistence, ChunkedServing):
 
     def _send(self, r: Reply) -> None:
         w = r.worker
+        if r.kind == "wait":  # in a buffer of its own; the next once the worker said it heard
+            if w not in self._waits:  # (never waited for here: a stopped worker must not
+                h = self._post_send(pack(Message(Op.WAIT, self.index, 0, 0),  # stall the rest)
+                                         self._wait_bufs[w]), w, TAG_REPLY)
+                if h is not None:
+                    self._waits[w] = h
+            return
         prev = self._sends.pop(w, None)
         if prev is not None:
             self._wait_sent(w, prev)  # the worker got it: it has since sent us another message
@@ -257,8 +267,6 @@ class Server(ShardPersistence, ChunkedServing):
                           extra=self.chunk_numel, tensors=[self.flat])
         elif r.kind == "bye":
             msg = Message(Op.BYE, self.index, c.clocks[w], c.version)
-        elif r.kind == "wait":  # (sent once the last was received: the worker listens on)
-            msg = Message(Op.WAIT, self.index, c.clocks[w], c.version)
         elif r.kind == "saved":
             msg = Message(Op.SAVED, self.index, c.clocks[w], c.version)
         elif r.kind == "epoch":
@@ -280,6 +288,11 @@ class Server(ShardPersistence, ChunkedServing):
 
     def _handle(self, w: int, msg: Message, now: float) -> list[Reply]:
         c = self.core
+        if msg.op == Op.WAIT:  # the worker heard our WAIT and listens on: it was delivered
+            h = self._waits.pop(w, None)
+            if h is not None:
+                self._wait_sent(w, h)
+            return []
         if msg.op == Op.HELLO:
             if msg.extra != self.fingerprint:
                 log.error("ps%d: worker %d (rank %d) has a different model or placement",

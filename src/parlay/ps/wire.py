@@ -68,7 +68,8 @@ class Op:
     SAVED = 13   #: server -> worker: checkpoint ``extra`` is written (every live worker asked)
     EPOCHED = 14  #: server -> worker: every live worker ended the epoch; the payload holds
     #: the samples each worker trained of it (-1: lost or done)
-    WAIT = 15  #: server -> worker: still waiting for other workers; the real reply follows
+    WAIT = 15  #: server -> worker: still waiting for other workers (the reply follows);
+    #: worker -> server: heard, listening on (the server sends the next WAIT only then)
 
 
 class Err:

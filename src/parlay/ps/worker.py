@@ -29,8 +29,9 @@ from parlay.errors import CheckpointError, CommError, ConfigError
 from parlay.ps.chunks import chunk_bounds
 from parlay.ps.plan import ShardPlan
 from parlay.ps.server import lost_message
-from parlay.ps.wire import (TAG_PUSH, TAG_PUSH_CHUNK, TAG_REPLY, TAG_REPLY_CHUNK, Err, Message,
-                            Op, encode_ctx, pack, push_capacity, reply_capacity, unpack)
+from parlay.ps.wire import (HEADER_BYTES, TAG_PUSH, TAG_PUSH_CHUNK, TAG_REPLY, TAG_REPLY_CHUNK,
+                            Err, Message, Op, encode_ctx, pack, push_capacity, reply_capacity,
+                            unpack)
 
 __all__ = ["Worker"]
 
@@ -70,6 +71,7 @@ class Worker:
         self.grads: list[torch.Tensor] = []
         self.push_bufs: list[torch.Tensor] = []
         self.reply_bufs: list[torch.Tensor] = []
+        self._heard_buf = torch.empty(HEADER_BYTES, dtype=torch.uint8)  # answers a WAIT
         for s in range(plan.num_servers):
             numel = plan.numel(s)
             self.slices.append([(named[p.name], p.start, p.length, p.offset)
@@ -123,10 +125,13 @@ class Worker:
         self._wait(sends + recvs, what)
         replies = [unpack(buf) for buf in self.reply_bufs]
         waiting = [s for s, m in enumerate(replies) if m.op == Op.WAIT]
-        while waiting:  # slower workers hold these servers: listen on to each at once
-            self._wait([(s, comm.recv(self.reply_bufs[s], src=self.server_ranks[s],
-                                      tag=TAG_REPLY, group=self.group, async_op=True))
-                        for s in waiting], what)
+        heard = pack(Message(Op.WAIT, self.index, self.step, 0), self._heard_buf)
+        while waiting:  # slower workers hold these servers: listen on, then say so
+            recvs = [(s, comm.recv(self.reply_bufs[s], src=self.server_ranks[s], tag=TAG_REPLY,
+                                   group=self.group, async_op=True)) for s in waiting]
+            self._wait([(s, comm.send(heard, self.server_ranks[s], tag=TAG_PUSH,
+                                      group=self.group, async_op=True)) for s in waiting]
+                       + recvs, what)
             for s in waiting:
                 replies[s] = unpack(self.reply_bufs[s])
             waiting = [s for s in waiting if replies[s].op == Op.WAIT]
