@@ -125,8 +125,8 @@ class Worker:
         self._wait(sends + recvs, what)
         replies = [unpack(buf) for buf in self.reply_bufs]
         waiting = [s for s, m in enumerate(replies) if m.op == Op.WAIT]
-        heard = pack(Message(Op.WAIT, self.index, self.step, 0), self._heard_buf)
         while waiting:  # slower workers hold these servers: listen on, then say so
+            heard = pack(Message(Op.WAIT, self.index, self.step, 0), self._heard_buf)
             recvs = [(s, comm.recv(self.reply_bufs[s], src=self.server_ranks[s], tag=TAG_REPLY,
                                    group=self.group, async_op=True)) for s in waiting]
             self._wait([(s, comm.send(heard, self.server_ranks[s], tag=TAG_PUSH,
