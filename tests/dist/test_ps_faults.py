@@ -243,7 +243,7 @@ def test_workers_name_a_killed_server():
     assert isinstance(out[0], WorldError)
     for e in out[1:]:
         assert isinstance(e, CommError) and "parameter server 0 (rank 0) did not answer" in str(e)
-        assert e.peer == 0
+        assert "the servers dropped it" in str(e) and e.peer == 0  # async: a straggler's case
 
 
 def _start_without(missing: int):

@@ -170,9 +170,12 @@ class Worker:
                 h.wait()
         except CommError as e:
             r = self.server_ranks[s]
+            dropped = "" if self.exact else (
+                f" (or, if this worker was paused or slow for longer than the lost-worker "
+                f"timeout, {self.timeout:g} s, the servers dropped it and went on without it)")
             raise CommError(f"{what} on worker {self.index} (rank {self.rank}): parameter server "
-                            f"{s} (rank {r}) did not answer: {e}", op=e.op, rank=self.rank,
-                            peer=r) from e
+                            f"{s} (rank {r}) did not answer{dropped}: {e}", op=e.op,
+                            rank=self.rank, peer=r) from e
 
     def _check(self, replies: list[Message], what: str) -> None:
         """Raise the error a server's reply reports, if any."""
