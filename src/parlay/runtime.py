@@ -176,11 +176,15 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     except CommError:
         raise
     except (RuntimeError, TimeoutError, OSError) as e:
+        taken = "EADDRINUSE" in str(e) or "already in use" in str(e)
+        hint = ("MASTER_PORT is taken on this host: by another job, or by a second process "
+                "also given rank 0 (each process needs its own RANK); pick a free port or fix "
+                "the ranks" if taken else "check that every rank was started, MASTER_ADDR is "
+                "reachable from this host and MASTER_PORT is free on the master")
         raise CommError(
             f"rendezvous failed on rank {cluster.rank} of {cluster.world_size} "
             f"(master {cluster.master_addr}:{cluster.master_port}, source {cluster.source}): {e}. "
-            "Hint: check that every rank was started, MASTER_ADDR is reachable from this host "
-            "and MASTER_PORT is free on the master.", op="init", rank=cluster.rank) from e
+            f"Hint: {hint}.", op="init", rank=cluster.rank) from e
     _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=True)
     if not _exit_registered:
         # Destroy the group (joining its gloo threads) before finalisation ("terminate called"

@@ -166,6 +166,20 @@ def test_rank_zero_hosting_the_store_names_the_rank_that_never_came(monkeypatch)
     assert ei.value.op == "init" and ei.value.peer == 1
 
 
+def test_rank_zero_finding_its_port_taken_says_who_may_hold_it(monkeypatch):
+    # A second process given rank 0 (or another job) holds MASTER_PORT: "address already in
+    # use" alone sent users after firewalls; the hint names the duplicate rank too.
+    import socket
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(held.getsockname()[1])}
+        with pytest.raises(parlay.CommError, match="also given rank 0") as ei:
+            parlay.init(timeout=3, environ=env)
+    assert ei.value.op == "init" and "MASTER_PORT is taken" in str(ei.value)
+
+
 def _disagreeing_init(ranks: list[int], worlds: list[int], port: int):
     me = parlay.rank()
     parlay.runtime.shutdown()
