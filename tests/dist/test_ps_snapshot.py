@@ -189,3 +189,21 @@ def test_stale_survivor_is_released_once_the_worker_sitting_out_finished():
     assert core.hello(0, 0.0) == []
     assert core.hello(1, 0.0) == [Reply("params", 1)]
     assert core.done(1, 0.0) == [Reply("bye", 1), Reply("params", 0)]
+
+
+def test_snapshot_key_reads_a_setting_given_as_1_or_as_1_0_alike(monkeypatch):
+    # lr=1 in one launch and lr=1.0 in the restart is the same run; the key differed, so the
+    # restart found no snapshot of its run.
+    import types
+
+    from parlay.ps import recovery
+
+    seen: list[str] = []
+    monkeypatch.setattr(recovery, "key_or_off", seen.append)
+    monkeypatch.setattr(recovery.runtime, "size", lambda: 3)  # no process group needed
+    for lr in (1, 1.0):
+        recovery.open_snapshots(types.SimpleNamespace(
+            num_servers=1, consistency=types.SimpleNamespace(name="sync"),
+            plan=types.SimpleNamespace(rows=list), optimizer_cls=torch.optim.SGD,
+            optimizer_args={"lr": lr, "momentum": 0.5}, compressor=None))
+    assert len(seen) == 2 and seen[0] == seen[1]

@@ -31,6 +31,7 @@ from parlay.errors import CheckpointError, CommError
 from parlay.launch import droppable_marker
 from parlay.launch import mark_droppable as _launch_mark_droppable
 from parlay.ps.shard_io import read_shard, snapshot_steps, step_path
+from parlay.runinfo import same_numbers
 from parlay.snapshot import SnapshotStore, key_or_off
 
 __all__ = ["agree_resume", "Resume", "resume_session", "open_snapshots", "mark_droppable",
@@ -227,7 +228,7 @@ def open_snapshots(session: Any) -> SnapshotStore | None:
     s = session
     identity = repr(("ps", runtime.size(), s.num_servers, s.consistency.name, s.plan.rows(),
                      getattr(s.optimizer_cls, "__qualname__", repr(s.optimizer_cls)),
-                     sorted((k, repr(v)) for k, v in s.optimizer_args.items()),
+                     sorted((k, same_numbers(repr(v))) for k, v in s.optimizer_args.items()),
                      type(s.compressor).__qualname__))
     key = key_or_off(identity)
     if key is None:
