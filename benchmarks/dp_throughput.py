@@ -55,7 +55,7 @@ def _bench_rank(model_name: str, rounds: int, bucket_mb: float,
     y = torch.randint(0, widths[-1], (batch,))
     loss_fn = nn.CrossEntropyLoss()
 
-    m_ddp = nn.parallel.DistributedDataParallel(_mlp(widths))
+    m_ddp = nn.parallel.DistributedDataParallel(_mlp(widths), bucket_cap_mb=bucket_mb)
     o_ddp = torch.optim.SGD(m_ddp.parameters(), lr=0.01)
     m_nv = _mlp(widths)
     nv = _Naive(m_nv, torch.optim.SGD(m_nv.parameters(), lr=0.01))
@@ -159,7 +159,7 @@ def _shard_rows(args: argparse.Namespace) -> None:
     summary: list[dict] = []
     ratios: dict[str, float] = {}
     notes: dict[str, str] = {}
-    rounds = args.rounds or args.steps or (5 if args.quick else 10)
+    rounds = args.rounds or (5 if args.quick else 10)
     for world in (int(w) for w in args.worlds.split(",")):
         rows, fsdp_error = run_world(_shard_rank, world, "big", rounds, args.bucket_mb,
                                      timeout=1800, comm_timeout=600)[0]
@@ -195,14 +195,24 @@ def _shard_rows(args: argparse.Namespace) -> None:
                bucket_mb=args.bucket_mb, timing="interleaved step by step", notes=notes)
 
 
-def main() -> None:
+def default_rounds(model_name: str, quick: bool) -> int:
+    """Timed rounds of a model of the dense rows: as "small" (120, --quick 24) under 5M
+    parameters, else as "big" (48, --quick 12)."""
+    widths = MODELS[model_name][0]
+    if sum(a * b for a, b in zip(widths, widths[1:])) < 5_000_000:
+        return 24 if quick else 120
+    return 12 if quick else 48
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked: a bad one ends in one line naming it (exit status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and steps (< 2 min)")
     ap.add_argument("--json", default=None, help="write the JSON document here")
     ap.add_argument("--models", default="small,big")
     ap.add_argument("--rounds", type=int, default=None,
                     help="timed rounds, each one step of every contestant (default: small "
-                         "120, big 48; --quick 24 and 12)")
+                         "120, big 48; --quick 24 and 12; --rows shard 10, --quick 5)")
     ap.add_argument("--steps", type=int, default=None,
                     help="alias of --rounds (each contestant takes one timed step a round)")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
@@ -212,7 +222,23 @@ def main() -> None:
                     help="dense: DDP/naive/parlay with SGD (default); shard: DDP, the three "
                          "shard levels and FSDP2 with Adam on the big MLP")
     ap.add_argument("--worlds", default="2,4", help="ranks for --rows shard")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    args.rounds = args.rounds if args.rounds is not None else args.steps
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds/--steps must be at least 1, got {args.rounds}. Hint: drop it for "
+                 "the default")
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(map(repr, unknown))}. Hint: one or more of "
+                 f"{','.join(MODELS)}")
+    if not all(w.strip().isdigit() and int(w) >= 2 for w in args.worlds.split(",")):
+        ap.error(f"--worlds takes rank counts of at least 2, got {args.worlds!r}. Hint: "
+                 "--worlds 2,4")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     if args.rows == "shard":
         _shard_rows(args)
         return
@@ -221,8 +247,7 @@ def main() -> None:
     ratios: dict[str, float] = {}
     counts: dict[str, int] = {}
     for model_name in args.models.split(","):
-        default = {"small": 24 if args.quick else 120, "big": 12 if args.quick else 48}
-        rounds = counts[model_name] = args.rounds or args.steps or default[model_name]
+        rounds = counts[model_name] = args.rounds or default_rounds(model_name, args.quick)
         out = run_world(_bench_rank, 2, model_name, rounds, args.bucket_mb,
                         not args.no_overlap, timeout=1800, comm_timeout=600)
         rows = out[0]  # the slowest rank's step times: the same rows on every rank

@@ -147,15 +147,25 @@ def _throughput_rank(schedule: str, m: int, rounds: int, batch: int,
             for k, t in enumerate(time_interleaved(contestants, rounds))]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked: a bad one ends in one line naming it (exit status 2)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and rounds (< 2 min)")
     ap.add_argument("--json", default=None, help="write the JSON document here")
-    ap.add_argument("--stages", default="2,4")
+    ap.add_argument("--stages", default="2,4", help="pipeline depths, each at least 2")
     ap.add_argument("--workloads", default="sleep,mlp")
     ap.add_argument("--sleep-ms", type=float, default=None,
                     help="sleep per sample in forward (backward: twice); default 4 quick, 24 full")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # One stage has no bubble (theory 0): nothing to compare, and no pipeline to time.
+    if not all(v.strip().isdigit() and int(v) >= 2 for v in args.stages.split(",")):
+        ap.error(f"--stages takes pipeline depths of at least 2, got {args.stages!r} (one stage "
+                 "has no bubble to measure). Hint: --stages 2,4")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     steps, rounds, tsteps = (2, 10, 2) if args.quick else (3, 30, 3)
     # Interleaved 1F1B (v=2 virtual stages per rank) only in the full run (time budget).
     schedules = ["gpipe", "1f1b"] + ([] if args.quick else ["interleaved"])

@@ -5,9 +5,11 @@ Part 1, on 4 gloo ranks, with Adam on the big MLP: each of DDP and the three sha
 in a world of its own (so ``ru_maxrss`` is its own peak) and takes 3 steps; each rank then
 counts the bytes it holds (distinct storages): the optimizer state (``opt.optimizer.state``),
 the gradients (``opt.local_gradients()`` and any ``p.grad`` left on the model) and the
-parameters (the model's tensors and the wrapped optimizer's chunk parameters). A level must
-hold at most ``1/N + 10%`` of DDP's bytes of what it shards: ``"optimizer"`` the state,
-``"gradients"`` state and gradients, ``"parameters"`` all three.
+parameters (the model's tensors, the wrapped optimizer's chunk parameters and the engine's
+flat unit buffers: with ``"parameters"``, the unit ``step()`` gathered for the next forward,
+once that gather has landed). A level must hold at most ``1/N + 10%`` of DDP's bytes of what
+it shards: ``"optimizer"`` the state, ``"gradients"`` state and gradients, ``"parameters"`` all
+three.
 
 Part 2, "beyond one rank": every rank process caps its own memory with ``RLIMIT_DATA`` at its
 data size at start plus ``--budget-mb``, sized below the model's full fp32 parameters, gradients
@@ -94,9 +96,9 @@ def _train(run: nn.Module, opt: Any, widths: list[int], steps: int, batch: int) 
         opt.step()
 
 
-def _count_rank(level: str) -> dict[str, Any]:
+def _count_rank(level: str, model_name: str = "big") -> dict[str, Any]:
     _exact_malloc()
-    widths, batch = MODELS["big"]
+    widths, batch = MODELS[model_name]
     run, model, opt = _build(widths, level)
     _train(run, opt, widths, 3, batch)
     inner = opt if level == "ddp" else opt.optimizer
@@ -106,6 +108,9 @@ def _count_rank(level: str) -> dict[str, Any]:
     if level != "ddp":
         grads += opt.local_gradients()
         params += [p for g in inner.param_groups for p in g["params"]]
+        eng = opt.shard_engine
+        eng.thread.submit(lambda: None).result()  # step()'s prefetch of a unit has landed
+        params += eng.flats  # "parameters": that unit, gathered for the next forward
     return {"level": level, "state": _nbytes(state), "grads": _nbytes(grads),
             "params": _nbytes(params),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
