@@ -102,11 +102,13 @@ class Int8(Compressor):
         return out.mul_(ctx.scale) if ctx.quantised else out
 
     def wire_rounds(self, numel: int, shapes: Sequence[Sequence[int]] | None = None,
-                    bytes_per_element: int = 4) -> list[Round]:
-        return [Round("allreduce", 16), Round("allreduce", numel)]
+                    bytes_per_element: int = 4, *, world: int = 2) -> list[Round]:
+        """The scale round, then a byte an element, or the bucket as it is above 128 ranks."""
+        per = bytes_per_element if world > _MAX_GROUP else 1
+        return [Round("allreduce", 16), Round("allreduce", numel * per)]
 
     def codec_s(self, numel: float, world: int, costs: Any) -> float:
-        return float(numel * costs.cast_s_per_elem)
+        return 0.0 if world > _MAX_GROUP else float(numel * costs.cast_s_per_elem)
 
     def state_dict(self) -> dict[str, Any]:
         return {"memory": self.memory.state_dict()} if self.memory is not None else {}

@@ -372,7 +372,7 @@ def diloco_advice(ranked: Sequence[Prediction], workload: Workload, cluster: Clu
     d = min(reach, key=lambda p: (p.options["sync_every"], p.to_accuracy_s)) if reach else \
         max(dl, key=lambda p: p.utilisation)
     h = d.options["sync_every"]
-    mine = diloco_link_bytes(workload, cluster, d.compressor, h)
+    mine = diloco_link_bytes(workload, cluster, d.compressor, h, d.options.get("fragments", 1))
     ddp = diloco_link_bytes(workload, cluster, "none", 1)
     best = exact[0] if exact else None
     advised = best is None or (best.utilisation < target

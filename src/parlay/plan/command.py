@@ -82,7 +82,8 @@ def add_plan_parser(sub: Any) -> argparse.ArgumentParser:
                    help="training ranks per host (default 1)")
     c.add_argument("--bandwidth", help="each host's network link, e.g. 10gbit, 100mbit, 25Gbps "
                                        "(default: this machine's loopback)")
-    c.add_argument("--latency", default="0", help="link latency, e.g. 50us (default 0)")
+    c.add_argument("--latency", default="0", help="link latency, e.g. 50us or 0.2ms; a bare "
+                   "number is seconds (default 0)")
     c.add_argument("--burst", help="bytes a token-bucket shaped link (tc tbf, cloud burst "
                    "credit) sends at once after resting, e.g. 125k (default: none)")
     c.add_argument("--intra-bandwidth", help="between ranks of one host (default: free; "
@@ -201,9 +202,10 @@ def build_inputs(ns: argparse.Namespace, calib: Any) -> tuple[Workload, ClusterS
     _within(overlap, 0, 1, "--overlap", ns.overlap,
             "a number from 0 to 1, e.g. --overlap 1 for GPUs, 0 for CPU ranks using every core")
     cluster = ClusterSpec(nodes, local, inter, intra, overlap)
-    if calib is not None:
-        notes.append("compression's CPU costs are this machine's (calibrated); on GPUs they "
-                     "are far smaller, so compressors may do better there than shown")
+    notes.append("compression's CPU costs (codecs, gloo's 16-bit sums) are " + (
+        "built-in CPU constants (--no-calibrate)" if calib is None else "this machine's "
+        "(calibrated)") + "; on GPUs they are far smaller, so compressors may do better there "
+        "than shown")
     workload = _workload(ns, world, calib, notes)
     return workload, cluster, notes
 

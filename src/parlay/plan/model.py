@@ -14,6 +14,7 @@ registered.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -255,18 +256,53 @@ def compressor_of(spec: str | Compressor | None) -> Compressor:
 
 def wire_rounds(compressor: str | Compressor | None, numel: float, world: int,
                 shapes: Sequence[Sequence[int]] | None = None,
-                bytes_per_element: int = 4) -> list[Round]:
+                bytes_per_element: int = 4, bucket_bytes: float | None = None) -> list[Round]:
     """The collectives that reduce ``numel`` gradient elements with ``compressor``.
 
     Args:
         compressor: A compression string (``"topk:0.01"``) or compressor.
         numel: Gradient elements reduced.
-        world: Ranks in the reduction.
+        world: Ranks in the reduction (int8 sends full precision above 128).
         shapes: Parameter shapes, for PowerSGD's factor sizes (``None``: parlay's layout-free
             near-square view).
         bytes_per_element: Dense element size.
+        bucket_bytes: Reduced in buckets of this cap (``DistributedOptimizer``'s
+            :data:`DEFAULT_BUCKET_BYTES`), each priced on its own and the rounds added up;
+            ``None``: one reduction of all ``numel``.
     """
-    return compressor_of(compressor).wire_rounds(int(numel), shapes, bytes_per_element)
+    comp = compressor_of(compressor)
+    kw = {"world": world} if "world" in inspect.signature(comp.wire_rounds).parameters else {}
+    total: dict[tuple[int, str, bool], float] = {}
+    for (n, shp), count in _buckets(int(numel), shapes, bytes_per_element, bucket_bytes).items():
+        for i, r in enumerate(comp.wire_rounds(n, shp, bytes_per_element, **kw)):
+            total[i, r.kind, r.half] = total.get((i, r.kind, r.half), 0.0) + count * r.nbytes
+    return [Round(kind, nbytes, half) for (_, kind, half), nbytes in total.items()]
+
+
+_Shapes = tuple[tuple[int, ...], ...]
+
+
+def _buckets(numel: int, shapes: Sequence[Sequence[int]] | None, bytes_per_element: int,
+             cap: float | None) -> dict[tuple[int, _Shapes | None], int]:
+    """``{(elements, shapes): how many buckets}``: with ``shapes``, tensors in reverse order
+    into a bucket until it holds ``cap`` bytes (``BucketPlan``), else full buckets and the rest."""
+    layout = tuple(tuple(int(d) for d in s) for s in shapes) if shapes else None
+    if cap is None:
+        return {(numel, layout): 1}
+    out: dict[tuple[int, _Shapes | None], int] = {}
+    if layout is None:
+        per = max(1, int(cap // bytes_per_element))
+        full, rest = divmod(numel, per)
+        return {k: v for k, v in (((per, None), full), ((rest, None), 1)) if k[0] and v}
+    run: list[tuple[int, ...]] = []
+    size, extra = 0, numel - sum(math.prod(s) for s in layout)  # (an estimated layout's rest)
+    for i, s in enumerate(reversed(layout)):
+        run.append(s)
+        size += math.prod(s)
+        if size * bytes_per_element >= cap or i == len(layout) - 1:
+            key = (size + (extra if i == len(layout) - 1 else 0), tuple(run))
+            out[key], run, size = out.get(key, 0) + 1, [], 0
+    return out
 
 
 def wire_bytes(compressor: str | Compressor | None, numel: float, world: int = 2,

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from parlay.errors import ConfigError
 from parlay.compress import NoneCompressor
 from parlay.plan.model import (DEFAULT_BUCKET_BYTES, ClusterSpec, Costs, Link, Workload,
-                               allreduce_s, compressor_of, link_bytes, rounds_s)
+                               allreduce_s, compressor_of, link_bytes, rounds_s, wire_rounds)
 from parlay.plan.pipesim import pipeline_s
 
 __all__ = ["allreduce_terms", "hierarchical_terms", "ps_terms", "hybrid_terms", "diloco_terms",
@@ -111,7 +111,7 @@ def allreduce_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     n = c.world
     link = c.inter if c.nodes > 1 else c.local
     nb = _buckets(w, bucket_bytes)
-    rounds = comp.wire_rounds(int(w.params), w.layout, w.bytes_per_element)
+    rounds = wire_rounds(comp, w.params, n, w.layout, w.bytes_per_element, bucket_bytes)
     comm = rounds_s(rounds, n, link, costs, messages=nb, rested_s=w.compute_s)
     terms = _split_compute(w, comp.codec_s(w.params, n, costs) if n > 1 else 0.0,
                            costs if n > 1 else None)
@@ -135,7 +135,7 @@ def hierarchical_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Cost
                           "or powersgd.")
     n, loc = c.nodes, c.ranks_per_node
     nb = _buckets(w, bucket_bytes)
-    rounds = comp.wire_rounds(int(w.params), w.layout, w.bytes_per_element)
+    rounds = wire_rounds(comp, w.params, c.world, w.layout, w.bytes_per_element, bucket_bytes)
     payload = sum(r.nbytes for r in rounds)
     # steps 1 and 3 are each an allreduce of the whole payload among the host's ranks
     intra = 2 * allreduce_s(payload, loc, c.local, costs.alpha_s * nb)
@@ -329,7 +329,8 @@ def hybrid_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, sta
         link = c.inter if spans else c.local
         rings = p if pp_local else loc  # rings sharing one host link
         nb = _buckets(stage, bucket_bytes)
-        rounds = comp.wire_rounds(int(stage.params), stage.shapes, w.bytes_per_element)
+        rounds = wire_rounds(comp, stage.params, replicas, stage.shapes, w.bytes_per_element,
+                             bucket_bytes)
         comm = rounds_s(rounds, replicas, link, costs, nb, rested_s=terms["compute"])
         comm *= rings if spans else 1
         terms["codec"] = comp.codec_s(stage.params, replicas, costs)
@@ -376,7 +377,7 @@ def diloco_terms(w: Workload, c: ClusterSpec, compressor: str, costs: Costs,
     comp = compressor_of(compressor)
     every = h / fragments  # inner steps between two exchanges
     frag = w.params / fragments
-    one = rounds_s(comp.wire_rounds(int(frag), None, w.bytes_per_element), c.world,
+    one = rounds_s(wire_rounds(comp, frag, c.world, None, w.bytes_per_element), c.world,
                    c.inter if c.nodes > 1 else c.local, costs, rested_s=w.compute_s * every)
     terms["codec"] = comp.codec_s(frag, c.world, costs) / every
     terms["copies"] = _copies_s(w, costs) / h
@@ -405,7 +406,8 @@ def diloco_h(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, fragmen
     return ok[-1]
 
 
-def diloco_link_bytes(w: Workload, c: ClusterSpec, compressor: str, sync_every: int) -> float:
-    """Bytes one rank sends over its link per inner step: ``wire(model) / H`` (the fragments
-    of a round together carry the model once)."""
-    return link_bytes(compressor, w.params, c.world) / sync_every
+def diloco_link_bytes(w: Workload, c: ClusterSpec, compressor: str, sync_every: int,
+                      fragments: int = 1) -> float:
+    """Bytes one rank sends over its link per inner step: ``P wire(model / P) / H`` (the
+    ``P`` fragments of a round, each reduced in one piece, together carry the model once)."""
+    return fragments * link_bytes(compressor, w.params / fragments, c.world) / sync_every

@@ -47,12 +47,16 @@ LEVELS = ("none", "optimizer", "gradients", "parameters")
 
 @dataclass(frozen=True)
 class ShardLevel:
-    """One level: bytes a rank holds and sends per step, and the step's terms (seconds)."""
+    """One level: bytes a rank holds and sends per step, and the step's terms (seconds);
+    ``memory_bytes`` is ``fixed + shared / N`` on ``N > 1`` ranks (``fixed``: the bytes every
+    rank holds whatever ``N``, the transient included; 1 rank has no transient)."""
 
     level: str
     memory_bytes: float
     wire_bytes: float
     terms: dict[str, float]
+    fixed: float = 0.0
+    shared: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -135,10 +139,11 @@ def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none"
     rs_b, ag_b = link_bytes(comp, w.params, n, w.layout) / 2, link_bytes("none", w.params, n) / 2
     rs_s, ag_s = ring_s(compressor, buckets) / 2, ring_s("none", buckets) / 2
     p = g = s
-    mem = {"none": p + g + k * p, "optimizer": p + g + (g + k * p) / n,  # + its gradient chunk
-           "gradients": p + (g + k * p) / n,
-           "parameters": (p + g + k * p) / n + (3 * _unit_bytes(w) if n > 1 else 0.0)}
-    out = [ShardLevel("none", mem["none"], 2 * rs_b, ddp)]
+    split = {"none": (p + g + k * p, 0.0), "optimizer": (p + g, g + k * p),  # + its gradient
+             "gradients": (p, g + k * p), "parameters": (3 * _unit_bytes(w), p + g + k * p)}
+    mem = {lv: (f if n > 1 or lv != "parameters" else 0.0) + sh / n  # 1 rank: no transient
+           for lv, (f, sh) in split.items()}
+    out = [ShardLevel("none", mem["none"], 2 * rs_b, ddp, *split["none"])]
     again = max(0, units - 2) / units  # "parameters": backward re-gathers all but two units
     for level in LEVELS[1:]:
         terms = dict(ddp)
@@ -148,7 +153,7 @@ def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none"
         if level == "parameters":
             terms["comm-forward"] = exposed(ring_s("none", units) / 2, forward, units, c.overlap)
             wire += ag_b
-        out.append(ShardLevel(level, mem[level], wire, terms))
+        out.append(ShardLevel(level, mem[level], wire, terms, *split[level]))
     return out
 
 
@@ -165,10 +170,9 @@ def recommend_shard(levels: list[ShardLevel], memory_per_rank: float, world: int
                 f"{format_bytes(levels[0].memory_bytes)}): DistributedOptimizer(..., "
                 f"shard={fit.level!r})")
     last = levels[-1]
-    # (states / N + transient) <= limit: the ranks that would make "parameters" fit
-    transient = last.memory_bytes - levels[0].memory_bytes / world
-    need = (math.ceil(levels[0].memory_bytes / (memory_per_rank - transient))
-            if memory_per_rank > transient else None)
+    # fixed + shared / N <= limit: the fewest ranks that would make a level fit
+    need = min((max(2, math.ceil(lv.shared / (memory_per_rank - lv.fixed))) for lv in levels
+                if lv.shared and memory_per_rank > lv.fixed), default=None)
     more = f"{need} ranks or more" if need else "more memory per rank (one unit is too big)"
     return (f"shard: error: nothing fits {format_bytes(memory_per_rank)} per rank: even "
             f"'parameters' needs {format_bytes(last.memory_bytes)} on {world} ranks. Hint: "
