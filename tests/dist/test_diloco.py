@@ -130,7 +130,8 @@ def test_one_inner_step_and_a_plain_outer_sgd_is_data_parallel(world):
 
 
 @pytest.mark.parametrize("inner, H, P, tau", [("adam", 4, 1, 0), ("adam", 4, 2, 0),
-                                               ("sgd", 6, 3, 1), ("adam", 4, 2, 1)])
+                                               ("sgd", 6, 3, 1), ("adam", 4, 2, 1),
+                                               ("sgd", 5, 2, 2)])  # tau < H/P = 2.5
 def test_rounds_fragments_and_overlap_follow_the_algorithm(inner, H, P, tau):
     world = 2
     ref = _oracle(world, inner, H, P, tau, None)
@@ -249,7 +250,7 @@ def _trainer(ckpt, max_iteration, compression=None):
     return losses, [p.detach().clone() for p in t.model.parameters()]
 
 
-@pytest.mark.parametrize("compression", [None, "int8"])  # int8: residuals and two rounds
+@pytest.mark.parametrize("compression", [None, "int8", "powersgd:1"])  # residuals, 2 rounds
 def test_trainer_mode_resumes_bit_for_bit_with_a_fragment_in_flight(tmp_path, compression):
     # Checkpoints every 3 steps: step 3 holds fragment 1's exchange (sent at 2, merged at 3)
     # or fragment 0's (sent at 4... ) in flight at 9 and 10; the cut at 10 resumes one.

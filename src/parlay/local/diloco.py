@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,83 +33,14 @@ from parlay.compress.reduce import RoundsHandle, reduce_async
 from parlay.dp import checks
 from parlay.dp.hierarchical import make_reducer
 from parlay.dp.wrapped import WrappedOptimizer
-from parlay.errors import ConfigError, NonFiniteError
+from parlay.errors import CommError, ConfigError, NonFiniteError
+from parlay.local.fragments import OUTER_DEFAULTS, Fragment, _InFlight, _outer_args, _split
 from parlay.nonfinite import all_finite
 from parlay.runinfo import stable_repr
 
 __all__ = ["DiLoCoOptimizer", "OUTER_DEFAULTS"]
 
 log = logging.getLogger("parlay")
-
-#: The outer optimizer of the DiLoCo paper: Nesterov SGD, lr 0.7, momentum 0.9.
-OUTER_DEFAULTS: dict[str, Any] = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
-
-
-@dataclass
-class _InFlight:
-    """A fragment's exchange under way: its handle, the local weights it left from, and the
-    inner step at which it is merged."""
-
-    handle: comm.Handle
-    sent_from: list[torch.Tensor]
-    due: int
-    rounds_left: int = 0  # further rounds not yet started (see DiLoCoOptimizer.step)
-
-
-@dataclass
-class Fragment:
-    """A group of parameters synced together, ``offset`` steps into every round."""
-
-    index: int
-    names: list[str]
-    params: list[torch.Tensor]
-    outer: list[torch.nn.Parameter]
-    optimizer: torch.optim.Optimizer
-    offset: int
-    flight: _InFlight | None = field(default=None, repr=False)
-    sent_at: int = 0  # the inner step its last exchange started at
-
-
-def _outer_args(cls: Any, args: Any) -> dict[str, Any]:
-    """The outer optimizer's arguments, checked (it is built once per fragment)."""
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) \
-            or issubclass(cls, (torch.optim.LBFGS, torch.optim.SparseAdam)):
-        raise ConfigError(f"outer_optimizer must be a torch.optim.Optimizer class stepped "
-                          f"without a closure on dense gradients (e.g. torch.optim.SGD), got "
-                          f"{cls!r}.")
-    if args is not None and not isinstance(args, dict):
-        raise ConfigError(f"outer_optimizer_args must be a dict of keyword arguments, got "
-                          f"{args!r}. Hint: {{'lr': 0.7, 'momentum': 0.9, 'nesterov': True}}.")
-    out = dict(OUTER_DEFAULTS if args is None and cls is torch.optim.SGD else args or {})
-    lr = out.get("lr")  # torch's defaults (SGD 1e-3) are no outer learning rate
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < math.inf:
-        raise ConfigError(f"outer_optimizer_args needs a finite 'lr' > 0, got {out}. Hint: "
-                          "e.g. {'lr': 0.7, 'momentum': 0.9, 'nesterov': True} (the default "
-                          "for SGD), or {'lr': 1.0} for plain averaging.")
-    return out
-
-
-def _split(named: list[tuple[str, torch.Tensor]], parts: int) -> list[list[int]]:
-    """``parts`` contiguous, non-empty groups of about equal size, in registration order.
-
-    Raises:
-        ConfigError: Fewer parameters than ``parts``.
-    """
-    if len(named) < parts:
-        raise ConfigError(f"fragments={parts} needs at least as many parameter tensors (with "
-                          "a sharded inner optimizer: units; at shard='optimizer'/'gradients' "
-                          f"25 MB buckets); there are {len(named)}. Hint: fragments={len(named)}"
-                          " or fewer, or shard='parameters' (a unit per module).")
-    total = max(1, sum(p.numel() for _, p in named))
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    seen, g = 0, 0
-    for i, (_, p) in enumerate(named):
-        want = min(parts - 1, int((seen + p.numel() / 2) * parts / total))
-        # never skip a group, and leave one tensor at least for each group still to come
-        g = min(max(g, want, parts - (len(named) - i)), g + 1 if groups[g] else g)
-        groups[g].append(i)
-        seen += p.numel()
-    return groups
 
 
 class DiLoCoOptimizer(WrappedOptimizer):
@@ -165,11 +94,14 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self.inner = optimizer
         self.sync_every = check_int("sync_every", sync_every, 1)
         n_frag = check_int("fragments", fragments, 1, self.sync_every)
-        gap = self.sync_every // n_frag  # inner steps between two fragments' exchanges
-        if isinstance(overlap, int) and not isinstance(overlap, bool) and overlap >= gap > 0:
-            raise ConfigError(f"overlap={overlap} must be below sync_every // fragments = {gap}"
-                              " (an exchange is merged before the next one starts). Hint: "
-                              f"overlap={gap - 1}, or a larger sync_every.")
+        # Exchanges start floor(H/P) or ceil(H/P) steps apart, the longer gap before fragment
+        # 0's: tau < H/P merges each before the next starts (at the same step: merged first).
+        if isinstance(overlap, int) and not isinstance(overlap, bool) \
+                and overlap * n_frag >= self.sync_every:
+            raise ConfigError(f"overlap={overlap} must be below sync_every / fragments = "
+                              f"{self.sync_every / n_frag:g} (an exchange is merged before the "
+                              f"next one starts). Hint: overlap={(self.sync_every - 1) // n_frag}"
+                              ", or a larger sync_every.")
         self.overlap = check_int("overlap", overlap, 0)
         if on_nonfinite not in ("raise", "skip"):
             raise ConfigError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}.")
@@ -219,6 +151,9 @@ class DiLoCoOptimizer(WrappedOptimizer):
             self.fragments.append(Fragment(f, [named[i][0] for i in idx],
                                            [named[i][1] for i in idx], outer, opt,
                                            offset=f * self.sync_every // n_frag))
+            layout = getattr(self.compression, "set_layout", None)  # PowerSGD's matrices
+            if layout is not None and self._engine is None:  # (a sharded one's chunks: flat)
+                layout(f"fragment{f}", [tuple(named[i][1].shape) for i in idx])
         self.steps = 0
         self.merges = 0  #: outer syncs completed (in this process)
         self.stats = CommStats()
@@ -283,7 +218,8 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 # A further round (int8's, PowerSGD's) starts an inner step after the last,
                 # at the same step on every rank (collectives on the group stay in order).
                 frag.flight.rounds_left -= 1
-                frag.flight.handle.advance()  # type: ignore[attr-defined]
+                with self._at_sync():
+                    frag.flight.handle.advance()  # type: ignore[attr-defined]
             if self._sends_now(frag):
                 self._send(frag)
 
@@ -375,12 +311,26 @@ class DiLoCoOptimizer(WrappedOptimizer):
         if frag.flight.due <= self.steps:
             self._merge(frag)
 
+    @contextlib.contextmanager
+    def _at_sync(self) -> Iterator[None]:
+        """A sync that timed out: a healthy replica may just be late by its drift."""
+        try:
+            yield
+        except CommError as e:
+            if "collective timeout" not in str(e):
+                raise
+            raise CommError(f"{e} At a DiLoCo sync a healthy but slower replica arrives late by "
+                            "its drift over the round, about sync_every="
+                            f"{self.sync_every} x the difference in step time: the timeout must "
+                            "cover that.", op=e.op, rank=e.rank, peer=e.peer) from e
+
     def _merge(self, frag: Fragment) -> None:
         flight = frag.flight
         assert flight is not None
         frag.flight = None
         self.merges += 1
-        avg = flight.handle.wait()
+        with self._at_sync():
+            avg = flight.handle.wait()
         if self.world > 1:
             avg = avg / self.world
         with torch.no_grad():
@@ -416,9 +366,17 @@ class DiLoCoOptimizer(WrappedOptimizer):
         self._written()
 
     # ----------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """The inner and outer optimizers' state, the round position and any exchange under
+        way, which is finished first: **every rank must call it at the same inner step** (as
+        FSDP's), not rank 0 alone. With a compressor of several rounds (``"int8"``, PowerSGD;
+        fp16 after an overflow) and ``overlap >= 1`` finishing runs the exchange's remaining
+        collective rounds, so one rank calling it alone can mismatch the ranks' collectives (gloo
+        aborts, or the ranks time out). Let each rank save its own (replicas differ)."""
+        return super().state_dict()
+
     def _state(self) -> dict[str, Any]:
-        """:meth:`state_dict`: inner and outer state, the round position and any exchange
-        under way (waited for: every rank must call it at the same step)."""
+        """:meth:`state_dict`'s content."""
         flights = []
         for frag in self.fragments:
             f = frag.flight
@@ -435,9 +393,15 @@ class DiLoCoOptimizer(WrappedOptimizer):
         """:meth:`load_state_dict`: restore :meth:`state_dict`.
 
         Raises:
-            ConfigError: It was written with another number of fragments, or another
-                compressor (whose error-feedback state this one would drop).
+            ConfigError: It is no DiLoCo state, or was written with another number of
+                fragments or another compressor (whose error-feedback state this one would
+                drop).
         """
+        if not {"inner", "outer", "flights"} <= state.keys():
+            raise ConfigError(f"not a DiLoCo optimizer state (keys {sorted(state)[:6]}). Hint: "
+                              "load what DiLoCoOptimizer.state_dict() returned (a Trainer "
+                              "checkpoint's optimizer state); the inner optimizer's own state "
+                              "goes to opt.inner.load_state_dict().")
         check_state_writer(self.compression, state.get("compression"), state.get("compressor"))
         if len(state["outer"]) != len(self.fragments):
             raise ConfigError(f"this DiLoCo state has {len(state['outer'])} fragment(s), the "
