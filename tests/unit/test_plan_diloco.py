@@ -85,6 +85,9 @@ def test_bounds_of_the_optimizer_are_refused() -> None:
         diloco_terms(W, SLOW, "none", C, sync_every=4, fragments=8)
     with pytest.raises(ConfigError, match="overlap must be in"):
         diloco_terms(W, SLOW, "none", C, sync_every=10, fragments=2, overlap=5)
+    # tau < H/P, as DiLoCoOptimizer takes it: 2 < 5/2 is priced (it was refused as >= 5 // 2)
+    assert diloco_terms(W, SLOW, "none", C, sync_every=5, fragments=2, overlap=2)
+    assert diloco_h(W, SLOW, "none", C, fragments=2, overlap=2, choices=(5,)) == 5
     with pytest.raises(ConfigError, match="no sync_every"):
         diloco_h(W, SLOW, "none", C, fragments=600)
 
@@ -142,7 +145,7 @@ def test_command_end_to_end(capsys) -> None:
     assert "diloco(" in out and "\ndiloco: prefer diloco" in out
     assert main(base + ["--diloco-h", "50", "--diloco-fragments", "5",
                         "--diloco-overlap", "10"]) == 2
-    assert "= [0, 9], got 10" in capsys.readouterr().err
+    assert "= [0, 10), got 10" in capsys.readouterr().err
     assert main(base + ["--modes", "allreduce", "--diloco-h", "50"]) == 2
     assert "which --modes allreduce leaves out" in capsys.readouterr().err
 

@@ -344,9 +344,9 @@ def _diloco_check(sync_every: int, fragments: int, overlap: int) -> None:
     if sync_every < 1 or not 1 <= fragments <= sync_every:
         raise ConfigError(f"diloco needs sync_every >= 1 and 1 <= fragments <= sync_every, got "
                           f"sync_every={sync_every}, fragments={fragments}.")
-    if not 0 <= overlap <= sync_every // fragments - 1:
-        raise ConfigError(f"diloco overlap must be in [0, sync_every // fragments - 1] = [0, "
-                          f"{sync_every // fragments - 1}], got {overlap}. Hint: a larger "
+    if not 0 <= overlap * fragments < sync_every:
+        raise ConfigError(f"diloco overlap must be in [0, sync_every / fragments) = [0, "
+                          f"{sync_every / fragments:g}), got {overlap}. Hint: a larger "
                           "sync_every or fewer fragments.")
 
 
@@ -395,7 +395,7 @@ def diloco_h(w: Workload, c: ClusterSpec, compressor: str, costs: Costs, fragmen
     Raises:
         ConfigError: No choice takes ``fragments`` and ``overlap``.
     """
-    ok = [h for h in sorted(choices) if fragments <= h and 0 <= overlap < h // fragments]
+    ok = [h for h in sorted(choices) if fragments <= h and 0 <= overlap * fragments < h]
     if not ok:
         raise ConfigError(f"no sync_every of {tuple(choices)} takes fragments={fragments} and "
                           f"overlap={overlap}. Hint: fewer fragments or a smaller overlap.")
