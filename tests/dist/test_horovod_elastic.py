@@ -249,7 +249,7 @@ def test_commit_restore_and_plain_value_checks():
         state.commit()
 
 
-def test_elastic_sampler_skips_recorded_samples():
+def _sampler_skips_recorded_samples():
     from parlay.horovod.elastic import ElasticSampler
 
     s = ElasticSampler(list(range(10)), shuffle=True, seed=3)
@@ -261,6 +261,10 @@ def test_elastic_sampler_skips_recorded_samples():
     assert list(clone) == order[4:]
     s.set_epoch(1)
     assert list(s) != order and sorted(s) == list(range(10))
+
+
+def test_elastic_sampler_skips_recorded_samples():
+    run_world(_sampler_skips_recorded_samples, 1)  # (it needs hvd.init(), as in Horovod)
 
 
 def _batch(rank: int, epoch: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:

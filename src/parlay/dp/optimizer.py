@@ -422,11 +422,11 @@ class DistributedOptimizer(WrappedOptimizer):
         return torch.nn.utils.clip_grad_norm_([p for _, p in self._named], max_norm, norm_type)
 
     def unscale_(self, scaler: torch.amp.GradScaler) -> None:
-        """``scaler.unscale_(self)`` (after :meth:`synchronize`), then the ranks agree whether a
-        gradient overflowed: with ``shard=`` each rank checks only its chunks, so a
-        ``torch.amp.GradScaler`` alone would skip ``scaler.step(opt)`` on some ranks only."""
+        """``scaler.unscale_(self)`` (after :meth:`synchronize`); with ``shard=`` the ranks then
+        agree on overflows (each checks its chunks; unsharded, every rank sees the same sums)."""
         scaler.unscale_(self)
-        for t in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
+        found = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
+        for t in found.values() if self.shard else ():
             comm.allreduce(t, "max", group=self.process_group)
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:

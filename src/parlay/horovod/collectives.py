@@ -35,7 +35,7 @@ _DEFAULT_FUSION = 64 * 1024 * 1024
 def fusion_bytes() -> int:
     """Largest fused allreduce buffer: ``HOROVOD_FUSION_THRESHOLD`` bytes (default 64 MiB),
     read when an engine starts (once per process set and init), so a script may set it after
-    import, as with Horovod.
+    import, as with Horovod. Ranks that disagree fuse with the set's first member's value.
 
     Raises:
         ConfigError: The variable is not a non-negative integer.
@@ -61,11 +61,12 @@ class _Inline:
         return f"{kind}.inline"
 
     def submit(self, req: Request) -> Handle:
-        msgs = exchange(self.group, encode(req.key, req.meta))
+        # each rank's fusion threshold travels last (decode ignores it): rank 0's decides
+        msgs = exchange(self.group, encode(req.key, req.meta) + [fusion_bytes()])
         metas = {r: decode(m)[1] for r, m in enumerate(msgs)}
         with torch.no_grad():
             [(req, res, err)] = execute.run_ready(self.group, [(req.key, metas, req)], set(),
-                                                  fusion_bytes())
+                                                  msgs[0][-1])
         req.complete(res, err)
         return Handle(self, req)
 

@@ -14,6 +14,7 @@ keeps answering rounds and contributes zeros to allreduces until every rank join
 """
 from __future__ import annotations
 
+import datetime
 import struct
 import threading
 import time
@@ -180,6 +181,10 @@ class Engine:
         self._inflight: tuple[Any, torch.Tensor, list[int]] | None = None
         self._connecting: threading.Thread | None = None
         self._connected: Any = None
+        #: While set (``hvd.join``'s mirror), a round may wait for ever and this is called
+        #: between slices of the wait, with when the wait began: it raises to end it (a
+        #: failure, or no progress).
+        self.watch: Callable[[float], None] | None = None
 
     def auto_name(self, kind: str) -> str:
         """``kind.noname.N``: the N-th unnamed ``kind`` operation of this set on this rank."""
@@ -218,7 +223,7 @@ class Engine:
         with timeline.span(req.key if req is not None else "join", f"NEGOTIATE_{kind}"):
             while True:
                 if self._inflight is None:
-                    self._start_round(joined=req is None)
+                    self._start_round(joined=req is None, blocked=True)
                 joined = self._finish_round()
                 if req is None and joined is not None:
                     return joined
@@ -230,7 +235,11 @@ class Engine:
         if self.group is None and self._connecting is None:
             def connect() -> None:
                 try:
-                    self._connected = Group.private(self.prefix, self.global_ranks)
+                    group = Group.private(self.prefix, self.global_ranks)
+                    # Horovod's coordinator decides fusion: here the set's first member
+                    fusion = torch.tensor([self.fusion_bytes], dtype=torch.int64)
+                    group.broadcast(fusion, self.global_ranks[0])
+                    self.fusion_bytes, self._connected = int(fusion.item()), group
                 except Exception as e:  # noqa: BLE001 - re-raised in the calling thread
                     self._connected = e
             self._connecting = threading.Thread(target=connect, daemon=True,
@@ -255,14 +264,14 @@ class Engine:
         if self._inflight is not None and self._inflight[0].is_completed():
             self._finish_round()
         if self._inflight is None and self._local:
-            self._start_round(joined=False)
+            self._start_round(joined=False, blocked=False)
 
-    def _start_round(self, joined: bool) -> None:
+    def _start_round(self, joined: bool, blocked: bool) -> None:
         # One allgather of fixed-size slots carries every rank's length and message; a longer
         # message (any rank's) costs a second allgather in _finish_round, and the slot grows.
         self._connect(block=True)
         assert self.group is not None
-        msg = [int(joined), len(self._local)]
+        msg = [int(joined) | 2 * int(blocked), len(self._local)]
         for req in self._local.values():
             enc = encode(req.key, req.meta)
             msg += [len(enc), *enc]
@@ -278,7 +287,8 @@ class Engine:
         head = msg[: self._slot - 1]
         send[1: 1 + len(head)] = torch.tensor(head, dtype=torch.int64)
         out = torch.empty(self.size * self._slot, dtype=torch.int64)
-        self._inflight = (self.group.start_all_gather(out, send), out, msg)
+        forever = datetime.timedelta(days=7) if self.watch is not None else None
+        self._inflight = (self.group.start_all_gather(out, send, forever), out, msg)
 
     def _finish_round(self) -> int | None:
         assert self._inflight is not None and self.group is not None
@@ -287,7 +297,7 @@ class Engine:
         with timeline.cycle():
             try:
                 with comm.comm_errors("horovod negotiation", group=self.group.global_ranks):
-                    work.wait()
+                    self._wait(work)
                 rows = out.view(self.size, self._slot).tolist()
                 lens = [row[0] for row in rows]
                 if max(lens) > self._slot - 1:
@@ -305,7 +315,7 @@ class Engine:
         table: dict[str, dict[int, Meta]] = {}
         late: set[str] = set()
         for r, m in enumerate(msgs):
-            if m[0]:
+            if m[0] & 1:
                 self._joined_at.setdefault(r, self._round)
             i = 2
             for _ in range(m[1]):
@@ -322,6 +332,8 @@ class Engine:
                        if active and all(r in metas for r in active))
         if ready:
             self._run(ready, table)
+        elif active and all(msgs[r][0] & 2 for r in active):
+            self._fail_kinds(table)  # every rank waits: nothing submitted later can match
         for key in sorted(late - set(ready)):
             self._first_seen.pop(key, None)
             if key in self._local:
@@ -329,6 +341,40 @@ class Engine:
         if len(self._joined_at) == self.size:
             return self._finish_join()
         return None
+
+    def _wait(self, work: Any) -> None:
+        if self.watch is None:
+            work.wait()
+            return
+        t0 = time.monotonic()
+        while True:
+            self.watch(t0)
+            try:
+                work.wait(datetime.timedelta(milliseconds=50))
+                return
+            except RuntimeError:
+                if work.is_completed():  # it failed: its own error
+                    work.wait()
+                    return
+
+    def _fail_kinds(self, table: dict[str, dict[int, Meta]]) -> None:
+        # One name submitted as different kinds (kind.name keys, as Horovod's) by ranks that
+        # all wait: fail it on every rank rather than after the collective timeout.
+        kinds: dict[str, list[str]] = {}
+        for key in sorted(table):
+            kinds.setdefault(key.split(".", 1)[1], []).append(key)
+        for name, keys in kinds.items():
+            if len(keys) != 2 or set(table[keys[0]]) & set(table[keys[1]]):
+                continue  # (a rank that submitted both kinds is not the mismatch)
+            (a, ma), (b, mb) = sorted((min(table[k].items(), key=lambda x: x[0]) for k in keys),
+                                      key=lambda x: x[0])
+            err = HorovodInternalError(
+                f"Mismatched operations for {name}: rank {self.global_ranks[a]} ran {ma.kind}, "
+                f"rank {self.global_ranks[b]} {mb.kind}. Hint: every rank must run the same "
+                "operation under a name.", op=ma.kind)
+            for key in keys:
+                if key in self._local:
+                    self._local.pop(key).complete(None, err)
 
     def _run(self, ready: list[str], table: dict[str, dict[int, Meta]]) -> None:
         batch = [(k, table[k], self._local.pop(k, None)) for k in ready]

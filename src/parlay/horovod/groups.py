@@ -10,6 +10,7 @@ operation never connects, and no rank waits for it.
 """
 from __future__ import annotations
 
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -85,10 +86,15 @@ class Group:
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
         self._run("allgather", t, lambda be: be._allgather_base(out, t))
 
-    def start_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> Any:
-        """Issue an allgather of CPU tensors; returns its c10d work (``wait``, ``is_completed``)."""
+    def start_all_gather(self, out: torch.Tensor, t: torch.Tensor,
+                         timeout: datetime.timedelta | None = None) -> Any:
+        """Issue an allgather of CPU tensors; returns its c10d work (``wait``, ``is_completed``).
+        ``timeout`` replaces the group's for this one."""
+        opts = c10d.AllgatherOptions()
+        if timeout is not None:
+            opts.timeout = timeout
         with comm.comm_errors("allgather"):
-            return self._backend("cpu")._allgather_base(out, t)
+            return self._backend("cpu")._allgather_base(out, t, opts)
 
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         """Broadcast from *global* rank ``root``."""

@@ -18,6 +18,7 @@ import copy
 import gc
 import itertools
 import threading
+import time
 import warnings
 import weakref
 from typing import Any
@@ -93,10 +94,18 @@ class _Mirror:
         # last two rounds, to undo a round every rank only mirrored (see restore)
         self.grads = [None if p.grad is None else p.grad.detach().clone()
                       for _, p in opt._named] if opt is not None else []
+        # backward passes of a step not reduced yet (backward_passes_per_step=k): none started
+        # a reduction, so, as in Horovod, they stay as they are (their counts are put back)
+        eng = opt._buckets if opt is not None else None
+        self.delay = None
+        if eng is not None and not eng.untouched:
+            self.delay = list(eng._delay)
+            eng.reset()
         self.states: dict[int, Any] = {}
         self.target: int | None = None   # set once every rank joined
         self.hold = False
         self.error: BaseException | None = None
+        self.progress = time.monotonic()  # when the other ranks last stepped (or join began)
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True, name="parlay-hvd-join")
         self.thread.start()
@@ -119,8 +128,22 @@ class _Mirror:
                     self.states[self.posted] = copy.deepcopy(state)
                     self.states.pop(self.posted - 2, None)
                 self.opt._mirror_round()
+                self.progress = time.monotonic()
         except BaseException as e:  # noqa: BLE001 - re-raised by the joining thread
             self.error = e
+
+    def check(self, timeout_s: float | None = None, since: float = 0.0) -> None:
+        """Raise the helper thread's failure, if any, or (given ``timeout_s``) that the other
+        ranks have neither stepped nor ended an engine round (``since``) for that long; the
+        engine calls it while a round waits."""
+        if self.error is not None:
+            raise HorovodInternalError(f"hvd.join(): mirroring the optimizer's reductions "
+                                       f"failed: {self.error}", op="join") from self.error
+        if timeout_s is not None and time.monotonic() - max(self.progress, since) > timeout_s:
+            raise HorovodInternalError(
+                f"hvd.join(): the other ranks neither stepped the optimizer nor ran a hvd.* "
+                f"operation within {timeout_s:.0f} s (PARLAY_TIMEOUT). Hint: a rank is stalled "
+                "or died, or a step takes longer than the timeout.", op="join")
 
     def stop(self) -> None:
         with self.cond:
@@ -135,6 +158,8 @@ class _Mirror:
             return
         for (_, p), g in zip(self.opt._named, self.grads):
             p.grad = g
+        if self.delay is not None:
+            self.opt._buckets._delay = self.delay
         if self.posted > real and real + 1 in self.states:
             self.opt.compression.load_state_dict(self.states[real + 1])
 
@@ -177,7 +202,14 @@ def mirrored_join(engine: Any, timeout_s: float) -> int:
             "rank must step it, since each holds a part of the state. Hint: give every rank the "
             "same number of steps (parlay.data's sampler with drop_last), or drop shard=.",
             op="join")
+    elif opt._buckets.in_flight:
+        raise HorovodInternalError(
+            "hvd.join() was called after loss.backward() but before optimizer.step(): the "
+            "backward pass started its gradient reductions. Hint: step() first.", op="join")
     mirror = _Mirror(opt, opt._steps if opt is not None else max(o._steps for o in opts))
+    # The rounds wait while the others step (each step within the timeout), not in total;
+    # a failed mirror ends the wait at once.
+    engine.watch = lambda since: mirror.check(timeout_s, since)
     try:
         last = int(engine.drive(None))
     except BaseException as e:
@@ -185,6 +217,8 @@ def mirrored_join(engine: Any, timeout_s: float) -> int:
         if unsure is not None:
             raise HorovodInternalError(f"{e} ({unsure})", op="join") from e
         raise
+    finally:
+        engine.watch = None
     # Ranks that only stepped never ran an engine round before joining, so the engine may not
     # know who joined last: the rank with the most real steps did (the engine's pick on ties).
     # Every rank with a DistributedOptimizer takes part, mirroring or not.
@@ -193,9 +227,7 @@ def mirrored_join(engine: Any, timeout_s: float) -> int:
     if real[ranks.index(last)] < max(real):
         last = ranks[max(r for r, n in enumerate(real) if n == max(real))]
     mirror.thread.join(timeout_s)
-    if mirror.error is not None:
-        raise HorovodInternalError(f"hvd.join(): mirroring the optimizer's reductions failed: "
-                                   f"{mirror.error}", op="join") from mirror.error
+    mirror.check()
     if mirror.thread.is_alive():
         raise HorovodInternalError(f"hvd.join(): the optimizer's last reductions did not finish "
                                    f"within {timeout_s:.0f} s", op="join")

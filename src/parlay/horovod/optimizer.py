@@ -16,11 +16,13 @@ from typing import Any
 
 import torch
 
+from parlay import comm
 from parlay.compress.base import Compressor, NoneCompressor, get_compressor
 from parlay.dp.hooks import LocalReducer
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
 from parlay.errors import ConfigError
 from parlay.horovod import joining
+from parlay.horovod.process_sets import global_process_set
 from parlay.reduce_ops import ReduceOp, reduce_op
 
 __all__ = ["DistributedOptimizer"]
@@ -168,8 +170,9 @@ class DistributedOptimizer(_BucketedOptimizer):
         process_group: A torch group instead of ``process_set`` (keyword, or 8th positional
             in parlay's order).
         **options: Further keywords of :class:`parlay.dp.optimizer.DistributedOptimizer`, e.g.
-            ``average_aggregated_gradients`` (default True: with ``backward_passes_per_step=k``
-            the k accumulated gradients are averaged; False sums them, as Horovod does).
+            ``average_aggregated_gradients`` (default True: with ``op=Average`` and
+            ``backward_passes_per_step=k`` the k accumulated gradients are averaged; False sums
+            them, as Horovod does; with ``op=Sum`` they are always summed).
 
     Raises:
         ConfigError: Bad arguments (a ``ValueError``), or ranks hold different models.
@@ -239,8 +242,9 @@ class DistributedOptimizer(_BucketedOptimizer):
                          bucket_cap_mb=_bucket_cap_mb(bucket_cap_mb),
                          gradient_predivide_factor=gradient_predivide_factor,
                          process_group=process_group, **options)
-        if not (local_only or self._adasum) and process_group is None \
-                and self._buckets is not None:
+        self._joins = not (local_only or self._adasum) and process_group is None \
+            and self._buckets is not None
+        if self._joins:
             joining.register(self)  # hvd.join() stands in for this rank's steps once joined
         if named is None:
             self._parameter_names = {p: f"allreduce.noname.{i}.{j}"
@@ -250,6 +254,16 @@ class DistributedOptimizer(_BucketedOptimizer):
             self._parameter_names = {p: n for n, p in named}
 
     def synchronize(self) -> None:
+        self._reduce()
+        eng = global_process_set._engine
+        if self._joins and self._world > 1 and (eng is None or eng.group is None):
+            # A rank that runs out of batches joins on the global set's engine: connect it at
+            # the first step, so the joined rank waits for one step, not for this rank's join.
+            from parlay.horovod import collectives
+
+            collectives.target(None)._connect(block=True)
+
+    def _reduce(self) -> None:
         super().synchronize()
         joining.note_round(self)
 
@@ -257,7 +271,7 @@ class DistributedOptimizer(_BucketedOptimizer):
         """A joined rank's stand-in for a step: the same reductions from zero gradients, the
         result dropped (the weights stay; see :mod:`parlay.horovod.joining`)."""
         self.zero_grad(set_to_none=True)
-        self.synchronize()
+        self._reduce()
         self._synchronized = False
 
     def _scales(self) -> tuple[float, float]:
@@ -288,6 +302,13 @@ class DistributedOptimizer(_BucketedOptimizer):
                                         False).wait()
             self.__dict__["found_inf"] = found
         return super()._scaler_step(closure)
+
+    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
+        """As the base class's; with ``op=Adasum`` (local gradients) the ranks agree too."""
+        super().unscale_(scaler)
+        if self._adasum and self._world > 1:
+            for t in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
+                comm.allreduce(t, "max", group=self.process_group)
 
     def _apply_update(self, closure: Any) -> Any:
         """Step the wrapped optimizer; with ``op=Adasum``, on the local gradients, then

@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import Sampler
 
 from parlay import runtime
+from parlay.errors import ConfigError
 
 __all__ = ["ElasticSampler"]
 
@@ -49,10 +50,15 @@ class ElasticSampler(Sampler):
         self.reset()
 
     def reset(self) -> None:
-        """Re-partition the samples not processed yet this epoch over the current ranks."""
-        initialised = runtime.is_initialized()
-        self.num_replicas = runtime.size() if initialised else 1
-        self.rank = runtime.rank() if initialised else 0
+        """Re-partition the samples not processed yet this epoch over the current ranks.
+
+        Raises:
+            ConfigError: Horovod (parlay) is not initialized, as in Horovod.
+        """
+        if not runtime.is_initialized():
+            raise ConfigError("ElasticSampler needs the ranks: Horovod has not been initialized. "
+                              "Fix: call hvd.init() before building the sampler.")
+        self.num_replicas, self.rank = runtime.size(), runtime.rank()
         n = len(self.dataset)
         if self.shuffle:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(

@@ -55,6 +55,16 @@ def _host_copy(value: Any) -> Any:
     return map_tensors(lambda t: t.detach().to("cpu", copy=True), value)
 
 
+def _check_unsharded(name: str, value: Any) -> None:
+    """Refuse a sharded optimizer: a restore makes rank 0's state everyone's, and its
+    ``state_dict()`` is rank 0's shard only."""
+    if getattr(value, "shard", None) and hasattr(value, "shard_engine"):
+        raise ConfigError(f"elastic TorchState cannot hold {name}, a DistributedOptimizer with "
+                          f"shard={value.shard!r}: a restore makes rank 0's state every rank's, "
+                          "and a sharded optimizer's state_dict() is its own rank's shard. Hint: "
+                          "drop shard= under hvd.elastic.")
+
+
 def _stateful(value: Any) -> bool:
     return isinstance(value, (torch.nn.Module, torch.optim.Optimizer)) or (
         callable(getattr(value, "state_dict", None))
@@ -292,6 +302,8 @@ class TorchState(ObjectState):
     def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
         every = {"model": model, "optimizer": optimizer, **kwargs}
         objects = {k: v for k, v in every.items() if _stateful(v)}
+        for name, obj in objects.items():
+            _check_unsharded(name, obj)
         object.__setattr__(self, "_objects", objects)
         for name, obj in objects.items():
             object.__setattr__(self, name, obj)
@@ -299,6 +311,7 @@ class TorchState(ObjectState):
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in getattr(self, "_objects", {}):
+            _check_unsharded(name, value)
             self._objects[name] = value
         super().__setattr__(name, value)
 
