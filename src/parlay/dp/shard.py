@@ -12,7 +12,9 @@ Adagrad, ...):
   rank's chunk is out; a rank steps and stores the optimizer state of its chunks only, then
   the units are all-gathered.
 * ``"gradients"`` (ZeRO-2): as above, but each final gradient is copied into a bucket made for
-  this step and freed at once (``p.grad`` becomes ``None``); a rank keeps only its chunks.
+  this step and freed at once (``p.grad`` becomes ``None``); a rank keeps only its chunks. A
+  bucket is freed once reduce-scattered, and the launch of one waits for the previous one's,
+  so at most two are alive at a time (one being filled, one on the wire).
 * ``"parameters"`` (ZeRO-3): parameters are kept as chunks too. A unit is all-gathered just
   before its module's forward (the next two are prefetched), freed after it (but the last two,
   which backward needs first), gathered again when backward reaches the module and freed
@@ -30,7 +32,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 
 import torch
@@ -50,6 +52,19 @@ __all__ = ["ShardedBuckets"]
 
 def _empty(p: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _elementwise_keys(state: dict[torch.Tensor, dict[str, Any]]) -> set[str]:
+    """The keys of ``state`` (an optimizer's, by parameter) holding a tensor shaped as its
+    parameter wherever that has dimensions (Adagrad's ``sum``, not its ``step``). Where every
+    parameter is 0-dim, shapes tell nothing: every tensor key but torch's scalar ``step``."""
+    wide = [(p, s) for p, s in state.items() if p.dim() > 0]
+    if not wide:
+        return {k for s in state.values() for k, v in s.items()
+                if isinstance(v, torch.Tensor) and k != "step"}
+    return {k for _, s in wide for k in s
+            if all(isinstance(t.get(k), torch.Tensor) and t[k].shape == p.shape
+                   for p, t in wide if k in t)}
 
 
 class ShardedBuckets(GradientBuckets):
@@ -78,6 +93,7 @@ class ShardedBuckets(GradientBuckets):
             raise ConfigError("shard= needs an optimizer that has not stepped yet: wrap it "
                               "before its first step, then load a checkpoint into the wrapper.")
         made_at_init = {id(p): s for p, s in optimizer.state.items()}  # e.g. Adagrad's sums
+        elementwise = _elementwise_keys(optimizer.state)
         optimizer.state.clear()
         self.level, self.thread = level, CommThread(group, hosts)
         self.world, self.rank = self.thread.ring.size, self.thread.ring.rank
@@ -101,8 +117,9 @@ class ShardedBuckets(GradientBuckets):
         for g, grp in enumerate(optimizer.param_groups):
             grp["params"] = [self.shards[b] for b in self.order if unit_group[b] == g]
         for b in range(len(plan.buckets)):
-            self._chunk_state(optimizer, b, made_at_init)
+            self._chunk_state(optimizer, b, made_at_init, elementwise)
         self._pending: list[Future[torch.Tensor] | None] = [None] * len(plan.buckets)
+        self._reducing: Future[torch.Tensor] | None = None  # the last reduce-scatter launched
         self._seen: list[set[int]] = [set() for _ in plan.buckets]
         self._module_hooks: list[Any] = []
         self._last = len(plan.buckets) - 1
@@ -112,16 +129,16 @@ class ShardedBuckets(GradientBuckets):
 
     # ----------------------------------------------------------------- layout
     def _chunk_state(self, optimizer: torch.optim.Optimizer, b: int,
-                     made: dict[int, dict[str, Any]]) -> None:
+                     made: dict[int, dict[str, Any]], elementwise: set[str]) -> None:
         """Unit ``b``'s chunk of the state ``optimizer`` made for its parameters at
-        construction: parameter-shaped tensors are chunked as the unit, the rest copied."""
+        construction: the ``elementwise`` keys are chunked as the unit, the rest copied."""
         members = self._members(b)
         first = made.get(id(members[0][0]))
         if not first:
             return
         state = optimizer.state[self.shards[b]]
         for name, v in first.items():
-            if not (isinstance(v, torch.Tensor) and v.shape == members[0][2]):
+            if name not in elementwise:
                 state[name] = v.clone() if isinstance(v, torch.Tensor) else v
                 continue
             flat = torch.zeros(self.chunk[b] * self.world, dtype=v.dtype, device=v.device)
@@ -196,22 +213,33 @@ class ShardedBuckets(GradientBuckets):
 
     def _launch(self, b: int) -> None:
         buf, ring = self.buffers[b], self.thread.ring
-        wire = self.compressor.shard_dtype(buf.dtype) or buf.dtype
+        dtype, own = buf.dtype, self.level != "optimizer"  # own: a buffer of this step only
+        wire = self.compressor.shard_dtype(dtype) or dtype
         self.stats.add(buf.numel() * buf.element_size(),
                        buf.numel() * wire.itemsize * (self.world - 1) // self.world)
+        held = [buf]
 
         def reduce() -> torch.Tensor:
-            if wire == buf.dtype:
-                return ring.reduce_scatter(buf)
-            scale = self._agree_scale(buf) if wire == torch.float16 else 1.0
-            out = ring.reduce_scatter((buf * scale).to(wire)).to(buf.dtype)
+            full = held.pop()  # no reference stays: the full buffer is freed on return
+            if wire == dtype:
+                out = ring.reduce_scatter(full)
+                return out.clone() if own else out  # this rank's chunk only
+            scale = self._agree_scale(full) if wire == torch.float16 else 1.0
+            out = ring.reduce_scatter((full * scale).to(wire)).to(dtype)
             return out.div_(scale) if scale != 1.0 else out
 
         fut = self.thread.submit(reduce)
         self._handles[b] = comm.Handle(None, "reduce_scatter", fut.result)
+        prev, self._reducing = self._reducing, fut
+        if own:
+            self.buffers[b] = self._new_buffer(self.plan.buckets[b])
+            if prev is not None:  # at most two full buffers: this one and the next one filled
+                wait([prev])
 
     def _agree_scale(self, buf: torch.Tensor) -> float:
         """A power of two that keeps the fp16 sum of every rank's ``buf`` below 2**14."""
+        if buf.numel() == 0:  # an empty unit (on every rank alike)
+            return 1.0
         peak = buf.abs().max().reshape(1).float()
         comm.allreduce(peak, "max", group=self.thread.ring.group)
         top = float(peak.item()) * self.world
@@ -236,8 +264,6 @@ class ShardedBuckets(GradientBuckets):
                 p, view = self.params[i], self.views[i]
                 if view is not None and (p.grad is None or p.grad.data_ptr() != view.data_ptr()):
                     p.grad = view
-        else:
-            self.buffers[b] = self._new_buffer(self.plan.buckets[b])
 
     def zero_grad(self, params: Iterable[torch.Tensor], set_to_none: bool) -> None:
         """``"optimizer"`` keeps every ``p.grad`` a view of its (zeroed) bucket, so autograd
@@ -303,6 +329,7 @@ class ShardedBuckets(GradientBuckets):
     def named_local_grads(self) -> list[tuple[str, torch.Tensor]]:
         """:meth:`local_grads` cut by parameter: ``(name, flat part)`` for each parameter with
         elements in this rank's chunks (so a message can name the very parameter)."""
+        self._check_reduced()
         out = []
         for b, g in enumerate(s.grad for s in self.shards):
             if g is None:
@@ -316,7 +343,17 @@ class ShardedBuckets(GradientBuckets):
 
     def local_grads(self) -> list[torch.Tensor]:
         """This rank's chunks of the averaged gradients (after :meth:`finish`)."""
+        self._check_reduced()
         return [s.grad for s in self.shards if s.grad is not None]
+
+    def _check_reduced(self) -> None:
+        if not self.untouched:
+            raise ConfigError(
+                "the sharded gradient chunks were read (opt.clip_grad_norm_(), "
+                "opt.local_gradients()) after a backward pass but before opt.synchronize(): "
+                "they still hold the last step's values, and step() would not see the clip. "
+                "Fix: loss.backward(); opt.synchronize(); opt.clip_grad_norm_(max_norm); "
+                "with opt.skip_synchronize(): opt.step().")
 
     # ----------------------------------------------------------------- parameters
     def gather_all(self) -> None:
@@ -434,7 +471,13 @@ class ShardedBuckets(GradientBuckets):
                 self.prefetch(max(mine) + ahead)
 
     def remove(self) -> None:
+        """Detach the hooks; with ``"parameters"`` every unit is gathered back into its
+        parameters for good (every rank must call it, as a collective)."""
         super().remove()
         for h in self._module_hooks:
             h.remove()
         self._module_hooks.clear()
+        if self.level == "parameters":
+            for b in range(len(self.flats)):
+                self.ensure(b)  # the parameters hold their full values again
+            self.level = "detached"  # and keep them: release() frees nothing now

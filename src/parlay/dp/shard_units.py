@@ -113,7 +113,8 @@ def clip_chunks_(grads: list[torch.Tensor], max_norm: float, norm_type: float,
     ``torch.nn.utils.clip_grad_norm_``, whose clip coefficient it applies)."""
     p = float(norm_type)
     if math.isinf(p):
-        total = torch.stack([g.abs().max() for g in grads]).max().reshape(1)
+        total = torch.stack([g.abs().max() if g.numel() else g.new_zeros(())  # an empty unit
+                             for g in grads]).max().reshape(1)
         comm.allreduce(total, "max", group=group)
     else:
         total = torch.stack([g.double().norm(p) ** p for g in grads]).sum().reshape(1)

@@ -10,14 +10,14 @@ level      wire per rank per step (ring)          memory per rank      transient
 none (DDP) allreduce ``2(N-1)/N S``                ``P + G + KP``
 optimizer  reduce-scatter + all-gather: as DDP    ``P + G + KP/N``
 gradients  reduce-scatter + all-gather: as DDP    ``P + (G + KP)/N``
-parameters all-gather x2 + reduce-scatter: 1.5x   ``(P + G + KP)/N``   3 x the largest unit
+parameters all-gather x2 + reduce-scatter: 1.5x   ``(P + G + KP)/N``   4 x the largest unit
            (less for few units, below)
 ========== ===================================== ==================== ===================
 
 An element-wise 16-bit compressor (``fp16``, ``bf16``) halves the reduce-scatter (the
 gradients) only; parameters are all-gathered in their own dtype. The ``"parameters"``
-transient is one unit gathered, the next one prefetched and the unit's full gradient before
-its reduce-scatter; a unit is a module (``--layers``: ``S / layers``; a profiled script: its
+transient is the units gathered (the one in use and those prefetched) and the full gradient
+buckets awaiting their reduce-scatter (two at most), 4 units at their measured peak; a unit is a module (``--layers``: ``S / layers``; a profiled script: its
 largest parameter tensor) or else a 25 MiB bucket. Activations, buffers and the framework's
 own memory are not counted. Backward's first two units are still gathered from forward, so
 ``"parameters"`` all-gathers ``(U-2)/U`` of the model again in backward (``U`` units): 1.25x DDP
@@ -140,7 +140,7 @@ def shard_levels(w: Workload, c: ClusterSpec, k: float, compressor: str = "none"
     rs_s, ag_s = ring_s(compressor, buckets) / 2, ring_s("none", buckets) / 2
     p = g = s
     split = {"none": (p + g + k * p, 0.0), "optimizer": (p + g, g + k * p),  # + its gradient
-             "gradients": (p, g + k * p), "parameters": (3 * _unit_bytes(w), p + g + k * p)}
+             "gradients": (p, g + k * p), "parameters": (4 * _unit_bytes(w), p + g + k * p)}
     mem = {lv: (f if n > 1 or lv != "parameters" else 0.0) + sh / n  # 1 rank: no transient
            for lv, (f, sh) in split.items()}
     out = [ShardLevel("none", mem["none"], 2 * rs_b, ddp, *split["none"])]

@@ -105,9 +105,13 @@ def to_device(t: Any, device: torch.device) -> Any:
 def replicated_part(state: dict[str, Any],
                     named_parameters: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """A model's ``state`` without what a sharded optimizer's chunks hold, its trainable
-    parameters: what each rank's file keeps in a sharded run (frozen parameters, buffers)."""
-    chunked = {n for n, p in named_parameters if p.requires_grad}
-    return {k: v for k, v in state.items() if k not in chunked}
+    parameters: what each rank's file keeps in a sharded run (frozen parameters, buffers).
+    A tied parameter, listed once by ``named_parameters``, is dropped under each of its names."""
+    trainable = [(n, p) for n, p in named_parameters if p.requires_grad]
+    chunked = {n for n, _ in trainable}
+    tied = {(p.data_ptr(), p.shape, p.dtype) for _, p in trainable if p.numel()}
+    return {k: v for k, v in state.items() if k not in chunked and not (
+        isinstance(v, torch.Tensor) and (v.data_ptr(), v.shape, v.dtype) in tied)}
 
 
 def batch_size_of(y: Any) -> int:
