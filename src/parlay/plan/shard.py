@@ -17,8 +17,9 @@ parameters all-gather x2 + reduce-scatter: 1.5x   ``(P + G + KP)/N``   4 x the l
 An element-wise 16-bit compressor (``fp16``, ``bf16``) halves the reduce-scatter (the
 gradients) only; parameters are all-gathered in their own dtype. The ``"parameters"``
 transient is the units gathered (the one in use and those prefetched) and the full gradient
-buckets awaiting their reduce-scatter (two at most), 4 units at their measured peak; a unit is a module (``--layers``: ``S / layers``; a profiled script: its
-largest parameter tensor) or else a 25 MiB bucket. Activations, buffers and the framework's
+buckets awaiting their reduce-scatter (two at most), 4 units at their measured peak; a unit is
+a module (``--layers``: ``S / layers``; a profiled script: its largest parameter tensor) or
+else a 25 MiB bucket. Activations, buffers and the framework's
 own memory are not counted. Backward's first two units are still gathered from forward, so
 ``"parameters"`` all-gathers ``(U-2)/U`` of the model again in backward (``U`` units): 1.25x DDP
 for 4 units, towards 1.5x for many.
