@@ -133,3 +133,21 @@ def test_asking_for_one_mode_imports_only_its_adapter() -> None:
                          timeout=50, check=True).stdout.strip()
     assert out == "['parlay.strategies.allreduce', 'parlay.strategies.base', " \
                   "'parlay.strategies.template']", out
+
+
+def test_micro_batches_cut_each_tensor_once_and_lists_of_plain_values_too() -> None:
+    # Each part re-split every tensor (k views made k times: 198 s for k=4096); a list of
+    # strings (the default collate's) went whole into every part beside its split targets.
+    import time
+
+    from parlay.strategies.template import micro_batches
+
+    x, y = torch.arange(10).view(5, 2), torch.arange(5)
+    parts = micro_batches(((x, ["a", "b", "c", "d", "e"], torch.ones(3)), y), 5, 2)
+    assert [p[0][1] for p in parts] == [["a", "b", "c"], ["d", "e"]]
+    assert [p[0][0].tolist() for p in parts] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [8, 9]]]
+    assert all(p[0][2].shape == (3,) for p in parts)  # not n rows: whole into every part
+    t = torch.zeros(4096, 2)
+    t0 = time.process_time()
+    assert len(micro_batches(t, 4096, 4096)) == 4096
+    assert time.process_time() - t0 < 20  # linear: well under a second (quadratic: minutes)

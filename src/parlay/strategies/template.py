@@ -19,6 +19,7 @@ is agreed by every rank that steps together, so all of them skip the same steps:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from typing import Any
 from collections.abc import Callable, Iterable, Sequence
 
@@ -138,10 +139,18 @@ def checked_loss(loss_fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
 
 def micro_batches(batch: Any, n: int, k: int) -> list[Any]:
     """``batch`` (a tensor or a tree of them, ``n`` samples) cut along dim 0 into ``k`` parts
-    of nearly equal size; tensors without ``n`` rows go whole into every part."""
+    of nearly equal size, as ``tensor_split``; so are lists of ``n`` plain values (strings,
+    as the default collate gives them). Tensors without ``n`` rows go whole into every part."""
+    ends = [0, *itertools.accumulate(len(c) for c in torch.arange(n).tensor_split(k))]
+
+    def plain(x: list[Any]) -> bool:
+        return len(x) == n and not any(isinstance(v, (torch.Tensor, list, tuple, dict))
+                                       for v in x)
+
     def part(i: int) -> Any:
-        return _tree.map_tensors(
-            lambda t: t.tensor_split(k)[i] if t.dim() and len(t) == n else t, batch)
+        a, b = ends[i], ends[i + 1]
+        return _tree.map_cut(lambda t: t if isinstance(t, torch.Tensor) and not (
+            t.dim() and len(t) == n) else t[a:b], batch, plain)
     return [part(i) for i in range(k)]
 
 
