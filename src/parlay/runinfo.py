@@ -31,11 +31,16 @@ except ImportError:  # pragma: no cover - not on Windows: no lock there
     fcntl = None  # type: ignore[assignment]
 
 __all__ = ["model_layout", "fingerprint", "describe_mismatch", "DirLock", "trainer_identity",
-           "recipe_difference", "same_numbers", "stable_repr"]
+           "recipe_difference", "same_numbers", "stable_repr", "MAY_CHANGE"]
 
 #: Identity fields a resume must match exactly, with how to tell the user about each.
 #: Identity fields that say how many ranks wrote a state (a resharded resume may differ).
 LAYOUT_FIELDS = ("world_size", "dp_size", "dp_rank", "pp")
+
+#: Recipe fields a resume may change (the Trainer logs it): no state depends on them, and a
+#: run stopped by a non-finite step continues from its checkpoint with ``nonfinite="skip"`` or
+#: a ``grad_clip``. Not ``precision``: fp16's compression residuals are owed in scaled units.
+MAY_CHANGE = ("grad_clip", "nonfinite")
 
 
 def model_layout(model: nn.Module) -> list[list[Any]]:
@@ -98,8 +103,8 @@ def describe_mismatch(saved: dict[str, Any], now: dict[str, Any]) -> str | None:
     if settings:
         return (f"it was written with other training settings ({settings}), so continuing it would "
                 "not be the run that wrote it (another job under the same directory or run "
-                "id?). Fix: resume with the same settings, give this job its own "
-                f"checkpoint_dir,{fresh}")
+                f"id?). Fix: resume with the same settings (a resume may change only "
+                f"{' and '.join(MAY_CHANGE)}), give this job its own checkpoint_dir,{fresh}")
     if has("dp_rank") and saved["dp_rank"] != now["dp_rank"]:
         return (f"this rank's file was written by data-parallel replica {saved['dp_rank']}, "
                 f"this rank is replica {now['dp_rank']}. Fix: keep the rank order of the run "
@@ -190,14 +195,16 @@ def trainer_identity(strategy: Any, mode: str, batch_size: int, layout: list[lis
     return out
 
 
-def recipe_difference(saved: Any, now: Any) -> str | None:
+def recipe_difference(saved: Any, now: Any, changeable: bool = False) -> str | None:
     """The settings two recipes (see :func:`stable_repr`) disagree on, as ``"k: a then, b
-    now; ..."``; ``None`` when they agree or either is missing (older states had none)."""
+    now; ..."``, but those a resume may change (:data:`MAY_CHANGE`), or with ``changeable``
+    only those; ``None`` when they agree or either is missing (older states had none)."""
     if not (isinstance(saved, dict) and isinstance(now, dict)) or saved == now:
         return None
     saved, now = ({k: same_numbers(str(v)) for k, v in r.items()} for r in (saved, now))
     return "; ".join(f"{k}: {saved.get(k)} then, {now.get(k)} now"
-                     for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)) or None
+                     for k in sorted(set(saved) | set(now))
+                     if saved.get(k) != now.get(k) and (k in MAY_CHANGE) == changeable) or None
 
 
 def same_numbers(text: str) -> str:

@@ -183,8 +183,8 @@ class Pipeline:
         self._cache: OrderedDict[Any, tuple[Any, str]] = OrderedDict()
         self._checked = False
         self._traced_rows: int | None = None  # the only micro-batch rows a traced model takes
-        #: Loss scaling (fp16): the loss, hence every gradient, is multiplied by this before
-        #: backward; the reported loss is unscaled. Must be equal on every rank of a pipeline.
+        #: Loss scaling (fp16): the loss, hence every gradient, is multiplied by this (in float32)
+        #: before backward; the reported loss is unscaled. Equal on every rank of a pipeline.
         self.loss_scale = 1.0
         if sample is not None:
             self._check(sample)  # before the move: every stage's layers on one device
@@ -312,7 +312,8 @@ class Pipeline:
                         else tuple(a[: batch // m] for a in args))
         sched, name = self._schedule(args, m, train)
         if self._loss is not None:
-            self._loss.scale = (1.0 / m if self.loss_reduction == "mean" else 1.0) * self.loss_scale
+            self._loss.factor = 1.0 / m if self.loss_reduction == "mean" else 1.0
+            self._loss.loss_scale, self._loss.losses = self.loss_scale, []
         self.meter.reset()
         losses: list[torch.Tensor] = []
         kwargs: dict[str, Any] = {}
@@ -328,9 +329,10 @@ class Pipeline:
                          **kwargs)
         wall = time.perf_counter() - t0
         mt = self.meter
-        loss = torch.stack([v.detach() for v in losses]).sum() if losses else None
-        if loss is not None and self.loss_scale != 1.0:
-            loss = loss.double() / self.loss_scale
+        # The unscaled losses (a finite loss reported finite) of the schedule's micro-batches:
+        # the last ones (a new schedule first calls the loss on its shape inference's output).
+        raw = self._loss.losses[-len(losses):] if self._loss is not None and losses else []
+        loss = torch.stack(raw).sum() if raw else None
         return StepOutput(loss, out if self.is_last and return_outputs else None, m, name,
                           wall, mt.compute_s, mt.compute_cpu_s, mt.fwd_bytes, mt.bwd_bytes,
                           mt.fwd_dense_bytes, mt.bwd_dense_bytes, mt.messages)

@@ -59,11 +59,14 @@ class StepOutput:
 
 
 class ScaledLoss:
-    """``loss_fn`` times a per-step factor, timed as compute (see the module's loss contract)."""
+    """``loss_fn`` times a per-step factor (``1/m``), then the fp16 loss scale in float32 (as
+    GradScaler: a float16 loss times the scale overflows), timed as compute (see the module's
+    loss contract). ``losses`` keeps each call's loss before the loss scale, to report."""
 
     def __init__(self, fn: Callable[..., torch.Tensor], meter: StageMeter,
                  autocast_dtype: torch.dtype | None = None, device_type: str = "cpu") -> None:
-        self.fn, self.meter, self.scale = fn, meter, 1.0
+        self.fn, self.meter, self.factor, self.loss_scale = fn, meter, 1.0, 1.0
+        self.losses: list[torch.Tensor] = []
         self.autocast_dtype, self.device_type = autocast_dtype, device_type
         #: A step's target that is not one tensor (a tuple, a dict): torch splits only tensors
         #: into micro-batches, so the schedule gets sample indices and the loss looks them up.
@@ -80,7 +83,9 @@ class ScaledLoss:
                 shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
                 raise ConfigError(f"loss_fn must return a scalar tensor, got "
                                   f"{type(loss).__name__}{shape}. Hint: use reduction='mean'.")
-            return loss * self.scale if self.scale != 1.0 else loss
+            loss = loss * self.factor if self.factor != 1.0 else loss
+            self.losses.append(loss.detach())
+            return loss.float() * self.loss_scale if self.loss_scale != 1.0 else loss
 
 
 def batch_args(x: Any) -> tuple[Any, ...]:

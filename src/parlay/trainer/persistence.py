@@ -26,7 +26,7 @@ from parlay.checkpoint import CheckpointManager, rng_state, set_rng_state
 from parlay.data.sampler import ShardedSampler
 from parlay.dp.shard_dcp import load_dcp, save_dcp
 from parlay.errors import CheckpointError, ConfigError, ReplicaDivergence
-from parlay.runinfo import same_numbers, stable_repr, trainer_identity
+from parlay.runinfo import recipe_difference, same_numbers, stable_repr, trainer_identity
 from parlay.snapshot import (
     SnapshotStore,
     open_for_trainer,
@@ -231,6 +231,10 @@ class Persistence:
             raise CheckpointError(f"the checkpoint in {where} was written in mode "
                                   f"{state.get('mode')!r}, this Trainer runs mode {self.mode!r}. "
                                   "Hint: use a fresh checkpoint_dir for a different mode.")
+        changed = recipe_difference(state.get("recipe"), self.recipe, changeable=True)
+        if changed:
+            log.warning("resuming step %s (%s) with changed settings: %s",
+                        state["trainer"].get("step"), where, changed)
         self.sampler.load_state_dict(state["sampler"])
         strategy = state["strategy"]
         if "dcp" in state:  # the chunks' tensors come from DCP after this: drop the entries
