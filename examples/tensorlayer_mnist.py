@@ -77,5 +77,5 @@ if __name__ == '__main__':
 
     # Test the trained model
     result = trainer.validate(make_dataset(X_test, y_test))
-    if result:
+    if result and trainer.metrics.printer:  # one rank prints (the ranks share the terminal)
         print(f"test accuracy {100 * result['accuracy']:.2f}% (cost {result['cost']:.4f})")

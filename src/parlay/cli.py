@@ -255,6 +255,9 @@ def check_demo(ns: argparse.Namespace, demo: argparse.Namespace) -> None:
                                multi_node=ns.nnodes not in (None, "1", "1:1"))
     except ValueError as e:  # ConfigError is a ValueError
         raise _fail(f"demo mnist: {e}") from None
+    if demo.json and os.path.isdir(demo.json):
+        raise _fail(f"demo mnist: --json {demo.json} is a folder; the metrics would be lost "
+                    "after training. Hint: a file name, e.g. --json out.json")
     folder = os.path.dirname(os.path.abspath(demo.json)) if demo.json else None
     if folder and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
         raise _fail(f"demo mnist: --json {demo.json}: no writable folder {folder}; the metrics "
@@ -278,7 +281,7 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     for flag, v, low in (("--batch-size", demo.batch_size, 1), ("--epochs", demo.epochs, 1),
                          ("--workers", demo.workers, 0),
                          ("--warmup-epochs", demo.warmup_epochs, 0)):
-        if v < low:
+        if not low <= v < float("inf"):  # nan and inf too
             raise ConfigError(f"{flag} must be >= {low}, got {v}.")
     if not demo.lr > 0:
         raise ConfigError(f"--lr must be > 0, got {demo.lr}. Hint: --lr 1e-3")
@@ -302,7 +305,7 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
         raise ConfigError("--pp (pipeline stages) only applies to --mode hybrid. "
                           "Hint: drop --pp, or add --mode hybrid.")
     if demo.mode == "hybrid" and not multi_node:
-        given = pp or opts.get("pp") or pipeline_stages() or 2
+        given = next((v for v in (pp, opts.get("pp"), pipeline_stages()) if v is not None), 2)
         if isinstance(given, bool) or not isinstance(given, int) or given < 1:
             raise ConfigError(f"--option pp must be a number of stages >= 1, got {given!r}. "
                               "Hint: --option pp=2")

@@ -12,8 +12,9 @@ many containers and CI runners) ``print`` writes a line's text and its newline s
 ranks' lines could splice into one. A bound rank writes whole lines instead: its streams become
 line buffered, one ``write`` per line, flushed at every newline as before.
 
-A bound rank's uncaught exception goes to torchrun's error file (``TORCHELASTIC_ERROR_FILE``,
-torch's format) instead of stderr: ``parlay run`` prints the traceback of the rank that caused a
+A rank's uncaught exception, from the moment parlay is imported (before ``parlay.init()``
+too), goes to torchrun's error file (``TORCHELASTIC_ERROR_FILE``, torch's format) instead of
+stderr: ``parlay run`` prints the traceback of the rank that caused a
 failure once, with one line saying what failed, rather than every rank's consequences.
 
 A rank's exit: ``parlay.shutdown()`` (also run at exit) destroys every group, which joins its
@@ -38,7 +39,7 @@ import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["bind_to_launcher", "whole_lines", "record_uncaught", "track_groups",
+__all__ = ["bind_to_launcher", "whole_lines", "record", "record_uncaught", "track_groups",
            "settle_groups"]
 
 _groups: list[weakref.ref[Any]] = []
@@ -55,7 +56,7 @@ def bind_to_launcher(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     pid = env.get("PARLAY_LAUNCHER_PID", "")
-    if not sys.platform.startswith("linux") or not pid.isdigit() or os.getppid() != int(pid):
+    if not _launched(env):
         return False
     whole_lines()  # a rank of `parlay run`, whether or not the kernel binds it below
     record_uncaught(env.get("TORCHELASTIC_ERROR_FILE", ""))
@@ -68,6 +69,12 @@ def bind_to_launcher(environ: Mapping[str, str] | None = None) -> bool:
     if os.getppid() != int(pid):  # the launcher died before the request took effect
         os.kill(os.getpid(), signal.SIGKILL)
     return True
+
+
+def _launched(env: Mapping[str, str]) -> bool:
+    """Whether this process is a rank that ``parlay run`` started (on Linux)."""
+    pid = env.get("PARLAY_LAUNCHER_PID", "")
+    return sys.platform.startswith("linux") and pid.isdigit() and os.getppid() == int(pid)
 
 
 def whole_lines(streams: Iterable[object] | None = None) -> None:
@@ -87,6 +94,29 @@ def whole_lines(streams: Iterable[object] | None = None) -> None:
             pass
 
 
+def record(value: BaseException, stack: str = "", path: str | None = None) -> bool:
+    """Write ``value`` to the error file ``path`` (default ``TORCHELASTIC_ERROR_FILE``) as an
+    uncaught exception is written, with ``stack`` as its traceback (``""``: the launcher
+    prints none); whether it was written. ``parlay run`` names it in its summary and does
+    not restart a job that failed on ``ConfigError`` only."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE", "") if path is None else path
+    if not path:
+        return False
+    data = {"message": {"message": f"{type(value).__name__}: {value}", "extraInfo": {
+        "py_callstack": stack, "timestamp": str(int(time.time()))}}}
+    # Whole or not at all: the agent reads the file as soon as the process is gone, and
+    # stops the other ranks with a signal, which may land in the middle of this write
+    # (an empty file failed the agent's JSON parsing, and with it the restart).
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        return False
+    return True
+
+
 def record_uncaught(path: str) -> None:
     """Write this process's uncaught exception to ``path`` (torch's error-file format) instead
     of stderr; stderr still gets it if the file cannot be written. Nothing for ``path=""``."""
@@ -95,18 +125,7 @@ def record_uncaught(path: str) -> None:
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        record = {"message": {"message": f"{kind.__name__}: {value}", "extraInfo": {
-            "py_callstack": "".join(traceback.format_exception(kind, value, tb)),
-            "timestamp": str(int(time.time()))}}}
-        # Whole or not at all: the agent reads the file as soon as the process is gone, and
-        # stops the other ranks with a signal, which may land in the middle of this write
-        # (an empty file failed the agent's JSON parsing, and with it the restart).
-        tmp = f"{path}.tmp{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(record, f)
-            os.replace(tmp, path)
-        except OSError:
+        if not record(value, "".join(traceback.format_exception(kind, value, tb)), path):
             previous(kind, value, tb)
 
     hook.error_file = path  # type: ignore[attr-defined]  # installed once per file
@@ -141,3 +160,7 @@ def settle_groups(wait_s: float = 0.02) -> int:
 
 def _prune() -> None:
     _groups[:] = [ref for ref in _groups if ref() is not None]
+
+
+if _launched(os.environ):  # a rank of `parlay run`: recorded from import on, not from init()
+    record_uncaught(os.environ.get("TORCHELASTIC_ERROR_FILE", ""))

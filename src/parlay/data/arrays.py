@@ -31,8 +31,9 @@ def _check_shape(shape: Sequence[int]) -> tuple[int, ...]:
         raise ConfigError(f"shape must be a sequence of ints such as (-1, 784) or "
                           f"(-1, 28, 28, 1), got {shape!r}.") from None
     known = [d for d in dims if d != -1]
-    if dims.count(-1) != 1 or any(d < 1 for d in known) or int(np.prod(known)) != 784:
-        raise ConfigError(f"shape {dims} cannot hold 28x28 images: use one -1 (the image "
+    if dims[:1] != (-1,) or dims.count(-1) != 1 or any(d < 1 for d in known) \
+            or int(np.prod(known)) != 784:
+        raise ConfigError(f"shape {dims} cannot hold 28x28 images: use one -1 first (the image "
                           "count) and dimensions multiplying to 784, e.g. (-1, 784), "
                           "(-1, 28, 28, 1) or (-1, 1, 28, 28).")
     return dims
@@ -43,7 +44,7 @@ def load_mnist_dataset(shape: Sequence[int] = (-1, 784), path: str | os.PathLike
     """MNIST as TensorLayer returned it: ``X_train, y_train, X_val, y_val, X_test, y_test``.
 
     Args:
-        shape: Shape of each image array, ``-1`` standing for the image count (e.g.
+        shape: Shape of each image array, ``-1`` (first) standing for the image count (e.g.
             ``(-1, 784)`` for an MLP, ``(-1, 1, 28, 28)`` for a PyTorch CNN).
         path: Folder of the four IDX files (default: as :func:`parlay.data.mnist`, i.e.
             ``PARLAY_DATA_DIR``, the cache, the copy bundled with parlay, then a download).

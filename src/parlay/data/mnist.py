@@ -102,13 +102,14 @@ def _download(name: str, folder: Path, mirrors: Sequence[str], md5: str | None) 
     from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
     errors: list[str] = []
-    folder.mkdir(parents=True, exist_ok=True)
+    new = [p for p in (folder, *folder.parents) if not p.exists()]  # removed again on failure
     for base in mirrors:
-        url = base.rstrip("/") + "/" + name
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=folder)
+        url, tmp = base.rstrip("/") + "/" + name, ""
         try:
+            folder.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".part", dir=folder)
             req = urllib.request.Request(url, headers={"User-Agent": "parlay"})
-            with urllib.request.urlopen(req, timeout=30) as r, os.fdopen(fd, "wb") as out:
+            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(req, timeout=30) as r:
                 total = int(r.headers.get("Content-Length") or 0) or None
                 with tqdm(total=total, unit="B", unit_scale=True, desc=name, leave=False,
                           disable=not sys.stderr.isatty()) as bar:
@@ -126,8 +127,13 @@ def _download(name: str, folder: Path, mirrors: Sequence[str], md5: str | None) 
         except (urllib.error.URLError, OSError, ValueError) as e:
             errors.append(f"{url}: {getattr(e, 'reason', e)}")
         finally:
-            if os.path.exists(tmp):
+            if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
+    for p in new:  # deepest first; only folders left empty
+        try:
+            p.rmdir()
+        except OSError:
+            break
     return errors
 
 
@@ -178,6 +184,9 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
     if not isinstance(train, bool):
         raise ConfigError(f"train must be True (the 60,000 training images) or False (the "
                           f"10,000 test images), got {train!r}.")
+    if root is not None and folder.exists() and not folder.is_dir():
+        raise ConfigError(f"root={str(root)!r} is a file, not a folder. Hint: pass the folder "
+                          f"that holds the four MNIST files, e.g. root={str(folder.parent)!r}.")
     names = _SPLITS[train]
     missing = [n for n in names if not (folder / n).is_file()]
     # Without root=: PARLAY_DATA_DIR, then the cache, then the bundled copy, then a download.
@@ -206,7 +215,7 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
             f"MNIST file(s) {', '.join(missing)} not found in {folder}.{tried}\n"
             f"  Hint: put the four MNIST files ({', '.join(FILES)}) in a folder and pass it as "
             "root=... (parlay demo: --data DIR) or set PARLAY_DATA_DIR=DIR; with internet "
-            "access they are downloaded into ~/.cache/parlay/mnist.")
+            f"access they are downloaded into {folder}.")
     for n in names:
         want = sums.get(n)
         if want is not None:
@@ -214,8 +223,9 @@ def mnist(root: str | os.PathLike[str] | None = None, train: bool = True,
             if got != want:
                 raise ConfigError(
                     f"{folder / n}: expected MD5 {want}, got {got}. Hint: the file is corrupt "
-                    "or not the original MNIST file; delete it to download it again, or pass "
-                    "verify=False for your own IDX files.")
+                    "or not the original MNIST file; delete it to download it again (parlay "
+                    "demo: or pass --data DIR with the original files), or pass verify=False "
+                    "to parlay.data.mnist for your own IDX files.")
     img = _read_idx(folder / names[0], 2051, 3)
     lbl = _read_idx(folder / names[1], 2049, 1)
     if img.shape[0] != lbl.shape[0]:

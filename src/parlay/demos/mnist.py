@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils.data import Dataset
 
 import parlay
-from parlay import comm
+from parlay import comm, lifeline
 from parlay.data import mnist
 from parlay.errors import ConfigError
 from parlay.trainer import Trainer
@@ -90,7 +90,7 @@ def _options(pairs: list[str]) -> dict[str, object]:
 def load_data(root: str | None) -> tuple[Dataset[Any], Dataset[Any]]:
     """Train and test splits; the chief downloads first so ranks never race on the cache.
     ``root`` (``--data``) is read as ``PARLAY_DATA_DIR`` is: that folder first, then the
-    cache, the bundled copy and a download into the cache."""
+    cache, the bundled copy and a download into that folder (without it: into the cache)."""
     if root is not None:
         os.environ["PARLAY_DATA_DIR"] = root
     if parlay.size() > 1 and not parlay.is_chief():
@@ -121,7 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                               **_options(args.option)})
         metrics = trainer.train_and_validate_to_end()
     except ConfigError as e:
-        if parlay.is_chief():
+        # Every rank: `parlay run` prints it in its summary and does not restart the job.
+        if not lifeline.record(e) and parlay.is_chief():
             print(f"parlay demo mnist: {e}", file=sys.stderr)
         parlay.shutdown()
         return 2

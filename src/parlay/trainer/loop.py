@@ -332,7 +332,7 @@ class Trainer:
         msg = (f"step {self.state.step + 1} was skipped on {where}: its loss or gradient was "
                f"not finite ({self.skipped_steps} skipped so far; under fp16 a loss-scale "
                "overflow, which GradScaler expects now and then)")
-        log.warning(msg)
+        (log.warning if self.metrics.printer or where != "every rank" else log.debug)(msg)
         self.metrics.write("skipped_step", step=self.state.step + 1,
                            skipped_steps=self.skipped_steps)
 
