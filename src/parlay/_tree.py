@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["map_tensors", "map_cut", "tensors_in", "tensors_with_paths", "to_device"]
+__all__ = ["map_tensors", "flatten", "tensors_in", "tensors_with_paths", "to_device"]
 
 
 def _is_leaf(x: Any) -> bool:
@@ -26,13 +26,13 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, fn, tree, is_leaf=_is_leaf)
 
 
-def map_cut(fn: Callable[[Any], Any], tree: Any, whole: Callable[[Any], bool]) -> Any:
-    """``tree`` with every tensor, and every list ``whole`` accepts (not walked into), replaced
-    by ``fn`` of it; other leaves stay as they are."""
-    def cut(x: Any) -> bool:
-        return isinstance(x, list) and whole(x)
-    return pytree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) or cut(x) else x,
-                           tree, is_leaf=lambda x: _is_leaf(x) or cut(x))
+def flatten(tree: Any, whole: Callable[[list[Any]], bool]) -> tuple[list[Any],
+                                                                   Callable[[list[Any]], Any]]:
+    """``tree``'s leaves (the lists ``whole`` accepts are leaves, not walked into) and the
+    function that builds a tree of its shape from as many new leaves."""
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=lambda x: _is_leaf(x) or (
+        isinstance(x, list) and whole(x)))
+    return leaves, lambda new: pytree.tree_unflatten(new, spec)
 
 
 def tensors_in(tree: Any) -> list[torch.Tensor]:

@@ -147,11 +147,11 @@ def micro_batches(batch: Any, n: int, k: int) -> list[Any]:
         return len(x) == n and not any(isinstance(v, (torch.Tensor, list, tuple, dict))
                                        for v in x)
 
-    def part(i: int) -> Any:
-        a, b = ends[i], ends[i + 1]
-        return _tree.map_cut(lambda t: t if isinstance(t, torch.Tensor) and not (
-            t.dim() and len(t) == n) else t[a:b], batch, plain)
-    return [part(i) for i in range(k)]
+    leaves, rebuild = _tree.flatten(batch, plain)  # once: each part only slices
+    cut = [isinstance(x, list) or (isinstance(x, torch.Tensor) and x.dim() > 0 and len(x) == n)
+           for x in leaves]
+    return [rebuild([x[a:b] if c else x for x, c in zip(leaves, cut)])
+            for a, b in itertools.pairwise(ends)]
 
 
 class LossScaler:
