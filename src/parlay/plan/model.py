@@ -19,7 +19,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from parlay.compress import Compressor, Round, available, get_compressor
+from parlay.dp.buckets import BucketPlan, ParamInfo
 from parlay.errors import ConfigError
 
 __all__ = ["Link", "ClusterSpec", "Workload", "Costs", "compressor_of",
@@ -284,8 +287,8 @@ _Shapes = tuple[tuple[int, ...], ...]
 
 def _buckets(numel: int, shapes: Sequence[Sequence[int]] | None, bytes_per_element: int,
              cap: float | None) -> dict[tuple[int, _Shapes | None], int]:
-    """``{(elements, shapes): how many buckets}``: with ``shapes``, tensors in reverse order
-    into a bucket until it holds ``cap`` bytes (``BucketPlan``), else full buckets and the rest."""
+    """``{(elements, shapes): how many buckets}``: with ``shapes``, as ``DistributedOptimizer``
+    fills them (:class:`~parlay.dp.buckets.BucketPlan`), else full buckets and the rest."""
     layout = tuple(tuple(int(d) for d in s) for s in shapes) if shapes else None
     if cap is None:
         return {(numel, layout): 1}
@@ -294,14 +297,14 @@ def _buckets(numel: int, shapes: Sequence[Sequence[int]] | None, bytes_per_eleme
         per = max(1, int(cap // bytes_per_element))
         full, rest = divmod(numel, per)
         return {k: v for k, v in (((per, None), full), ((rest, None), 1)) if k[0] and v}
-    run: list[tuple[int, ...]] = []
-    size, extra = 0, numel - sum(math.prod(s) for s in layout)  # (an estimated layout's rest)
-    for i, s in enumerate(reversed(layout)):
-        run.append(s)
-        size += math.prod(s)
-        if size * bytes_per_element >= cap or i == len(layout) - 1:
-            key = (size + (extra if i == len(layout) - 1 else 0), tuple(run))
-            out[key], run, size = out.get(key, 0) + 1, [], 0
+    dtype = {1: torch.uint8, 2: torch.float16, 8: torch.float64}.get(bytes_per_element,
+                                                                      torch.float32)
+    plan = BucketPlan.build([ParamInfo("", math.prod(s), dtype) for s in layout], int(cap))
+    extra = numel - sum(math.prod(s) for s in layout)  # (an estimated layout's rest: the last)
+    for b in plan.buckets:
+        key = (b.numel + (extra if b is plan.buckets[-1] else 0),
+               tuple(layout[i] for i in b.members))
+        out[key] = out.get(key, 0) + 1
     return out
 
 
