@@ -303,6 +303,7 @@ class DistributedOptimizer(WrappedOptimizer):
     #: scale to :meth:`step` (``found_inf``, ``grad_scale``), which can tell whether the
     #: gradients the scaler checked were already reduced.
     _step_supports_amp_scaling = True
+    _own_sums = False  # True: each rank steps its own gradients (see unscale_)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize gradients (unless inside :meth:`skip_synchronize`), then step; with a
@@ -426,7 +427,7 @@ class DistributedOptimizer(WrappedOptimizer):
         agree on overflows (each checks its chunks; unsharded, every rank sees the same sums)."""
         scaler.unscale_(self)
         found = scaler._per_optimizer_states[id(self)]["found_inf_per_device"]
-        for t in found.values() if self.shard else ():
+        for t in found.values() if self.shard or self._own_sums else ():
             comm.allreduce(t, "max", group=self.process_group)
 
     def gathered_parameters(self) -> contextlib.AbstractContextManager[None]:

@@ -16,7 +16,6 @@ from typing import Any
 
 import torch
 
-from parlay import comm
 from parlay.compress.base import Compressor, NoneCompressor, get_compressor
 from parlay.dp.hooks import LocalReducer
 from parlay.dp.optimizer import DistributedOptimizer as _BucketedOptimizer
@@ -244,6 +243,7 @@ class DistributedOptimizer(_BucketedOptimizer):
                          process_group=process_group, **options)
         self._joins = not (local_only or self._adasum) and process_group is None \
             and self._buckets is not None
+        self._own_sums = self._adasum and self._world > 1  # unscale_: the ranks agree
         if self._joins:
             joining.register(self)  # hvd.join() stands in for this rank's steps once joined
         if named is None:
@@ -302,13 +302,6 @@ class DistributedOptimizer(_BucketedOptimizer):
                                         False).wait()
             self.__dict__["found_inf"] = found
         return super()._scaler_step(closure)
-
-    def unscale_(self, scaler: torch.amp.GradScaler) -> None:
-        """As the base class's; with ``op=Adasum`` (local gradients) the ranks agree too."""
-        super().unscale_(scaler)
-        if self._adasum and self._world > 1:
-            for t in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
-                comm.allreduce(t, "max", group=self.process_group)
 
     def _apply_update(self, closure: Any) -> Any:
         """Step the wrapped optimizer; with ``op=Adasum``, on the local gradients, then
