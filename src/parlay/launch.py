@@ -209,8 +209,11 @@ class DropPolicy:
                       & (set(failures) - set(causes)))
         parts = [f"rank {r}{self._where(failures[r])} failed ({_how(failures[r], False)}, "
                  "and was lost by the others first)" for r in lost]
-        parts += [f"rank {r}{self._where(f)} failed ({_how(f, r in self.stopped)})"
-                  for r, f in causes.items()]
+        same: dict[str, list[int]] = {}  # ranks that failed alike are named in one part
+        for r, f in causes.items():
+            same.setdefault(f"{self._where(f)} failed ({_how(f, r in self.stopped)})", []).append(r)
+        parts += [f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))}{how}"
+                  for how, rs in same.items()]
         if len(parts) > 3:
             parts[3:] = [f"{len(parts) - 3} more rank(s) failed"]
         _say([ln for lines in stacks.values() for ln in lines]

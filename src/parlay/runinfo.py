@@ -14,6 +14,7 @@ by the run it replaces, and forked children (DataLoader workers) do not inherit 
 """
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -201,10 +202,24 @@ def recipe_difference(saved: Any, now: Any, changeable: bool = False) -> str | N
     only those; ``None`` when they agree or either is missing (older states had none)."""
     if not (isinstance(saved, dict) and isinstance(now, dict)) or saved == now:
         return None
-    saved, now = ({k: same_numbers(str(v)) for k, v in r.items()} for r in (saved, now))
+    saved, now = ({k: _canonical(k, str(v)) for k, v in r.items()} for r in (saved, now))
     return "; ".join(f"{k}: {saved.get(k)} then, {now.get(k)} now"
                      for k in sorted(set(saved) | set(now))
                      if saved.get(k) != now.get(k) and (k in MAY_CHANGE) == changeable) or None
+
+
+def _canonical(key: str, text: str) -> str:
+    """A recipe field as compared across a resume: numbers as :func:`same_numbers`, and a
+    compression spec (``'topk:1e-2'``, ``None``) as the compressor it builds, so that equal
+    settings spelt apart (``"topk:0.01"``, ``TopK(ratio=0.01)``) compare equal."""
+    text = same_numbers(text)
+    if key == "compression" and (text == "None" or text[:1] in "'\""):
+        from parlay.compress import get_compressor
+        try:
+            return same_numbers(repr(get_compressor(ast.literal_eval(text))))
+        except Exception:  # noqa: BLE001 - a spec this version cannot read compares as text
+            return text
+    return text
 
 
 def same_numbers(text: str) -> str:

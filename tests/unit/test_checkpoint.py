@@ -153,6 +153,20 @@ def test_identity_mismatches_say_why_and_how_to_fix():
         **base, "model_fingerprint": fingerprint(big), "model_layout": big[:1]})
 
 
+def test_a_compression_spelt_another_way_is_the_same_recipe():
+    from parlay.compression import TopK
+    from parlay.runinfo import recipe_difference, stable_repr
+
+    def recipe(compression):
+        return {"compression": stable_repr(compression), "optimizer": "'sgd'"}
+
+    for now in ("topk:1e-2", TopK(ratio=0.01), "TOPK:0.010"):
+        assert recipe_difference(recipe("topk:0.01"), recipe(now)) is None, now
+    assert recipe_difference(recipe(None), recipe("none")) is None
+    assert recipe_difference(recipe("topk:0.01"), recipe("topk:0.02")) == (
+        "compression: TopK(ratio=0.01) then, TopK(ratio=0.02) now")
+
+
 def test_directory_lock_refuses_another_process(tmp_path):
     import subprocess
     import sys

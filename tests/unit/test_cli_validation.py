@@ -159,6 +159,23 @@ def test_the_rank_a_comm_error_lost_is_named_first(capsys):
                            "others first); rank 0 failed (exit code 1: CommError"), line
 
 
+def test_ranks_that_failed_alike_are_named_once(capsys):
+    # every rank refused the same bad input: one part naming them all, not one per rank
+    from types import SimpleNamespace
+
+    from parlay.launch import DropPolicy
+
+    def failure(message):
+        return SimpleNamespace(exitcode=1, signal_name=lambda: "", local_rank=0, error_file_data={
+            "message": {"message": message, "extraInfo": {"py_callstack": ""}}})
+
+    DropPolicy("/tmp").report({r: failure("ConfigError: batch_size must be > 0")
+                               for r in range(4)} | {4: failure("ValueError: other")}, "done")
+    line = capsys.readouterr().err.splitlines()[-1]
+    assert line == ("parlay run: ranks 0, 1, 2, 3 failed (exit code 1: ConfigError: batch_size "
+                    "must be > 0); rank 4 failed (exit code 1: ValueError: other); done"), line
+
+
 def test_a_droppable_worker_the_launcher_stopped_is_not_reported_lost(tmp_path, capsys):
     # a server died: the launcher stops the workers, which still hold their droppable markers
     from types import SimpleNamespace
