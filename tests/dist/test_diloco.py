@@ -326,7 +326,8 @@ def _evaluate_mid_round():
         if step == 3:  # the sync: the shared model's buffers are rank 0's here
             at_sync = [b.clone() for b in model.buffers()]
     own = [b.clone() for b in model.buffers()]
-    out = s.eval_forward(torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(5, 6))
+    with s.evaluating():
+        out = s.eval_forward(torch.linspace(-1, 1, 30, dtype=torch.float64).reshape(5, 6))
     restored = all(torch.equal(a, b) for a, b in zip(own, model.buffers()))
     return out, at_sync, own, restored
 

@@ -9,7 +9,6 @@ without a message.
 """
 from __future__ import annotations
 
-import contextlib
 
 from typing import Any
 from collections.abc import Callable
@@ -105,17 +104,13 @@ class WholeModelStrategy(StepTemplate):
         with autocast_context(self.precision, self._device):
             return model, opt, loss_fn(model(x), y), y
 
-    def _eval_weights(self) -> contextlib.AbstractContextManager[Any]:
-        """The weights evaluation runs on (default: the model's own)."""
-        return contextlib.nullcontext()
-
     @torch.no_grad()
     def eval_forward(self, x: Any) -> torch.Tensor:
         model, _, _ = self._ready()
         was_training = model.training
         model.eval()
         try:
-            with self._eval_weights(), autocast_context(self.precision, self._device):
+            with autocast_context(self.precision, self._device):
                 return model(to_device(x, self._device))
         finally:
             model.train(was_training)

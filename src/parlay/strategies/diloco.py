@@ -143,9 +143,9 @@ class DiLoCoStrategy(WholeModelStrategy):
         self._shared_buffers = [b.detach().clone() for b in self._ready()[0].buffers()]
 
     @contextlib.contextmanager
-    def _eval_weights(self) -> Iterator[None]:
-        """The shared model: the outer weights and the buffers as at the last sync (the same
-        on every replica; each replica's own are back after)."""
+    def evaluating(self) -> Iterator[None]:
+        """An evaluation runs on the shared model: the outer weights and the buffers as at the
+        last sync (the same on every replica; each replica's own are back after it)."""
         model, opt, _ = self._ready()
         own = [b.detach().clone() for b in model.buffers()]
         with cast(DiLoCoOptimizer, opt).shared_weights(), torch.no_grad():
