@@ -113,7 +113,7 @@ def as_index(value: object, subject: str) -> int:
 def digits_as_int(value: object) -> object:
     """An index given as text (``"1"``, as TensorFlow and TensorLayer read it with ``int()``)
     as an int; anything else unchanged, for :func:`check_task` to check and name."""
-    return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    return int(value) if isinstance(value, str) and INT.fullmatch(value) else value
 
 
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:

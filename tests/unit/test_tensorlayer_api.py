@@ -20,6 +20,8 @@ def test_taskspecdef_is_taskspec_and_device_fn_places_a_model():
     tl = parlay.TaskSpecDef("worker", "1", None, "ps0:2222", "w0:2222,w1:2222")
     assert (tl.ps_hosts, tl.worker_hosts, tl.index, tl.rank) == (
         ("ps0:2222",), ("w0:2222", "w1:2222"), 1, 2)
+    with pytest.raises(parlay.ConfigError, match=r"0 <= index < len\(worker_hosts\) \(2\), got -1"):
+        parlay.TaskSpecDef("worker", " -1", None, "ps0:2222", "w0:2222,w1:2222")  # not "got str"
     dev = spec.device_fn()
     assert isinstance(dev, torch.device)
     model = nn.Linear(3, 2).to(spec.device_fn())
