@@ -189,6 +189,9 @@ def _validate_run(n_val: int):
         *(v[: n_val - 1] for v in val.tensors))
     with pytest.raises(ConfigError, match=r"has 1[01] samples on this rank and 1[01] on anot"):
         t4.validate(mine)  # it evaluated some samples twice or never
+    tiny = TensorDataset(*(v[:2] for v in val.tensors))  # fewer samples than ranks: one has none
+    t5 = parlay.Trainer(build, val, batch_size=2, validation_dataset=tiny, progress=False)
+    assert t5.validate() == t5.validate()  # the rank with none rebuilt its loader: a hang
     return default, custom
 
 

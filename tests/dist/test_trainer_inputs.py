@@ -71,6 +71,19 @@ def _construct_bad():
             [_refused(training_dataset=make()) for make, _ in BAD])
 
 
+def _tensorlayer_validation_builder():
+    net, cost = _build()
+    return _refused(training_dataset=_dataset(), validation_dataset=_dataset(),
+                    build_validation_func=lambda: (net, [cost]))
+
+
+def test_a_validation_builder_that_returns_no_function_is_refused_at_construction():
+    # TensorLayer's builders return (network, [cost, acc]): it trained a whole epoch, then
+    # failed with "'tuple' object is not callable"
+    for said in run_world(_tensorlayer_validation_builder, 2):
+        assert "build_validation_func() must return a function" in said and "got tuple" in said
+
+
 def test_bad_datasets_are_refused_at_construction_on_every_rank():
     for validation, training in run_world(_construct_bad, 2):
         for name, said in (("validation_dataset", validation), ("training_dataset", training)):

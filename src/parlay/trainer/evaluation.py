@@ -37,6 +37,12 @@ class Evaluation:
                  dataset: Dataset | None, batch_size: int, **loader_options: Any) -> None:
         if dataset is not None:  # at construction, where a failure reaches waiting servers
             check_dataset("validation_dataset", dataset)
+        if not callable(metric_fn):
+            raise ConfigError(
+                "build_validation_func() must return a function fn(output, target) -> {name: "
+                f"batch mean}}, got {type(metric_fn).__name__}. Hint: not TensorLayer's "
+                "(network, [cost, acc]); e.g. return lambda out, y: {'accuracy': "
+                "(out.argmax(1) == y).float().mean()}.")
         self.strategy, self.metric_fn = strategy, metric_fn
         self.dataset, self.batch_size = dataset, batch_size
         self.loader_options = loader_options
@@ -69,7 +75,8 @@ class Evaluation:
         if not s.consumes_data:
             return {}
         if dataset is None:
-            self._loader = self._loader or self._loader_for(self.dataset)  # type: ignore[arg-type]
+            if self._loader is None:  # (not "or": a rank's empty share has length 0)
+                self._loader = self._loader_for(self.dataset)  # type: ignore[arg-type]
             loader = self._loader
         else:
             loader = self._loader_for(dataset)
