@@ -188,4 +188,11 @@ def test_prefetch_thread_reraises_loading_errors():
     assert next(p) == 1
     with pytest.raises(ValueError, match="bad sample 7"):
         next(p)
+    with pytest.raises(ValueError, match="bad sample 7"):
+        next(p)  # again, not a wait on a thread that ended
     p.close()
+    done = Prefetcher([1, 2], depth=2)
+    assert list(done) == [1, 2] and next(done, "ended") == "ended" == next(done, "ended")
+    closed = Prefetcher(iter(range(100)), depth=1)
+    closed.close()
+    assert len(list(closed)) <= 2  # what was queued, then the end: no wait forever

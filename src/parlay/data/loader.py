@@ -111,6 +111,7 @@ class Prefetcher:
     def __init__(self, source: Iterable[Any], depth: int) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        self._end: Any = None  # _END or the loading error, once the consumer met it
         self._thread = threading.Thread(target=self._run, args=(iter(source),),
                                         name="parlay-prefetch", daemon=True)
         self._thread.start()
@@ -137,11 +138,16 @@ class Prefetcher:
         return self
 
     def __next__(self) -> Any:
-        item = self._q.get()
-        if item is self._END:
-            raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
+        item = self._end
+        while item is None:  # bounded waits: a thread that ended leaves no caller blocked
+            try:
+                item = self._q.get(timeout=0.5)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    item = self._END
+        if item is self._END or isinstance(item, BaseException):
+            self._end = item  # an iterator that ended (or failed) ends (fails) again
+            raise StopIteration if item is self._END else item
         return item
 
     def close(self) -> None:
