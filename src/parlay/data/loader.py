@@ -145,9 +145,12 @@ class Prefetcher:
             except queue.Empty:
                 if not self._thread.is_alive() and self._q.empty():
                     item = self._END
-        if item is self._END or isinstance(item, BaseException):
+        if item is self._END:
             self._end = item  # an iterator that ended (or failed) ends (fails) again
-            raise StopIteration if item is self._END else item
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._end = item
+            raise item
         return item
 
     def close(self) -> None:
