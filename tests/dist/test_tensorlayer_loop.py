@@ -70,6 +70,10 @@ def _tensorlayer_names():
                              validation_dataset=data, num_epochs=2, progress=False)
     trainer.train_and_validate_to_end(validate_step_size=4)
     metrics = trainer.validation_metrics
+    # the dataset by position, the rest by name (a TypeError: "multiple values")
+    named = parlay.Trainer(data, build_training_func=_build, optimizer=torch.optim.Adam,
+                           optimizer_args={"lr": 0.001}, batch_size=4, progress=False)
+    assert named.config.training_dataset is data and named.config.build_training_func is _build
     return (trainer.global_step, trainer.training_network is trainer.model,
             [name for name, _ in metrics], dict(metrics) == trainer.validate())
 

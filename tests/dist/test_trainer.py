@@ -288,13 +288,16 @@ def test_bad_arguments_raise_config_error():
                       ({"optimizer_args": "lr=0.1"}, "optimizer_args must be a dict"),
                       ({"shard": "optimizer", "strategy_options": {"shard": "gradients"}},
                        r"sets \['shard'\], which are Trainer arguments"),
-                      ({"prefetch": 2, "prefetch_size": 4}, "not both")]:
+                      ({"prefetch": 2, "prefetch_size": 4}, "not both"),
+                      ({"seed": 2**64}, r"seed must be an int in \[0, 2\*\*64\)")]:
         with pytest.raises(ConfigError, match=words):
             parlay.Trainer(_build, ds, progress=False, **kw)
     args = {"lr": 0.1}
     t = parlay.Trainer(_build, ds, optimizer_args=args, progress=False)
     args["lr"] = 5.0  # the caller's dict, changed afterwards: the configuration keeps 0.1
     assert t.config.optimizer_args == {"lr": 0.1} and t.config.base_lr == 0.1
+    big = parlay.Trainer(_build, ds, max_iteration=1, seed=2**64 - 1, progress=False, num_workers=1)
+    big.train_to_end()  # torch's whole seed range: the derived seeds wrap (an overflow once)
     t = parlay.Trainer(_build, ds, max_iteration=1, progress=False)
     for kw in ({"validate_every": 0}, {"validate_step_size": 0}):  # either name, same check
         with pytest.raises(ConfigError, match="validate_every"):

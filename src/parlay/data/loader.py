@@ -237,7 +237,7 @@ def build_loader(dataset: Dataset[Any], sampler: Sampler[int], batch_size: int, 
                            persistent_workers=True)
     # A private generator: DataLoader otherwise draws its base seed from the global RNG each
     # time an iterator is created, which would make a resumed run diverge.
-    gen = torch.Generator().manual_seed(seed * 100_003 + rank)
+    gen = torch.Generator().manual_seed((seed * 100_003 + rank) % 2**64)
     if tensors is not None:
         loader = DataLoader(_BatchIndexed(tensors), batch_size=None, sampler=batches,
                             pin_memory=pin_memory, generator=gen, **worker_opts)

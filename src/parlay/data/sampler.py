@@ -107,7 +107,7 @@ class ShardedSampler(Sampler[int]):
         """This replica's full shard for ``epoch`` (default: the current one), in order."""
         e = self.epoch if epoch is None else epoch
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + e)
+            g = torch.Generator().manual_seed((self.seed + e) % 2**64)
             order = torch.randperm(self.n, generator=g).tolist()
         else:
             order = list(range(self.n))

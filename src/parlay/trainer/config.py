@@ -237,8 +237,9 @@ class TrainerConfig:
             raise ConfigError(f"warmup_epochs must be a number >= 0, got {w!r}.")
         if self.lr_schedule not in SCHEDULES:
             raise ConfigError(f"lr_schedule must be one of {SCHEDULES}, got {self.lr_schedule!r}.")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ConfigError(f"seed must be an int >= 0 or None, got {self.seed!r}.")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(
+                self.seed, bool) or not 0 <= self.seed < 2**64):  # torch.manual_seed's range
+            raise ConfigError(f"seed must be an int in [0, 2**64) or None, got {self.seed!r}.")
         check_policy(self.nonfinite)
         if not isinstance(self.reshard, bool):
             raise ConfigError(f"reshard must be True or False, got {self.reshard!r}.")

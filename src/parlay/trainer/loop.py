@@ -56,6 +56,8 @@ class Trainer:
                 raise ConfigError("pass prefetch or prefetch_size (TensorLayer's name for it), "
                                   "not both.")
             kwargs["prefetch"] = kwargs.pop("prefetch_size")
+        if args and "build_training_func" in kwargs:  # TensorLayer's order, Trainer(data, ...)
+            args = (kwargs.pop("build_training_func"), *args)
         self.config = cfg = TrainerConfig(*args, **kwargs)
         if not runtime.is_initialized():
             runtime.init()
@@ -125,7 +127,7 @@ class Trainer:
         layout = model_layout(model)  # before a shard="parameters" setup empties it
         s.setup(model, self.loss_fn, cfg.optimizer, dict(cfg.optimizer_args or {}))
         if cfg.seed is not None:  # distinct dropout masks per rank, reproducible per run
-            torch.manual_seed(cfg.seed + 1 + runtime.rank())
+            torch.manual_seed((cfg.seed + 1 + runtime.rank()) % 2**64)
         self._metric_fn = (cfg.build_validation_func() if cfg.build_validation_func is not None
                            else default_metrics(self.loss_fn))
         return layout
