@@ -245,7 +245,7 @@ def test_hybrid_mixed_precision_converges_and_skips_agree(precision, options):
     import math
 
     out = run_world(_precision_run, 4, precision, options)
-    for losses, skipped, metrics, _, reports in out:
+    for losses, _skipped, metrics, _, reports in out:
         if reports:
             finite = [v for v in losses if math.isfinite(v)]
             assert sum(finite[-3:]) / 3 < 0.3 * sum(finite[:3]) / 3

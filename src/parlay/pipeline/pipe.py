@@ -286,7 +286,7 @@ class Pipeline:
         if train:
             sched = spec.cls(arg, m, loss_fn=self._loss, scale_grads=False)
         else:
-            sched = spec.eval_cls(arg, m)
+            sched = spec.eval_cls(arg, m, scale_grads=False)  # leave .grad alone
         self._cache[key] = (sched, spec.name)
         while len(self._cache) > 8:
             self._cache.popitem(last=False)

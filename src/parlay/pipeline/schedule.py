@@ -213,6 +213,15 @@ class InstrumentedStage(PipelineStage):
         with kept_state(self.submod):
             return super()._forward_metadata_inference(*args, **kwargs)
 
+    def _to_tensor(self, arg: Any) -> torch.Tensor:
+        # torch builds the shape-inference inputs from metadata with torch.empty: integer ones
+        # (token ids) would hold garbage indices. Zeros are valid for any lookup.
+        t = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor):
+            with torch.no_grad():
+                t.zero_()
+        return t
+
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> None:
         # Data-parallel hooks fire once per step: during the last micro-batch's backward, when

@@ -32,7 +32,8 @@ __all__ = ["TracedStage", "trace_to_sequential", "as_sequential", "original_name
 
 class TracedStage(nn.Module):
     """One piece of a traced model, called with ``nn.Sequential`` semantics (a tuple input is
-    spread over the piece's arguments). Its parameters are the original model's, shared.
+    spread over the piece's arguments: the graph takes the flattened tensors of the model's
+    input, or of the previous piece's output). Its parameters are the original model's, shared.
 
     In eval mode (``.eval()``) it runs ``eval_module``, the piece traced in eval mode, on
     ``gm``'s parameters and buffers by name (so moves and loads of ``gm`` reach it too)."""
@@ -107,15 +108,20 @@ def trace_to_sequential(model: nn.Module, split_points: Sequence[str], sample: A
     if bad:
         raise ConfigError(f"split_points name submodules that are not in the model: {bad}. "
                           "Hint: use names from model.named_modules(), e.g. 'layers.4'.")
-    args = sample if isinstance(sample, tuple) else (sample,)
-    try:
+    try:  # model(x), as in every mode: a tuple input is one argument
         with _train_mode(model, True):
-            pipe = _pipeline(model, args, split_points)
+            pipe = _pipeline(model, (sample,), split_points)
         with _train_mode(model, False):
-            evals = _pipeline(model, args, split_points)
+            evals = _pipeline(model, (sample,), split_points)
     except Exception as e:  # noqa: BLE001 - tracing errors come in many types
-        raise ConfigError(f"could not trace {type(model).__name__} for pipelining: {e}. Hint: "
-                          "express the model as an nn.Sequential instead.") from e
+        root: BaseException = e
+        while root.__cause__ is not None:
+            root = root.__cause__
+        raise ConfigError(
+            f"could not trace {type(model).__name__} for pipelining: {type(root).__name__}: "
+            f"{root}. Hint: the model is called as model(sample), as in every mode (a tuple "
+            "input is one argument: forward(self, inputs), not forward(self, a, b)); fix that "
+            "error or express the model as an nn.Sequential.") from e
     calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
     for i, node in enumerate(calls[1:], start=1):
         prev = calls[i - 1]
