@@ -354,6 +354,46 @@ class CheckpointManager:
             log.warning(msg)
         return None
 
+    def _incomplete(self) -> bool:
+        """Some ranks hold checkpoint files, no step every rank: whether those steps were
+        left incomplete by this run's layout (a rank died while saving them; warned: they
+        are never resumed). Raises when the files record another run's identity (mode first);
+        ``False`` when they name none, or other rank numbers (:meth:`_layout_message`).
+        Each rank checks its newest file (one without: the newest step's first one), and the
+        ranks agree with a max allreduce."""
+        written, mine = self.written(), self.steps()
+        step = max(mine or written, default=-1)
+        owner = self.rank if mine else min(written.get(step, ()), default=-1)
+        saved: Any = None
+        if owner >= 0 and self.identity is not None:
+            try:
+                saved = load(self.path(step, owner), step).get("identity")
+            except CheckpointError:
+                pass  # unreadable: says nothing
+        why, code = None, 0  # 0: unknown, 1: this layout's, 2: other rank numbers, 3: other run
+        if isinstance(saved, dict) and self.identity is not None:
+            why = describe_mismatch(*({k: v for k, v in d.items() if k != "dp_rank"}
+                                      for d in (saved, self.identity)))
+            code = 3 if why else 0 if owner != self.rank else \
+                2 if describe_mismatch(saved, self.identity) else 1
+        t = self._tensor([code])
+        if self._world() > 1:
+            comm.allreduce(t, "max", group=self.group)
+        if int(t.item()) == 3:
+            raise CheckpointError(
+                f"cannot resume from checkpoint step {step} in {self.directory} (rank "
+                f"{self.rank}): {why.rstrip('.')}. Nothing was deleted." if why else
+                f"cannot resume from {self.directory}: another rank's checkpoint file was "
+                "written by another run (see that rank's error). Nothing was deleted.")
+        if int(t.item()) == 1:
+            msg = (f"checkpoint step(s) {', '.join(map(str, sorted(written)))} in "
+                   f"{self.directory} were written by only some ranks (the job ended while "
+                   "saving them) and cannot be resumed: starting as with no checkpoint (from "
+                   "the in-memory snapshots, if any).")
+            warnings.warn(msg, stacklevel=4)
+            log.warning(msg)
+        return int(t.item()) == 1
+
     def _layout_message(self) -> str:
         """Some ranks hold checkpoints and others none: say which ranks wrote the newest one
         and which checkpoint now (called on every rank of the group)."""
@@ -383,7 +423,8 @@ class CheckpointManager:
 
         Raises:
             CheckpointError: Some ranks hold checkpoints and others none (a different number
-                of ranks wrote them), none is usable on every rank, the files of one step
+                of ranks, or another run, wrote them; steps this layout left incomplete are
+                skipped with a warning), none is usable on every rank, the files of one step
                 come from different runs, or the
                 checkpoint's identity differs from this run's (the message says why and how
                 to fix it). Raised on every rank; nothing is deleted and the lock is released.
@@ -396,7 +437,7 @@ class CheckpointManager:
 
     def _load_latest(self, newest: int | None) -> dict[str, Any] | None:
         common, most = self._common_steps(self.steps())
-        if not common and most:
+        if not common and most and not self._incomplete():
             raise CheckpointError(self._layout_message())
         common = [t for t in common if newest is None or t <= newest]
         state = self.first_usable(common, self.path)

@@ -204,3 +204,19 @@ def test_identity_and_run_id_are_recorded_and_checked(tmp_path):
     with pytest.raises(CheckpointError, match="batch_size=4 per replica.*Nothing was deleted"):
         other.load_latest()
     assert m.steps() == [1, 2]
+
+
+def test_a_later_store_of_this_process_supersedes_one_left_open(tmp_path):
+    # A Trainer stopped early (never finished nor closed), then a second one in the same
+    # process: it was refused as "another live job", naming this process's own pid.
+    from parlay.snapshot import SnapshotStore
+
+    first = SnapshotStore("job-0123456789ab", 0, root=tmp_path, live=True)
+    first.save(5, _state(5.0))
+    second = SnapshotStore("job-ba9876543210", 0, root=tmp_path, live=True)  # another recipe
+    assert not first.directory.exists(), "the superseded store's snapshots are cleared"
+    with pytest.raises(CheckpointError, match="took over rank 0's snapshots"):
+        first.save(6, _state(6.0))
+    second.save(1, _state(1.0))
+    second.close()
+    assert second.steps() == [1]

@@ -126,12 +126,16 @@ def agree_resume(disk: Iterable[int], snaps: Iterable[int], *, is_worker: bool, 
         exact = common.intersection(*(held[w] for w in workers if held[w]))
         on_disk = max(exact or common, default=None)
         if on_disk is None and any(servers):  # not a fresh start: refuse it
+            none = [k for k, h in enumerate(servers) if not h]
             raise CheckpointError(
                 "the parameter servers hold no checkpoint version in common (usable steps by "
                 f"server: {[sorted(h) for h in servers]}; see the warnings for files left "
-                "out), so the run cannot resume; nothing was deleted. Fix: restore the missing "
-                "ps-<k>.step-*.pt files, or start afresh with a new (or emptied) "
-                "checkpoint_dir.")
+                "out), so the run cannot resume; nothing was deleted. " + (
+                    f"Server(s) {none} hold none while the others do: the number of "
+                    "parameter servers probably changed (parlay run --ps). Fix: resume with "
+                    "the --ps count of the run that wrote them" if none else
+                    "Fix: restore the missing ps-<k>.step-*.pt files")
+                + ", or start afresh with a new (or emptied) checkpoint_dir.")
     in_mem = max(set.intersection(*mem), default=None) if any_snap else None
     if in_mem is not None and (on_disk is None or in_mem > on_disk):
         return Resume(any_tagged, in_mem, True, any_snap, workers, *extra)

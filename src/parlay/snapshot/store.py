@@ -38,6 +38,7 @@ import json
 import logging
 import zlib
 import os
+import weakref
 import re
 import shutil
 import sys
@@ -95,7 +96,8 @@ class SnapshotStore:
             step t still hold step t-1.
         live: Hold this rank's live lock on the run id until :meth:`close`
             (:func:`~parlay.snapshot.owner.hold_live`): a second live job with the same run id
-            is refused.
+            is refused; a store of this process still holding it (a Trainer stopped early,
+            never closed) is superseded: cleared, and its next save raises.
 
     Raises:
         ConfigError: Bad key or keep, or (``live``) another live job holds the run id.
@@ -115,11 +117,19 @@ class SnapshotStore:
         self._live_fd, self._cleared = -1, False
         if live:
             _clear_ended(at_exit=False)  # this process trains anew: the run id is its own
+            older = _live.get(live_path(self.root, key, self.rank))
+            if older is not None:  # one this process left open (a Trainer stopped early)
+                older.clear()
+                older._error = CheckpointError(
+                    f"a later store of this run id in this process (another Trainer) took "
+                    f"over rank {self.rank}'s snapshots; this one was cleared.")
             try:
                 self._live_fd = hold_live(self.root, key, self.rank)
             except OSError as e:
                 raise CheckpointError(f"cannot create snapshot folder {self.root}: {e}. Hint: "
                                       "set PARLAY_SNAPSHOT_DIR to a writable folder.") from e
+            if self._live_fd >= 0:
+                _live[live_path(self.root, key, self.rank)] = self
             for old in other_recipes(self.root, key, self.rank):
                 log.warning("rank %d: in-memory snapshots of this run id taken with another "
                             "configuration (model, batch size, world size or data) are in %s; "
@@ -393,6 +403,7 @@ class SnapshotStore:
             if self._live_fd >= 0 and not keep_live:
                 release_live(self._live_fd)
                 self._live_fd = -1
+                _live.pop(live_path(self.root, self.key, self.rank), None)
 
     def clear_at_exit(self) -> None:
         """:meth:`clear` when this process exits without an uncaught exception (one that
@@ -421,4 +432,6 @@ class SnapshotStore:
 
 
 _ended: list[SnapshotStore] = []  # this process's stores whose training ended
+#: live file -> this process's store holding it (weak: a store dropped unclosed goes as before)
+_live: weakref.WeakValueDictionary[Path, SnapshotStore] = weakref.WeakValueDictionary()
 atexit.register(_clear_ended, at_exit=True)
