@@ -12,23 +12,23 @@ otherwise. Evaluators (TF semantics) stand outside the training world and have n
 
 This module sits below :mod:`parlay.taskspec` (``TaskSpec.from_env`` detects) and
 :mod:`parlay.runtime` (``init()`` detects); users import its names from :mod:`parlay.env`
-or :mod:`parlay`. It imports neither torch nor any parlay module but :mod:`parlay.errors` and the
-validators it shares with :mod:`parlay.taskspec` (:mod:`parlay._validate`).
+or :mod:`parlay`. It imports neither torch nor any parlay module but :mod:`parlay.errors`, the
+validators it shares with :mod:`parlay.taskspec` (:mod:`parlay._validate`) and the TF-style task
+reader (:mod:`parlay.tfconfig`).
 """
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from parlay._validate import (DEFAULT_MASTER_PORT, TASK_TYPES, addr_var, as_index, ceil_div,
                               check_below, check_host, cluster_order, expand_nodelist, fail,
                               first_node, int_var, local_sizes, need_var, parse_address,
-                              port_var, rank_of, read_tf_config, show, tasks_on)
+                              port_var, rank_of, show, tasks_on)
 from parlay.errors import ConfigError
+from parlay.tfconfig import TENSORLAYER_VARS, read_task, tf_config_text
 
 __all__ = ["TASK_TYPES", "DEFAULT_MASTER_PORT", "ClusterEnv", "detect", "expand_nodelist",
            "pipeline_stages", "run_id", "read_task", "tf_config_text", "describes_cluster"]
@@ -268,9 +268,6 @@ def _pmi(env: Mapping[str, str], checked_only: bool) -> ClusterEnv | None:
                       node_rank=rank // local_world, num_nodes=ceil_div(world, local_world))
 
 
-#: TensorLayer's cluster variables, read as TF_CONFIG's jobs (``JOB_NAME`` and ``TASK_INDEX``:
-#: this task's).
-TENSORLAYER_VARS = {"ps": "PS_HOSTS", "worker": "WORKER_HOSTS", "master": "MASTER_HOST"}
 #: What describes a cluster to :func:`detect` (torchrun's, TF_CONFIG, TensorLayer's, parlay's
 #: own), and the prefixes of SLURM's, OpenMPI's, PMI's and torchelastic's variables.
 _CLUSTER_VARS = frozenset({"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -284,55 +281,6 @@ def describes_cluster(name: str) -> bool:
     """Whether environment variable ``name`` tells :func:`detect` about a cluster (a process
     started without any of them runs alone)."""
     return name in _CLUSTER_VARS or name.startswith(_CLUSTER_PREFIXES)
-
-
-def tf_config_text(env: Mapping[str, str]) -> str:
-    """``TF_CONFIG``; when it is blank and TensorLayer's ``JOB_NAME`` is set, the same document
-    made from ``JOB_NAME``, ``TASK_INDEX``, ``PS_HOSTS``, ``WORKER_HOSTS`` and ``MASTER_HOST``
-    (comma-separated ``host:port`` lists; ``JOB_NAME`` must be a task type and one of the lists
-    set); else ``""``.
-
-    Raises:
-        ConfigError: ``JOB_NAME=master`` without ``MASTER_HOST``.
-    """
-    text = env.get("TF_CONFIG", "")
-    # JOB_NAME alone is no cluster (Jenkins sets it to the build's name): TensorLayer's needs a
-    # task type and a host list.
-    if text.strip() or env.get("JOB_NAME") not in (*TASK_TYPES, "master") \
-            or not any(env.get(var, "").strip() for var in TENSORLAYER_VARS.values()):
-        return text
-    cluster = {job: [h.strip() for h in env.get(var, "").split(",") if h.strip()]
-               for job, var in TENSORLAYER_VARS.items()}
-    if env["JOB_NAME"] == "master" and not cluster["master"]:
-        raise ConfigError("JOB_NAME=master needs MASTER_HOST, the master's host:port (TensorLayer "
-                          "runs the master as a training task before the workers). Hint: set "
-                          "MASTER_HOST, or launch the task as JOB_NAME=worker.")
-    return json.dumps({"cluster": {job: h for job, h in cluster.items() if h},
-                       "task": {"type": env["JOB_NAME"], "index": env.get("TASK_INDEX") or 0}})
-
-
-def read_task(env: Mapping[str, str]) -> tuple[str, int, dict[str, tuple[str, ...]], Any] | None:
-    """This task as :func:`tf_config_text` gives it: ``(task_type, index, hosts, trial)``
-    (as :func:`~parlay._validate.read_tf_config` checks them); ``None`` without either source,
-    or when ``TF_CONFIG`` has no cluster (TensorFlow's local mode).
-
-    Raises:
-        ConfigError: What :func:`~parlay._validate.read_tf_config` refuses, naming the source.
-    """
-    text = tf_config_text(env)
-    if not text.strip():
-        return None
-    try:
-        found = read_tf_config(text)
-    except ConfigError as e:
-        if env.get("TF_CONFIG", "").strip():
-            raise
-        names = ", ".join(["JOB_NAME", "TASK_INDEX", *TENSORLAYER_VARS.values()])
-        raise ConfigError(f"TensorLayer's variables ({names}), read as {e}") from None
-    if found is None:
-        return None
-    task_type, index, hosts = found
-    return task_type, index, hosts, json.loads(text)["task"].get("trial")
 
 
 def _tf_config(env: Mapping[str, str]) -> ClusterEnv | None:
@@ -386,7 +334,10 @@ def detect(environ: Mapping[str, str] | None = None, *, rank: int | None = None,
     not torchrun's processes); only a ``TF_CONFIG`` of its world size is read (it must agree on
     the rank), for its ps count. Otherwise every source that is present must parse and agree on
     rank and world size with the chosen one (srun's PMI variables beside SLURM's need no
-    master), else ``ConfigError``.
+    master), else ``ConfigError``; torchrun's variables set by hand beside SLURM or MPI take
+    its local rank and size and node rank and count (those set must agree with them).
+    MPI names no node index: OpenMPI's and PMI's ``node_rank`` assumes consecutive ranks fill
+    each node, and :func:`parlay.init` numbers the nodes by hostname instead.
     ``SLURM_NTASKS`` without ``SLURM_PROCID`` (an salloc shell) is not a SLURM launch. Note a
     batch script run without srun carries ``SLURM_PROCID=0`` of the whole allocation.
 
@@ -472,7 +423,33 @@ def _present(env: Mapping[str, str]) -> list[ClusterEnv]:
                 f"({_SOURCE_VARS[other.source]}) to agree, got rank {found.rank} of "
                 f"{found.world_size} vs rank {other.rank} of {other.world_size}. Hint: unset "
                 "the stale variables, or pass rank= and world_size= explicitly.")
+    if first is not None and "TORCHELASTIC_RUN_ID" not in env:
+        present[0] = _launcher_layout(present, env)
     return present
+
+
+#: torchrun's node-layout variables and the fields they set.
+_LAYOUT = {"LOCAL_RANK": "local_rank", "LOCAL_WORLD_SIZE": "local_world_size",
+           "GROUP_RANK": "node_rank", "GROUP_WORLD_SIZE": "num_nodes"}
+
+
+def _launcher_layout(present: list[ClusterEnv], env: Mapping[str, str]) -> ClusterEnv:
+    """torchrun's variables set by hand (``export RANK=$SLURM_PROCID`` in an sbatch script) beside
+    a launcher that knows the node layout: the layout is the launcher's, and those of torchrun's
+    layout variables that are set must agree with it."""
+    found = present[0]
+    launcher = next((c for c in present[1:] if c.source in ("slurm", "openmpi")
+                     or c.source == "pmi" and "MPI_LOCALRANKID" in env), None)
+    if launcher is None:
+        return found
+    for var, field in _LAYOUT.items():
+        if var in env and getattr(found, field) != getattr(launcher, field):
+            raise ConfigError(
+                f"conflicting cluster environment: expected {var} to agree with "
+                f"{launcher.source}'s {field} {getattr(launcher, field)}, got "
+                f"{getattr(found, field)}. Hint: unset {var} (parlay reads the node layout from "
+                f"{launcher.source}), or export it from {launcher.source}'s variables.")
+    return replace(found, **{field: getattr(launcher, field) for field in _LAYOUT.values()})
 
 
 def _with_num_ps(found: ClusterEnv, env: Mapping[str, str], num_ps: int | None,

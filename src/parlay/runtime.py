@@ -11,6 +11,8 @@ import atexit
 import datetime as _dt
 import logging
 import os
+import re
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -172,19 +174,15 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
             _generation += 1
             dist.init_process_group(be, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         else:
-            _rendezvous(be, cluster, td, os.environ if environ is None else environ)
+            cluster = replace(_rendezvous(be, cluster, td, os.environ if environ is None
+                                          else environ), **nodes)  # type: ignore[arg-type]
     except CommError:
         raise
     except (RuntimeError, TimeoutError, OSError) as e:
-        taken = "EADDRINUSE" in str(e) or "already in use" in str(e)
-        hint = ("MASTER_PORT is taken on this host: by another job, or by a second process "
-                "also given rank 0 (each process needs its own RANK); pick a free port or fix "
-                "the ranks" if taken else "check that every rank was started, MASTER_ADDR is "
-                "reachable from this host and MASTER_PORT is free on the master")
         raise CommError(
             f"rendezvous failed on rank {cluster.rank} of {cluster.world_size} "
             f"(master {cluster.master_addr}:{cluster.master_port}, source {cluster.source}): {e}. "
-            f"Hint: {hint}.", op="init", rank=cluster.rank) from e
+            f"Hint: {_rendezvous_hint(str(e), cluster)}.", op="init", rank=cluster.rank) from e
     _rt = _Runtime(cluster=cluster, backend=be, device=dev, timeout=td, owns_group=True)
     if not _exit_registered:
         # Destroy the group (joining its gloo threads) before finalisation ("terminate called"
@@ -195,6 +193,23 @@ def init(backend: str = "auto", timeout: float | _dt.timedelta | None = None, *,
     log.debug("parlay initialised: rank %d/%d backend %s device %s (source %s)",
               cluster.rank, cluster.world_size, be, dev, cluster.source)
     _run_hooks(_init_hooks)
+
+
+def _rendezvous_hint(msg: str, cluster: ClusterEnv) -> str:
+    """What to check when the rendezvous failed with ``msg``."""
+    if "EADDRINUSE" in msg or "already in use" in msg:
+        return ("MASTER_PORT is taken on this host: by another job, or by a second process also "
+                "given rank 0 (each process needs its own RANK); pick a free port or fix the ranks")
+    # gloo's own connections, made after the store rendezvous worked: an interface gloo cannot
+    # use, or (several nodes) one whose address is loopback (a hostname resolving to 127.x).
+    loopback = re.search(r"\b127(\.\d+){3}\b|\[::1\]", msg) and "gloo" in msg.lower()
+    if "Unable to find address for" in msg or cluster.num_nodes > 1 and (
+            "connectFullMesh" in msg or loopback):
+        return ("the rendezvous worked, gloo's own connections did not: export "
+                "GLOO_SOCKET_IFNAME=<the interface of this host's routable address> on each host "
+                "(see `ip -brief address`; a hostname resolving to 127.x puts gloo on loopback)")
+    return ("check that every rank was started, MASTER_ADDR is reachable from this host and "
+            "MASTER_PORT is free on the master")
 
 
 def generation() -> int:
@@ -221,8 +236,9 @@ def store_prefix(environ: Mapping[str, str] | None = None, generation: int | Non
 
 
 def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
-                environ: Mapping[str, str]) -> None:
-    """Connect to the store, wait for every rank, then create the default group.
+                environ: Mapping[str, str]) -> ClusterEnv:
+    """Connect to the store, wait for every rank, then create the default group; ``cluster``
+    with the node index and count MPI does not name, from the hostnames (:func:`_hosts_nodes`).
 
     Each phase is bounded by ``td``. The store connect and its waits get ``td`` (torch's
     TCPStore client retries a refused connect once, so a master that never comes up is reported
@@ -240,7 +256,7 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     prefix = store_prefix(environ)
     _generation += 1
     try:
-        _check_in(dist.PrefixStore(prefix, store), cluster, td, prefix)
+        hosts = _check_in(dist.PrefixStore(prefix, store), cluster, td, prefix)
     except ConfigError:
         raise  # the store answered: the ranks disagree
     except BaseException:
@@ -253,6 +269,7 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
                             timeout=mesh if set_timeout is not None else td)
     if set_timeout is not None and mesh != td:
         set_timeout(td)
+    return cluster if hosts is None else _hosts_nodes(cluster, hosts)
 
 
 def _base_store(url: str, cluster: ClusterEnv, td: _dt.timedelta) -> dist.Store:
@@ -296,19 +313,35 @@ _stores: dict[str, dist.Store] = {}
 _MESH_MIN_S = 10.0
 
 
-def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta, prefix: str) -> None:
+#: Sources that name no node index (``node_rank`` is a guess): the hostnames number the nodes.
+_HOSTS_TELL_NODES = ("openmpi", "pmi")
+
+
+def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta,
+              prefix: str) -> list[str] | None:
     """Block until every rank of this rendezvous checked in; name the absent ones otherwise.
 
-    A rank checked in twice (two processes given one rank) or a world size other than the one
-    the first rank to check in expects ends the rendezvous at once: that rank sets the verdict
-    every rank waits for, and each raises ``ConfigError`` naming the disagreement.
+    A rank checked in twice (two processes given one rank), or a world size, node count or
+    (for its node) local size other than the first rank to check in expects, ends the
+    rendezvous at once: that rank sets the verdict every rank waits for, and each raises
+    ``ConfigError`` naming the disagreement. Returns every rank's ``"<local size> <hostname>"``
+    when the source names no node index, else ``None``.
     """
-    world, rank = cluster.world_size, cluster.rank
-    expected = store.compare_set("world", "", str(world)).decode()
+    world, rank, node = cluster.world_size, cluster.rank, cluster.node_rank
+    views = [("world", world, "a world of {} ranks, the first rank to check in one of {}")]
+    by_host = cluster.source in _HOSTS_TELL_NODES
+    if by_host:
+        store.set(f"host/{rank}", f"{cluster.local_world_size} {socket.gethostname()}")
+    else:
+        views += [("nodes", cluster.num_nodes, "{} nodes, the first rank to check in {}"),
+                  (f"node{node}/size", cluster.local_world_size,
+                   f"{{}} ranks on node {node}, the first rank of that node to check in {{}}")]
+    firsts = [(text, mine, store.compare_set(key, "", str(mine)).decode())
+              for key, mine, text in views]
+    clash = [text.format(mine, first) for text, mine, first in firsts if first != str(mine)]
     copies = store.add(f"arrived/{rank}", 1)
     why = (f"rank {rank} checked in {copies} times (processes were given the same rank)"
-           if copies > 1 else f"rank {rank} expects a world of {world} ranks, the first rank "
-           f"to check in one of {expected}" if expected != str(world) else "")
+           if copies > 1 else f"rank {rank} expects {clash[0]}" if clash else "")
     if why:
         store.compare_set("all-arrived", "", why)  # the first verdict holds
     elif store.add("arrived", 1) == world:
@@ -332,7 +365,24 @@ def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta, prefix:
         raise ConfigError(f"rendezvous refused on rank {rank} of {world}: the processes "
                           f"disagree about the cluster: {why or verdict}. Hint: give every "
                           "process its own rank and the same world (TF_CONFIG's task index and "
-                          "host lists, RANK and WORLD_SIZE).")
+                          "host lists, RANK and WORLD_SIZE) and node count (`parlay run "
+                          "--nnodes`, GROUP_WORLD_SIZE, LOCAL_WORLD_SIZE).")
+    if by_host:
+        return [h.decode() for h in store.multi_get([f"host/{r}" for r in range(world)])]
+    return None
+
+
+def _hosts_nodes(cluster: ClusterEnv, seen: list[str]) -> ClusterEnv:
+    """``cluster`` with its nodes numbered by hostname in rank order, when the hostnames
+    match every rank's local size (ranks may be dealt round-robin: ``mpirun --map-by node``)."""
+    sizes, hosts = zip(*(entry.split(" ", 1) for entry in seen))
+    if any(hosts.count(host) != int(n) for n, host in zip(sizes, hosts)):
+        log.warning("parlay: the hostnames do not tell the nodes apart (containers sharing one "
+                    "name?); node_rank assumes consecutive ranks fill each node. Hint: pass "
+                    "node_rank= and num_nodes= to parlay.init() if ranks are placed round-robin.")
+        return cluster
+    names = list(dict.fromkeys(hosts))
+    return replace(cluster, node_rank=names.index(hosts[cluster.rank]), num_nodes=len(names))
 
 
 def _run_hooks(hooks: list[Callable[[], None]]) -> None:

@@ -180,11 +180,11 @@ def test_rank_zero_finding_its_port_taken_says_who_may_hold_it(monkeypatch):
     assert ei.value.op == "init" and "MASTER_PORT is taken" in str(ei.value)
 
 
-def _disagreeing_init(ranks: list[int], worlds: list[int], port: int):
+def _disagreeing_init(ranks: list[int], worlds: list[int], port: int, extra=None):
     me = parlay.rank()
     parlay.runtime.shutdown()
     env = {"RANK": str(ranks[me]), "WORLD_SIZE": str(worlds[me]), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
+           "MASTER_PORT": str(port), **(extra[me] if extra else {})}
     t0 = time.monotonic()
     try:
         parlay.init(timeout=20, environ=env)
@@ -193,20 +193,76 @@ def _disagreeing_init(ranks: list[int], worlds: list[int], port: int):
     return None
 
 
-@pytest.mark.parametrize("ranks, worlds, why", [
-    ([0, 1, 1], [3, 3, 3], "rank 1 checked in 2 times"),
+def _node(rank: int, nodes: int, local: int = 0, size: int = 1) -> dict[str, str]:
+    return {"GROUP_RANK": str(rank), "GROUP_WORLD_SIZE": str(nodes), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(size)}
+
+
+@pytest.mark.parametrize("ranks, worlds, why, extra", [
+    ([0, 1, 1], [3, 3, 3], "rank 1 checked in 2 times", None),
     # (whichever size checks in first holds: the message names the other against it)
     ([0, 1, 2], [3, 3, 4],
-     r"expects a world of [34] ranks, the first rank to check in one of [34]\.")])
-def test_ranks_that_disagree_about_the_world_are_told_at_the_check_in(ranks, worlds, why):
+     r"expects a world of [34] ranks, the first rank to check in one of [34]\.", None),
+    # `parlay run --nnodes 2` on one node, `--nnodes 3` on the other: cross_size 2 vs 3, a hang
+    ([0, 1], [2, 2], r"expects [23] nodes, the first rank to check in [23]\.",
+     [_node(0, 2), _node(1, 3)]),
+    # the two ranks of node 0 disagree about its size
+    ([0, 1, 2], [3, 3, 3], r"expects [23] ranks on node 0, the first rank of that node to check "
+     r"in [23]\.", [_node(0, 2, 0, 2), _node(0, 2, 1, 3), _node(1, 2)])])
+def test_ranks_that_disagree_about_the_world_are_told_at_the_check_in(ranks, worlds, why, extra):
     # Two processes given one rank would count as a whole world; a task with another world
     # size waited the timeout with the others, then blamed the store.
     from parlay.testing import free_port
 
-    out = run_world(_disagreeing_init, 3, ranks, worlds, free_port(), timeout=60)
+    out = run_world(_disagreeing_init, len(ranks), ranks, worlds, free_port(), extra,
+                    timeout=60)
     for kind, msg, took in out:
         assert kind == "ConfigError" and re.search(why, msg) and "Hint:" in msg, msg
         assert took < 15  # at once, not after the 20 s timeout
+
+
+def _mpi_round_robin(port: int):
+    import socket
+
+    me = parlay.rank()
+    parlay.runtime.shutdown()
+    socket.gethostname = lambda: f"host{me % 2}"  # two hosts, ranks dealt round-robin
+    env = {"OMPI_COMM_WORLD_RANK": str(me), "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": str(me // 2), "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    parlay.init(timeout=20, environ=env)
+    return parlay.cross_rank(), parlay.cross_size(), parlay.local_rank()
+
+
+def test_mpi_node_index_comes_from_the_hostnames():
+    # `mpirun --map-by node`: node 0 holds ranks 0 and 2; OpenMPI names no node index, and
+    # rank // local size put rank 1 on node 0.
+    from parlay.testing import free_port
+
+    out = run_world(_mpi_round_robin, 4, free_port(), timeout=60)
+    assert out == [(r % 2, 2, r // 2) for r in range(4)]
+
+
+def test_gloo_interface_errors_hint_at_gloo_socket_ifname(monkeypatch):
+    # The store rendezvous works; gloo then fails on its own sockets. MASTER_ADDR is not it.
+    from parlay.discovery import ClusterEnv
+    from parlay.runtime import _rendezvous_hint
+    from parlay.testing import free_port
+
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "nosuchif9")
+    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    with pytest.raises(parlay.CommError, match="Unable to find address for: nosuchif9.*"
+                       "Hint: .*GLOO_SOCKET_IFNAME=<the interface"):
+        parlay.init(timeout=10, environ=env)
+    mesh = ("Gloo connectFullMesh failed with [gloo/transport/tcp/pair.cc:152] timed out "
+            "connecting: SO_ERROR: Connection refused, remote=[127.0.0.1]:50048")
+    two = ClusterEnv(1, 2, 0, 1, "10.0.0.1", 29400, "torchrun", node_rank=1, num_nodes=2)
+    assert "GLOO_SOCKET_IFNAME" in _rendezvous_hint(mesh, two)
+    assert "MASTER_ADDR" in _rendezvous_hint(mesh, ClusterEnv(1, 2, 1, 2, "h", 1, "torchrun"))
+    store = "The client socket has failed to connect to [127.0.0.1]:29400"  # not gloo's
+    assert "MASTER_ADDR" in _rendezvous_hint(store, two)
 
 
 def test_group_timeout_is_the_configured_one_not_the_mesh_budget():

@@ -270,6 +270,22 @@ def test_torchelastic_wins_silently() -> None:
     assert (c.source, c.rank, c.world_size) == ("torchrun", 3, 4)
 
 
+
+def test_torchrun_variables_exported_beside_a_launcher_take_its_node_layout() -> None:
+    # sbatch: `export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS MASTER_ADDR=... MASTER_PORT=...`
+    # then `srun python train.py`: task 5 of 8 is local task 1 of 4 on node 1 of 2, not 0 of 1.
+    env = {**slurm(), "RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "gpu007",
+           "MASTER_PORT": "29500"}
+    c = detect(env)
+    assert (c.source, c.local_rank, c.local_world_size, c.node_rank, c.num_nodes) == (
+        "torchrun", 1, 4, 1, 2)
+    assert TaskSpec.from_env(env).local_rank == 1
+    assert detect({**env, "LOCAL_RANK": "1", "GROUP_WORLD_SIZE": "2"}) == c
+    assert detect({**ompi(rank=3, size=4), "RANK": "3", "WORLD_SIZE": "4"}).local_rank == 1
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE to agree with slurm's "
+                       "local_world_size 4, got 2.*Hint: unset LOCAL_WORLD_SIZE"):
+        detect({**env, "LOCAL_WORLD_SIZE": "2"})
+
 # -- partial and malformed environments ---------------------------------------------------------
 
 @pytest.mark.parametrize("env, match", [

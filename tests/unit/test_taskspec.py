@@ -241,7 +241,7 @@ def test_cluster_env_validation(kwargs: dict[str, object], match: str) -> None:
 
 
 @pytest.mark.parametrize("module", ["parlay.env", "parlay.discovery", "parlay.taskspec",
-                                    "parlay._validate"])
+                                    "parlay._validate", "parlay.tfconfig"])
 def test_env_modules_are_pure(module: str) -> None:
     import importlib
 
@@ -251,7 +251,7 @@ def test_env_modules_are_pure(module: str) -> None:
     imports = [line for line in source.splitlines() if line.startswith(("import", "from"))]
     assert not [line for line in imports if "torch" in line]
     allowed = ("from parlay.errors ", "from parlay._validate ", "from parlay.discovery ",
-               "from parlay.taskspec ")
+               "from parlay.taskspec ", "from parlay.tfconfig ")
     assert all(line.startswith(allowed) for line in imports if "parlay" in line)
     lazy = [line.strip() for line in source.splitlines()
             if line.startswith(" ") and line.strip().startswith(("import ", "from "))]
