@@ -283,6 +283,47 @@ def _thawed_or_sparse(case):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _frozen_steps(model, t):
+    """Layer 0 trains at step 0, is frozen at steps 1 and 2, and trains again from step 3."""
+    model[0].requires_grad_(t not in (1, 2))
+
+
+def _freeze_midway(consistency):
+    model = _model()
+    with DistributedSession(model=model, optimizer=torch.optim.Adam, consistency=consistency,
+                            optimizer_args={"lr": 0.01, "weight_decay": 0.1}) as sess:
+        if sess.is_ps:
+            sess.serve()
+            return None
+        x, y = _data(sess.num_workers)
+        sl = slice(sess.worker_index * PER_WORKER, (sess.worker_index + 1) * PER_WORKER)
+        for t in range(STEPS):
+            _frozen_steps(model, t)
+            sess.train_step((x[t][sl], y[t][sl]), _mse)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world,consistency,env", [
+    (3, "sync", {**PS1, "PARLAY_PS_CHUNK_BYTES": "64"}),  # chunked pushes
+    (4, "sync", {**PS2, "PARLAY_PS_CHUNK_BYTES": "0"}),  # whole pushes, two servers
+    (2, "async", PS1), (2, "stale:1", PS1)])  # one worker: async equals one process too
+def test_a_layer_frozen_midway_is_left_alone_as_by_torch(world, consistency, env):
+    # The workers pushed zeros for the frozen layer and the servers stepped it: Adam's moments
+    # and weight decay moved it, and its step count ran on into the steps after the thaw.
+    out = run_world(_freeze_midway, world, consistency, env=env)
+    workers = world - int(env["PARLAY_NUM_PS"])
+    ref = _model()
+    o = torch.optim.Adam(ref.parameters(), lr=0.01, weight_decay=0.1)
+    x, y = _data(workers)
+    for t in range(STEPS):
+        _frozen_steps(ref, t)
+        o.zero_grad()
+        _mse(ref(x[t]), y[t]).backward()
+        o.step()
+    for p, q in zip(out[-1], ref.parameters()):
+        torch.testing.assert_close(p, q.detach(), **TOL)
+
+
 def test_a_layer_unfrozen_after_the_start_is_refused_and_sparse_gradients_train():
     out = run_world(_thawed_or_sparse, 2, "thawed", env=PS1, return_exceptions=True)
     assert "0.weight, 0.bias were frozen when the session started" in out[1]

@@ -154,16 +154,18 @@ class ChunkedServing:
     index: int
     _q: queue.Queue[tuple[str, int, Any]]
 
-    def _init_chunks(self, per_chunk: int, params: list[tuple[Any, int]]) -> None:
-        """``params``: (parameter, chunk index) of every server parameter."""
+    def _init_chunks(self, per_chunk: int, params: list[tuple[Any, int, int]]) -> None:
+        """``params``: (parameter, chunk index, plan piece index) of every server parameter."""
         self.chunk_numel = per_chunk
         self.bounds = chunk_bounds(self.flat.numel(), per_chunk)
         # Each parameter's gradient is a fixed view of ``grad``; a chunk's optimizer step sees
         # only that chunk's parameters with a gradient (optimizers skip grad=None).
-        self._all = [(p, p.grad) for p, _ in params]
-        self._by_chunk: list[list[tuple[Any, Any]]] = [[] for _ in self.bounds]
-        for (_, k), pg in zip(params, self._all):
-            self._by_chunk[k].append(pg)
+        self._all = [(p, p.grad) for p, _, _ in params]
+        self._piece = [i for _, _, i in params]
+        self._skip = [False] * len(params)  # this round: no push has a gradient for it
+        self._by_chunk: list[list[int]] = [[] for _ in self.bounds]
+        for j, (_, k, _) in enumerate(params):
+            self._by_chunk[k].append(j)
         n = len(self.worker_ranks)
         self._wbuf = ([torch.empty_like(self.flat) for _ in range(n)] if per_chunk else [])
         self._hdr: dict[int, Message] = {}
@@ -266,16 +268,32 @@ class ChunkedServing:
         if len(workers) > 1:
             g.div_(len(workers))
         self._set_lr(lr_factor)
-        for p, _ in self._all:
-            p.grad = None
-        for p, pg in self._by_chunk[k]:
-            p.grad = pg
+        if k == 0:
+            self._leave_out([self._hdr[w].tensors[-1] for w in workers])
+        self._arm(self._by_chunk[k])
         self.optimizer.step()
         self._applied = k + 1
         for w in workers:
             h = self._post_send(self.flat[a:b], w, TAG_REPLY_CHUNK + k)
             if h is not None:
                 self._chunk_sends.setdefault(w, []).append(h)
+
+    def _leave_out(self, flags: list[torch.Tensor]) -> None:
+        """The round's pushes' no-gradient flags (one per plan piece, each): a piece that none
+        has a gradient for is left out of the round's optimizer steps, as torch steps no
+        parameter whose grad is None (no weight decay, momentum or state moves it)."""
+        none = torch.stack(flags).all(0).tolist() if flags else []
+        self._skip = [i >= 0 and bool(none[i]) for i in self._piece]
+
+    def _arm(self, chosen: Sequence[int]) -> None:
+        """Give the next optimizer step the gradients of parameters ``chosen`` (indices into
+        ``_all``) that are not left out; every other parameter's grad is None."""
+        for p, _ in self._all:
+            p.grad = None
+        for j in chosen:
+            if not self._skip[j]:
+                p, pg = self._all[j]
+                p.grad = pg
 
     def _post_send(self, tensor: torch.Tensor, w: int, tag: int) -> Any:
         """Post a send to worker ``w``; ``None`` when posting it failed at once (gloo raises

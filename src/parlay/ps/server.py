@@ -12,6 +12,7 @@ every connection of the group, so the receive itself never times out).
 """
 from __future__ import annotations
 
+import bisect
 import datetime as _dt
 import logging
 import os
@@ -130,7 +131,7 @@ class Server(ShardPersistence, ChunkedServing):
                                 chunk_bytes(one_host=on_one_host()), policy.aggregate,
                                 compressor, optimizer_cls)
         cut = self._parameters(per_chunk)
-        self.params: list[nn.Parameter] = [p for p, _ in cut]
+        self.params: list[nn.Parameter] = [p for p, _, _ in cut]
         try:
             self.optimizer = optimizer_cls(self.params, **optimizer_args)
         except (TypeError, ValueError) as e:
@@ -143,7 +144,7 @@ class Server(ShardPersistence, ChunkedServing):
         # from a template made by a probe compress at setup.
         self.key = f"ps{index}"
         self.ctx_template = probe(compressor, numel, dtype, self.key)[1]
-        self.push_capacity = push_capacity(compressor, numel, dtype, self.key)
+        self.push_capacity = push_capacity(compressor, numel, dtype, self.key, len(self.pieces))
         self.reply_capacity = reply_capacity(self.flat.numel(), self.flat.element_size(),
                                              len(worker_ranks))
         version, clocks = self._resume(tagged, resume_step, from_memory)
@@ -159,17 +160,18 @@ class Server(ShardPersistence, ChunkedServing):
         self._wait_bufs = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in worker_ranks]
         self._waits: dict[int, comm.Handle] = {}  # WAITs sent that the worker has not confirmed
 
-    def _parameters(self, per_chunk: int) -> list[tuple[nn.Parameter, int]]:
+    def _parameters(self, per_chunk: int) -> list[tuple[nn.Parameter, int, int]]:
         """The optimizer's parameters: views of ``flat`` (gradients: of ``grad``), the plan's
-        pieces cut at chunk bounds, each with its chunk index."""
-        cut: list[tuple[nn.Parameter, int]] = []
+        pieces cut at chunk bounds, each with its chunk index and its piece's index."""
+        cut: list[tuple[nn.Parameter, int, int]] = []
         bounds = chunk_bounds(self.flat.numel(), per_chunk)
+        starts = [p.offset for p in self.pieces]
         for off, length, shape, k in cut_pieces(self.pieces, bounds):
             param = nn.Parameter(self.flat[off: off + length].view(shape))
             param.grad = self.grad[off: off + length].view(shape)
-            cut.append((param, k))
+            cut.append((param, k, bisect.bisect_right(starts, off) - 1))
         if not cut:  # an empty shard still keeps versions in step with the others
-            cut.append((nn.Parameter(torch.zeros(0, dtype=self.flat.dtype)), 0))
+            cut.append((nn.Parameter(torch.zeros(0, dtype=self.flat.dtype)), 0, -1))
         return cut
 
     def _resume(self, tagged: bool, step: int | None, from_memory: bool
@@ -205,15 +207,17 @@ class Server(ShardPersistence, ChunkedServing):
             if base is not None:
                 group["lr"] = base * lr_factor
 
-    def _apply_whole(self, grads: list[torch.Tensor], lr_factor: float) -> None:
-        if len(grads) == 1:
-            self.grad.copy_(grads[0])
-        else:
-            # Average in worker order: deterministic, and equal to allreduce's mean.
-            self.grad.copy_(grads[0])
+    def _apply_whole(self, pushes: list[tuple[torch.Tensor, torch.Tensor]],
+                     lr_factor: float) -> None:
+        """``pushes``: (gradient, no-gradient flags) of each worker of the update."""
+        grads = [g for g, _ in pushes]
+        self.grad.copy_(grads[0])
+        if len(grads) > 1:  # average in worker order: deterministic, and allreduce's mean
             for g in grads[1:]:
                 self.grad.add_(g)
             self.grad.div_(len(grads))
+        self._leave_out([f for _, f in pushes])
+        self._arm(range(len(self._all)))
         self._set_lr(lr_factor)
         self.optimizer.step()
 
@@ -305,12 +309,15 @@ class Server(ShardPersistence, ChunkedServing):
             if msg.extra:
                 self._chunk_header(w, msg)
                 return []
+            codes = msg.tensors[-1]  # the context's codes, then the no-gradient flags
+            cut = codes.numel() - len(self.pieces)
             if self.flat.numel():
-                ctx = decode_ctx(msg.tensors[-1], self.ctx_template)
+                ctx = decode_ctx(codes[:cut], self.ctx_template)
                 grad = self.compressor.decompress(msg.tensors[:-1], ctx)
             else:
                 grad = self.flat
-            return c.push(w, msg.step, msg.version, grad.to(self.flat.dtype), msg.scalar, now)
+            return c.push(w, msg.step, msg.version, (grad.to(self.flat.dtype), codes[cut:]),
+                          msg.scalar, now)
         if msg.op == Op.DONE:
             return c.done(w, now)
         if msg.op == Op.SAVE:

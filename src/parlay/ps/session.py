@@ -126,8 +126,10 @@ class DistributedSession:
         Workers send batches as ``(inputs, targets)``; ``loss_fn(model(inputs), targets)`` must
         return the batch-mean loss, so ``sync`` equals single-process training on the
         concatenated batch when workers' batches have equal sizes. Parameters without a
-        gradient in a step push zeros. Buffers (e.g. BatchNorm statistics) stay local to each
-        worker.
+        gradient in a step (``grad`` None: unused, or frozen after the start) push zeros
+        flagged as such; one that no push of an update has a gradient for is left out of the
+        servers' optimizer step, as torch leaves it (no weight decay, momentum or state).
+        Buffers (e.g. BatchNorm statistics) stay local to each worker.
     """
 
     def __init__(self, task_spec: TaskSpec | None = None, model: nn.Module | None = None,

@@ -8,8 +8,10 @@ server holding a header whose payload will not come, and the server's any-source
 than the posted buffer, so receivers post one buffer of the largest size they can get.
 No pickling: only tensors and integers cross the wire.
 
-A ``sync`` dense push may instead be chunked (:mod:`parlay.ps.chunks`): a PUSH header whose
-``extra`` is the number of chunks, then each chunk of the flat gradient as a raw tensor tagged
+A push's last tensor ends with an int64 flag for each piece of the server's shard, 1 where the
+worker had no gradient for it (a frozen or unused parameter). A ``sync`` dense push may instead
+be chunked (:mod:`parlay.ps.chunks`): a PUSH header whose ``extra`` is the number of chunks (its
+one tensor: the flags), then each chunk of the flat gradient as a raw tensor tagged
 ``TAG_PUSH_CHUNK + k``; the parameters come back as raw chunks tagged ``TAG_REPLY_CHUNK + k``,
 then a PARAMS header without payload. Per-chunk tags keep every chunk's receive unambiguous.
 """
@@ -234,10 +236,12 @@ def probe(compressor: Any, numel: int, dtype: torch.dtype,
     return probed
 
 
-def push_capacity(compressor: Any, numel: int, dtype: torch.dtype, key: str) -> int:
+def push_capacity(compressor: Any, numel: int, dtype: torch.dtype, key: str,
+                  pieces: int = 0) -> int:
     """Bytes of the largest push of a ``numel`` bucket: the compressed payload or, after an
-    overflow fallback, the dense bucket, plus the encoded context (with slack)."""
+    overflow fallback, the dense bucket, plus the encoded context (with slack) and an int64
+    flag for each of its ``pieces`` (1: no gradient)."""
     payload, ctx = probe(compressor, numel, dtype, key)
     dense = numel * torch.empty((), dtype=dtype).element_size()
     sent = sum(t.numel() * t.element_size() for t in payload)
-    return capacity(max(sent, dense) + encode_ctx(ctx).numel() * 8 + 512, MAX_TENSORS)
+    return capacity(max(sent, dense) + (encode_ctx(ctx).numel() + pieces) * 8 + 512, MAX_TENSORS)

@@ -78,8 +78,8 @@ class Worker:
                                 for p in plan.pieces(s)])
             self.grads.append(torch.zeros(numel, dtype=self.dtype))
             # Same computation as the server's, so both agree on the message capacity.
-            self.push_bufs.append(torch.empty(push_capacity(compressor, numel, self.dtype,
-                                                            f"ps{s}"), dtype=torch.uint8))
+            self.push_bufs.append(torch.empty(push_capacity(
+                compressor, numel, self.dtype, f"ps{s}", len(self.slices[s])), dtype=torch.uint8))
             self.reply_bufs.append(torch.empty(
                 reply_capacity(numel, self.grads[s].element_size(), num_workers),
                 dtype=torch.uint8))
@@ -117,7 +117,7 @@ class Worker:
             msg = Message(op, self.index, self.step, self.versions[s],
                           self.lr_factor if scalar is None else scalar,
                           extra=self.plan.fingerprint() if op == Op.HELLO else n or extra,
-                          tensors=payloads[s] if payloads is not None and not n else [])
+                          tensors=payloads[s] if payloads is not None else [])
             out = pack(msg, self.push_bufs[s])
             sends.append((s, comm.send(out, r, tag=TAG_PUSH, group=self.group, async_op=True)))
         if chunked:
@@ -261,13 +261,17 @@ class Worker:
         for s in range(self.plan.num_servers):
             g = self.grads[s]
             for p, start, length, off in self.slices[s]:
-                if p.grad is None:  # no gradient this step: push zeros (documented)
+                if p.grad is None:  # no gradient this step (frozen, unused): zeros, flagged
                     g[off: off + length].zero_()
                 else:
                     grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # (an Embedding's)
                     g[off: off + length].copy_(grad.reshape(-1)[start: start + length])
-            chunked = self.bounds[s] is not None  # sent as it is, in chunks
-            payloads.append(self._encode(g, f"ps{s}") if g.numel() and not chunked else [])
+            # The last tensor ends with a flag per piece, 1: no gradient (the server steps no
+            # piece that no push has a gradient for, as torch skips grad=None). Chunked: alone.
+            flags = torch.tensor([p.grad is None for p, *_ in self.slices[s]], dtype=torch.int64)
+            whole = g.numel() and self.bounds[s] is None  # (chunked: sent as it is)
+            *payload, codes = self._encode(g, f"ps{s}") if whole else [flags[:0]]
+            payloads.append([*payload, torch.cat([codes, flags])])
         replies = self._exchange(Op.PUSH, payloads, "push")
         for m in replies:
             self.histogram[int(m.scalar)] += 1
