@@ -43,6 +43,7 @@ The contract every caller may rely on (stable API):
 from __future__ import annotations
 
 import copy
+import inspect
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -242,20 +243,31 @@ def get_compressor(spec: str | Compressor | None) -> Compressor:
     """Build a compressor from a name with options (``"topk:0.01"``) or return the object given.
 
     Raises:
-        ConfigError: Unknown name (the message lists valid ones) or bad options.
+        ConfigError: Unknown name (the message lists valid ones), bad options, or an object
+            whose ``compress`` cannot take ``(flat, key)`` (a Horovod-style compressor).
     """
     if spec is None:
         return NoneCompressor()
-    if isinstance(spec, Compressor):
-        return spec
-    if isinstance(spec, type) and issubclass(spec, Compressor):
-        return spec()
     if not isinstance(spec, str):
+        comp = spec() if isinstance(spec, type) and issubclass(spec, Compressor) else spec
         # Duck-typed compressors (e.g. parlay.Compression.fp16 objects) are accepted as is.
-        if hasattr(spec, "compress") and hasattr(spec, "decompress"):
-            return spec
-        raise ConfigError(f"compression must be a name like 'fp16' or 'topk:0.01' or a "
-                          f"Compressor, got {type(spec).__name__}.")
+        if not isinstance(comp, Compressor) and not (
+                hasattr(comp, "compress") and hasattr(comp, "decompress")):
+            raise ConfigError(f"compression must be a name like 'fp16' or 'topk:0.01' or a "
+                              f"Compressor, got {type(spec).__name__}.")
+        try:
+            inspect.signature(comp.compress).bind(None, None)
+        except TypeError:  # Horovod's static compress(tensor) would fail at the first sync
+            raise ConfigError(
+                f"compression {spec!r} does not follow parlay's compressor protocol: its "
+                "compress cannot be called as compress(flat, key) -> (payload, ctx), with "
+                "decompress(payload, ctx), as parlay.compression.Compressor defines (Horovod's "
+                "compress(tensor) -> (tensor, ctx) is another protocol). Fix: pass a "
+                "Horovod-style compressor to parlay.horovod.DistributedOptimizer, which adapts "
+                "it, or subclass parlay.compression.Compressor.") from None
+        except ValueError:  # no signature to inspect (a builtin): trust it
+            pass
+        return comp
     factory, args = _REGISTRY.lookup(spec)
     try:
         return factory(*args)

@@ -132,6 +132,7 @@ class Residuals:
         # The residual replaced by keep() is recycled as the next correct()'s output: a fresh
         # bucket-sized tensor each step costs more (page faults on first touch) than the add.
         self._spare: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor] = {}  # velocity from correct(), until keep()
 
     def _get(self, store: dict[str, torch.Tensor], key: str, like: torch.Tensor,
              what: str) -> torch.Tensor | None:
@@ -149,11 +150,10 @@ class Residuals:
 
     def correct(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         """Return a new tensor: what should be compressed this step (``grad`` is untouched)."""
-        if self.momentum:
+        if self.momentum:  # out of place: keep() commits it, or keeps the old on a bad step
             u = self._get(self.velocity, key, grad, "velocity")
-            u = grad.clone() if u is None else u.mul_(self.momentum).add_(grad)
-            self.velocity[key] = u
-            grad = u
+            grad = self._pending[key] = (grad.clone() if u is None
+                                         else torch.mul(u, self.momentum).add_(grad))
         r = self._get(self.residual, key, grad, "residual")
         if r is None:
             return grad.clone()
@@ -175,6 +175,9 @@ class Residuals:
         # was owed before it: its inf would otherwise stay in the residual and overflow every
         # later step. A select on the device, so no host synchronisation.
         bad = ~finite(residual)
+        u = self._pending.pop(key, None)
+        if u is not None:  # an inf that was sent leaves the residual finite, not the velocity
+            bad |= ~finite(u)
         if old is None:
             residual.masked_fill_(bad, 0.0)
         else:
@@ -182,13 +185,21 @@ class Residuals:
         self.residual[key] = residual
         if old is not None and old is not residual:
             self._spare[key] = old
-        if self.momentum and self.masking and sent_mask is not None and key in self.velocity:
-            self.velocity[key].masked_fill_(sent_mask, 0)
+        if u is not None:
+            if self.masking and sent_mask is not None:
+                u.masked_fill_(sent_mask, 0)
+            prev = self.velocity.get(key)
+            if prev is None:
+                u.masked_fill_(bad, 0.0)
+            else:
+                torch.where(bad, prev, u, out=u)
+            self.velocity[key] = u
 
     def take(self, key: str) -> torch.Tensor | None:
         """Remove and return what ``key`` owes (its residual), forgetting its velocity: the
         bucket moves to another compressor, which sends the debt with its next gradient."""
         self._spare.pop(key, None)
+        self._pending.pop(key, None)
         self.velocity.pop(key, None)
         return self.residual.pop(key, None)
 
@@ -220,7 +231,7 @@ class Residuals:
                 raise ConfigError(f"error-feedback state {name!r} should map bucket keys to "
                                   f"tensors, got {type(part).__name__}.")
             setattr(self, name, {k: v.detach().clone() for k, v in part.items()})
-        self._spare = {}
+        self._spare, self._pending = {}, {}
 
 
 @dataclass

@@ -164,8 +164,9 @@ class GradientBuckets:
 
     def _fill(self, i: int) -> None:
         b, where = self._slot(i)
-        g, view, buf = self.params[i].grad, self.views[i], self.buffers[b]
-        if view is not None and (view.dtype != self.params[i].dtype or view.data_ptr()
+        p, view, buf = self.params[i], self.views[i], self.buffers[b]
+        g = p.grad  # an empty view's data_ptr() is 0: only its dtype can tell
+        if view is not None and (view.dtype != p.dtype or p.numel() and view.data_ptr()
                                  != buf.data_ptr() + where.start * buf.element_size()):
             raise ConfigError(  # model.double(), .to(memory_format=...) replaced p.grad's data
                 f"the gradient of {self.names[i]!r} is no longer a view into its bucket: the "
