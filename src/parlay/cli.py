@@ -25,10 +25,11 @@ __all__ = ["main", "build_parser", "torchrun_argv", "check_launch", "check_demo"
 _PASSTHROUGH = ["--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-backend", "--rdzv-id",
                 "--rdzv-conf", "--max-restarts", "--master-addr", "--master-port",
                 "--monitor-interval", "--log-dir", "--redirects", "--tee", "--local-addr"]
-# Flags that make the launch multi-node (or otherwise not parlay's loopback rendezvous).
-_MULTI_NODE = ("--nnodes", "--rdzv-endpoint", "--master-addr", "--rdzv-backend")
+# Flags that make the launch multi-node (or otherwise not parlay's loopback rendezvous), as
+# does an --nnodes other than 1 / 1:1.
+_MULTI_NODE = ("--rdzv-endpoint", "--master-addr", "--rdzv-backend")
 # Flags only the loopback rendezvous consumes itself (never forwarded on one node).
-_LOCAL_ONLY = ("--master-port", "--local-addr", "--rdzv-id")
+_LOCAL_ONLY = ("--master-port", "--local-addr", "--rdzv-id", "--nnodes")
 
 
 def _dest(flag: str) -> str:
@@ -121,8 +122,8 @@ def check_launch(ns: argparse.Namespace) -> None:
 def torchrun_argv(ns: argparse.Namespace, target: list[str]) -> list[str]:
     """The ``torch.distributed.run`` argument list for parsed launch options.
 
-    On one node (none of ``--nnodes``, ``--rdzv-endpoint``, ``--rdzv-backend``,
-    ``--master-addr``) the rendezvous is parlay's loopback backend on ``127.0.0.1``, at
+    On one node (none of ``--rdzv-endpoint``, ``--rdzv-backend``, ``--master-addr``, and
+    ``--nnodes`` absent, 1 or 1:1) the rendezvous is parlay's loopback backend on ``127.0.0.1``, at
     ``--master-port`` when given, else on a free port.
 
     Args:
@@ -132,12 +133,13 @@ def torchrun_argv(ns: argparse.Namespace, target: list[str]) -> list[str]:
     Returns:
         Arguments for ``torch.distributed.run.main``.
     """
-    from parlay.launch import LOOPBACK_BACKEND
+    from parlay.launch import LOOPBACK_BACKEND, launcher_wait_s
 
     check_launch(ns)
     nproc = ns.nproc if ns.nproc is not None else 1
     argv = ["--nproc-per-node", str(nproc)]
-    multi_node = any(getattr(ns, _dest(f)) is not None for f in _MULTI_NODE)
+    multi_node = str(ns.nnodes or 1) not in ("1", "1:1") or any(
+        getattr(ns, _dest(f)) is not None for f in _MULTI_NODE)
     if not multi_node:
         argv += ["--nnodes", "1", "--rdzv-backend", LOOPBACK_BACKEND,
                  "--rdzv-endpoint", f"127.0.0.1:{ns.master_port or 0}",
@@ -147,8 +149,8 @@ def torchrun_argv(ns: argparse.Namespace, target: list[str]) -> list[str]:
         if v is not None and (multi_node or flag not in _LOCAL_ONLY):
             argv += [flag, str(v)]
     if multi_node and ns.rdzv_conf is None:  # torchrun waits 600 s for missing nodes
-        wait = max(1, round(float(os.environ.get("PARLAY_TIMEOUT") or 300)))
-        argv += ["--rdzv-conf", f"join_timeout={wait},timeout={wait}"]
+        wait = launcher_wait_s()  # read_timeout: c10d's store connect (60 s, then again)
+        argv += ["--rdzv-conf", f"join_timeout={wait},timeout={wait},read_timeout={wait}"]
     return argv + target
 
 

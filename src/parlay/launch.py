@@ -162,6 +162,8 @@ class DropPolicy:
         self.host = ""  # this node's name when the job spans nodes
         self.max_restarts = 0
         self.refusal = False  # the attempt failed on ConfigErrors only: not restarted
+        self.started = False  # workers were started (a launcher error is not a launch error)
+        self.unfinished = ""  # why the exit barrier failed: another node's ranks did not finish
 
     def reset(self) -> None:
         """Forget the previous attempt's markers and losses (called at every worker start)."""
@@ -309,8 +311,13 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
 
         _last: Any = None  # the latest monitoring result
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["exit_barrier_timeout"] = launcher_wait_s()  # torch's: 300 s
+            super().__init__(*args, **kwargs)
+
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
             policy.reset()
+            policy.started = True
             policy.max_restarts = worker_group.spec.max_restarts
             policy.host = socket.gethostname() if worker_group.group_world_size > 1 else ""
             pids: dict[int, Any] = super()._start_workers(worker_group)
@@ -337,6 +344,24 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
                               f"restart attempt {n - self._remaining_restarts} of {n} starting")
             super()._restart_workers(worker_group)
 
+        def _exit_barrier(self) -> None:
+            """torch's wait for the other nodes' agents, except that a failed wait (torch logs
+            it and returns as if they had finished) is recorded: the job failed elsewhere."""
+            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.utils.store import barrier
+
+            self._in_exit_barrier = True
+            try:
+                nodes: Any = self._worker_group.group_world_size  # torch types it None
+                barrier(self._store, nodes, _TERMINAL_STATE_SYNC_ID, self._exit_barrier_timeout)
+            except SignalException:
+                raise
+            except Exception as e:  # noqa: BLE001 - a timeout, or the store's node is gone
+                policy.unfinished = f"{type(e).__name__}: {str(e).strip()}".splitlines()[0]
+            finally:
+                self._in_exit_barrier = False
+
     return ParlayAgent
 
 
@@ -362,6 +387,11 @@ def _said_by_parlay(record: logging.LogRecord) -> bool:
 
 
 # ---------------------------------------------------------------- running torchrun
+def launcher_wait_s() -> int:
+    """How long launchers wait for each other (nodes to join, to finish): PARLAY_TIMEOUT."""
+    return max(1, round(float(os.environ.get("PARLAY_TIMEOUT") or 300)))
+
+
 def run_torchrun(argv: list[str], run_dir: str, own_run_id: str | None = None) -> int:
     """Run ``torch.distributed.run`` with parlay's agent; report failures; return the exit code.
 
@@ -413,7 +443,12 @@ def _run_agent(argv: list[str], run_dir: str) -> int:
     except SystemExit as e:  # argparse inside torchrun
         return int(e.code or 0) if not isinstance(e.code, str) else 2
     except Exception as e:  # noqa: BLE001 - the launcher itself failed: say what and why
-        print(_launcher_error_text(e, argv), file=sys.stderr, flush=True)
+        print(_launcher_error_text(e, argv, policy.started), file=sys.stderr, flush=True)
+        return 1
+    if policy.unfinished:
+        print(f"parlay run: this node's ranks finished, but another node's ranks did not finish "
+              f"(waited up to {launcher_wait_s()} s, PARLAY_TIMEOUT): the job failed or stalled "
+              f"there; see that node's output ({policy.unfinished})", file=sys.stderr, flush=True)
         return 1
     if policy.lost:
         print(f"parlay run: finished; {len(policy.lost)} droppable rank(s) lost "
@@ -429,7 +464,7 @@ def _interrupted(signum: int) -> int:
     return 128 + signum
 
 
-def _launcher_error_text(e: BaseException, argv: list[str]) -> str:
+def _launcher_error_text(e: BaseException, argv: list[str], started: bool = False) -> str:
     chain: list[str] = []
     cur: BaseException | None = e  # the root cause is usually the innermost exception
     while cur is not None and len(chain) < 5:
@@ -437,9 +472,22 @@ def _launcher_error_text(e: BaseException, argv: list[str]) -> str:
         cur = cur.__cause__ or cur.__context__
     text = "\n  caused by ".join(chain)
     lowered = text.lower()
+    joined = re.search(r"(\d+)/(\d+) clients joined", text)  # static rendezvous, on node 0
     if "address already in use" in lowered or "errno 98" in lowered:
         hint = ("Hint: the rendezvous port is in use (another job, or a previous one still "
                 "exiting); pass a free one with --master-port, or omit it to pick a free port.")
+    elif "role_info" in lowered:  # node 0 waited for ranks no node registered
+        hint = ("Hint: the nodes' ranks did not add up: two nodes were given the same "
+                "--node-rank, or the nodes different --nnodes; give every node the same "
+                "--nnodes and its own --node-rank in 0..nnodes-1.")
+    elif joined or "rendezvoustimeouterror" in lowered:
+        hint = (f"Hint: {f'{joined[1]} of {joined[2]}' if joined else 'not all'} nodes joined "
+                "the rendezvous within PARLAY_TIMEOUT; the others are missing: start parlay run "
+                "on every node with the same --nnodes and --rdzv-endpoint, and check firewalls.")
+    elif started:
+        hint = ("Hint: the ranks had started, then the launcher lost the rendezvous at "
+                "--rdzv-endpoint: the node hosting it is gone (its parlay run ended, or its host "
+                "is down or unreachable); its output says why.")
     elif "connect" in lowered or "timed out" in lowered:
         hint = ("Hint: the rendezvous endpoint did not answer; check --rdzv-endpoint / "
                 "--master-addr, that the first node is up, and firewalls between the nodes.")

@@ -76,7 +76,8 @@ def test_parlay_env_reports_config_errors_clearly():
 
 def test_torchrun_argv_single_node_loopback_and_passthrough(monkeypatch):
     monkeypatch.delenv("PARLAY_TIMEOUT", raising=False)
-    parser_ns, rest = _split_parse(build_parser(), ["run", "-n", "4", "--ps", "1", "train.py", "--lr", "1"])
+    parser_ns, rest = _split_parse(build_parser(),
+                                   ["run", "-n", "4", "--ps", "1", "train.py", "--lr", "1"])
     assert rest == ["train.py", "--lr", "1"]
     argv = torchrun_argv(parser_ns, rest)
     assert "--standalone" not in argv
@@ -99,8 +100,15 @@ def test_torchrun_argv_single_node_loopback_and_passthrough(monkeypatch):
     for flag, val in [("--nnodes", "2"), ("--node-rank", "1"), ("--rdzv-endpoint", "h0:29400"),
                       ("--max-restarts", "3"),
                       # nodes wait for each other PARLAY_TIMEOUT (300 s), not torchrun's 600 s
-                      ("--rdzv-conf", "join_timeout=300,timeout=300")]:
+                      # (nor c10d's store connect 2 x 60 s)
+                      ("--rdzv-conf", "join_timeout=300,timeout=300,read_timeout=300")]:
         assert argv[argv.index(flag) + 1] == val
+    # --nnodes 1 (or 1:1) alone is one node: parlay's loopback rendezvous
+    for nodes in ("1", "1:1"):
+        ns, rest = _split_parse(build_parser(), ["run", "-n", "2", "--nnodes", nodes, "t.py"])
+        argv = torchrun_argv(ns, rest)
+        assert argv[argv.index("--rdzv-backend") + 1] == "parlay-local"
+        assert argv.count("--nnodes") == 1 and argv[argv.index("--nnodes") + 1] == "1"
 
 
 def test_ps_leaving_no_worker_is_rejected():
@@ -153,15 +161,16 @@ LISTEN_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not Path("/proc/self/net/tcp").exists(), reason="needs Linux /proc")
-def test_single_node_run_listens_on_loopback_only_at_master_port(tmp_path):
+@pytest.mark.parametrize("nodes", [(), ("--nnodes", "1")])
+def test_single_node_run_listens_on_loopback_only_at_master_port(tmp_path, nodes):
     script = tmp_path / "listen.py"
     script.write_text(LISTEN_SCRIPT)
     port = free_port()
-    p = _run("run", "-n", "2", "--master-port", str(port), str(script))
+    p = _run("run", "-n", "2", *nodes, "--master-port", str(port), str(script))
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [line.split() for line in p.stdout.splitlines() if line.startswith("LISTEN")]
     assert len(rows) == 2
-    for _, rank, addr, mport, worker, agent in rows:
+    for _, _rank, addr, mport, worker, agent in rows:
         assert (addr, mport) == ("127.0.0.1", str(port))       # --master-port honoured
         sockets = worker.split(",") + agent.split(",")
         assert f"127.0.0.1:{port}" in agent.split(","), agent   # the store, at that port
