@@ -271,6 +271,7 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     """Names against parlay's registries, numbers against their ranges, layout against mode."""
     from parlay.compress import get_compressor
     from parlay.demos.mnist import _options
+    from parlay.dp.shard_units import check_level
     from parlay.env import pipeline_stages
     from parlay.errors import ConfigError
     from parlay.pipeline.schedule import get_schedule
@@ -287,8 +288,7 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
             raise ConfigError(f"{flag} must be >= {low}, got {v}.")
     if not demo.lr > 0:
         raise ConfigError(f"--lr must be > 0, got {demo.lr}. Hint: --lr 1e-3")
-    if demo.compression is not None:
-        get_compressor(demo.compression)  # unknown names and bad options raise ConfigError
+    comp = get_compressor(demo.compression)  # unknown names and bad options: ConfigError
     opts = _options(demo.option)
     if "consistency" in opts:
         get_consistency(str(opts["consistency"]))
@@ -300,6 +300,13 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
     if getattr(demo, "shard", None) and demo.mode == "ps":
         raise ConfigError("--shard shards data-parallel state; --mode ps shards parameters over "
                           "its servers already. Hint: drop --shard, or use --mode allreduce.")
+    if demo.mode == "ps" and callable(getattr(comp, "bind", None)):
+        comp.bind(collective=False)  # type: ignore[attr-defined]  # "auto": a candidate fits?
+    elif demo.mode == "ps" and not comp.point_to_point:
+        raise ConfigError(f"--compression {demo.compression} needs collective rounds (PowerSGD, "
+                          "int8) and cannot compress parameter-server pushes. Hint: fp16, bf16, "
+                          "topk:0.01 or randomk:0.01.")
+    check_level(getattr(demo, "shard", None), comp, None)  # type: ignore[arg-type]
     if demo.mode != "ps" and ps:
         raise ConfigError(f"--ps {ps} starts parameter servers, which only --mode ps uses. "
                           "Hint: drop --ps, or add --mode ps.")

@@ -85,6 +85,13 @@ def test_run_m_without_a_module_and_env_with_an_unknown_flag_are_refused(launche
      r"eventually"),
     (["--mode", "hybrid", "-n", "2", "--option", "pp=abc"],
      r"--option pp must be a number of stages >= 1, got 'abc'"),
+    # compressions the mode cannot use: each rank refused them after the launch
+    (["--mode", "ps", "--ps", "1", "-n", "3", "--compression", "powersgd:4"],
+     r"--compression powersgd:4 needs collective rounds"),
+    (["--mode", "ps", "--ps", "1", "-n", "3", "--compression", "int8"], r"collective rounds"),
+    (["--mode", "ps", "--ps", "1", "-n", "3", "--compression", "auto:candidates=powersgd:4"],
+     r"none of \['powersgd:4'\] fits"),
+    (["--shard", "optimizer", "--compression", "topk:0.01"], r"needs an element-wise"),
 ])
 def test_demo_rejects_bad_options_before_launch(launches, args, message):
     with pytest.raises(SystemExit, match=message):
@@ -112,7 +119,9 @@ def test_demo_help_shows_the_demos_own_options(launches, capsys):
 
 @pytest.mark.parametrize("args", [[], ["--mode", "ps", "--ps", "1", "-n", "3",
                                        "--option", "consistency=stale:2"],
-                                  ["--mode", "hybrid", "-n", "4", "--compression", "fp16"]])
+                                  ["--mode", "hybrid", "-n", "4", "--compression", "fp16"],
+                                  ["--mode", "ps", "--ps", "1", "-n", "3", "--compression", "auto"],
+                                  ["--shard", "gradients", "--compression", "bf16"]])
 def test_good_demo_reaches_the_launcher(launches, args):
     assert main(["demo", "mnist", *args]) == 0
     (argv,) = launches
