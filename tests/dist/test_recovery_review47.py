@@ -16,7 +16,7 @@ from parlay.testing import run_world
 pytestmark = pytest.mark.timeout(120)
 
 
-def _train(ckpt, steps, mode="allreduce"):
+def _train(ckpt, steps, mode="allreduce", **options):
     x = torch.randn(48, 5, generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -24,7 +24,7 @@ def _train(ckpt, steps, mode="allreduce"):
             t = parlay.Trainer(lambda: (nn.Linear(5, 2), nn.CrossEntropyLoss()),
                                TensorDataset(x, (x[:, 0] > 0).long()), batch_size=4,
                                max_iteration=steps, checkpoint_dir=ckpt, checkpoint_every=2,
-                               progress=False, mode=mode)
+                               progress=False, mode=mode, **options)
         except CheckpointError as e:
             return e
     start = t.state.step
@@ -34,12 +34,14 @@ def _train(ckpt, steps, mode="allreduce"):
     return start, t.state.step, [str(w.message) for w in caught if "only some" in str(w.message)]
 
 
-def test_a_first_checkpoint_a_killed_rank_left_incomplete_is_skipped_on_every_rank(tmp_path):
+@pytest.mark.parametrize("reshard", [False, True])
+def test_a_first_checkpoint_a_killed_rank_left_incomplete_is_skipped_on_every_rank(tmp_path,
+                                                                                   reshard):
     # Rank 1 died while writing the job's first checkpoint (step 2), after rank 0 wrote its
-    # file: the restart was refused as "another layout" forever.
+    # file: the restart was refused as "another layout" (reshard=True: "none usable") forever.
     run_world(_train, 2, str(tmp_path), 2)
     (tmp_path / "ckpt-0000000002.rank1.pt").unlink()
-    for start, end, warned in run_world(_train, 2, str(tmp_path), 4):
+    for start, end, warned in run_world(_train, 2, str(tmp_path), 4, reshard=reshard):
         assert (start, end) == (0, 4) and "step(s) 2" in warned[0] and "cannot be resumed" in \
             warned[0]
     assert (tmp_path / "ckpt-0000000004.rank1.pt").is_file()

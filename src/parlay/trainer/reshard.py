@@ -45,12 +45,14 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
     # (rank 0's identity) says the rest: torn if larger; files of higher ranks are leftovers.
     have = {s: min(set(range(len(r) + 1)) - r) for s, r in ckpt.written().items() if 0 in r}
     state: dict[str, Any] | None = None
+    torn: set[int] = set()
     for step in sorted(have, reverse=True):
         state = ckpt.first_usable([step], lambda s: ckpt.path(s, 0))  # (it warns if not)
         old = have[step] if state is None else (state.get("identity") or {}).get(
             "world_size", have[step])
         if state is not None and old > have[step]:  # ranks 0..n-1 of a larger run: torn
             state = None
+            torn.add(step)
             warnings.warn(f"checkpoint step {step} holds the files of {have[step]} of its {old} "
                           "ranks (the job ended while writing it): falling back to the "
                           "previous one.", stacklevel=3)
@@ -59,7 +61,7 @@ def load_resharded(ckpt: CheckpointManager, identity: dict[str, Any], world: int
         if state is not None:
             break
     if state is None:
-        if not have:
+        if torn == set(have):  # only steps left incomplete: resume as usual (which says so)
             return None
         raise CheckpointError(f"no checkpoint in {ckpt.directory} is usable on every rank (see "
                               "the warnings). Nothing was deleted.")
