@@ -306,7 +306,8 @@ def _check_trainer_options(demo: argparse.Namespace, *, nproc: int, ps: int, pp:
         raise ConfigError(f"--compression {demo.compression} needs collective rounds (PowerSGD, "
                           "int8) and cannot compress parameter-server pushes. Hint: fp16, bf16, "
                           "topk:0.01 or randomk:0.01.")
-    check_level(getattr(demo, "shard", None), comp, None)  # type: ignore[arg-type]
+    sharded_comp = comp if demo.mode in ("allreduce", "hybrid") else get_compressor(None)
+    check_level(getattr(demo, "shard", None), sharded_comp, None)  # type: ignore[arg-type]
     if demo.mode != "ps" and ps:
         raise ConfigError(f"--ps {ps} starts parameter servers, which only --mode ps uses. "
                           "Hint: drop --ps, or add --mode ps.")

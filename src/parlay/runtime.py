@@ -256,7 +256,8 @@ def _rendezvous(be: str, cluster: ClusterEnv, td: _dt.timedelta,
     prefix = store_prefix(environ)
     _generation += 1
     try:
-        hosts = _check_in(dist.PrefixStore(prefix, store), cluster, td, prefix)
+        hosts = _check_in(dist.PrefixStore(prefix, store), cluster, td, prefix,
+                          named_nodes=bool(environ.get("GROUP_WORLD_SIZE")))
     except ConfigError:
         raise  # the store answered: the ranks disagree
     except BaseException:
@@ -318,11 +319,12 @@ _HOSTS_TELL_NODES = ("openmpi", "pmi")
 
 
 def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta,
-              prefix: str) -> list[str] | None:
+              prefix: str, named_nodes: bool = False) -> list[str] | None:
     """Block until every rank of this rendezvous checked in; name the absent ones otherwise.
 
     A rank checked in twice (two processes given one rank), or a world size, node count or
-    (for its node) local size other than the first rank to check in expects, ends the
+    (for its node) local size other than the first rank to check in expects (those two where
+    the launcher names the nodes, ``named_nodes``: torchrun's GROUP_WORLD_SIZE), ends the
     rendezvous at once: that rank sets the verdict every rank waits for, and each raises
     ``ConfigError`` naming the disagreement. Returns every rank's ``"<local size> <hostname>"``
     when the source names no node index, else ``None``.
@@ -332,7 +334,7 @@ def _check_in(store: dist.Store, cluster: ClusterEnv, td: _dt.timedelta,
     by_host = cluster.source in _HOSTS_TELL_NODES
     if by_host:
         store.set(f"host/{rank}", f"{cluster.local_world_size} {socket.gethostname()}")
-    else:
+    elif named_nodes:  # (else each rank's count is a guess from its own local size)
         views += [("nodes", cluster.num_nodes, "{} nodes, the first rank to check in {}"),
                   (f"node{node}/size", cluster.local_world_size,
                    f"{{}} ranks on node {node}, the first rank of that node to check in {{}}")]

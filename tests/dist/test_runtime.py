@@ -221,6 +221,17 @@ def test_ranks_that_disagree_about_the_world_are_told_at_the_check_in(ranks, wor
         assert took < 15  # at once, not after the 20 s timeout
 
 
+def test_uneven_hand_set_nodes_without_a_node_count_start():
+    # RANK/WORLD_SIZE/LOCAL_* set by hand, 2 processes on one node and 1 on another: each
+    # rank's node count is its own guess (no GROUP_WORLD_SIZE), not a disagreement
+    from parlay.testing import free_port
+
+    local = [{"LOCAL_RANK": str(r % 2), "LOCAL_WORLD_SIZE": "2" if r < 2 else "1"}
+             for r in range(3)]
+    assert run_world(_disagreeing_init, 3, [0, 1, 2], [3, 3, 3], free_port(), local,
+                     timeout=60) == [None, None, None]
+
+
 def _mpi_round_robin(port: int):
     import socket
 

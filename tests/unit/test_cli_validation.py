@@ -121,7 +121,10 @@ def test_demo_help_shows_the_demos_own_options(launches, capsys):
                                        "--option", "consistency=stale:2"],
                                   ["--mode", "hybrid", "-n", "4", "--compression", "fp16"],
                                   ["--mode", "ps", "--ps", "1", "-n", "3", "--compression", "auto"],
-                                  ["--shard", "gradients", "--compression", "bf16"]])
+                                  ["--shard", "gradients", "--compression", "bf16"],
+                                  # DiLoCo compresses the outer deltas, not the sharded steps
+                                  ["--mode", "diloco", "--shard", "optimizer", "--compression",
+                                   "topk:0.01"]])
 def test_good_demo_reaches_the_launcher(launches, args):
     assert main(["demo", "mnist", *args]) == 0
     (argv,) = launches

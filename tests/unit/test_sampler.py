@@ -193,6 +193,7 @@ def test_prefetch_thread_reraises_loading_errors():
     p.close()
     done = Prefetcher([1, 2], depth=2)
     assert list(done) == [1, 2] and next(done, "ended") == "ended" == next(done, "ended")
+    assert list(Prefetcher([1, None, 2, None], depth=2)) == [1, None, 2, None]  # None: an item
     closed = Prefetcher(iter(range(100)), depth=1)
     closed.close()
     assert len(list(closed)) <= 2  # what was queued, then the end: no wait forever

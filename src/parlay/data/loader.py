@@ -106,12 +106,12 @@ class Prefetcher:
     Errors raised while loading are re-raised in the consumer. :meth:`close` stops the thread.
     """
 
-    _END = object()
+    _END, _NONE = object(), object()  # the end; nothing received yet (None is an item)
 
     def __init__(self, source: Iterable[Any], depth: int) -> None:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
-        self._end: Any = None  # _END or the loading error, once the consumer met it
+        self._end: Any = self._NONE  # _END or the loading error, once the consumer met it
         self._thread = threading.Thread(target=self._run, args=(iter(source),),
                                         name="parlay-prefetch", daemon=True)
         self._thread.start()
@@ -139,7 +139,7 @@ class Prefetcher:
 
     def __next__(self) -> Any:
         item = self._end
-        while item is None:  # bounded waits: a thread that ended leaves no caller blocked
+        while item is self._NONE:  # bounded waits: a thread that ended leaves no caller blocked
             try:
                 item = self._q.get(timeout=0.5)
             except queue.Empty:
