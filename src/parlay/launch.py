@@ -1,17 +1,7 @@
-"""What ``parlay run`` adds to torchrun's elastic agent: a loopback rendezvous for one node,
-droppable workers, and launcher errors a user can act on.
+"""What ``parlay run`` adds to torchrun's elastic agent: a loopback rendezvous for one node
+(:mod:`parlay.rendezvous`), droppable workers, and launcher errors a user can act on.
 
 Everything here composes ``torch.distributed.elastic``'s own pieces; nothing replaces them.
-
-Loopback rendezvous (one node)
-    torchrun's ``--standalone`` hosts its c10d store with a ``TCPStore`` that listens on every
-    interface, and shares a second one, also on every interface, with the workers. A
-    single-node ``parlay run`` instead registers the rendezvous backend ``parlay-local``: the
-    same c10d ``DynamicRendezvousHandler`` over a ``TCPStore`` whose listening socket is bound
-    to ``127.0.0.1`` (``TCPStore(master_listen_fd=...)``: the store has no bind-address
-    option), and that one store is shared with the workers, so ``MASTER_ADDR=127.0.0.1`` and
-    ``MASTER_PORT`` is ``--master-port`` when given (else a free port). Gloo's own sockets are
-    kept on loopback too (``GLOO_SOCKET_IFNAME=lo`` unless the user set it).
 
 Droppable workers (the contract with parameter-server code)
     ``parlay run`` sets ``PARLAY_RUN_DIR`` to a fresh private temporary directory for the job
@@ -48,10 +38,13 @@ import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from parlay.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
 
 if TYPE_CHECKING:  # torch's elastic agent loads only when `parlay run` launches
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -61,8 +54,6 @@ __all__ = ["LOOPBACK_BACKEND", "mark_droppable", "droppable_marker", "run_torchr
 
 log = logging.getLogger("parlay.launch")
 
-#: Name of the loopback rendezvous backend registered with torchrun.
-LOOPBACK_BACKEND = "parlay-local"
 
 
 def droppable_marker(rank: int, run_dir: str | None = None) -> Path | None:
@@ -97,57 +88,6 @@ def mark_dropped(rank: int) -> None:
 def _dropped(marker: Path) -> Path:
     """The file that says the servers dropped the worker of droppable ``marker``."""
     return marker.with_name(f"{marker.name}.dropped")
-
-
-# ---------------------------------------------------------------- loopback rendezvous
-def _loopback_store(port: int, timeout_s: float) -> Any:
-    """A TCPStore server listening on 127.0.0.1 only (port 0: a free one)."""
-    from torch.distributed import TCPStore
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", port))
-        sock.listen(socket.SOMAXCONN)
-        store = TCPStore("127.0.0.1", sock.getsockname()[1], is_master=True, multi_tenant=True,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False,
-                         master_listen_fd=sock.detach())
-    except OSError as e:
-        sock.close()
-        raise OSError(e.errno, f"cannot listen on 127.0.0.1:{port}: {e.strerror}") from e
-    return store
-
-
-def _create_loopback_handler(params: Any) -> Any:
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import \
-        C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    _, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
-    class LoopbackBackend(C10dRendezvousBackend):
-        """torch's c10d rendezvous state on the loopback store, under this backend's name."""
-
-        @property
-        def name(self) -> str:
-            return LOOPBACK_BACKEND
-
-    store = _loopback_store(port, float(params.get_as_int("read_timeout", 60) or 60))
-    handler = create_handler(store, LoopbackBackend(store, params.run_id), params)
-    # The workers' store is this same loopback server (torch would open a second one on
-    # every interface); the agent's own keys live under torch's rendezvous prefix.
-    # torch has no argument for an existing store: replace this one handler's factory.
-    handler._create_tcp_store_server = (  # type: ignore[method-assign]  # noqa: SLF001
-        lambda master_addr, master_port: store)
-    return handler
-
-
-def register_loopback_rendezvous() -> None:
-    """Register :data:`LOOPBACK_BACKEND` with torchrun's rendezvous registry (idempotent)."""
-    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry as registry
-
-    with contextlib.suppress(ValueError):  # already registered
-        registry.register(LOOPBACK_BACKEND, _create_loopback_handler)
 
 
 # ------------------------------------------------------- droppable workers, failure reports
@@ -312,7 +252,9 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
         _last: Any = None  # the latest monitoring result
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs["exit_barrier_timeout"] = launcher_wait_s()  # torch's: 300 s
+            # a late node is no failure (a final save, an evaluation on one node): wait at
+            # least torch's 300 s; a node whose ranks failed says so at once (_invoke_run)
+            kwargs["exit_barrier_timeout"] = max(300, launcher_wait_s())
             super().__init__(*args, **kwargs)
 
         def _start_workers(self, worker_group: Any) -> dict[int, Any]:
@@ -344,21 +286,45 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
                               f"restart attempt {n - self._remaining_restarts} of {n} starting")
             super()._restart_workers(worker_group)
 
-        def _exit_barrier(self) -> None:
-            """torch's wait for the other nodes' agents, except that a failed wait (torch logs
-            it and returns as if they had finished) is recorded: the job failed elsewhere."""
-            from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-            from torch.distributed.elastic.multiprocessing.api import SignalException
-            from torch.distributed.elastic.utils.store import barrier
+        def _invoke_run(self, role: str = "default") -> Any:
+            result = super()._invoke_run(role)
+            if result.is_failed():  # no attempt left: the nodes in the exit barrier learn it
+                store: Any = self._store  # (torch types it None)
+                with contextlib.suppress(Exception):
+                    store.set(_EXIT_FAILED, socket.gethostname())
+            return result
 
+        def _exit_barrier(self) -> None:
+            """torch's wait for the other nodes' agents, except that a node whose ranks failed
+            for good (it sets a key) or a timeout or a lost store (torch logs them and returns
+            as if every node had finished) is recorded: the job failed elsewhere."""
+            from torch.distributed import DistStoreError
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+
+            store: Any = self._store  # (torch types it None)
+            timeout = self._exit_barrier_timeout
+            deadline = time.monotonic() + timeout
             self._in_exit_barrier = True
             try:
-                nodes: Any = self._worker_group.group_world_size  # torch types it None
-                barrier(self._store, nodes, _TERMINAL_STATE_SYNC_ID, self._exit_barrier_timeout)
+                if store.add(_EXIT_ARRIVED, 1) >= self._worker_group.group_world_size:
+                    store.set(_EXIT_ALL, "1")
+                while True:
+                    try:
+                        store.wait([_EXIT_ALL], timedelta(seconds=1))
+                        return  # every node's ranks finished
+                    except DistStoreError:  # a second passed: failed elsewhere, or too long?
+                        pass
+                    if store.check([_EXIT_FAILED]):
+                        policy.unfinished = f"{store.get(_EXIT_FAILED).decode()}'s ranks failed"
+                        return
+                    if time.monotonic() > deadline:
+                        policy.unfinished = f"not all had finished after {timeout} s"
+                        return
             except SignalException:
                 raise
-            except Exception as e:  # noqa: BLE001 - a timeout, or the store's node is gone
-                policy.unfinished = f"{type(e).__name__}: {str(e).strip()}".splitlines()[0]
+            except Exception as e:  # noqa: BLE001 - the store's node is gone
+                policy.unfinished = ("the node hosting the rendezvous ended first (it failed or "
+                                     f"was stopped: {type(e).__name__})")
             finally:
                 self._in_exit_barrier = False
 
@@ -387,6 +353,11 @@ def _said_by_parlay(record: logging.LogRecord) -> bool:
 
 
 # ---------------------------------------------------------------- running torchrun
+#: The exit barrier's keys in the rendezvous store (a fresh prefix per attempt).
+_EXIT_ARRIVED, _EXIT_ALL, _EXIT_FAILED = ("parlay/exit/arrived", "parlay/exit/all",
+                                          "parlay/exit/failed")
+
+
 def launcher_wait_s() -> int:
     """How long launchers wait for each other (nodes to join, to finish): PARLAY_TIMEOUT."""
     return max(1, round(float(os.environ.get("PARLAY_TIMEOUT") or 300)))
@@ -446,9 +417,9 @@ def _run_agent(argv: list[str], run_dir: str) -> int:
         print(_launcher_error_text(e, argv, policy.started), file=sys.stderr, flush=True)
         return 1
     if policy.unfinished:
-        print(f"parlay run: this node's ranks finished, but another node's ranks did not finish "
-              f"(waited up to {launcher_wait_s()} s, PARLAY_TIMEOUT): the job failed or stalled "
-              f"there; see that node's output ({policy.unfinished})", file=sys.stderr, flush=True)
+        print(f"parlay run: this node's ranks finished, but not every other node's: "
+              f"{policy.unfinished}; the job failed there, see that node's output",
+              file=sys.stderr, flush=True)
         return 1
     if policy.lost:
         print(f"parlay run: finished; {len(policy.lost)} droppable rank(s) lost "

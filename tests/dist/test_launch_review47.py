@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +25,13 @@ TAIL_FAIL = textwrap.dedent("""
     parlay.comm.allreduce(torch.ones(2))
     if parlay.rank() == 1:
         raise OSError("disk full while writing results")   # after the last collective
+""")
+LATE = textwrap.dedent("""
+    import os, time, torch, parlay
+    parlay.init()
+    parlay.comm.allreduce(torch.ones(2))
+    if parlay.rank() == 1:
+        time.sleep(6)   # a final save on one node: longer than PARLAY_TIMEOUT, and no failure
 """)
 HOLD = textwrap.dedent("""
     import os, threading, parlay
@@ -76,7 +84,20 @@ def test_a_node_whose_peer_failed_after_training_fails_within_parlay_timeout(tmp
         [_start(k, endpoint, str(script), env=env) for k in (0, 1)], within=80)
     assert rc1 == 1 and "disk full" in err1, err1[-2000:]
     assert rc0 == 1, err0[-2000:]
-    assert "another node's ranks did not finish (waited up to 8 s, PARLAY_TIMEOUT)" in err0
+    # node 1's agent says so in the store: node 0 learns it at once, not after the 300 s a
+    # late but healthy node is given
+    assert f"this node's ranks finished, but not every other node's: {socket.gethostname()}'s " \
+        "ranks failed" in err0, err0[-2000:]
+
+
+def test_a_node_that_ends_late_is_waited_for_and_the_job_succeeds(tmp_path):
+    # the exit barrier once waited PARLAY_TIMEOUT only: both nodes exited 1, blaming the other
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    endpoint, env = f"127.0.0.1:{free_port()}", {"PARLAY_TIMEOUT": "2"}
+    for rc, _, err in _finish([_start(k, endpoint, str(script), env=env) for k in (0, 1)],
+                              within=80):
+        assert rc == 0 and "parlay run:" not in err, err[-2000:]
 
 
 def test_c10d_missing_endpoint_is_waited_for_parlay_timeout():
