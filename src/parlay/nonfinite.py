@@ -171,9 +171,9 @@ def _message(rank: int | None, param: str | None, step: int | None = None) -> st
     at = f"at step {step} " if step is not None else ""
     return (f"non-finite loss or gradient {at}({where}; {grad}). The update was not applied, "
             "so the weights and the last checkpoint are intact. Hint: check that rank's input "
-            "batch and the learning rate (or use grad_clip=... or, in modes allreduce and "
-            "hybrid, Trainer(nonfinite='skip') to drop such steps: a restart on the same "
-            "checkpoint_dir resumes with either; or precision='fp32' with a fresh "
+            "batch and the learning rate (or use grad_clip=... or, in modes allreduce, "
+            "hybrid and diloco, Trainer(nonfinite='skip') to drop such steps: a restart on the "
+            "same checkpoint_dir resumes with either; or precision='fp32' with a fresh "
             "checkpoint_dir).")
 
 

@@ -102,3 +102,22 @@ def test_a_sync_that_timed_out_says_the_timeout_must_cover_the_replicas_drift():
     msg = run_world(_late_replica, 2, comm_timeout=2, timeout=60)[0]
     assert msg is not None and "collective timeout" in msg
     assert "drift over the round, about sync_every=2 x the difference in step time" in msg
+
+
+def _subgroup_start():
+    members = [1, 2]  # a replica group whose first member is not global rank 0
+    group = dist.new_group(members)
+    torch.manual_seed(100 + dist.get_rank())  # each rank its own weights
+    m = nn.Linear(3, 2)
+    if dist.get_rank() not in members:
+        return None
+    DiLoCoOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters(),
+                    sync_every=4, process_group=group)
+    torch.manual_seed(101)
+    return torch.equal(m.weight, nn.Linear(3, 2).weight)  # global rank 1's, the group's first
+
+
+def test_replicas_of_a_subgroup_start_from_its_first_member():
+    # the broadcast converted the group rank to a global rank twice: rank 2's weights here,
+    # and "Group rank 2 is not part of group" where the group's first member was rank 2
+    assert run_world(_subgroup_start, 3) == [None, True, True]

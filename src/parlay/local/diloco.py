@@ -134,8 +134,7 @@ class DiLoCoOptimizer(WrappedOptimizer):
                 "on_nonfinite": on_nonfinite})
         if self.world > 1 and broadcast:
             for _, p in named:
-                comm.broadcast(p.data, src=comm.to_global_rank(process_group, 0),
-                               group=process_group)
+                comm.broadcast(p.data, src=0, group=process_group)  # (a group rank)
         named = [(n, p) for n, p in named if id(p) in ids]
         if not named:
             raise ConfigError("DiLoCoOptimizer: the optimizer holds no trainable parameter.")
