@@ -142,6 +142,13 @@ def _edges(level: str) -> tuple[str, list[float]]:
         early = str(e)
     opt.synchronize()  # the order the error names
     norms.append(float(opt.clip_grad_norm_(0.01, float("inf"))))
+    for bad in (0, float("-inf")):  # the chunks' zero padding would count: refused
+        try:
+            opt.clip_grad_norm_(0.01, bad)
+        except ConfigError as e:
+            assert "norm_type > 0 or inf" in str(e)
+        else:
+            raise AssertionError(f"norm_type={bad} was accepted")
     with opt.skip_synchronize():
         opt.step()
     return early, norms

@@ -112,6 +112,9 @@ def clip_chunks_(grads: list[torch.Tensor], max_norm: float, norm_type: float,
     global ``max_norm``; returns the norm before clipping (as
     ``torch.nn.utils.clip_grad_norm_``, whose clip coefficient it applies)."""
     p = float(norm_type)
+    if not p > 0:  # -inf (the smallest |g|) and 0 (the non-zero count) see the chunks' padding
+        raise ConfigError(f"clip_grad_norm_ with shard= takes a norm_type > 0 or inf, got "
+                          f"{norm_type}. Hint: norm_type=2 (the default) or float('inf').")
     if math.isinf(p):
         total = torch.stack([g.abs().max() if g.numel() else g.new_zeros(())  # an empty unit
                              for g in grads]).max().reshape(1)
