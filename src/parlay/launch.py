@@ -292,12 +292,15 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
                 store: Any = self._store  # (torch types it None)
                 with contextlib.suppress(Exception):
                     store.set(_EXIT_FAILED, socket.gethostname())
+                    # this node may host the store: stay until a waiting node has read it
+                    store.wait([_EXIT_SEEN], timedelta(seconds=5))
             return result
 
         def _exit_barrier(self) -> None:
             """torch's wait for the other nodes' agents, except that a node whose ranks failed
-            for good (it sets a key) or a timeout or a lost store (torch logs them and returns
-            as if every node had finished) is recorded: the job failed elsewhere."""
+            for good (it says so in the store) or a timeout (torch logs it and returns as if
+            every node had finished) is recorded: the job failed elsewhere. A store whose node
+            ended is, as for torch, no failure: the last node to finish may host it."""
             from torch.distributed import DistStoreError
             from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -307,7 +310,8 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
             self._in_exit_barrier = True
             try:
                 if store.add(_EXIT_ARRIVED, 1) >= self._worker_group.group_world_size:
-                    store.set(_EXIT_ALL, "1")
+                    store.set(_EXIT_ALL, "1")  # the last to finish: nothing more to ask
+                    return
                 while True:
                     try:
                         store.wait([_EXIT_ALL], timedelta(seconds=1))
@@ -316,15 +320,16 @@ def _agent_class(policy: DropPolicy) -> type[LocalElasticAgent]:
                         pass
                     if store.check([_EXIT_FAILED]):
                         policy.unfinished = f"{store.get(_EXIT_FAILED).decode()}'s ranks failed"
+                        store.set(_EXIT_SEEN, "1")
                         return
                     if time.monotonic() > deadline:
                         policy.unfinished = f"not all had finished after {timeout} s"
                         return
             except SignalException:
                 raise
-            except Exception as e:  # noqa: BLE001 - the store's node is gone
-                policy.unfinished = ("the node hosting the rendezvous ended first (it failed or "
-                                     f"was stopped: {type(e).__name__})")
+            except Exception as e:  # noqa: BLE001 - the store's node ended (it had finished)
+                log.warning("parlay run: the exit barrier's store is gone (%s); the node "
+                            "hosting it ended", type(e).__name__)
             finally:
                 self._in_exit_barrier = False
 
@@ -354,8 +359,8 @@ def _said_by_parlay(record: logging.LogRecord) -> bool:
 
 # ---------------------------------------------------------------- running torchrun
 #: The exit barrier's keys in the rendezvous store (a fresh prefix per attempt).
-_EXIT_ARRIVED, _EXIT_ALL, _EXIT_FAILED = ("parlay/exit/arrived", "parlay/exit/all",
-                                          "parlay/exit/failed")
+_EXIT_ARRIVED, _EXIT_ALL, _EXIT_FAILED, _EXIT_SEEN = (
+    "parlay/exit/arrived", "parlay/exit/all", "parlay/exit/failed", "parlay/exit/seen")
 
 
 def launcher_wait_s() -> int:
