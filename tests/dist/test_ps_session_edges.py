@@ -146,6 +146,7 @@ def _explicit_spec_session(kind: str, port: int):
     else:  # the launcher's last worker evaluates: the other three train
         os.environ["MASTER_PORT"] = str(port)
         spec = TaskSpec.from_env().use_last_worker_as_evaluator()
+        torch.distributed.barrier()  # every rank's mesh is up before the evaluator leaves it
         runtime.shutdown()
         if spec.is_evaluator:
             return None
