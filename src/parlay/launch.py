@@ -365,7 +365,9 @@ _EXIT_ARRIVED, _EXIT_ALL, _EXIT_FAILED, _EXIT_SEEN = (
 
 def launcher_wait_s() -> int:
     """How long launchers wait for each other (nodes to join, to finish): PARLAY_TIMEOUT."""
-    return max(1, round(float(os.environ.get("PARLAY_TIMEOUT") or 300)))
+    from parlay.runtime import DEFAULT_TIMEOUT_S  # (cli checked PARLAY_TIMEOUT before launch)
+
+    return max(1, round(float(os.environ.get("PARLAY_TIMEOUT") or DEFAULT_TIMEOUT_S)))
 
 
 def run_torchrun(argv: list[str], run_dir: str, own_run_id: str | None = None) -> int:
